@@ -271,16 +271,16 @@ def _reset_hwm() -> bool:
 
 class peak_memory:
     "Context manager measuring peak memory growth (bytes) of the enclosed block: `.peak` on exit; CUDA-aware."
-    def __init__(self, device=None):
+    def __init__(self, device=None, collect:bool=True):
         self.device = torch.device(device) if device is not None else (
             torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu'))
-        self.peak = self.start = None
+        self.collect, self.peak, self.start = collect, None, None
     def __enter__(self):
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device); torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
         else:
-            import gc; gc.collect()
+            if self.collect: import gc; gc.collect()
             self._reset = _reset_hwm()
             self.start = (_proc_kib('VmRSS') or 0) * 1024
             if not self._reset: self._poll()
@@ -301,6 +301,10 @@ class peak_memory:
         self.peak = max(int(self.peak), 0)
     @property
     def mib(self) -> float: return self.peak / 2**20
+    @property
+    def absolute(self) -> int:
+        "Peak memory in use during the block (not only its growth), in bytes."
+        return self.start + self.peak
 
 # %% ../nbs/00_core.ipynb
 def fmt_bytes(n) -> str:

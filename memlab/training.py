@@ -14,9 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Config, MemlabError, arg, check, peak_memory
+from .models import tiny_model
 
 # %% auto 0
-__all__ = ['LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback']
+__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'TrainConfig',
+           'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
+           'shard_layer_classes', 'apply_fsdp', 'list_checkpoints', 'find_checkpoint', 'load_strict', 'Trainer']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -44,6 +47,7 @@ class Callback:
     def on_step_begin(self, trainer): pass                # before the first micro-batch of an optimizer step
     def on_before_optimizer_step(self, trainer): pass     # gradients are reduced and unscaled, before clipping
     def on_step_end(self, trainer): pass                  # after optimizer.step, scheduler.step and zero_grad; trainer.step counts it
+                                                          # (set trainer.should_stop = True to end training after this update)
     def on_evaluate_begin(self, trainer): pass
     def on_evaluate_end(self, trainer, metrics:dict): pass
     def on_log(self, trainer, logs:dict): pass            # logs may be edited in place
@@ -52,3 +56,525 @@ class Callback:
     def on_train_end(self, trainer): pass
     def state_dict(self) -> dict: return {}
     def load_state_dict(self, state:dict): pass
+
+# %% ../nbs/05_training.ipynb
+SCHEDULERS = ('linear', 'cosine', 'constant', 'polynomial')
+
+@dataclass
+class TrainConfig(Config):
+    "Settings of memlab's training loop."
+    output_dir: str = None                 # where checkpoints, logs and results go (None: write nothing)
+    max_steps: int = 100                   # optimizer updates to train for
+    per_device_batch_size: int = 1         # rows per process per micro-batch
+    total_batch_size: int = None           # rows per optimizer update over all processes and micro-batches (default: one micro-batch)
+    gradient_accumulation_steps: int = None  # micro-batches per update (alternative to total_batch_size)
+    lr: float = 1e-4                       # peak learning rate (AdamW)
+    weight_decay: float = 0.0              # AdamW weight decay (not applied to biases and norms)
+    adam_beta1: float = 0.9                # AdamW beta1
+    adam_beta2: float = 0.999              # AdamW beta2
+    adam_eps: float = 1e-8                 # AdamW epsilon
+    scheduler: str = 'cosine'              # linear | cosine | constant | polynomial
+    warmup_steps: int = 0                  # linear warmup from 0 over this many updates
+    min_lr_ratio: float = 0.0              # floor of the linear and cosine decay, as a fraction of lr
+    lr_end: float = None                   # final learning rate of the polynomial schedule (default lr × min_lr_ratio)
+    power: float = 1.0                     # exponent of the polynomial schedule
+    max_grad_norm: float = 1.0             # clip the global gradient norm to this (0: no clipping)
+    eval_every: int = 0                    # evaluate every N updates (0: only at the end)
+    max_eval_steps: int = None             # cap on evaluation batches (None: the whole evaluation split)
+    eval_at_start: bool = False            # evaluate once before training (the baseline)
+    save_every: int = 0                    # checkpoint every N updates (0: only at the end)
+    keep_checkpoints: int = 2              # checkpoints kept (older ones are deleted)
+    save_final: bool = True                # checkpoint at the end of training
+    log_every: int = 10                    # log every N updates
+    mixed_precision: str = 'no'            # no | bf16 | fp16 (autocast; master weights stay fp32)
+    gradient_checkpointing: bool = False   # recompute activations in backward (non-reentrant)
+    distributed_type: str = 'ddp'          # ddp | fsdp (FSDP2, one shard unit per decoder layer)
+    seed: int = 0                          # seed of everything (data order included)
+    resume_from: str = None                # checkpoint folder, or 'latest' (in output_dir) to continue a run exactly
+    report_to: str = 'tensorboard'         # tensorboard | wandb | none (the JSON log is always written)
+    max_train_tokens: int = None           # stop once this many target tokens were trained on
+    progress: bool = True                  # show a progress bar (main process only)
+
+    def __post_init__(self):
+        check(self.max_steps > 0, f"max_steps must be positive, got {self.max_steps}")
+        check(self.per_device_batch_size > 0, f"per_device_batch_size must be positive, got {self.per_device_batch_size}")
+        check(self.total_batch_size is None or self.gradient_accumulation_steps is None,
+              "give total_batch_size or gradient_accumulation_steps, not both")
+        check(callable(self.scheduler) or self.scheduler in SCHEDULERS,
+              f"unknown scheduler {self.scheduler!r}; use one of {', '.join(SCHEDULERS)} (or pass a scheduler to the Trainer)")
+        check(self.mixed_precision in ('no', 'bf16', 'fp16'), f"mixed_precision must be no, bf16 or fp16, not {self.mixed_precision!r}")
+        check(self.distributed_type in ('ddp', 'fsdp'), f"distributed_type must be ddp or fsdp, not {self.distributed_type!r}")
+        check(self.report_to in ('tensorboard', 'wandb', 'none'), f"report_to must be tensorboard, wandb or none, not {self.report_to!r}")
+        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def accumulation_steps(self, world_size:int) -> int:
+        "Micro-batches per optimizer update for `world_size` processes."
+        if self.gradient_accumulation_steps is not None:
+            check(self.gradient_accumulation_steps > 0, "gradient_accumulation_steps must be positive")
+            return self.gradient_accumulation_steps
+        if self.total_batch_size is None: return 1
+        per_step = self.per_device_batch_size * world_size
+        check(self.total_batch_size % per_step == 0,
+              f"total_batch_size {self.total_batch_size} is not a multiple of per_device_batch_size × processes = "
+              f"{self.per_device_batch_size} × {world_size}: choose sizes that divide")
+        return self.total_batch_size // per_step
+
+# %% ../nbs/05_training.ipynb
+def lr_multiplier(step:int, kind:str, total:int, warmup:int=0, min_ratio:float=0.0, end_ratio:float=None, power:float=1.0) -> float:
+    "Learning-rate multiplier at `step` for schedule `kind`."
+    if step < warmup: return step / max(1, warmup)
+    if kind == 'constant': return 1.0
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == 'linear': return min_ratio + (1 - min_ratio) * (1 - t)
+    if kind == 'cosine': return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    if kind == 'polynomial':
+        end = min_ratio if end_ratio is None else end_ratio
+        return end + (1 - end) * (1 - t) ** power
+    raise MemlabError(f"unknown scheduler {kind!r}")
+
+def get_scheduler(optimizer, config:TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    "The `LambdaLR` that `config.scheduler` names."
+    end = None if config.lr_end is None else config.lr_end / config.lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
+        s, config.scheduler, config.max_steps, config.warmup_steps, config.min_lr_ratio, end, config.power))
+
+# %% ../nbs/05_training.ipynb
+class BatchList:
+    "A list of batches served in order (cycling when `loop`), with a resumable position."
+    def __init__(self, batches:list, loop:bool=True): self.batches, self.loop, self.position = list(batches), loop, 0
+    def __len__(self): return len(self.batches)
+    def __iter__(self):
+        while self.loop or self.position < len(self.batches):
+            b = self.batches[self.position % len(self.batches)]
+            self.position += 1
+            yield b
+        if not self.loop: self.position = 0
+    def state_dict(self) -> dict: return {'position': self.position}
+    def load_state_dict(self, state:dict): self.position = state['position']
+
+# %% ../nbs/05_training.ipynb
+def count_targets(batch:dict) -> torch.Tensor:
+    "Number of target tokens of a batch (labels ≠ −100)."
+    return (batch['labels'] != -100).sum()
+
+def _to_device(batch:dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+def _decay_groups(model, weight_decay:float) -> list:
+    "AdamW parameter groups: no weight decay on biases, norms and 1-D parameters."
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad: continue
+        (no_decay if p.ndim < 2 or 'norm' in n.lower() or n.endswith('.bias') else decay).append(p)
+    groups = [g for g in ({'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}) if g['params']]
+    check(groups, "the model has no trainable parameters")
+    return groups
+
+# %% ../nbs/05_training.ipynb
+def launched_processes() -> int:
+    "Number of processes the launcher started (torchrun / accelerate launch set WORLD_SIZE)."
+    return int(os.environ.get('WORLD_SIZE', '1'))
+
+def make_accelerator(mixed_precision:str='no'):
+    "An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms."
+    from accelerate import Accelerator
+    if launched_processes() > 1 and not torch.cuda.is_available(): os.environ.setdefault('ACCELERATE_USE_CPU', '1')
+    acc = Accelerator(mixed_precision=mixed_precision)
+    check(acc.num_processes == launched_processes(),
+          f"launched as {launched_processes()} processes but accelerate formed a group of {acc.num_processes}: "
+          f"each process would train alone; on CPU set ACCELERATE_USE_CPU=1, on GPU check the launcher")
+    return acc
+
+def shard_layer_classes(model) -> set:
+    "Module classes FSDP shards separately: Hugging Face's `_no_split_modules` (the decoder layer), else every ModuleList child."
+    names = set(getattr(model, '_no_split_modules', None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        classes = {type(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+    return classes
+
+def apply_fsdp(model, device, mixed_precision:str='no'):
+    "Shard `model` with FSDP2 (`fully_shard` per decoder layer, then the root) on the current process group."
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    model.to(device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == 'bf16' else MixedPrecisionPolicy()
+    classes = shard_layer_classes(model)
+    check(classes, f"found no layer class to shard in {type(model).__name__}")
+    for m in list(model.modules()):
+        if type(m) in classes: fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+# %% ../nbs/05_training.ipynb
+CHECKPOINTS = 'checkpoints'
+
+def _step_dir(step:int) -> str: return f"step-{step:08d}"
+
+def list_checkpoints(output_dir) -> list:
+    "Complete checkpoints under `output_dir`, oldest first."
+    root = Path(output_dir)/CHECKPOINTS
+    if not root.exists(): return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith('step-') and (p/'trainer_state.json').exists())
+
+def find_checkpoint(resume_from, output_dir=None) -> Path:
+    "The checkpoint folder that `resume_from` names: a folder, or 'latest' in `output_dir`."
+    if str(resume_from) == 'latest':
+        check(output_dir is not None, "resume_from='latest' needs an output_dir")
+        latest = Path(output_dir)/CHECKPOINTS/'latest'
+        if latest.exists():
+            p = Path(output_dir)/CHECKPOINTS/latest.read_text().strip()
+            if (p/'trainer_state.json').exists(): return p
+        ckpts = list_checkpoints(output_dir)
+        check(ckpts, f"no checkpoint to resume from in {output_dir}")
+        return ckpts[-1]
+    p = Path(resume_from)
+    if (p/CHECKPOINTS).exists() and not (p/'trainer_state.json').exists(): return find_checkpoint('latest', p)
+    check((p/'trainer_state.json').exists(), f"{p} is not a memlab checkpoint (no trainer_state.json): pass a checkpoints/step-* folder or 'latest'")
+    return p
+
+def load_strict(module:nn.Module, state:dict, what:str='model'):
+    "`module.load_state_dict(state, strict=True)`, turning a key mismatch into one clear MemlabError."
+    missing, unexpected = [], []
+    own = module.state_dict()
+    missing = sorted(k for k in own if k not in state); unexpected = sorted(k for k in state if k not in own)
+    if missing or unexpected:
+        def _few(ks): return ', '.join(ks[:3]) + (f' and {len(ks) - 3} more' if len(ks) > 3 else '')
+        raise MemlabError(f"{what} state does not match: " + '; '.join(x for x in (
+            f"missing {len(missing)} key(s): {_few(missing)}" if missing else '',
+            f"unexpected {len(unexpected)} key(s): {_few(unexpected)}" if unexpected else '') if x))
+    module.load_state_dict(state, strict=True)
+
+# %% ../nbs/05_training.ipynb
+class Trainer:
+    "memlab's one training loop: `Trainer(model, config, train_data, eval_data, loss_fn, callbacks).fit()`."
+    def __init__(self, model:nn.Module, config:TrainConfig, train_data=None, eval_data=None, loss_fn=None, callbacks=(),
+                 optimizer=None, scheduler=None, accelerator=None, run_config:dict=None):
+        self.config, self.train_data, self.eval_data = config, train_data, eval_data
+        self.loss_fn = loss_fn or causal_lm_loss
+        self.callbacks = sorted(callbacks, key=lambda c: getattr(c, 'order', 0))
+        self.run_config = run_config or {}
+        self.accelerator = accelerator or make_accelerator(config.mixed_precision)
+        self.world_size = self.accelerator.num_processes
+        self.accum = config.accumulation_steps(self.world_size)
+        self._check_output_dir()
+        from memlab.core import seed_everything
+        seed_everything(config.seed)
+        self.step, self.tokens_seen, self.history, self._log_sums = 0, 0, [], {}
+        self._optimizer_fn = optimizer if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else None
+        self._given_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self._scheduler_fn = scheduler
+        self._writer = None
+        self._prepare(model)
+        if config.resume_from: self.load_checkpoint(find_checkpoint(config.resume_from, config.output_dir))
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    def _check_output_dir(self):
+        "Refuse an output folder that holds another run, before anything is written."
+        c = self.config
+        if not c.output_dir or c.resume_from: return
+        out = Path(c.output_dir)
+        if out.exists() and ((out/CHECKPOINTS).exists() or (out/'log.jsonl').exists() or (out/'run_config.json').exists()):
+            raise MemlabError(f"{out} already holds a run: pass resume_from='latest' (--resume_from latest) to continue it, "
+                              f"or choose another output_dir")
+
+    def _prepare(self, model):
+        c, acc = self.config, self.accelerator
+        if c.gradient_checkpointing:
+            check(hasattr(model, 'gradient_checkpointing_enable'), f"{type(model).__name__} does not support gradient checkpointing")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+            if hasattr(model, 'config') and hasattr(model.config, 'use_cache'): model.config.use_cache = False
+        self.fsdp = c.distributed_type == 'fsdp' and self.world_size > 1
+        if self.fsdp:
+            self.model = apply_fsdp(model, acc.device, c.mixed_precision)
+            self.unwrapped_model = self.model
+        else:
+            self.model = acc.prepare_model(model)
+            self.unwrapped_model = acc.unwrap_model(self.model)
+        self._build_optimizer()
+
+    def _build_optimizer(self, keep_step:int=None):
+        c = self.config
+        if self._given_optimizer is not None and keep_step is None: opt = self._given_optimizer
+        elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(self.model, c.weight_decay))
+        else: opt = torch.optim.AdamW(_decay_groups(self.model, c.weight_decay), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
+                                      eps=c.adam_eps)
+        for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
+        self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
+        self.optimizer = opt
+        sched = self._scheduler_fn(opt) if self._scheduler_fn is not None else get_scheduler(opt, c)
+        if keep_step is not None:  # continue the schedule where it was
+            sched.last_epoch = keep_step; sched._step_count = keep_step + 1
+            for g, lr in zip(opt.param_groups, sched.get_lr() if hasattr(sched, 'get_lr') else [g['lr'] for g in opt.param_groups]): g['lr'] = lr
+        self.scheduler = sched
+
+    def reconfigure(self, modify):
+        """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in place;
+        the model is re-wrapped for DDP/FSDP and a fresh optimizer is built whose schedule continues at the current step."""
+        model = self.accelerator.unwrap_model(self.model) if not self.fsdp else self.model
+        check(not self.fsdp, "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
+        self.accelerator._models.clear(); self.accelerator._optimizers.clear()
+        modify(model)
+        self.model = self.accelerator.prepare_model(model)
+        self.unwrapped_model = self.accelerator.unwrap_model(self.model)
+        self._build_optimizer(keep_step=self.step)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+    def _event(self, name, *args):
+        for cb in self.callbacks: getattr(cb, name)(self, *args)
+
+    @property
+    def is_main(self) -> bool: return self.accelerator.is_main_process
+
+    def print(self, *a):
+        "Print on the main process only."
+        if self.is_main: print(*a, flush=True)
+
+    # ---- one update ----------------------------------------------------------------------------------------------
+    def _sync_context(self, last:bool):
+        import contextlib
+        if last or self.world_size == 1: return contextlib.nullcontext()
+        if self.fsdp:
+            model = self.model
+            @contextlib.contextmanager
+            def _fsdp_no_sync():
+                model.set_requires_gradient_sync(False)
+                try: yield
+                finally: model.set_requires_gradient_sync(True)
+            return _fsdp_no_sync()
+        return self.accelerator.no_sync(self.model)
+
+    def _reduce(self, t:torch.Tensor) -> torch.Tensor:
+        t = t.detach().float().to(self.accelerator.device)
+        return self.accelerator.reduce(t, reduction='sum') if self.world_size > 1 else t
+
+    def train_step(self, micro_batches:list) -> dict:
+        "One optimizer update over `micro_batches`; returns the update's token-mean loss and logged components."
+        count = getattr(self.loss_fn, 'count_tokens', count_targets)
+        n_global = self._reduce(sum(torch.as_tensor(count(b)) for b in micro_batches))
+        check(n_global.item() > 0, "an optimizer update had no target tokens (every label is -100)")
+        self.model.train()
+        loss_sum, log_sums = torch.zeros((), device=self.accelerator.device), {}
+        for i, batch in enumerate(micro_batches):
+            batch = _to_device(batch, self.accelerator.device)
+            with self._sync_context(last=i == len(micro_batches) - 1), self.accelerator.autocast():
+                out = self.loss_fn(self.model, batch)
+                loss = out.loss_sum * self.world_size / n_global
+            self.accelerator.backward(loss)
+            loss_sum += out.loss_sum.detach().float()
+            for k, v in out.logs.items(): log_sums[k] = log_sums.get(k, 0.0) + torch.as_tensor(v).detach().float().to(loss_sum.device)
+            del out, loss
+        self._event('on_before_optimizer_step')
+        grad_norm = self._clip()
+        self._acc_optimizer.step()
+        self.scheduler.step()
+        self._acc_optimizer.zero_grad(set_to_none=True)
+        n = n_global.item()
+        res = {'loss': (self._reduce(loss_sum) / n).item(), 'tokens': int(n)}
+        for k, v in log_sums.items(): res[k] = (self._reduce(v) / n).item()
+        if grad_norm is not None: res['grad_norm'] = grad_norm
+        return res
+
+    def _clip(self):
+        c = self.config
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params: return None
+        self.accelerator.unscale_gradients()
+        norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
+        if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()
+        return float(norm)
+
+    # ---- evaluation ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
+        "Token-weighted loss, perplexity and bits per token over `data` (default: the evaluation data), across processes."
+        data = self.eval_data if data is None else data
+        check(data is not None, "no evaluation data")
+        max_steps = self.config.max_eval_steps if max_steps is None else max_steps
+        self._event('on_evaluate_begin')
+        model = self.model if self.fsdp else self.unwrapped_model  # DDP's wrapper syncs buffers per forward: not needed here
+        was_training = model.training; model.eval()
+        loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
+        logs = {}
+        for i, batch in enumerate(data):
+            if max_steps is not None and i >= max_steps: break
+            batch = _to_device(batch, self.accelerator.device)
+            with self.accelerator.autocast():
+                out = self.loss_fn(model, batch)
+            loss_sum += out.loss_sum.float(); n += torch.as_tensor(out.n_tokens, device=n.device).float()
+            for k, v in out.logs.items(): logs[k] = logs.get(k, 0.0) + torch.as_tensor(v).float().to(n.device)
+        loss_sum, n = self._reduce(loss_sum), self._reduce(n)
+        model.train(was_training)
+        check(n.item() > 0, "evaluation saw no target tokens")
+        loss = (loss_sum / n).item()
+        metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)), f'{prefix}_bits_per_token': loss / math.log(2),
+                   f'{prefix}_tokens': int(n.item())}
+        for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
+        self._event('on_evaluate_end', metrics)
+        return metrics
+
+    # ---- logging ---------------------------------------------------------------------------------------------------
+    def log(self, logs:dict):
+        "Record `logs` (with the step) in the history, the JSON log and TensorBoard/wandb; runs `on_log` callbacks first."
+        logs = {'step': self.step, **logs}
+        self._event('on_log', logs)
+        self.history.append(logs)
+        if not self.is_main or not self.config.output_dir: return
+        out = Path(self.config.output_dir); out.mkdir(parents=True, exist_ok=True)
+        with open(out/'log.jsonl', 'a') as f: f.write(json.dumps(logs) + '\n')
+        w = self._get_writer()
+        if w is not None:
+            for k, v in logs.items():
+                if k != 'step' and isinstance(v, (int, float)): w.add_scalar(k, v, self.step)
+            w.flush() if hasattr(w, 'flush') else None
+
+    def _get_writer(self):
+        c = self.config
+        if self._writer is not None or c.report_to == 'none': return self._writer
+        if c.report_to == 'tensorboard':
+            from torch.utils.tensorboard import SummaryWriter
+            self._writer = SummaryWriter(str(Path(c.output_dir)/'tensorboard'))
+        else:
+            try: import wandb
+            except ImportError: raise MemlabError("report_to='wandb' needs wandb: pip install wandb (or use tensorboard)") from None
+            run = wandb.init(dir=c.output_dir, config={**c.to_dict(), **self.run_config}, mode=os.environ.get('WANDB_MODE', 'offline'))
+            class _W:
+                def add_scalar(self, k, v, step): run.log({k: v}, step=step)
+            self._writer = _W()
+        return self._writer
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        "Write a complete checkpoint of the run atomically; return its folder."
+        c, acc = self.config, self.accelerator
+        check(c.output_dir, "save_checkpoint needs an output_dir")
+        root = Path(c.output_dir)/CHECKPOINTS
+        final, tmp = root/_step_dir(self.step), root/f".{_step_dir(self.step)}.tmp"
+        if self.is_main:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        r = acc.process_index
+        if self.fsdp:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
+        elif self.is_main:
+            from safetensors.torch import save_model
+            save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
+            torch.save(self.optimizer.state_dict(), tmp/'optimizer.pt')
+        from memlab.core import rng_state
+        torch.save({'rng': rng_state(), 'data': self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None},
+                   tmp/f'process_{r}.pt')
+        if self.is_main:
+            torch.save({'scheduler': self.scheduler.state_dict(),
+                        'callbacks': [cb.state_dict() for cb in self.callbacks]}, tmp/'scheduler_callbacks.pt')
+        self._event('on_save', tmp)
+        acc.wait_for_everyone()
+        if self.is_main:
+            from memlab.core import atomic_write_text
+            state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
+                     'distributed_type': 'fsdp' if self.fsdp else 'ddp', 'history': self.history, 'config': c.to_dict()}
+            atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
+            import shutil
+            if final.exists(): shutil.rmtree(final)
+            os.replace(tmp, final)
+            atomic_write_text(root/'latest', final.name)
+            for old in list_checkpoints(c.output_dir)[:-max(1, c.keep_checkpoints)]: shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return final
+
+    def load_checkpoint(self, path):
+        "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
+        path, acc = Path(path), self.accelerator
+        state = json.loads((path/'trainer_state.json').read_text())
+        check(state['world_size'] == self.world_size,
+              f"{path} was written by {state['world_size']} process(es); resume it with the same number (now {self.world_size})")
+        check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
+              f"{path} was written under {state['distributed_type']}; resume it the same way")
+        if self.fsdp:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            sd = {'model': msd, 'optimizer': osd}
+            dcp.load(sd, checkpoint_id=str(path/'sharded'))
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
+        else:
+            from safetensors.torch import load_file
+            sd = load_file(str(path/'model.safetensors'))
+            # save_model stored tied weights once: restore the aliases before the strict check
+            own = self.unwrapped_model.state_dict()
+            for k in own:
+                if k not in sd:
+                    twin = next((k2 for k2 in sd if own[k2].data_ptr() == own[k].data_ptr()), None) if k in own else None
+                    if twin is not None: sd[k] = sd[twin]
+            load_strict(self.unwrapped_model, sd, 'model')
+            self.optimizer.load_state_dict(torch.load(path/'optimizer.pt', weights_only=False))
+        sc = torch.load(path/'scheduler_callbacks.pt', weights_only=False)
+        self.scheduler.load_state_dict(sc['scheduler'])
+        check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
+              f"this run has {len(self.callbacks)}: resume with the same method options")
+        for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
+        proc = torch.load(path/f'process_{acc.process_index}.pt', weights_only=False)
+        from memlab.core import set_rng_state
+        set_rng_state(proc['rng'])
+        if proc['data'] is not None:
+            check(hasattr(self.train_data, 'load_state_dict'), "the checkpoint holds a data position but the training data cannot restore one")
+            self.train_data.load_state_dict(proc['data'])
+        self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
+        if self.is_main and self.config.output_dir:  # the log restarts from the checkpoint: drop what a killed run logged after it
+            from memlab.core import atomic_write_text
+            atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
+        self._event('on_load', path)
+
+    # ---- fit -------------------------------------------------------------------------------------------------------
+    def fit(self) -> list:
+        "Train until `max_steps` updates (or `max_train_tokens`); returns the history of logged dicts."
+        c = self.config
+        check(self.train_data is not None, "no training data")
+        if self.is_main and c.output_dir:
+            from memlab.core import atomic_write_text
+            Path(c.output_dir).mkdir(parents=True, exist_ok=True)
+            atomic_write_text(Path(c.output_dir)/'run_config.json', json.dumps({'train': c.to_dict(), **self.run_config}, indent=2, default=str))
+        self._event('on_train_begin')
+        if c.eval_at_start and self.eval_data is not None and self.step == 0: self.log(self.evaluate())
+        from tqdm.auto import tqdm
+        bar = tqdm(total=c.max_steps, initial=self.step, desc='train', disable=not (c.progress and self.is_main), dynamic_ncols=True)
+        it = iter(self.train_data)
+        pm = peak_memory(self.accelerator.device, collect=False).__enter__()
+        t0, tok0, window = time.perf_counter(), 0, []
+        self.should_stop = False
+        while self.step < c.max_steps and not self.should_stop:
+            if c.max_train_tokens and self.tokens_seen >= c.max_train_tokens: break
+            self._event('on_step_begin')
+            micro = []
+            for _ in range(self.accum):
+                try: micro.append(next(it))
+                except StopIteration: break
+            if len(micro) < self.accum: break  # finite training data ran out
+            res = self.train_step(micro)
+            self.step += 1; self.tokens_seen += res['tokens']; tok0 += res['tokens']
+            window.append(res)
+            self._event('on_step_end')
+            bar.update(1); bar.set_postfix(loss=f"{res['loss']:.3f}")
+            last = self.step >= c.max_steps or bool(c.max_train_tokens and self.tokens_seen >= c.max_train_tokens)
+            if self.step % max(1, c.log_every) == 0 or last:
+                pm.__exit__(None, None, None)
+                dt = time.perf_counter() - t0
+                n = sum(r['tokens'] for r in window)
+                logs = {k: sum(r[k] * r['tokens'] for r in window) / n for k in window[-1] if k not in ('tokens', 'grad_norm')}
+                if 'grad_norm' in window[-1]: logs['grad_norm'] = window[-1]['grad_norm']
+                logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tok0 / dt,
+                            peak_memory_mib=pm.absolute / 2**20)
+                self.log(logs)
+                window, tok0 = [], 0
+                pm = peak_memory(self.accelerator.device, collect=False).__enter__(); t0 = time.perf_counter()
+            if self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):
+                self.log(self.evaluate())
+                t0 = time.perf_counter()
+            if c.output_dir and ((c.save_every and self.step % c.save_every == 0) or (last and c.save_final)):
+                self.save_checkpoint()
+                t0 = time.perf_counter()
+        bar.close()
+        self._event('on_train_end')
+        return self.history

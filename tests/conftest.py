@@ -1,0 +1,29 @@
+"Shared helpers for memlab's integration tests: run memlab's scripts as real processes (plain, torchrun, accelerate launch)."
+import json, os, socket, subprocess, sys
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+def env(**kw) -> dict:
+    e = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': '1', 'HF_DATASETS_OFFLINE': '1',
+         'PYTHONPATH': str(ROOT)}
+    e.update({k: str(v) for k, v in kw.items()})
+    return e
+
+def run(cmd, timeout=600, check=True, **envkw) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(**envkw), capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}")
+    return r
+
+def torchrun(script, *args, nproc=2, **envkw):
+    return run([BIN/'torchrun', '--nproc-per-node', nproc, '--master-port', free_port(), script, *args], **envkw)
+
+def results(out) -> list:
+    return [json.loads(p.read_text()) for p in sorted(Path(out).glob('result_rank*.json'))]

@@ -1,0 +1,50 @@
+"""A tiny training run through memlab's loop, for the integration tests (launched plainly, with torchrun, or killed on purpose).
+
+python tests/dist_train.py OUT [--dist ddp|fsdp] [--steps N] [--save_every K] [--die_at_step S] [--die_in_save S] [--resume]
+Writes OUT/result_rank{r}.json with the losses and a fingerprint of the final parameters.
+"""
+import argparse, json, os, signal, sys
+from pathlib import Path
+import torch
+from memlab.core import cli_main
+from memlab.models import tiny_model
+from memlab.training import Trainer, TrainConfig, BatchList, Callback
+
+def make_batches(n, B=2, T=16, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, vocab // 8, (B, T + 1), generator=g)  # a small alphabet, so the loss can fall quickly
+        labels = ids[:, 1:].clone(); labels[:, : (i * 3) % T] = -100
+        out.append({'input_ids': ids[:, :-1], 'labels': labels, 'attention_mask': torch.ones(B, T, dtype=torch.long)})
+    return out
+
+class Die(Callback):
+    "Kill this process with SIGKILL after update `at_step`, or in the middle of writing the checkpoint of `in_save`."
+    def __init__(self, at_step=None, in_save=None): self.at_step, self.in_save = at_step, in_save
+    def on_step_end(self, t):
+        if self.at_step and t.step == self.at_step: os.kill(os.getpid(), signal.SIGKILL)
+    def on_save(self, t, folder):
+        if self.in_save and t.step == self.in_save: os.kill(os.getpid(), signal.SIGKILL)
+
+@cli_main
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('out'); p.add_argument('--dist', default='ddp'); p.add_argument('--steps', type=int, default=8)
+    p.add_argument('--save_every', type=int, default=0); p.add_argument('--die_at_step', type=int); p.add_argument('--die_in_save', type=int)
+    p.add_argument('--resume', action='store_true'); p.add_argument('--accum', type=int, default=2)
+    a = p.parse_args()
+    rank = int(os.environ.get('RANK', 0)); world = int(os.environ.get('WORLD_SIZE', 1))
+    cfg = TrainConfig(output_dir=a.out, max_steps=a.steps, save_every=a.save_every, log_every=1, lr=3e-3, report_to='none',
+                      progress=False, per_device_batch_size=2, total_batch_size=2 * world * a.accum, distributed_type=a.dist,
+                      resume_from='latest' if a.resume else None, seed=5, warmup_steps=0, scheduler='constant')
+    t = Trainer(tiny_model('llama', seed=1), cfg, BatchList(make_batches(6, seed=100 + rank)),
+                callbacks=[Die(a.die_at_step, a.die_in_save)])
+    hist = t.fit()
+    full = {k: v.full_tensor() if hasattr(v, 'full_tensor') else v for k, v in t.model.state_dict().items()}
+    fp = [float(v.double().sum()) for k, v in sorted(full.items())]
+    Path(a.out, f'result_rank{t.accelerator.process_index}.json').write_text(json.dumps(
+        {'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fp, 'world': t.world_size,
+         'dist': 'fsdp' if t.fsdp else 'ddp'}))
+
+if __name__ == '__main__': main()

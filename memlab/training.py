@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Config, MemlabError, arg, check, peak_memory
-from .models import tiny_model
+from .models import tiny_model, enable_activation_checkpointing
 
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'TrainConfig',
@@ -279,10 +279,7 @@ class Trainer:
 
     def _prepare(self, model):
         c, acc = self.config, self.accelerator
-        if c.gradient_checkpointing:
-            check(hasattr(model, 'gradient_checkpointing_enable'), f"{type(model).__name__} does not support gradient checkpointing")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
-            if hasattr(model, 'config') and hasattr(model.config, 'use_cache'): model.config.use_cache = False
+        if c.gradient_checkpointing: enable_activation_checkpointing(model)
         self.fsdp = c.distributed_type == 'fsdp' and self.world_size > 1
         if self.fsdp:
             self.model = apply_fsdp(model, acc.device, c.mixed_precision)

@@ -94,35 +94,35 @@ class MaskedMixerConfig(PretrainedConfig):
     def check(self):
         "Validate the fields; raise `MemlabError` (one line) on the first problem."
         d, de = self.hidden_size, self.encoder_width
-        for name in ('vocab_size', 'hidden_size', 'num_layers', 'length', 'kernel', 'expansion', 'n_chunks', 'compression',
-                     'transformer_heads'):
-            check(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ('encoder_layers', 'decoder_layers', 'encoder_hidden_size'):
+        def positive(name, optional=False):
             v = getattr(self, name)
-            check(v is None or (isinstance(v, int) and v >= 1), f"{name} must be None or a positive integer, got {v!r}")
-        check(self.mixer_type in MIXER_TYPES, f"unknown mixer_type {self.mixer_type!r}; choose one of {', '.join(MIXER_TYPES)}")
-        check(isinstance(self.heads, int) and self.heads >= 0, f"heads must be 0 (no heads) or a positive integer, got {self.heads!r}")
+            check((optional and v is None) or (isinstance(v, int) and v >= 1),
+                  f"{name} must be a positive integer{' or None' if optional else ''}, got {v!r}")
+        def one_of(name, options):
+            check(getattr(self, name) in options, f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(options)}")
+        for name in ('vocab_size', 'hidden_size', 'num_layers', 'length', 'kernel', 'expansion', 'n_chunks', 'compression',
+                     'transformer_heads'): positive(name)
+        for name in ('encoder_layers', 'decoder_layers', 'encoder_hidden_size'): positive(name, optional=True)
+        for name, options in (('mixer_type', MIXER_TYPES), ('encoder_type', STACK_TYPES), ('decoder_type', STACK_TYPES),
+                              ('decoder_input', DECODER_INPUTS), ('memory_position', MEMORY_POSITIONS),
+                              ('memory_mode', MEMORY_MODES), ('memory_format', MEMORY_FORMATS), ('objective', OBJECTIVES)):
+            one_of(name, options)
+        check(isinstance(self.heads, int) and self.heads >= 0, f"heads must be 0 or a positive integer, got {self.heads!r}")
         for width, what in ((d, 'hidden_size'), (de, 'encoder_hidden_size')):
             check(not self.heads or width % self.heads == 0, f"heads={self.heads} does not divide {what}={width}")
-        check(self.mixer_type == 'conv' or (self.kernel == 1 and self.heads == 0),
-              f"mixer_type='linear' is a single masked Linear(length, length): it takes no kernel ({self.kernel}) or heads ({self.heads})")
+        check(self.mixer_type == 'conv' or (self.kernel == 1 and self.heads == 0), "mixer_type='linear' is one masked "
+              f"Linear(length, length): it takes no kernel ({self.kernel}) or heads ({self.heads})")
         check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
-        for name in ('encoder_type', 'decoder_type'):
-            check(getattr(self, name) in STACK_TYPES, f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(STACK_TYPES)}")
         for kind, width, what in ((self.encoder_type, de, 'encoder_hidden_size'), (self.decoder_type, d, 'hidden_size')):
             if kind != 'transformer': continue
-            check(width % self.transformer_heads == 0, f"transformer_heads={self.transformer_heads} does not divide {what}={width}")
-            check(width // self.transformer_heads % 2 == 0, f"Llama blocks need an even head size (rotary embedding), "
-                  f"but {what}={width} / transformer_heads={self.transformer_heads} = {width // self.transformer_heads}")
+            nh = self.transformer_heads
+            check(width % nh == 0, f"transformer_heads={nh} does not divide {what}={width}")
+            check(width // nh % 2 == 0, f"Llama blocks need an even head size (rotary embedding), "
+                  f"but {what}={width} / transformer_heads={nh} = {width // nh}")
         check(de % self.compression == 0, f"compression={self.compression} does not divide the encoder width {de}")
-        check(self.decoder_input in DECODER_INPUTS, f"unknown decoder_input {self.decoder_input!r}; choose one of {', '.join(DECODER_INPUTS)}")
         check(self.decoder_input != 'unroll' or d % 2 == 0, f"decoder_input='unroll' needs an even hidden_size, got {d}")
-        check(self.memory_position in MEMORY_POSITIONS, f"unknown memory_position {self.memory_position!r}; choose one of {', '.join(MEMORY_POSITIONS)}")
         check(self.memory_position == 'last' or self.length >= 2, "memory_position='penultimate' needs length >= 2")
-        check(self.memory_mode in MEMORY_MODES, f"unknown memory_mode {self.memory_mode!r}; choose one of {', '.join(MEMORY_MODES)}")
         check(self.memory_noise >= 0, f"memory_noise must be >= 0, got {self.memory_noise}")
-        check(self.memory_format in MEMORY_FORMATS, f"unknown memory_format {self.memory_format!r}; choose one of {', '.join(MEMORY_FORMATS)}")
-        check(self.objective in OBJECTIVES, f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
 
     def validate_architecture(self): self.check()  # also run by transformers when saving
 
@@ -153,7 +153,7 @@ def causal_mask_like(w:torch.Tensor, groups:int=1) -> torch.Tensor:
 class MaskedConv1d(nn.Conv1d):
     "Conv1d with positions as channels and the kernel sliding over features; the causal mask is applied in `forward`."
     def __init__(self, length:int, kernel:int=1, groups:int=1):
-        super().__init__(groups * length, groups * length, kernel, padding='same', groups=groups)
+        super().__init__(groups * length, groups * length, kernel, groups=groups)  # padded in forward
 
     def forward(self, x):  # (B, groups·T, F)
         w = self.weight * causal_mask_like(self.weight, self.groups)  # (groups·T, T, k), upper triangle zero
@@ -301,9 +301,9 @@ class MaskedMixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
         "Left-aligned window: the whole sequence, or its last `length` tokens once it is longer."
-        L = self.config.length
-        if attention_mask is not None: attention_mask = attention_mask[:, -L:]
-        return {'input_ids': input_ids[:, -L:], 'attention_mask': attention_mask}
+        check(attention_mask is None or bool(attention_mask.all()), "masked-mixer generation needs prompts of equal length "
+              "without padding (new tokens would follow the padding); generate them one at a time or group them by length")
+        return {'input_ids': input_ids[:, -self.config.length:]}  # (B, ≤ length), left-aligned
 
 try: AutoModelForCausalLM.register(MaskedMixerConfig, MaskedMixerForCausalLM)
 except ValueError: pass
@@ -335,7 +335,7 @@ def add_memory_noise(v:torch.Tensor, scale:float) -> torch.Tensor:
     return v + scale * fp8_e4m3_step(v) * (torch.rand_like(v) - 0.5)
 
 def quantize_memory(v:torch.Tensor, fmt:str) -> torch.Tensor:
-    "Round `v` through `fmt` ('none', 'bf16', 'fp8' = e4m3fn, 'int8' = absmax per vector) and back, straight-through for gradients."
+    "Round `v` through `fmt` ('none', 'bf16', 'fp8' e4m3fn, 'int8' absmax per vector) and back; straight-through gradients."
     check(fmt in MEMORY_FORMATS, f"unknown memory_format {fmt!r}; choose one of {', '.join(MEMORY_FORMATS)}")
     if fmt == 'none': return v
     if fmt == 'bf16': q = v.to(torch.bfloat16).to(v.dtype)
@@ -484,7 +484,7 @@ class OracleMemoryModel(MixerPreTrainedModel):
         self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
         self.lm_head = nn.Linear(width, config.vocab_size, bias=False)
         if config.tie_embeddings:
-            check(mode != 'concat', "tie_embeddings is impossible with memory_mode='concat' (the LM head is wider than the embedding)")
+            check(mode != 'concat', "tie_embeddings is impossible with memory_mode='concat' (LM head wider than the embedding)")
             self._tied_weights_keys = {'lm_head.weight': 'wte.weight'}
         self.post_init()
 
@@ -534,9 +534,11 @@ class ParallelMemoryModel(MixerPreTrainedModel):
     def embed(self, ids):  # (…, L) -> (…, L, d)
         return (self.decoder.get_input_embeddings() if self.external else self.wte)(ids)
 
-    def decode(self, x):  # (B', n+L, d) -> (B', n+L, V)
-        if self.external: return self.decoder(inputs_embeds=x).logits
-        return self.lm_head(self.norm(self.decoder(x)))
+    def decode(self, x, pos):  # (B, n, n+L, d), token positions (n, L) -> logits (B, n, L, V)
+        B, n, S, C = x.shape
+        def take(t): return t.gather(2, pos[None, :, :, None].expand(B, n, pos.shape[1], t.shape[-1]))  # (B, n, L, ·)
+        if self.external: return take(self.decoder(inputs_embeds=x.view(B * n, S, C)).logits.view(B, n, S, -1))
+        return self.lm_head(self.norm(take(self.decoder(x.view(B * n, S, C)).view(B, n, S, C))))  # LM head on tokens only
 
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs) -> MemoryModelOutput:
         n, L = self.n, self.L
@@ -557,11 +559,9 @@ class ParallelMemoryModel(MixerPreTrainedModel):
             p = torch.arange(n + L, device=x.device)[None]                      # (1, n+L)
             order = torch.where(p < c, p, torch.where(p < c + L, p - c + n, p - L))  # (n, n+L)
             x = x.gather(2, order[None, :, :, None].expand(B, n, n + L, x.shape[-1]))
-        logits = self.decode(x.view(B * n, n + L, -1)).view(B, n, n + L, -1)    # (B, n, n+L, V)
         start = torch.full_like(c, n) if self.fixed else c                     # where chunk c's tokens begin
         pos = start + torch.arange(L, device=x.device)[None]                   # (n, L)
-        logits = logits.gather(2, pos[None, :, :, None].expand(B, n, L, logits.shape[-1]))  # (B, n, L, V)
-        logits = logits.reshape(B, n * L, -1)[:, :N]                           # (B, N, V)
+        logits = self.decode(x, pos).reshape(B, n * L, -1)[:, :N]              # (B, N, V)
         return MemoryModelOutput(loss=None if labels is None else _lm_loss(logits, labels), logits=logits, memory=memory)
 
 # %% ../nbs/50_mixer.ipynb

@@ -39,7 +39,8 @@ MEMORY_POSITIONS = ('last', 'penultimate')
 MEMORY_MODES = ('token', 'concat', 'add')
 MEMORY_FORMATS = ('none', 'bf16', 'fp8', 'int8')
 OBJECTIVES = ('clm', 'copy', 'blank_copy', 'combined')
-_HF_KEYS = {'model_type', 'tie_word_embeddings', 'num_hidden_layers', 'torch_dtype', 'use_cache', 'transformers_version'}
+_HF_KEYS = {'model_type', 'tie_word_embeddings', 'num_hidden_layers', 'torch_dtype', 'use_cache', 'transformers_version',
+            'num_labels', 'low_memory'}  # keys transformers itself passes that resemble a field name
 
 class MaskedMixerConfig(PretrainedConfig):
     "Configuration of masked-mixer language models, autoencoders and memory models."
@@ -81,7 +82,8 @@ class MaskedMixerConfig(PretrainedConfig):
     def __post_init__(self, **kwargs):
         own = [f for f in self.__dataclass_fields__ if f not in PretrainedConfig.__dataclass_fields__]
         for k in kwargs:
-            close = [] if k in _HF_KEYS or k.startswith('_') else difflib.get_close_matches(k, own, n=1, cutoff=0.8)
+            known = k in _HF_KEYS or k.startswith('_') or k.endswith(('_token_id', '_token_ids'))
+            close = [] if known else difflib.get_close_matches(k, own, n=1, cutoff=0.8)
             check(not close, f"MaskedMixerConfig has no field {k!r} (did you mean {close[0]!r}?)" if close else '')
         super().__post_init__(**kwargs)
         self.check()

@@ -178,15 +178,16 @@ def _resolve_hints(cls):
     try: return typing.get_type_hints(cls)
     except Exception: return {f.name: f.type for f in dataclasses.fields(cls)}
 
-def add_config_args(parser, cls, prefix:str='', title:str=None):
-    "Add one flag per field of config dataclass `cls` to `parser` (as `--prefix.field` when `prefix` is given)."
+def add_config_args(parser, cls, prefix:str='', title:str=None, defaults:dict=None, skip=()):
+    "Add one flag per field of config dataclass `cls` to `parser` (as `--prefix.field` when `prefix` is given); `defaults` overrides field defaults."
     group = parser.add_argument_group(title or cls.__name__, (cls.__doc__ or '').strip() or None)
-    docs, hints = field_docs(cls), _resolve_hints(cls)
+    docs, hints, defaults = field_docs(cls), _resolve_hints(cls), defaults or {}
     for f in dataclasses.fields(cls):
-        if not f.init or f.name.startswith('_'): continue
+        if not f.init or f.name.startswith('_') or f.name in skip: continue
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.name in defaults: default, required = defaults[f.name], False
         kw = _argparse_kw(hints.get(f.name, str), default)
         name = f"--{prefix}.{f.name}" if prefix else f"--{f.name}"
         aliases = [a if a.startswith('-') else f"--{a}" for a in f.metadata.get('aliases', ())]
@@ -208,15 +209,19 @@ def load_config_file(path) -> dict:
     check(isinstance(d, dict), f"config file {path} must hold a mapping of flag names to values")
     return d
 
-def parse_configs(configs, argv=None, prog:str=None, description:str=None, config_file_flag:str=None, extra=None):
+def parse_configs(configs, argv=None, prog:str=None, description:str=None, config_file_flag:str=None, extra=None, defaults:dict=None,
+                  skip:dict=None):
     """Parse `argv` into instances of the config dataclasses in `configs` (a class, a list of classes, or {prefix: class}).
-    Returns one instance, a list, or a dict, mirroring `configs`. `extra(parser)` may add further flags (returned as `.extra`)."""
+    Returns one instance, a list, or a dict, mirroring `configs`; with `extra(parser)` adding flags, `(configs, namespace_of_extras)`.
+    `defaults` maps a class to {field: default} overriding its defaults for this command; `skip` maps a class to fields not offered as flags."""
     single = isinstance(configs, type)
     items = {'': configs} if single else (dict(configs) if isinstance(configs, dict) else {str(i): c for i, c in enumerate(configs)})
     prefixed = isinstance(configs, dict)
     parser = ArgumentParser(prog=prog, description=description)
     if config_file_flag: parser.add_argument(f"--{config_file_flag}", default=None, help="YAML/JSON file of flag values; flags given on the command line override it")
-    for key, cls in items.items(): add_config_args(parser, cls, prefix=key if prefixed and key else '')
+    defaults, skip = defaults or {}, skip or {}
+    for key, cls in items.items(): add_config_args(parser, cls, prefix=key if prefixed and key else '', defaults=defaults.get(cls),
+                                                   skip=skip.get(cls, ()))
     if extra: extra(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     if config_file_flag:
@@ -236,7 +241,7 @@ def parse_configs(configs, argv=None, prog:str=None, description:str=None, confi
     out = {}
     for key, cls in items.items():
         pre = f"{key}." if prefixed and key else ''
-        names = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith('_')]
+        names = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith('_') and f.name not in skip.get(cls, ())]
         out[key] = cls(**{n: ns.pop(pre + n) for n in names})
     if config_file_flag: ns.pop(config_file_flag, None)
     res = out[''] if single else (out if prefixed else [out[k] for k in sorted(out, key=int)])

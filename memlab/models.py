@@ -15,10 +15,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from .core import MemlabError, check, cli_main, count_parameters, atomic_write_text
 
 # %% auto 0
-__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'TINY_FAMILIES', 'LLAMA_CONFIGS', 'memlab_home',
-           'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'load_model', 'load_tokenizer', 'tiny_config',
-           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
-           'llama_config', 'write_llama_configs']
+__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
+           'memlab_home', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'load_model', 'load_tokenizer',
+           'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts',
+           'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -106,6 +106,17 @@ def resolve_model(name_or_path) -> tuple:
     return 'hub', s
 
 # %% ../nbs/04_models.ipynb
+MEMLAB_ARCHITECTURES = {'masked_mixer': 'memlab.mixer'}
+
+def _register_memlab_architectures(path):
+    cfg = Path(path)/'config.json'
+    if not cfg.is_file(): return
+    try: mt = json.loads(cfg.read_text()).get('model_type')
+    except (json.JSONDecodeError, OSError): return
+    if mt in MEMLAB_ARCHITECTURES:
+        import importlib; importlib.import_module(MEMLAB_ARCHITECTURES[mt])
+
+# %% ../nbs/04_models.ipynb
 def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:str=None, attn_implementation:str=None,
                device=None, **kwargs) -> nn.Module:
     "Load a causal LM from a built-in name, folder, GGUF file or hub id; `quantization` in (None, 'nf4', '8bit')."
@@ -117,6 +128,7 @@ def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:s
     kind, value = resolve_model(p if gguf_file else name_or_path)
     kw = dict(dtype=dtype, **kwargs)
     if attn_implementation: kw['attn_implementation'] = attn_implementation
+    if kind == 'path': _register_memlab_architectures(value)
     if kind == 'config':
         check(quantization is None, "4/8-bit loading needs pretrained weights; a built-in config starts from random weights")
         model = AutoModelForCausalLM.from_config(value, **kw)

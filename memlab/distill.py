@@ -192,6 +192,8 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
     rows = mask.reshape(-1).nonzero().squeeze(1)                                     # (n,) indices of valid tokens
     labels_flat = None if labels is None else labels.reshape(-1)
     s, t = _flatten(student), _flatten(teacher)
+    if isinstance(t, Hidden) and t.weight.dtype != torch.float32:  # one fp32 copy of the teacher's head instead of one per chunk
+        t = Hidden(t.states, t.weight.float(), None if t.bias is None else t.bias.float())
     x, w, b = (s.states, s.weight, s.bias) if isinstance(s, Hidden) else (s, None, None)
     n = torch.tensor(rows.numel(), device=rows.device)
     if not chunk_size:  # dense reference: plain autograd over all valid rows at once

@@ -379,4 +379,6 @@ d = { 'settings': { 'branch': 'main',
                                  'memlab.training.lr_multiplier': ('training.html#lr_multiplier', 'memlab/training.py'),
                                  'memlab.training.make_accelerator': ('training.html#make_accelerator', 'memlab/training.py'),
                                  'memlab.training.model_inputs': ('training.html#model_inputs', 'memlab/training.py'),
+                                 'memlab.training.resolve_distributed_type': ( 'training.html#resolve_distributed_type',
+                                                                               'memlab/training.py'),
                                  'memlab.training.shard_layer_classes': ('training.html#shard_layer_classes', 'memlab/training.py')}}}

@@ -19,7 +19,8 @@ from .models import tiny_model, enable_activation_checkpointing
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'TrainConfig',
            'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
-           'shard_layer_classes', 'apply_fsdp', 'list_checkpoints', 'find_checkpoint', 'load_strict', 'Trainer']
+           'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'list_checkpoints', 'find_checkpoint',
+           'load_strict', 'Trainer']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -88,7 +89,8 @@ class TrainConfig(Config):
     log_every: int = 10                    # log every N updates
     mixed_precision: str = 'no'            # no | bf16 | fp16 (autocast; master weights stay fp32)
     gradient_checkpointing: bool = False   # recompute activations in backward (non-reentrant)
-    distributed_type: str = 'ddp'          # ddp | fsdp (FSDP2, one shard unit per decoder layer)
+    distributed_type: str = 'auto'         # auto | ddp | fsdp (FSDP2, one shard unit per layer); auto = fsdp when launched with an accelerate FSDP config
+    fsdp_layer_cls: list[str] = None       # class names FSDP shards separately (default: the model's decoder layer, or the accelerate config's)
     seed: int = 0                          # seed of everything (data order included)
     resume_from: str = None                # checkpoint folder, or 'latest' (in output_dir) to continue a run exactly
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (the JSON log is always written)
@@ -103,7 +105,7 @@ class TrainConfig(Config):
         check(callable(self.scheduler) or self.scheduler in SCHEDULERS,
               f"unknown scheduler {self.scheduler!r}; use one of {', '.join(SCHEDULERS)} (or pass a scheduler to the Trainer)")
         check(self.mixed_precision in ('no', 'bf16', 'fp16'), f"mixed_precision must be no, bf16 or fp16, not {self.mixed_precision!r}")
-        check(self.distributed_type in ('ddp', 'fsdp'), f"distributed_type must be ddp or fsdp, not {self.distributed_type!r}")
+        check(self.distributed_type in ('auto', 'ddp', 'fsdp'), f"distributed_type must be auto, ddp or fsdp, not {self.distributed_type!r}")
         check(self.report_to in ('tensorboard', 'wandb', 'none'), f"report_to must be tensorboard, wandb or none, not {self.report_to!r}")
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -185,21 +187,28 @@ def make_accelerator(mixed_precision:str='no'):
           f"each process would train alone; on CPU set ACCELERATE_USE_CPU=1, on GPU check the launcher")
     return acc
 
-def shard_layer_classes(model) -> set:
-    "Module classes FSDP shards separately: Hugging Face's `_no_split_modules` (the decoder layer), else every ModuleList child."
-    names = set(getattr(model, '_no_split_modules', None) or [])
+def resolve_distributed_type(kind:str='auto') -> str:
+    "`auto` becomes fsdp when `accelerate launch` was given an FSDP config (it sets ACCELERATE_USE_FSDP), else ddp."
+    if kind != 'auto': return kind
+    from memlab.core import str2bool
+    return 'fsdp' if str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')) else 'ddp'
+
+def shard_layer_classes(model, names=None) -> set:
+    "Module classes FSDP shards separately: `names`, the accelerate config's, Hugging Face's `_no_split_modules`, else ModuleList children."
+    env = os.environ.get('FSDP_TRANSFORMER_CLS_TO_WRAP')
+    names = set(names or (env.split(',') if env else None) or getattr(model, '_no_split_modules', None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
         classes = {type(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
     return classes
 
-def apply_fsdp(model, device, mixed_precision:str='no'):
+def apply_fsdp(model, device, mixed_precision:str='no', layer_cls=None):
     "Shard `model` with FSDP2 (`fully_shard` per decoder layer, then the root) on the current process group."
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     model.to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == 'bf16' else MixedPrecisionPolicy()
-    classes = shard_layer_classes(model)
-    check(classes, f"found no layer class to shard in {type(model).__name__}")
+    classes = shard_layer_classes(model, layer_cls)
+    check(classes, f"found no layer class to shard in {type(model).__name__}" + (f" named {', '.join(layer_cls)}" if layer_cls else ''))
     for m in list(model.modules()):
         if type(m) in classes: fully_shard(m, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -280,9 +289,9 @@ class Trainer:
     def _prepare(self, model):
         c, acc = self.config, self.accelerator
         if c.gradient_checkpointing: enable_activation_checkpointing(model)
-        self.fsdp = c.distributed_type == 'fsdp' and self.world_size > 1
+        self.fsdp = resolve_distributed_type(c.distributed_type) == 'fsdp' and self.world_size > 1
         if self.fsdp:
-            self.model = apply_fsdp(model, acc.device, c.mixed_precision)
+            self.model = apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls)
             self.unwrapped_model = self.model
         else:
             self.model = acc.prepare_model(model)

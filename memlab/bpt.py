@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .core import Config, MemlabError, check
 from .models import decoder_layers
-from .training import LossOutput, causal_lm_loss, model_inputs
+from .training import LossOutput, model_inputs
 
 # %% auto 0
 __all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'remat', 'torch_block', 'sdpa_block',

@@ -34,10 +34,11 @@ def model_inputs(batch:dict) -> dict:
     return {k: v for k, v in batch.items() if k != 'labels'}
 
 def causal_lm_loss(model, batch:dict) -> LossOutput:
-    "Summed next-token cross-entropy with pre-shifted `labels` (−100 ignored), computed in fp32."
+    "Summed next-token cross-entropy with pre-shifted `labels` (−100 ignored), computed in fp32 or wider."
     logits = model(**model_inputs(batch)).logits          # (B, T, V)
     labels = batch['labels'].to(logits.device)             # (B, T)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction='sum')
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 stays fp64)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction='sum')
     return LossOutput(loss, (labels != -100).sum())
 
 # %% ../nbs/05_training.ipynb

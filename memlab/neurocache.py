@@ -479,13 +479,22 @@ class Neurocache(nn.Module):
         r = self.source.get(layer)
         if r is None: return None
         check(r in self._retrieved, f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
-        ret, attn = self._retrieved[r], self.attentions[str(layer)]
-        w = attn.k_proj.weight
-        if self.reencode:                                                         # W_p learns through the re-projection
-            proj = self.projections[str(r)]
-            ctx = proj(ret['states'].to(proj.proj.weight.dtype))
-        else: ctx = ret['states'].to(w.dtype)
-        return attn(x, ctx, ret['valid'], self.config.context_size, ret['prefix'])
+        ret = self._retrieved[r]
+        return self.attentions[str(layer)](x, self._context(r, layer), ret['valid'], self.config.context_size, ret['prefix'])
+
+    def _context(self, r:int, layer:int) -> torch.Tensor:
+        "The retrieved states of cache `r` as the attention layers read them (re-projected through W_p in training), made once per forward."
+        ret = self._retrieved[r]
+        proj = self.projections[str(r)]
+        need_grad = self.reencode and torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters())
+        ctx = ret.get('ctx')
+        # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what it did
+        # (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused when they are needed
+        if ctx is not None and ret['maker'] != layer and (ctx.requires_grad or not need_grad): return ctx
+        if self.reencode: ctx = proj(ret['states'].to(proj.proj.weight.dtype))       # (B, P+T, M, d): W_p learns through this
+        else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
+        if 'ctx' not in ret: ret['ctx'], ret['maker'] = ctx, layer
+        return ctx
 
     def commit(self, keep_retrieved:bool=False):
         "End a forward: write the stashed states to the caches (unless frozen)."

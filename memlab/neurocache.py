@@ -12,16 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, atomic_write_text, check
+from .core import Config, MemlabError, arg, atomic_write_text, check
 from .models import decoder_layers, layer_parts
 
 # %% auto 0
 __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME',
            'NEUROCACHE_WEIGHTS_NAME', 'CACHE_BOOKKEEPING_BYTES', 'parse_layers', 'parse_retrieval_map',
-           'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache', 'brute_force_knn', 'dense_weight',
-           'attention_weights', 'CacheAttention', 'naive_cache_attention', 'CacheProjection', 'Neurocache',
-           'NeurocacheAttention', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'remove_neurocache',
-           'reset_cache', 'resize_cache', 'disable_neurocache', 'freeze_neurocache', 'neurocache_state_dict',
+           'format_retrieval_map', 'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache',
+           'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'naive_cache_attention',
+           'CacheProjection', 'Neurocache', 'NeurocacheAttention', 'resolve_config', 'NeurocacheModel',
+           'add_neurocache', 'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict',
+           'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'neurocache_state_dict',
            'save_neurocache', 'load_neurocache', 'memory_per_token']
 
 # %% ../nbs/20_neurocache.ipynb
@@ -29,9 +30,10 @@ CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
 SUPPORTED_FAMILIES = ('llama', 'mistral', 'opt', 'gpt2', 'phi')
 
 def parse_layers(value, name:str='attention_layers') -> list:
-    "Sorted layer indices from a list or a string such as '18,19,20' or '18-23'."
+    "Sorted layer indices from a list or a string such as '18,19,20' or '18-23' (a command line may give ['18-23'])."
     if value is None: return None
     if isinstance(value, int) and not isinstance(value, bool): value = [value]
+    if isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value): value = ','.join(map(str, value))
     if isinstance(value, str):
         out = []
         for part in value.strip().strip('[]()').split(','):
@@ -72,6 +74,10 @@ def parse_retrieval_map(value) -> dict:
         out[k] = v
     return dict(sorted(out.items()))
 
+def format_retrieval_map(layer_map:dict) -> str:
+    "The canonical string of a retrieval map: {12: 12, 18: 18} -> '12:12,18:18'."
+    return ','.join(f"{r}:{s}" for r, s in sorted(layer_map.items()))
+
 # %% ../nbs/20_neurocache.ipynb
 @dataclass
 class NeurocacheConfig(Config):
@@ -83,7 +89,7 @@ class NeurocacheConfig(Config):
     neighborhood_size: int = 2         # consecutive entries fetched per hit (2: i, i+1; 4: i-1 .. i+2); even, or 1
     context_size: int = 2              # token t also attends to the retrievals of tokens t-c+1 .. t of its segment
     similarity_fn: str = 'l2'          # l2 (nearest in Euclidean distance: score 2q·k − ‖k‖²) or dot (largest inner product)
-    retrieval_map: dict = None         # {retrieving layer: storing layer}, e.g. '18:18' or '12:12,18:18'; None = {⌊3L/4⌋: ⌊3L/4⌋}
+    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18', '12:12,18:18' or '12,18'; None = ⌊3L/4⌋:⌊3L/4⌋
     attention_layers: list = None      # layers that get cache attention, e.g. '18-23'; None = lowest retrieving layer .. L-1
     cache_type: str = 'FIFO'           # eviction order: FIFO (ring buffer) or LRU (evict the least recently retrieved entry)
     global_cache: bool = False         # one cache shared by all batch rows (never reset by start_of_sequence) instead of one per row
@@ -109,7 +115,7 @@ class NeurocacheConfig(Config):
               f"neighborhood_size ({self.neighborhood_size}) must be smaller than cache_size ({self.cache_size})")
         check(is_int(self.context_size) and self.context_size >= 1, f"context_size must be a positive integer, got {self.context_size!r}")
         check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
-        self.retrieval_map = parse_retrieval_map(self.retrieval_map)
+        if self.retrieval_map is not None: self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
         self.attention_layers = parse_layers(self.attention_layers)
         self.cache_type = str(self.cache_type).upper()
         check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
@@ -125,6 +131,11 @@ class NeurocacheConfig(Config):
         check(self.lora_modules is None or (isinstance(self.lora_modules, (list, tuple)) and self.lora_modules and
               all(isinstance(m, str) for m in self.lora_modules)), f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
         if self.lora_modules is not None: self.lora_modules = list(self.lora_modules)
+
+    @property
+    def layer_map(self) -> dict:
+        "The retrieval map as {retrieving layer: storing layer} (None until resolved against a model)."
+        return parse_retrieval_map(self.retrieval_map)
 
 # %% ../nbs/20_neurocache.ipynb
 SCORE_BUDGET = 2**24  # largest score matrix (elements) retrieval builds at once: 64 MiB in fp32
@@ -170,15 +181,28 @@ class KNNCache:
         return self.valid.sum(1)
     def nbytes(self) -> int:
         "Memory held by the cache's tensors."
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.raw, self.sqnorm, self.valid, self.time, self.used,
-                                                          self.ptr, self.clock, self.tick) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
+    _STATE = ('keys', 'raw', 'sqnorm', 'valid', 'time', 'used', 'ptr', 'clock', 'tick')
     def to(self, device):
         "Move every buffer to `device` (in place)."
-        for name in ('keys', 'raw', 'sqnorm', 'valid', 'time', 'used', 'ptr', 'clock', 'tick'):
+        for name in self._STATE:
             t = getattr(self, name)
             if t is not None: setattr(self, name, t.to(device))
         return self
+
+    def state_dict(self) -> dict:
+        "The cache's contents, to be saved with a training checkpoint."
+        return {n: getattr(self, n) for n in self._STATE if getattr(self, n) is not None}
+
+    def load_state_dict(self, state:dict):
+        "Restore contents saved by `state_dict` into a cache of the same shape."
+        for n in self._STATE:
+            cur = getattr(self, n)
+            check((cur is None) == (n not in state), f"saved cache {'has' if n in state else 'lacks'} '{n}' but this cache {'does not' if cur is None else 'does'}")
+            if cur is None: continue
+            check(state[n].shape == cur.shape, f"saved cache '{n}' has shape {tuple(state[n].shape)}, this cache {tuple(cur.shape)}")
+            setattr(self, n, state[n].to(device=cur.device, dtype=cur.dtype).clone())
 
     def reset(self, rows=None):
         "Empty all rows, or those where the bool mask `rows` (N,) is true."
@@ -400,12 +424,13 @@ class Neurocache(nn.Module):
         cf = config.compression_factor
         self.cache_dim = hidden_size // cf
         self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1 else nn.Identity()
-                                          for r in config.retrieval_map})
+                                          for r in config.layer_map})
         self.attentions = nn.ModuleDict({str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim)
                                          for j in config.attention_layers})
         self.stores = {}                                                       # storing layer -> retrieving layers it feeds
-        for r, s in config.retrieval_map.items(): self.stores.setdefault(s, []).append(r)
-        self.source = {j: max(r for r in config.retrieval_map if r <= j) for j in config.attention_layers}
+        self.retrieving = set(config.layer_map)
+        for r, s in config.layer_map.items(): self.stores.setdefault(s, []).append(r)
+        self.source = {j: max(r for r in config.layer_map if r <= j) for j in config.attention_layers}
         self.enabled, self.frozen = True, False
         self.caches = {True: {}, False: {}}                                    # training mode -> {retrieving layer: KNNCache}
         self._tail, self.last_retrieval = {}, {}
@@ -421,15 +446,18 @@ class Neurocache(nn.Module):
         self._mask, self._retrieved, self._queries, self._stashed, self._pending = token_mask, {}, {}, set(), []
         if not continuing: self._tail = {}
 
+    def _new_cache(self, rows:int, training:bool, device) -> KNNCache:
+        cfg = self.config
+        raw = self.hidden_size if training and cfg.compression_factor > 1 else 0   # training caches keep raw states for W_p
+        return KNNCache(rows, cfg.cache_size, self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
+                        cfg.neighborhood_size, cfg.similarity_fn, cfg.cache_type, cfg.topk_buckets)
+
     def cache(self, r:int, batch_size:int, device) -> KNNCache:
         "The cache retrieved at layer `r` for the current mode, created on first use."
         cfg, caches = self.config, self.caches[self.training]
         rows = 1 if cfg.global_cache else batch_size
         c = caches.get(r)
-        if c is None:
-            c = caches[r] = KNNCache(rows, cfg.cache_size, self.cache_dim, self.hidden_size if self.reencode else 0,
-                                     getattr(torch, cfg.cache_dtype), device, cfg.neighborhood_size, cfg.similarity_fn,
-                                     cfg.cache_type, cfg.topk_buckets)
+        if c is None: c = caches[r] = self._new_cache(rows, self.training, device)
         check(c.rows == rows, f"the Neurocache holds caches for {c.rows} rows but this batch has {batch_size}: "
                               f"call reset_cache(model) before changing the batch size")
         if c.device != torch.device(device): c.to(device)
@@ -441,7 +469,7 @@ class Neurocache(nn.Module):
 
     def before_attention(self, layer:int, x:torch.Tensor):
         "Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside if it stores."
-        if layer in self.config.retrieval_map and layer not in self._retrieved: self._retrieve(layer, x)
+        if layer in self.retrieving and layer not in self._retrieved: self._retrieve(layer, x)
         if not self.frozen:
             for r in self.stores.get(layer, ()):
                 if r not in self._stashed: self._stash(r, x)
@@ -547,7 +575,7 @@ class NeurocacheAttention(nn.Module):
 def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
     "A copy of `config` with the default layers filled in for a model of `num_layers` layers, checked against it."
     L = num_layers
-    rmap = config.retrieval_map or {3 * L // 4: 3 * L // 4}
+    rmap = config.layer_map or {3 * L // 4: 3 * L // 4}
     for r, s in rmap.items():
         check(r < L and s < L, f"retrieval_map {r}:{s} names a layer outside the model (it has layers 0..{L - 1})")
     att = config.attention_layers or list(range(min(rmap), L))
@@ -555,7 +583,10 @@ def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
     if bad: raise MemlabError(f"attention layer {bad[0]} is outside the model (it has layers 0..{L - 1})")
     below = [j for j in att if j < min(rmap)]
     if below: raise MemlabError(f"attention layer {below[0]} is below the lowest retrieving layer ({min(rmap)}): it would have nothing to attend to")
-    return dataclasses.replace(config, retrieval_map=rmap, attention_layers=att)
+    idle = [r for r in rmap if not any(max(q for q in rmap if q <= j) == r for j in att)]
+    if idle: raise MemlabError(f"retrieving layer {idle[0]} serves no attention layer (each attention layer reads the cache of the "
+                               f"nearest retrieving layer at or below it)")
+    return dataclasses.replace(config, retrieval_map=format_retrieval_map(rmap), attention_layers=att)
 
 def _lora_targets(base_model, layers, config, family) -> list:
     "Full names of the FFN linears of the attention layers that get LoRA."
@@ -611,7 +642,7 @@ class NeurocacheModel(nn.Module):
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
         for j in config.attention_layers:
             self.neurocache.attentions[str(j)].init_from(*attention_weights(getattr(layers[j], attn_name), h))
-        self.layers = sorted(set(config.retrieval_map) | set(config.retrieval_map.values()) | set(config.attention_layers))
+        self.layers = sorted(set(config.layer_map) | set(config.layer_map.values()) | set(config.attention_layers))
         for i in self.layers:
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
         self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True),
@@ -728,6 +759,28 @@ def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
     nc.config = dataclasses.replace(nc.config, **changes)
     nc.reset()
     return nc.config
+
+def cache_state_dict(model) -> dict:
+    "The contents of every cache of `model` ('train.<layer>.<tensor>' / 'eval.<layer>.<tensor>'), for an exactly resumable checkpoint."
+    nc = _unwrap(model).neurocache
+    return {f"{'train' if mode else 'eval'}.{r}.{n}": t for mode, caches in nc.caches.items()
+            for r, c in caches.items() for n, t in c.state_dict().items()}
+
+def load_cache_state_dict(model, state:dict):
+    "Restore the caches saved by `cache_state_dict` (same config, same batch size)."
+    nc = _unwrap(model).neurocache
+    nc.reset()
+    device = next(nc.parameters(), torch.empty(0)).device
+    for key in {k.rsplit('.', 1)[0] for k in state}:
+        mode, r = key.split('.')
+        check(mode in ('train', 'eval') and int(r) in nc.config.layer_map, f"saved caches hold {key}, which this Neurocache has not")
+        part = {k.rsplit('.', 1)[1]: v for k, v in state.items() if k.rsplit('.', 1)[0] == key}
+        n = part['keys'].shape[1]
+        check(n == nc.config.cache_size, f"the saved caches have {n} slots but cache_size is {nc.config.cache_size}: "
+                                         f"load them before resize_cache")
+        c = nc._new_cache(part['keys'].shape[0], mode == 'train', device)
+        c.load_state_dict(part)
+        nc.caches[mode == 'train'][int(r)] = c
 
 @contextlib.contextmanager
 def disable_neurocache(model):

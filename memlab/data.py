@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb 2
 from __future__ import annotations
-import collections.abc, functools, gzip, hashlib, json, os, socket, urllib.parse
+import collections.abc, contextlib, functools, gzip, hashlib, json, os, socket, urllib.parse
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -15,7 +15,8 @@ from .core import MemlabError, check
 # %% auto 0
 __all__ = ['SPLITS', 'SPLIT_ALIASES', 'EMBEDDED_CORPORA', 'HUB_TIMEOUT', 'TEXT_SUFFIXES', 'JSON_SUFFIXES', 'Document',
            'canonical_split', 'split_of', 'ArrowDocuments', 'Corpus', 'corpus_from_records', 'data_dirs',
-           'embedded_path', 'corpus_from_hf', 'hub_reachable', 'load_hf_dataset', 'load_corpus']
+           'embedded_path', 'corpus_from_hf', 'hub_reachable', 'hub_offline_unless_reachable', 'load_hf_dataset',
+           'load_corpus']
 
 # %% ../nbs/01_data.ipynb
 class Document(NamedTuple):
@@ -242,25 +243,29 @@ def hub_reachable(timeout:float=HUB_TIMEOUT) -> bool:
 def _offline_env() -> bool:
     return any(os.environ.get(k, '').strip().lower() in ('1', 'true', 'yes', 'on') for k in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'))
 
+@contextlib.contextmanager
+def hub_offline_unless_reachable():
+    "Within the block, `datasets` and `huggingface_hub` run offline (local cache only) if the Hub is unreachable; yields whether they do."
+    if not (_offline_env() or not hub_reachable()):
+        yield False; return
+    import datasets, huggingface_hub.constants
+    with mock.patch.object(datasets.config, 'HF_HUB_OFFLINE', True), \
+         mock.patch.object(huggingface_hub.constants, 'HF_HUB_OFFLINE', True):
+        yield True
+
 def load_hf_dataset(name:str, config:str=None, **kwargs):
     "`datasets.load_dataset(name, config)`, from the local cache only when the Hub is unreachable; one-line errors."
-    import datasets, huggingface_hub.constants
-    offline = _offline_env() or not hub_reachable()
+    import datasets
     label = f"{name}:{config}" if config else name
-    try:
-        if offline:  # never retry the network: only the local cache can answer
-            with mock.patch.object(datasets.config, 'HF_HUB_OFFLINE', True), \
-                 mock.patch.object(huggingface_hub.constants, 'HF_HUB_OFFLINE', True):
-                return datasets.load_dataset(name, config, **kwargs)
-        return datasets.load_dataset(name, config, **kwargs)
-    except MemlabError: raise
-    except Exception as e:
-        if offline:
-            raise MemlabError(f"could not fetch dataset {label!r}: the Hugging Face Hub is unreachable (offline) and it is not in "
-                              f"the local datasets cache; pass a local path instead (.txt, .jsonl, .parquet, a folder, a "
-                              f"save_to_disk folder) or 'pydocs'") from None
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise MemlabError(f"could not fetch dataset {label!r} from the Hugging Face Hub ({msg}); pass a local path instead") from None
+    with hub_offline_unless_reachable() as offline:
+        try: return datasets.load_dataset(name, config, **kwargs)
+        except Exception as e:
+            if offline:
+                raise MemlabError(f"could not fetch dataset {label!r}: the Hugging Face Hub is unreachable (offline) and it is "
+                                  f"not in the local datasets cache; pass a local path instead (.txt, .jsonl, .parquet, a folder, "
+                                  f"a save_to_disk folder) or 'pydocs'") from None
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise MemlabError(f"could not fetch dataset {label!r} from the Hugging Face Hub ({msg}); pass a local path instead") from None
 
 # %% ../nbs/01_data.ipynb
 TEXT_SUFFIXES = ('.txt', '.md', '.rst')

@@ -51,7 +51,7 @@ class ArrowDocuments(collections.abc.Sequence):
         self.dataset, self.text_field, self.id_field = dataset, text_field, id_field  # dataset: datasets.Dataset
         self.ids, self.id_prefix = ids, id_prefix  # ids: original row numbers (after a select), used when there is no id field
     def __len__(self): return len(self.dataset)
-    def _id(self, i, row): 
+    def _id(self, i, row):
         if self.id_field: return str(row[self.id_field])
         return f"{self.id_prefix}{self.ids[i] if self.ids is not None else i}"
     def __getitem__(self, i):

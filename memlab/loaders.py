@@ -141,6 +141,8 @@ class TokenBatches:
 
     def load_state_dict(self, state:dict):
         "Continue from a `state_dict()`: the next batch is the one that followed it."
+        missing = [k for k in ('epoch', 'position', 'seed', 'n_rows', 'shuffle') if k not in state]
+        check(not missing, f"not a TokenBatches state: it lacks {', '.join(missing)}")
         for k in ('seed', 'n_rows', 'shuffle'):
             check(state.get(k) == getattr(self, k), f"data state does not match this data: saved {k}={state.get(k)!r}, "
                   f"now {getattr(self, k)!r} (a different dataset or seed?)")
@@ -282,6 +284,8 @@ class DocumentStream:
 
     def load_state_dict(self, state:dict):
         "Continue from a `state_dict()` saved by the same rank: every row resumes at its document and offset."
+        missing = [k for k in ('epoch', 'queue_position', 'rows', 'rank', 'world_size') if k not in state]
+        check(not missing, f"not a DocumentStream state: it lacks {', '.join(missing)}")
         check((state.get('rank'), state.get('world_size')) == (self.rank, self.world_size),
               f"this data state was saved by rank {state.get('rank')} of {state.get('world_size')}, not rank {self.rank} of "
               f"{self.world_size}: each process must load its own state")

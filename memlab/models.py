@@ -13,6 +13,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .core import MemlabError, check, cli_main, count_parameters, atomic_write_text
+from .data import hub_offline_unless_reachable
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
@@ -140,7 +141,9 @@ def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:s
                                          if quantization in ('nf4', '4bit') else BitsAndBytesConfig(load_in_8bit=True))
             kw['device_map'] = {'': device or ('cuda' if torch.cuda.is_available() else 'cpu')}
         if gguf_file: kw['gguf_file'] = gguf_file
-        try: model = AutoModelForCausalLM.from_pretrained(value, **kw)
+        try:
+            with hub_offline_unless_reachable():  # offline, fail in a second instead of retrying for a minute
+                model = AutoModelForCausalLM.from_pretrained(value, **kw)
         except (OSError, ValueError) as e:
             if kind == 'hub' or _is_offline_error(e):
                 raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
@@ -156,7 +159,9 @@ def load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
     kind, value = resolve_model(p if gguf_file else name_or_path)
     check(kind != 'config', f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
-    try: tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
+    try:
+        with hub_offline_unless_reachable():
+            tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
     except (OSError, ValueError) as e:
         raise MemlabError(f"cannot load tokenizer {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
                           f"or has no such tokenizer; pass a local folder") from None

@@ -54,6 +54,7 @@ class Callback:
     def on_evaluate_end(self, trainer, metrics:dict): pass
     def on_log(self, trainer, logs:dict): pass            # logs may be edited in place
     def on_save(self, trainer, checkpoint_dir:Path): pass # write extra files into the checkpoint being saved
+    def on_load_begin(self, trainer, checkpoint_dir:Path): pass  # callback state is restored; model and optimizer not yet
     def on_load(self, trainer, checkpoint_dir:Path): pass
     def on_train_end(self, trainer): pass
     def state_dict(self) -> dict: return {}
@@ -316,14 +317,28 @@ class Trainer:
 
     def reconfigure(self, modify):
         """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in place;
-        the model is re-wrapped for DDP/FSDP and a fresh optimizer is built whose schedule continues at the current step."""
-        model = self.accelerator.unwrap_model(self.model) if not self.fsdp else self.model
+        the model is re-wrapped for DDP (its set of trainable parameters changed) and a fresh optimizer is built whose schedule
+        continues at the current step (`replace_optimizer` can then install a method's own)."""
         check(not self.fsdp, "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
+        model = self.accelerator.unwrap_model(self.model)
         self.accelerator._models.clear(); self.accelerator._optimizers.clear()
         modify(model)
         self.model = self.accelerator.prepare_model(model)
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)
         self._build_optimizer(keep_step=self.step)
+
+    def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
+        """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured schedule,
+        continuing at the current step)."""
+        self.accelerator._optimizers.clear()
+        for g in optimizer.param_groups: g.setdefault('initial_lr', g['lr'])
+        self._acc_optimizer = self.accelerator.prepare_optimizer(optimizer)
+        self.optimizer = optimizer
+        if scheduler is None:
+            scheduler = self._scheduler_fn(optimizer) if self._scheduler_fn is not None else get_scheduler(optimizer, self.config)
+            scheduler.last_epoch = self.step; scheduler._step_count = self.step + 1
+            for g, lr in zip(optimizer.param_groups, scheduler.get_lr()): g['lr'] = lr
+        self.scheduler = scheduler
 
     # ---- events ------------------------------------------------------------------------------------------------
     def _event(self, name, *args):
@@ -499,6 +514,13 @@ class Trainer:
               f"{path} was written by {state['world_size']} process(es); resume it with the same number (now {self.world_size})")
         check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
               f"{path} was written under {state['distributed_type']}; resume it the same way")
+        # Callbacks first: one may need to change the model (say, add adapters the run had switched to) before its state loads.
+        sc = torch.load(path/'scheduler_callbacks.pt', weights_only=False)
+        check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
+              f"this run has {len(self.callbacks)}: resume with the same method options")
+        for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
+        self.step = state['step']
+        self._event('on_load_begin', path)
         if self.fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -517,11 +539,7 @@ class Trainer:
                     if twin is not None: sd[k] = sd[twin]
             load_strict(self.unwrapped_model, sd, 'model')
             self.optimizer.load_state_dict(torch.load(path/'optimizer.pt', weights_only=False))
-        sc = torch.load(path/'scheduler_callbacks.pt', weights_only=False)
         self.scheduler.load_state_dict(sc['scheduler'])
-        check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
-              f"this run has {len(self.callbacks)}: resume with the same method options")
-        for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
         proc = torch.load(path/f'process_{acc.process_index}.pt', weights_only=False)
         from memlab.core import set_rng_state
         set_rng_state(proc['rng'])

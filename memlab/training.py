@@ -417,13 +417,19 @@ class Trainer:
         was_training = model.training; model.eval()
         loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
         logs = {}
+        from tqdm.auto import tqdm
+        total = min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
+            len(data) if hasattr(data, '__len__') else max_steps)
+        bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main), dynamic_ncols=True)
         for i, batch in enumerate(data):
             if max_steps is not None and i >= max_steps: break
+            bar.update(1)
             batch = _to_device(batch, self.accelerator.device)
             with self.accelerator.autocast():
                 out = self.loss_fn(model, batch)
             loss_sum += out.loss_sum.float(); n += torch.as_tensor(out.n_tokens, device=n.device).float()
             for k, v in out.logs.items(): logs[k] = logs.get(k, 0.0) + torch.as_tensor(v).float().to(n.device)
+        bar.close()
         loss_sum, n = self._reduce(loss_sum), self._reduce(n)
         model.train(was_training)
         check(n.item() > 0, "evaluation saw no target tokens")

@@ -10,7 +10,8 @@ from pathlib import Path
 from .core import cli_main, atomic_write_text, check
 
 # %% auto 0
-__all__ = ['cell_directives', 'notebook_markdown', 'readme_markdown', 'write_readme', 'docs_main']
+__all__ = ['SECTIONS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown', 'write_readme', 'api_html',
+           'api_hook_for', 'site_pages', 'build_site', 'docs_main']
 
 # %% ../nbs/99_docs.ipynb
 _DIRECTIVE = re.compile(r"^\s*#\s*\|\s*([\w-]+):?\s*(.*)$")
@@ -37,44 +38,225 @@ def _output_md(o:dict) -> str:
     if 'text/plain' in data: return '```\n' + ''.join(data['text/plain']).rstrip() + '\n```'
     return ''
 
-def notebook_markdown(path, skip_title:bool=False) -> str:
-    "Render notebook `path` as Markdown (no Quarto needed)."
+def _fix_links(md:str, link_base:str='', ext:str='.ipynb') -> str:
+    "Point relative links to notebooks at `link_base` and, for the site, at the rendered page (`ext='.md'`)."
+    def sub(m):
+        text, target = m.group(1), m.group(2)
+        if re.match(r'^[a-z]+:|^#|^/', target): return m.group(0)
+        path, _, anchor = target.partition('#')
+        if path.endswith('.ipynb'): path = link_base + path[:-len('.ipynb')] + ext
+        elif link_base and not path.startswith('..'): path = link_base + path
+        return f"[{text}]({path}{'#' + anchor if anchor else ''})"
+    return re.sub(r"\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
+
+def notebook_markdown(path, skip_title:bool=False, link_base:str='', ext:str='.ipynb', api_hook=None, image_hook=None) -> str:
+    """Render notebook `path` as Markdown (no Quarto needed). `api_hook(source)` may return Markdown to insert after a code cell
+    (API documentation of what it exports); `image_hook(png_base64)` may return the link to use for an image output."""
     nb = json.loads(Path(path).read_text())
     parts = []
     for i, cell in enumerate(nb['cells']):
         src = ''.join(cell['source'])
         if cell['cell_type'] == 'markdown':
             if skip_title and i == 0: continue
-            parts.append(src.strip())
+            parts.append(_fix_links(src.strip(), link_base, ext))
             continue
         d = cell_directives(src)
         if 'hide' in d or 'default_exp' in d or d.get('echo') == 'false' and not cell.get('outputs'): continue
         code = _strip_directives(src)
         if code and d.get('echo') != 'false': parts.append('```python\n' + code + '\n```')
+        if api_hook is not None and 'export' in d: parts.append(api_hook(code))
         if 'hide_output' not in d and d.get('output') != 'false':
-            parts += [m for m in (_output_md(o) for o in cell.get('outputs', [])) if m]
+            for o in cell.get('outputs', []):
+                png = o.get('data', {}).get('image/png')
+                parts.append(f"![]({image_hook(''.join(png).strip())})" if png and image_hook else _output_md(o))
     return '\n\n'.join(p for p in parts if p) + '\n'
 
 # %% ../nbs/99_docs.ipynb
 def readme_markdown(nbs_path='nbs') -> str:
     "The README text generated from `<nbs_path>/index.ipynb`."
-    md = notebook_markdown(Path(nbs_path)/'index.ipynb')
+    md = notebook_markdown(Path(nbs_path)/'index.ipynb', link_base='nbs/')
     md = re.sub(r"^> (.*)$", r"\1", md, count=1, flags=re.M)
     return "<!-- generated from nbs/index.ipynb by memlab_docs --readme: edit the notebook, not this file -->\n\n" + md
+
+def results_markdown(root='.') -> str:
+    "The headline results table, built from the experiments' `nbs/experiments/results/*.json` (their `headline` rows)."
+    rows = []
+    for f in sorted((Path(root)/'nbs'/'experiments'/'results').glob('*.json')):
+        d = json.loads(f.read_text())
+        for r in d.get('headline', []) if isinstance(d, dict) else []:
+            rows.append({**r, 'notebook': r.get('notebook') or d.get('notebook') or f"nbs/experiments/{f.stem}.ipynb"})
+    if not rows: return '_No experiment has recorded headline results yet._'
+    lines = ['| method | experiment | result | notebook |', '|---|---|---|---|']
+    for r in rows: lines.append(f"| {r.get('method', '')} | {r.get('experiment', '')} | {r.get('result', '')} | [{Path(r['notebook']).stem}]({r['notebook']}) |")
+    return '\n'.join(lines)
 
 def write_readme(root='.') -> Path:
     "Write `<root>/README.md` from `<root>/nbs/index.ipynb`."
     root = Path(root); check((root/'nbs'/'index.ipynb').exists(), f"no nbs/index.ipynb under {root.resolve()}")
-    atomic_write_text(root/'README.md', readme_markdown(root/'nbs'))
+    atomic_write_text(root/'README.md', readme_markdown(root/'nbs').replace('<!-- memlab:results -->', results_markdown(root)))
     return root/'README.md'
+
+# %% ../nbs/99_docs.ipynb
+import ast, html, importlib, inspect
+
+def _exported_names(source:str) -> list:
+    "Top-level public names defined in a code cell."
+    try: tree = ast.parse(source)
+    except SyntaxError: return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return [n for n in names if not n.startswith('_')]
+
+def _signature(obj):
+    try: return inspect.signature(obj, eval_str=True)
+    except Exception: return inspect.signature(obj)
+
+def _param_rows(obj) -> list:
+    try:
+        from fastcore.docments import docments
+        docs = docments(obj, full=True)
+    except Exception: docs = {}
+    try: sig = _signature(obj)
+    except (TypeError, ValueError): return []
+    rows = []
+    for name, p in sig.parameters.items():
+        if name in ('self', 'cls'): continue
+        d = docs.get(name, {}) if isinstance(docs.get(name), dict) else {}
+        ann = '' if p.annotation is inspect._empty else (p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, '__name__', str(p.annotation)))
+        default = '' if p.default is inspect._empty else repr(p.default)
+        rows.append((name, str(ann), default, d.get('docment') or ''))
+    return rows
+
+def api_html(obj, name:str, level:int=4) -> str:
+    "HTML documentation block of one object: signature, docstring, parameter table (and methods of a class)."
+    kind = 'class' if inspect.isclass(obj) else ('function' if callable(obj) else 'value')
+    try: sig = str(_signature(obj)) if callable(obj) else ''
+    except (TypeError, ValueError): sig = '(...)'
+    doc = inspect.getdoc(obj) or ''
+    if kind == 'value': doc = f"= {html.escape(repr(obj)[:300])}"
+    out = [f'<div class="memlab-api" id="api-{html.escape(name)}">',
+           f'<h{level}><code>{html.escape(name)}</code> <small>{kind}</small></h{level}>']
+    if sig: out.append(f'<pre class="memlab-sig"><code>{html.escape(name + sig)}</code></pre>')
+    if doc: out.append(f'<p>{html.escape(doc) if kind != "value" else doc}</p>')
+    rows = _param_rows(obj) if callable(obj) else []
+    if rows and any(r[3] for r in rows):
+        out.append('<table><thead><tr><th>parameter</th><th>type</th><th>default</th><th></th></tr></thead><tbody>')
+        out += [f'<tr><td><code>{html.escape(a)}</code></td><td>{html.escape(b)}</td><td><code>{html.escape(c)}</code></td><td>{html.escape(d)}</td></tr>'
+                for a, b, c, d in rows]
+        out.append('</tbody></table>')
+    if kind == 'class':
+        for mname, m in inspect.getmembers(obj):
+            if mname.startswith('_') or mname not in obj.__dict__ or not callable(m) or not getattr(m, '__doc__', None): continue
+            try: msig = str(_signature(m))
+            except (TypeError, ValueError): msig = '(...)'
+            out.append(f'<p class="memlab-method"><code>{html.escape(name + "." + mname + msig)}</code>: {html.escape((inspect.getdoc(m) or "").splitlines()[0])}</p>')
+    out.append('</div>')
+    return '\n'.join(out)
+
+def api_hook_for(module_name:str):
+    "An `api_hook` for `notebook_markdown` documenting what each exported cell of `module_name` defines."
+    mod = importlib.import_module(module_name)
+    public = set(getattr(mod, '__all__', []) or [n for n in dir(mod) if not n.startswith('_')])
+    def hook(source:str) -> str:
+        return '\n\n'.join(api_html(getattr(mod, n), n) for n in _exported_names(source) if n in public and hasattr(mod, n))
+    return hook
+
+# %% ../nbs/99_docs.ipynb
+import base64, hashlib, shutil, subprocess
+
+SECTIONS = (('Foundations', '0'), ('Methods', '1-5'), ('Project', '9'))
+
+def _title(path) -> str:
+    nb = json.loads(Path(path).read_text())
+    for c in nb['cells']:
+        if c['cell_type'] == 'markdown':
+            m = re.search(r'^#\s+(.+)$', ''.join(c['source']), re.M)
+            if m: return m.group(1).strip()
+    return Path(path).stem
+
+def _module_of(path) -> str:
+    nb = json.loads(Path(path).read_text())
+    for c in nb['cells']:
+        d = cell_directives(''.join(c['source'])) if c['cell_type'] == 'code' else {}
+        if 'default_exp' in d: return 'memlab.' + d['default_exp'].split()[0]
+    return None
+
+def site_pages(root='.') -> list:
+    "(section, source notebook, page name) for every page of the site, in order."
+    nbs = Path(root)/'nbs'
+    pages = [('Home', nbs/'index.ipynb', 'index.md')]
+    lib = sorted(p for p in nbs.glob('[0-9][0-9]_*.ipynb'))
+    for p in lib:
+        sec = 'Foundations' if p.name[0] == '0' else ('Project' if p.name[0] == '9' else 'Methods')
+        pages.append((sec, p, p.stem + '.md'))
+    pages += [('Experiments', p, 'experiments/' + p.stem + '.md') for p in sorted((nbs/'experiments').glob('[!_]*.ipynb'))]
+    return pages
+
+def build_site(root='.', out='_site', strict:bool=True) -> Path:
+    "Render the documentation site from the notebooks into `out` (static HTML, viewable offline)."
+    root, out = Path(root).resolve(), Path(out).resolve()
+    src = out.with_name(out.name + '_src')
+    shutil.rmtree(src, ignore_errors=True); (src/'img').mkdir(parents=True)
+    nav = {}
+    for section, nb, page in site_pages(root):
+        depth = page.count('/')
+        def image_hook(b64, _page=page, _depth=depth):
+            name = hashlib.sha1(b64.encode()).hexdigest()[:16] + '.png'
+            (src/'img'/name).write_bytes(base64.b64decode(b64))
+            return '../' * _depth + 'img/' + name
+        mod = _module_of(nb)
+        hook = api_hook_for(mod) if mod else None
+        base = '' if depth == 0 else '../'
+        md = notebook_markdown(nb, api_hook=hook, image_hook=image_hook, ext='.md',
+                               link_base='experiments/' if page == 'index.md' and False else '')
+        if page == 'index.md': md = md.replace('<!-- memlab:results -->', results_markdown(root)).replace('](nbs/', '](')
+        md = _site_links(md, page)
+        (src/page).parent.mkdir(parents=True, exist_ok=True)
+        (src/page).write_text(md)
+        nav.setdefault(section, []).append({_title(nb): page})
+    (src/'css').mkdir(exist_ok=True)
+    (src/'css'/'memlab.css').write_text(".memlab-api{border-left:3px solid #7c4dff;padding:.2em .8em;margin:1em 0;background:#f7f5ff}"
+                                        ".memlab-api h4{margin-top:.3em}.memlab-sig code{white-space:pre-wrap}")
+    cfg = {'site_name': 'memlab', 'docs_dir': str(src), 'site_dir': str(out), 'use_directory_urls': False,
+           'theme': {'name': 'material', 'font': False, 'features': ['navigation.sections', 'content.code.copy']},
+           'extra_css': ['css/memlab.css'], 'markdown_extensions': ['tables', 'fenced_code', 'toc', 'admonition'],
+           'nav': [{k: v if k != 'Home' else v[0][next(iter(v[0]))]} if k == 'Home' else {k: v} for k, v in nav.items()],
+           'plugins': ['search']}
+    import yaml
+    cfg_path = out.with_name(out.name + '_mkdocs.yml')
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '-q', '-f', str(cfg_path)] + (['--strict'] if strict else []),
+                       capture_output=True, text=True)
+    check(r.returncode == 0, f"mkdocs build failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return out
+
+def _site_links(md:str, page:str) -> str:
+    "Links between notebooks become links between pages (the experiments live one folder down)."
+    in_exp = page.startswith('experiments/')
+    def sub(m):
+        text, target = m.group(1), m.group(2)
+        if re.match(r'^[a-z]+:|^#|^/', target): return m.group(0)
+        path, _, anchor = target.partition('#')
+        if path.endswith('.md') or path.endswith('.ipynb'):
+            path = path[:-6] + '.md' if path.endswith('.ipynb') else path
+            if in_exp and not path.startswith(('../', 'experiments/')) and re.match(r'^\d\d_|^index', Path(path).name): path = '../' + path
+            if in_exp and path.startswith('experiments/'): path = path[len('experiments/'):]
+        return f"[{text}]({path}{'#' + anchor if anchor else ''})"
+    return re.sub(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
 
 # %% ../nbs/99_docs.ipynb
 @cli_main
 def docs_main():
-    "memlab_docs: write README.md from nbs/index.ipynb (and, with --site, the documentation site)."
+    "memlab_docs: write README.md from nbs/index.ipynb and, with --site, the documentation site (no Quarto needed)."
     import argparse
     p = argparse.ArgumentParser(prog='memlab_docs', description=docs_main.__doc__)
     p.add_argument('--root', default='.', help='project root (holds nbs/)')
     p.add_argument('--readme', action='store_true', help='write README.md only')
+    p.add_argument('--site', action='store_true', help='also build the documentation site (MkDocs, offline)')
+    p.add_argument('--out', default='_site', help='where the site goes')
     args = p.parse_args()
     print(write_readme(args.root))
+    if args.site: print(build_site(args.root, args.out))

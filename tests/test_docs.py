@@ -1,0 +1,68 @@
+"""The documentation site: built from the notebooks without Quarto, opened in headless Chromium.
+Every page loads; each library page shows its API documentation; experiment pages show their plots as images; no internal link is broken."""
+import re, shutil, subprocess, sys
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import urlparse, unquote
+import pytest
+from conftest import ROOT, run
+
+CHROMIUM = shutil.which('chromium') or shutil.which('chromium-browser')
+ARGS = ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
+        '--disable-component-update', '--disable-sync']
+
+@pytest.fixture(scope='module')
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp('site')/'site'
+    run([Path(sys.executable).parent/'memlab_docs', '--site', '--out', out, '--root', ROOT], timeout=900)
+    return out
+
+class Links(HTMLParser):
+    def __init__(self): super().__init__(); self.links = []
+    def handle_starttag(self, tag, attrs):
+        for k, v in attrs:
+            if v and ((tag == 'a' and k == 'href') or (tag in ('img', 'script') and k == 'src') or (tag == 'link' and k == 'href')):
+                self.links.append(v)
+
+def test_no_broken_internal_link(site):
+    pages = [p for p in site.rglob('*.html') if p.name != '404.html']  # the 404 page uses server-absolute links by design
+    assert len(pages) > 10
+    broken = []
+    for page in pages:
+        p = Links(); p.feed(page.read_text())
+        for link in p.links:
+            u = urlparse(link)
+            if u.scheme or link.startswith('#') or not u.path: continue
+            target = (site/unquote(u.path).lstrip('/')) if u.path.startswith('/') else (page.parent/unquote(u.path)).resolve()
+            if not target.exists(): broken.append(f"{page.relative_to(site)} -> {link}")
+    assert not broken, broken[:20]
+
+@pytest.mark.skipif(CHROMIUM is None, reason='needs Chromium (Debian package chromium); .ci/run installs it')
+def test_pages_in_headless_chromium(site):
+    from playwright.sync_api import sync_playwright
+    lib_pages = sorted(p for p in site.glob('[0-9][0-9]_*.html'))
+    exp_pages = sorted((site/'experiments').glob('*.html')) if (site/'experiments').exists() else []
+    method_pages = [p for p in lib_pages if p.name[0] in '12345']
+    assert method_pages, 'no method pages were built'
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page()
+        errors = []
+        page.on('pageerror', lambda e: errors.append(str(e)))
+        page.goto((site/'index.html').as_uri())
+        assert 'memlab' in page.title()
+        assert page.locator('h1').first.inner_text().strip() == 'memlab'
+        for p in lib_pages:
+            page.goto(p.as_uri())
+            assert page.locator('h1').count() >= 1, p.name
+            if p.name not in ('99_docs.html',):
+                assert page.locator('.memlab-api').count() > 0, f"{p.name} shows no API documentation"
+        for p in exp_pages:
+            page.goto(p.as_uri())
+            imgs = page.locator('article img')
+            n = imgs.count()
+            assert n > 0, f"{p.name} shows no plot"
+            loaded = page.evaluate("() => [...document.querySelectorAll('article img')].map(i => i.complete && i.naturalWidth > 0)")
+            assert all(loaded), f"{p.name}: {loaded.count(False)} image(s) did not load"
+        browser.close()
+    assert not errors, errors[:5]

@@ -25,10 +25,10 @@ def check(cond, msg:str):
 
 # %% ../nbs/00_core.ipynb
 def cli_main(fn):
-    "Wrap a command-line entry point: a `MemlabError` becomes one line on stderr and exit status 2."
+    "Wrap a command-line entry point: a `MemlabError` becomes one line on stderr and exit status 2; success returns None (exit 0)."
     @functools.wraps(fn)
     def _main(*args, **kwargs):
-        try: return fn(*args, **kwargs)
+        try: fn(*args, **kwargs)  # a console script does sys.exit(main()): a returned value would become exit status 1
         except MemlabError as e:
             prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'memlab'
             msg = ' '.join(str(e).split())  # always exactly one line

@@ -121,7 +121,6 @@ def main(argv=None):
     res = train_lm(task, train)
     if res.get('after') is not None:
         print('\n' + results_table(res) + f"\nresults, loss.png and checkpoints in {train.output_dir}")
-    return res
 
 # %% ../nbs/07_train.ipynb
 #| eval: false

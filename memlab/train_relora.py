@@ -382,7 +382,11 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     eval_data = TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
     callbacks = []
     if cfg.relora: callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=K - cfg.adjust_step, seed=cfg.seed))
-    if cfg.optimizer.lower() == 'adam_zero' and world > 1: callbacks.append(ConsolidateZeroState())
+    if cfg.optimizer.lower() == 'adam_zero' and world > 1:
+        callbacks.append(ConsolidateZeroState())
+        # accelerate would round-trip the new optimizer's state_dict() to place it on the device, which a ZeRO optimizer
+        # refuses before consolidation: place the model ourselves instead
+        model.to(acc.device); acc.device_placement = False
     if cfg.profile: callbacks.append(ProfileCallback(Path(save_dir)/'profiler_logs'))
     if cfg.report_to == 'wandb':   # wandb reads these when the loop starts it
         if cfg.tags: os.environ['WANDB_TAGS'] = ','.join(cfg.tags)

@@ -84,6 +84,7 @@ class ReLoRARunConfig(Config):
     max_eval_tokens: str = '10M'           # tokens per evaluation (K/M/B suffixes; the reference's fixed 10M)
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (log.jsonl is always written)
     export_model: bool = True              # at the end, save the trained model (adapters merged) as a plain Hugging Face model in <save_dir>/model
+    progress: bool = True                  # show a progress bar (main process)
 
     def __post_init__(self):
         check((self.model_config is None) != (self.model_name_or_path is None),
@@ -396,7 +397,8 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
                      max_grad_norm=cfg.clip_grad_norm, eval_every=cfg.eval_every, save_every=cfg.save_every,
                      max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
                      keep_checkpoints=cfg.keep_checkpoints or 10**9, log_every=1, mixed_precision=cfg.mixed_precision,
-                     distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume, report_to=cfg.report_to)
+                     distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume, report_to=cfg.report_to,
+                     progress=cfg.progress)
     run_config = {'relora': {k: v for k, v in cfg.to_dict().items()}, 'dataset': data_args, 'world_size': world,
                   'gradient_accumulation': accum, 'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
     trainer = Trainer(model, tc, train_data, eval_data, callbacks=callbacks, optimizer=optimizer_factory(cfg, world),

@@ -145,6 +145,17 @@ def _expected_targets(model) -> dict:
         out.update({id(m): names.get(id(m), '?') for m in mods})
     return out
 
+def _load_nf4_hook(module, state_dict, prefix, *args):
+    "Load-state-dict pre-hook of an nf4 `Linear4bit`: take the quantization statistics its `state_dict` wrote next to `weight`."
+    from bitsandbytes.functional import QuantState, _convert_weight_packed_for_cpu_inverse
+    stats = {k[len(prefix) + 7:]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix + 'weight.')}
+    if not stats: return
+    w = module.weight
+    if getattr(w.quant_state, 'packing_format_for_cpu', False):   # back to the layout that was saved
+        w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
+    w.quant_state = QuantState.from_dict(stats, device=w.device)   # `weight` itself is then copied by the default loader
+    if getattr(module, 'quant_state', None) is not None: module.quant_state = w.quant_state
+
 def _quantize_linear(lin:nn.Linear, kind:str) -> nn.Linear:
     "A bitsandbytes copy of `lin` with its weight stored in nf4 ('4bit') or int8 ('8bit')."
     import bitsandbytes as bnb
@@ -157,6 +168,10 @@ def _quantize_linear(lin:nn.Linear, kind:str) -> nn.Linear:
         q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=bias, has_fp16_weights=False, threshold=0.0, device='meta')
         q.weight = bnb.nn.Int8Params(lin.weight.data, requires_grad=False, has_fp16_weights=False)
     if bias: q.bias = nn.Parameter(lin.bias.data)
+    if kind == '4bit':
+        if lin.in_features % 64 or lin.out_features % 32:
+            q.support_avx512bf16_for_cpu = False   # bitsandbytes' CPU inference repacking needs in % 64 == 0 and out % 32 == 0
+        q._register_load_state_dict_pre_hook(_load_nf4_hook, with_module=True)   # so that a checkpoint of it loads back (bitsandbytes' does not)
     return q.to(dev)   # moving a bitsandbytes parameter to a device is what quantizes it
 
 # %% ../nbs/30_relora.ipynb

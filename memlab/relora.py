@@ -28,7 +28,7 @@ __all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'ReLo
            'add_relora', 'merge_layer_', 'merge_and_reinit', 'remove_relora', 'merged_model', 'save_merged',
            'CosineRestarts', 'get_cosine_schedule_with_restarts', 'LinearWarmupDecay', 'CyclicCosine',
            'get_linear_schedule', 'get_cosine_schedule', 'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer',
-           'rebuild_optimizer', 'ReLoRACallback', 'WarmStartCallback']
+           'rebuild_optimizer', 'ReLoRACallback', 'WarmStartCallback', 'benchmark']
 
 # %% ../nbs/30_relora.ipynb
 DEFAULT_TARGETS = ('attn', 'attention', 'mlp')
@@ -145,6 +145,17 @@ def _expected_targets(model) -> dict:
         out.update({id(m): names.get(id(m), '?') for m in mods})
     return out
 
+def _load_nf4_hook(module, state_dict, prefix, *args):
+    "Load-state-dict pre-hook of an nf4 `Linear4bit`: take the quantization statistics its `state_dict` wrote next to `weight`."
+    from bitsandbytes.functional import QuantState, _convert_weight_packed_for_cpu_inverse
+    stats = {k[len(prefix) + 7:]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix + 'weight.')}
+    if not stats: return
+    w = module.weight
+    if getattr(w.quant_state, 'packing_format_for_cpu', False):   # back to the layout that was saved
+        w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
+    w.quant_state = QuantState.from_dict(stats, device=w.device)   # `weight` itself is then copied by the default loader
+    if getattr(module, 'quant_state', None) is not None: module.quant_state = w.quant_state
+
 def _quantize_linear(lin:nn.Linear, kind:str) -> nn.Linear:
     "A bitsandbytes copy of `lin` with its weight stored in nf4 ('4bit') or int8 ('8bit')."
     import bitsandbytes as bnb
@@ -157,6 +168,10 @@ def _quantize_linear(lin:nn.Linear, kind:str) -> nn.Linear:
         q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=bias, has_fp16_weights=False, threshold=0.0, device='meta')
         q.weight = bnb.nn.Int8Params(lin.weight.data, requires_grad=False, has_fp16_weights=False)
     if bias: q.bias = nn.Parameter(lin.bias.data)
+    if kind == '4bit':
+        if lin.in_features % 64 or lin.out_features % 32:
+            q.support_avx512bf16_for_cpu = False   # bitsandbytes' CPU inference repacking needs in % 64 == 0 and out % 32 == 0
+        q._register_load_state_dict_pre_hook(_load_nf4_hook, with_module=True)   # so that a checkpoint of it loads back (bitsandbytes' does not)
     return q.to(dev)   # moving a bitsandbytes parameter to a device is what quantizes it
 
 # %% ../nbs/30_relora.ipynb
@@ -427,6 +442,20 @@ def reset_mode_from_flags(reset_optimizer_on_relora:bool=False, optimizer_random
     for m, r in chosen: check(0 < r <= 1, f"the {m} pruning ratio must be in (0, 1], got {r}")
     return chosen[0] if chosen else (None, 0.0)
 
+def _is_zero(opt) -> bool:
+    "Whether `opt` is a `ZeroRedundancyOptimizer` (state partitioned over data-parallel ranks)."
+    try: from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError: return False
+    return isinstance(opt, ZeroRedundancyOptimizer)
+
+def _local_part(t, full:torch.Tensor) -> torch.Tensor:
+    "This rank's part of `full`, a tensor of `t`'s whole shape (all of it unless `t` is a DTensor shard)."
+    if not _is_dtensor(t): return full.to(t.device)
+    d = distribute_tensor(full.to(_local(t).device), t.device_mesh, t.placements, src_data_rank=None)  # every rank has `full`
+    return d.to_local()
+
+def _param_seed(seed:int, i:int) -> int: return (seed * 1_000_003 + i) % 2**63
+
 @torch.no_grad()
 def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:int=None,
                     keys=('exp_avg', 'exp_avg_sq'), couple_moments:bool=True) -> dict:
@@ -439,38 +468,42 @@ def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:i
     held = {id(p) for g in opt.param_groups for p in g['params']}
     outside = sum(id(p) not in held for p in params)
     check(not outside, f"reset_optimizer: {outside} of the {len(params)} parameters are not in this optimizer")
-    stateless = sum(not any(k in opt.state.get(p, {}) for k in keys) for p in params)
+    zero_opt = _is_zero(opt)
+    if zero_opt:                                                   # this rank holds the state of its own partition only
+        opt = opt.optim
+        mine = {id(p) for g in opt.param_groups for p in g['params']}
+    numbered = [(i, p) for i, p in enumerate(params) if not zero_opt or id(p) in mine]
+    stateless = sum(not any(k in opt.state.get(p, {}) for k in keys) for _, p in numbered)
     check(not stateless, f"reset_optimizer: {stateless} of the {len(params)} parameters have no {'/'.join(keys)} state "
           "(no optimizer step yet, or not an Adam-type optimizer)")
-    g = None
-    if seed is not None:
-        dt = any(_is_dtensor(opt.state[p].get(k)) for p in params for k in keys)
-        rank = torch.distributed.get_rank() if dt and torch.distributed.is_initialized() else 0
-        g = torch.Generator().manual_seed(seed + 7919 * rank)     # FSDP2: a different mask per shard; DDP: the same everywhere
-    counts = {k: [0, 0] for k in keys}                             # zeros after, entries
-    target = 0
-    for p in params:
+    target, sharded = 0, zero_opt
+    for i, p in numbered:
         st, mask = opt.state[p], None
         for k in keys:
             if k not in st: continue
-            t = _local(st[k])                                      # in place on this rank's shard
-            n = t.numel()
-            if n == 0: continue
+            t = st[k]
+            sharded |= _is_dtensor(t)
+            n = t.numel()                                          # the whole tensor's size (a DTensor's too)
             kz = n if mode == 'zero' else int(round(ratio * n))
-            if mode == 'zero': t.zero_()
-            elif mode == 'random' and kz:
+            if not kz: continue
+            if mode == 'zero':
+                loc = _local(t); loc.zero_(); target += loc.numel()
+            elif mode == 'random':
                 if mask is None:                                   # one mask per parameter, shared by both moments
-                    mask = torch.zeros(n, dtype=torch.bool)
-                    mask[torch.randperm(n, generator=g)[:kz]] = True
-                    mask = mask.view(t.shape).to(t.device)
-                t.masked_fill_(mask, 0)
-            elif mode == 'magnitude' and kz:
-                mag = t.abs().float()
-                t.masked_fill_(mag <= mag.flatten().kthvalue(kz).values, 0)
-            target += kz
+                    g = torch.Generator().manual_seed(_param_seed(seed, i)) if seed is not None else None
+                    full = torch.zeros(n, dtype=torch.bool)
+                    full[torch.randperm(n, generator=g)[:kz]] = True
+                    mask = _local_part(t, full.view(tuple(t.shape)))
+                _local(t).masked_fill_(mask, 0); target += int(mask.sum())
+            else:
+                thr = _full(t).abs().float().flatten().kthvalue(kz).values   # the whole tensor's quantile (gathered under FSDP2)
+                loc = _local(t)
+                below = loc.abs().float() <= thr.to(loc.device)
+                loc.masked_fill_(below, 0); target += int(below.sum())
         if mode == 'magnitude' and couple_moments and all(k in st for k in ('exp_avg', 'exp_avg_sq')):
             _local(st['exp_avg']).masked_fill_(_local(st['exp_avg_sq']) == 0, 0)   # no momentum without its second moment
-    for p in params:                                               # count afresh from the optimizer's own state
+    counts = {k: [0, 0] for k in keys}                             # zeros after, entries: counted afresh from the optimizer's state
+    for _, p in numbered:
         for k in keys:
             if k not in opt.state[p]: continue
             v = opt.state[p][k]
@@ -480,6 +513,11 @@ def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:i
     if zeros < target or (target and not zeros):
         raise RuntimeError(f"optimizer reset ({mode}, ratio {ratio}) left {zeros} of {total} state entries at zero, "
                            f"fewer than the {target} it should have zeroed")
+    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+        c = torch.tensor([v for k in keys for v in counts[k]], dtype=torch.float64)
+        torch.distributed.all_reduce(c)                            # every rank resets, so every rank joins
+        counts = {k: [int(c[2 * j]), int(c[2 * j + 1])] for j, k in enumerate(keys)}
+        zeros, total = sum(x[0] for x in counts.values()), sum(x[1] for x in counts.values())
     stats = {'mode': mode, 'ratio': ratio, 'params': len(params), 'entries': total, 'fraction_zeroed': zeros / max(1, total),
              **{f'fraction_zeroed/{k}': z / max(1, n) for k, (z, n) in counts.items()}}
     _log.info("ReLoRA optimizer reset (%s, ratio %s): %.2f%% of %d adapter state entries zeroed", mode, ratio,
@@ -508,6 +546,7 @@ def _rewrap_scheduler(scheduler, optimizer, n_new_groups:int):
 def rebuild_optimizer(optimizer, model:nn.Module, scheduler=None, scheduler_fn=None) -> tuple:
     "A new optimizer of the same class over `model`'s trainable parameters, keeping the state of those it already held; and its scheduler."
     old = _torch_optimizer(optimizer)
+    check(not _is_zero(old), "rebuild_optimizer: a ZeroRedundancyOptimizer cannot be rebuilt in place; warm-start from a checkpoint instead")
     trainable = [p for p in model.parameters() if p.requires_grad]
     keep = {id(p) for p in trainable}
     groups, held = [], set()
@@ -566,7 +605,7 @@ class ReLoRACallback(Callback):
                                 seed=self.seed + self.merges + 1, couple_moments=self.couple_moments)
             stats['relora/reset_fraction_zeroed'] = r['fraction_zeroed']
         self.merges += 1
-        self.last_stats = {**stats, 'relora/merge_step': u}
+        self.last_stats = {**stats, 'relora/merge_step': u, 'relora/merge_lr': self._lr}
         self._fresh = True
         _log.info("ReLoRA merge %d after update %d: %s", self.merges, u, stats)
 
@@ -574,12 +613,14 @@ class ReLoRACallback(Callback):
         logs['relora/merges'] = self.merges
         if self._fresh: logs.update(self.last_stats); self._fresh = False
 
-    def state_dict(self) -> dict: return {'merges': self.merges}
-    def load_state_dict(self, state:dict): self.merges = state['merges']
+    def state_dict(self) -> dict: return {'merges': self.merges, 'start_step': self.start_step}
+    def load_state_dict(self, state:dict):
+        self.merges = state['merges']
+        self.start_step = state.get('start_step', self.start_step)   # the run's own warm-start step wins over a re-typed one
 
 # %% ../nbs/30_relora.ipynb
 class WarmStartCallback(Callback):
-    "Train full-rank until update `switch_step`, then switch to ReLoRA in the same run (adapters, optimizer and scheduler rebuilt)."
+    "Train full-rank until update `switch_step`, then switch to ReLoRA in the same run (adapters added, model re-wrapped, optimizer and scheduler rebuilt)."
     order = -10   # before ReLoRACallback
     def __init__(self, switch_step:int, relora_config:ReLoRAConfig=None, scheduler_fn=None, seed:int=0):
         check(isinstance(switch_step, int) and switch_step >= 1, f"switch_step must be a positive integer, got {switch_step!r}")
@@ -587,23 +628,64 @@ class WarmStartCallback(Callback):
         self.switched = False
 
     def switch(self, trainer):
-        "Add ReLoRA to the trainer's model and give the trainer a rebuilt optimizer and scheduler."
-        model = trainer.unwrapped_model
-        if not relora_layers(model): add_relora(model, self.config, seed=self.seed)
-        opt, sched = rebuild_optimizer(trainer.optimizer, model, getattr(trainer, 'scheduler', None), self.scheduler_fn)
-        if hasattr(trainer, 'replace_optimizer'): trainer.replace_optimizer(opt, sched)
-        else:
-            check(trainer.model is model, "WarmStartCallback: the model is wrapped for distributed training and the training "
-                  "loop has no replace_optimizer(optimizer, scheduler) hook to re-prepare it")
-            trainer.optimizer, trainer.scheduler = opt, sched
+        "Add ReLoRA to the trainer's model and install a rebuilt optimizer and scheduler that continue from the full-rank ones."
+        old_opt, old_sched = trainer.optimizer, trainer.scheduler
+        def modify(model):
+            if not relora_layers(model): add_relora(model, self.config, seed=self.seed)
+        trainer.reconfigure(modify)
+        opt, sched = rebuild_optimizer(old_opt, trainer.unwrapped_model, old_sched, self.scheduler_fn)
+        trainer.replace_optimizer(opt, sched)
         self.switched = True
         _log.info("ReLoRA warm start: switched to ReLoRA after update %d", trainer.step)
 
     def on_step_end(self, trainer):
         if not self.switched and trainer.step == self.switch_step: self.switch(trainer)
 
-    def on_load(self, trainer, checkpoint_dir):
-        if self.switched and not relora_layers(trainer.unwrapped_model): self.switch(trainer)
+    def on_load_begin(self, trainer, checkpoint_dir):
+        if self.switched and not relora_layers(trainer.unwrapped_model): self.switch(trainer)   # the checkpoint holds a ReLoRA model
 
     def state_dict(self) -> dict: return {'switched': self.switched}
     def load_state_dict(self, state:dict): self.switched = state['switched']
+
+# %% ../nbs/30_relora.ipynb
+def _bench_config(model_name:str, relora_r:int=0, seq_len:int=256, batch_size:int=2, vocab_size:int=32100, repeats:int=2) -> dict:
+    "One measurement (run it through `run_isolated`): full-rank (`relora_r=0`) or ReLoRA training of the Llama `model_name`."
+    import statistics, time
+    from transformers import AutoModelForCausalLM
+    from memlab.core import peak_memory, count_parameters
+    from memlab.models import llama_config
+    torch.manual_seed(0)
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+    times = []
+    with peak_memory() as pm:
+        model = AutoModelForCausalLM.from_config(llama_config(model_name, vocab_size=vocab_size, max_position_embeddings=seq_len))
+        if relora_r: add_relora(model, ReLoRAConfig(r=relora_r, lora_alpha=32), seed=0)
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        for i in range(1 + repeats):                            # the first update allocates the optimizer state: not timed
+            t0 = time.perf_counter()
+            with torch.autocast('cuda' if torch.cuda.is_available() else 'cpu', dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            del loss
+            if i: times.append(time.perf_counter() - t0)
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim)
+    return {'trainable_params': count_parameters(model, trainable_only=True), 'optimizer_state_mib': state / 2**20,
+            'peak_mib': pm.mib, 'tokens_per_s': batch_size * seq_len / statistics.median(times)}
+
+def benchmark(quick:bool=False) -> tuple:
+    "ReLoRA (r=128) versus full-rank training of llama_60m and llama_130m at sequence length 256: `(rows, baseline)` for `memlab_bench relora`."
+    from memlab.bench import run_isolated
+    models, rows = (['llama_60m'] if quick else ['llama_60m', 'llama_130m']), []
+    for name in models:
+        full = run_isolated('memlab.relora:_bench_config', name, 0, repeats=1 if quick else 2)
+        rel = run_isolated('memlab.relora:_bench_config', name, 128, repeats=1 if quick else 2)
+        for label, r in (('full-rank', full), ('ReLoRA r=128', rel)):
+            rows.append({'config': f"{name} {label}", 'trainable_params': f"{r['trainable_params']:,}",
+                         'optimizer_state_mib': round(r['optimizer_state_mib'], 1),
+                         'trainable ratio': f"{r['trainable_params'] / full['trainable_params']:.2f}x",
+                         'optimizer state ratio': f"{r['optimizer_state_mib'] / full['optimizer_state_mib']:.2f}x",
+                         'peak ratio': f"{r['peak_mib'] / full['peak_mib']:.2f}x",
+                         'speed ratio': f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x",
+                         'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s']})
+    return rows, None

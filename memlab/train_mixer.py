@@ -4,7 +4,7 @@
 
 # %% ../nbs/51_train_mixer.ipynb 2
 from __future__ import annotations
-import dataclasses, importlib.util, json, math, os, time, typing
+import dataclasses, importlib.util, json, math, os, typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from .loaders import TokenBatches
 from .mixer import (MaskedMixerConfig, MixerPreTrainedModel, autoencoder_loss, memory_bits, normalized_loss, information,
                           objective_loss)
 from .models import load_model, load_tokenizer
-from .tokenizers import Packer, check_vocab, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
+from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
 from .train import default_output_dir, plot_history
 from .training import Trainer, TrainConfig, make_accelerator
 

@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from transformers.utils import ModelOutput
 
 from .core import MemlabError, check, count_parameters
-from .training import LossOutput, causal_lm_loss
+from .training import LossOutput, causal_lm_loss, model_inputs
 
 # %% auto 0
 __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', 'MEMORY_MODES', 'MEMORY_FORMATS', 'OBJECTIVES',
@@ -26,10 +26,11 @@ __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', '
            'MultiHeadMixing', 'MaskedLinearMixing', 'MaskedMixerBlock', 'MixerStack', 'TransformerStack', 'make_stack',
            'MixerPreTrainedModel', 'check_right_padded', 'MaskedMixerForCausalLM', 'assert_causal', 'fp8_e4m3_step',
            'add_memory_noise', 'quantize_memory', 'memory_bits', 'MemoryEncoder', 'unroll_indices', 'Unroll',
-           'MemoryModelOutput', 'MaskedMixerAutoencoder', 'autoencoder_loss', 'random_token_batch',
-           'RandomTokenBatches', 'memory_format', 'OracleMemoryModel', 'ParallelMemoryModel', 'RecurrentMemoryModel',
-           'copy_batch', 'objective_batches', 'objective_loss', 'token_accuracy', 'bits_per_byte', 'normalized_loss',
-           'information', 'info_nce', 'count_model_parameters', 'match_parameters']
+           'MemoryModelOutput', 'MaskedMixerAutoencoder', 'autoencoder_targets', 'autoencoder_loss',
+           'random_token_batch', 'RandomTokenBatches', 'memory_format', 'OracleMemoryModel', 'ParallelMemoryModel',
+           'RecurrentMemoryModel', 'copy_batch', 'objective_batches', 'objective_loss', 'token_accuracy',
+           'bits_per_byte', 'normalized_loss', 'information', 'info_nce', 'count_model_parameters', 'match_parameters',
+           'llama_matching', 'mixer_step_measurement', 'benchmark']
 
 # %% ../nbs/50_mixer.ipynb
 MIXER_TYPES = ('conv', 'linear')
@@ -229,7 +230,8 @@ class TransformerStack(nn.Module):
         llama = LlamaConfig(vocab_size=1, hidden_size=dim, intermediate_size=config.expansion * dim,
                             num_hidden_layers=n_layers, num_attention_heads=config.transformer_heads,
                             max_position_embeddings=length, rms_norm_eps=config.layer_norm_eps,
-                            initializer_range=config.initializer_range, attention_dropout=config.dropout, use_cache=False)
+                            initializer_range=config.initializer_range, attention_dropout=config.dropout, use_cache=False,
+                            bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no vocabulary here
         self.model = LlamaModel(llama)
         self.model.embed_tokens = None  # inputs arrive as embeddings; an unused table would also trip DDP
 
@@ -262,6 +264,14 @@ class MixerPreTrainedModel(PreTrainedModel):
             raise MemlabError(f"checkpoint does not fit {cls.__name__}: " + '; '.join(
                 f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', …' if len(v) > 3 else ''})" for k, v in problems.items()))
         return (model, info) if want_info else model
+
+    def load_encoder(self, source:nn.Module):
+        "Copy the memory encoder (embedding, blocks, bottleneck) of a trained autoencoder or memory model; every key must match."
+        check(getattr(self, 'encoder', None) is not None,
+              f"{type(self).__name__} has no memory encoder to load into (a causal LM, a recurrent or a no-memory model)")
+        src = getattr(source, 'encoder', source)
+        try: self.encoder.load_state_dict(src.state_dict(), strict=True)
+        except RuntimeError as e: raise MemlabError('encoder weights do not fit: ' + ' '.join(str(e).split())[:300]) from None
 
 def check_right_padded(attention_mask:Optional[torch.Tensor]):
     "Refuse an attention mask with a token after padding (left padding, or padding in the middle)."
@@ -428,14 +438,21 @@ class MaskedMixerAutoencoder(MixerPreTrainedModel):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device), ignore_index=-100)
         return MemoryModelOutput(loss=loss, logits=logits, memory=memory)
 
+def autoencoder_targets(batch:dict) -> torch.Tensor:
+    "Reconstruction targets of a batch: `input_ids` themselves (no shift), −100 where `attention_mask` is 0."
+    ids, mask = batch['input_ids'], batch.get('attention_mask')
+    return ids if mask is None else ids.masked_fill(mask == 0, -100)  # (B, T)
+
 def autoencoder_loss(model, batch:dict) -> LossOutput:
     "memlab loss function for autoencoders: summed cross-entropy reconstructing `input_ids` (no shift), padding ignored."
-    ids, mask = batch['input_ids'], batch.get('attention_mask')
-    targets = ids if mask is None else ids.masked_fill(mask == 0, -100)            # (B, T)
-    logits = model(input_ids=ids, attention_mask=mask).logits                      # (B, T, V)
+    targets = autoencoder_targets(batch)                                             # (B, T)
+    logits = model(input_ids=batch['input_ids'], attention_mask=batch.get('attention_mask')).logits  # (B, T, V)
     targets = targets.to(logits.device)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction='sum')
-    return LossOutput(loss, (targets != -100).sum())
+    correct = ((logits.argmax(-1) == targets) & (targets != -100)).sum()             # logged as token accuracy
+    return LossOutput(loss, (targets != -100).sum(), {'accuracy': correct.detach()})
+
+autoencoder_loss.count_tokens = lambda batch: (autoencoder_targets(batch) != -100).sum()  # the loop's token count
 
 # %% ../nbs/50_mixer.ipynb
 def random_token_batch(batch_size:int, length:int, vocab_size:int, generator:Optional[torch.Generator]=None) -> dict:
@@ -526,13 +543,6 @@ class ParallelMemoryModel(MixerPreTrainedModel):
         self.post_init()
         if self.external: self.decoder = decoder  # after post_init, which would re-initialise it (and PEFT's LoRA weights)
 
-    def load_encoder(self, source:nn.Module):
-        "Copy the encoder (embedding, blocks, bottleneck) of a trained autoencoder or memory model; every key must match."
-        check(self.encoder is not None, "this is a no-memory model: it has no encoder to load")
-        src = getattr(source, 'encoder', source)
-        try: self.encoder.load_state_dict(src.state_dict(), strict=True)
-        except RuntimeError as e: raise MemlabError('encoder weights do not fit: ' + ' '.join(str(e).split())[:300]) from None
-
     def embed(self, ids):  # (…, L) -> (…, L, d)
         return (self.decoder.get_input_embeddings() if self.external else self.wte)(ids)
 
@@ -603,8 +613,9 @@ def copy_batch(batch:dict, delimiter_id:int, blank_id:Optional[int]=None) -> dic
     h = T // 2
     check(h >= 2, f"the copy objective needs sequences of at least 4 tokens, got {T}")
     mask = batch.get('attention_mask')
-    check(mask is None or bool(mask[:, :h - 1].all()), "the copy objective needs rows without padding in their first half "
-          "(packed data, or documents of at least half the sequence length)")
+    empty = torch.zeros(B, dtype=torch.bool) if mask is None else ~mask.bool().any(1)  # (B,) all-padding rows (end of an evaluation)
+    check(mask is None or bool((mask[:, :h - 1].bool().all(1) | empty).all()), "the copy objective needs rows without padding in "
+          "their first half (packed data, or documents of at least half the sequence length)")
     first = torch.cat([ids[:, :h - 1], torch.full((B, 1), delimiter_id, dtype=ids.dtype)], 1)     # (B, h)
     second = first if blank_id is None else torch.full_like(first, blank_id)
     tail = T - 2 * h                                                                                # 1 if T is odd
@@ -612,6 +623,7 @@ def copy_batch(batch:dict, delimiter_id:int, blank_id:Optional[int]=None) -> dic
     labels = torch.full_like(ids, -100)
     labels[:, h - 1:2 * h - 1] = first  # position h-1+i predicts the i-th token of the copy
     new_mask = torch.cat([torch.ones(B, 2 * h, dtype=torch.long), torch.zeros(B, tail, dtype=torch.long)], 1)
+    labels[empty.to(labels.device)], new_mask[empty] = -100, 0  # an empty row stays empty: no targets
     return {**batch, 'input_ids': new_ids, 'labels': labels, 'attention_mask': new_mask}
 
 def objective_batches(batch:dict, objective:str, delimiter_id:int=0, blank_id:int=1) -> list:
@@ -622,13 +634,24 @@ def objective_batches(batch:dict, objective:str, delimiter_id:int=0, blank_id:in
     if objective == 'blank_copy': return [copy_batch(batch, delimiter_id, blank_id)]
     return [batch, copy_batch(batch, delimiter_id)]
 
+def _lm_sums(model, batch:dict) -> tuple:
+    "(summed next-token CE, target count, correct argmax count) of `model` on a batch with pre-shifted labels."
+    logits = model(**model_inputs(batch)).logits                                    # (B, T, V)
+    labels = batch['labels'].to(logits.device)                                       # (B, T)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction='sum')
+    return loss, (labels != -100).sum(), ((logits.argmax(-1) == labels) & (labels != -100)).sum().detach()
+
 def objective_loss(objective:str, delimiter_id:int=0, blank_id:int=1):
-    "A memlab `loss_fn(model, batch) -> LossOutput` for `objective`; 'combined' also logs its clm and copy parts."
+    "A memlab `loss_fn(model, batch) -> LossOutput` for `objective`; logs token accuracy ('combined': also its clm and copy parts)."
     check(objective in OBJECTIVES, f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     def loss_fn(model, batch):
-        outs = [causal_lm_loss(model, b) for b in objective_batches(batch, objective, delimiter_id, blank_id)]
-        logs = {'clm_loss': outs[0].loss_sum.detach(), 'copy_loss': outs[1].loss_sum.detach()} if len(outs) == 2 else {}
-        return LossOutput(sum(o.loss_sum for o in outs), sum(o.n_tokens for o in outs), logs)
+        outs = [_lm_sums(model, b) for b in objective_batches(batch, objective, delimiter_id, blank_id)]
+        logs = {'accuracy': sum(o[2] for o in outs)}
+        if len(outs) == 2: logs.update(clm_loss=outs[0][0].detach(), copy_loss=outs[1][0].detach())
+        return LossOutput(sum(o[0] for o in outs), sum(o[1] for o in outs), logs)
+    def count_tokens(batch):  # the loop's global token count: the targets of every batch the objective makes
+        return sum((b['labels'] != -100).sum() for b in objective_batches(batch, objective, delimiter_id, blank_id))
+    loss_fn.count_tokens = count_tokens
     loss_fn.__name__ = f"{objective}_loss"
     return loss_fn
 
@@ -680,3 +703,48 @@ def match_parameters(config:MaskedMixerConfig, n_params:int, model_cls=None, fie
         if best_err is None or err < best_err: best, best_err = cfg, err
     check(best is not None, f"no valid value of {field} among the candidates")
     return best
+
+# %% ../nbs/50_mixer.ipynb
+def llama_matching(n_params:int, vocab_size:int, num_layers:int, length:int, heads:int=4, expansion:int=4) -> LlamaConfig:
+    "The `LlamaConfig` (num_layers layers, `heads` heads, FFN expansion·d) whose parameter count is nearest `n_params`."
+    best, best_err = None, None
+    for d in range(2 * heads, 8193, 2 * heads):  # even head size for the rotary embedding
+        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d, intermediate_size=expansion * d, num_hidden_layers=num_layers,
+                          num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=length,
+                          tie_word_embeddings=False)
+        n = 2 * vocab_size * d + num_layers * (4 * d * d + 3 * expansion * d * d + 2 * d) + d  # embeddings, blocks, final norm
+        if best_err is not None and n - n_params > best_err: break
+        if best_err is None or abs(n - n_params) < best_err: best, best_err = cfg, abs(n - n_params)
+    return best
+
+def mixer_step_measurement(kind:str, seq_len:int, rows:int, hidden_size:int=256, num_layers:int=4, vocab_size:int=8192,
+                           kernel:int=1, repeats:int=2) -> dict:
+    "Tokens/s and peak memory of one training step of a masked-mixer LM ('mixer') or its equal-parameter Llama ('llama')."
+    from memlab.bench import measure_step
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = MaskedMixerConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, length=seq_len, kernel=kernel)
+    if kind == 'mixer': model = MaskedMixerForCausalLM(cfg)
+    else:
+        n = count_model_parameters(MaskedMixerForCausalLM, cfg)
+        model = LlamaForCausalLM._from_config(llama_matching(n, vocab_size, num_layers, seq_len), attn_implementation='sdpa')
+    ids = torch.randint(0, vocab_size, (rows, seq_len))
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    res = measure_step(step, rows * seq_len, warmup=1, repeats=repeats)
+    return {'parameters': count_parameters(model), 'width': model.config.hidden_size, **res}
+
+def benchmark(quick:bool=False):
+    "memlab_bench mixer: masked-mixer LM vs the equal-parameter Llama, tokens/s and peak memory per sequence length."
+    from memlab.bench import run_isolated
+    seq_lens, tokens = ((512,), 2048) if quick else ((512, 1024, 2048), 4096)
+    rows = []
+    for T in seq_lens:
+        r = {k: run_isolated('memlab.mixer:mixer_step_measurement', k, T, max(1, tokens // T)) for k in ('llama', 'mixer')}
+        for k in ('llama', 'mixer'):
+            rows.append({'config': k, 'seq_len': T, 'width': r[k]['width'], 'parameters': r[k]['parameters'],
+                         'speed_vs_llama': round(r[k]['tokens_per_s'] / r['llama']['tokens_per_s'], 2),
+                         'memory_vs_llama': round(r[k]['peak_mib'] / max(r['llama']['peak_mib'], 1e-9), 2),
+                         'peak_mib': round(r[k]['peak_mib'], 1), 'tokens_per_s': round(r[k]['tokens_per_s'], 1)})
+    return rows, None  # the ratios are per length (columns *_vs_llama), not against one baseline row

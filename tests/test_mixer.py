@@ -1,0 +1,87 @@
+"""Integration tests of memlab_mixer (memlab.train_mixer) as real processes: the tokenizer trainer and pretokenizer make the data;
+one process (from a YAML config file), torchrun (DDP) and accelerate launch with the shipped FSDP config, each on 2 CPU processes,
+train the same autoencoder run to the same losses and the same saved model; the shipped configs take the process count from
+the launch; the ZeRO-3 config is refused in one line."""
+import json, sys
+from pathlib import Path
+from conftest import BIN, ROOT, free_port, run
+import pytest
+import torch
+
+FSDP_CONFIG, ZERO_CONFIG = ROOT/'data'/'configs'/'fsdp_config.yaml', ROOT/'data'/'configs'/'zero_config.yaml'
+
+@pytest.fixture(scope='module')
+def rows(tmp_path_factory) -> Path:
+    "A 512-entry BPE trained by memlab_train_tokenizer and pydocs packed into rows of 16 tokens by memlab_pretokenize."
+    d = tmp_path_factory.mktemp('mixer_data')
+    run([BIN/'memlab_train_tokenizer', '--dataset', 'pydocs', '--save_dir', d/'bpe', '--vocab_size', 512, '--take', 40])
+    run([BIN/'memlab_pretokenize', '--tokenizer', d/'bpe', '--dataset', 'pydocs', '--sequence_length', 16, '--take', 40,
+         '--save_dir', d, '--output_name', 'rows'])
+    return d/'rows'
+
+def args(rows, out) -> list:
+    "One small autoencoder run: 2 processes × 4 rows × 2 micro-batches = 16 rows per update (1 process: 4 micro-batches)."
+    return ['--model', 'autoencoder', '--dataset_path', rows, '--hidden_size', 32, '--num_layers', 2, '--length', 16, '--kernel', 3,
+            '--decoder_input', 'unroll', '--compression', 2, '--max_steps', 6, '--per_device_batch_size', 4, '--total_batch_size', 16,
+            '--lr', 3e-3, '--scheduler', 'constant', '--log_every', 1, '--eval_every', 3, '--max_eval_steps', 2, '--report_to', 'none',
+            '--progress', 'False', '--output_dir', out]
+
+def losses(out) -> tuple:
+    res = json.loads((Path(out)/'results.json').read_text())
+    return res, [h['loss'] for h in res['history'] if 'loss' in h], [h['eval_loss'] for h in res['history'] if 'eval_loss' in h]
+
+def load(out):
+    from memlab.train_mixer import load_mixer
+    return load_mixer(Path(out)/'model')
+
+def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
+    cfg = tmp_path/'run.yaml'  # the single-process run takes its architecture from a config file; flags override it
+    cfg.write_text('model: autoencoder\nhidden_size: 32\nnum_layers: 2\nlength: 16\nkernel: 3\ndecoder_input: unroll\ncompression: 8\n')
+    run([sys.executable, '-m', 'memlab.train_mixer', '--config', cfg, *args(rows, tmp_path/'one'), '--compression', 2,
+         '--max_eval_steps', 4])  # the 16 evaluation rows that 2 processes read in 2 steps
+    run([BIN/'torchrun', '--nproc_per_node', 2, '--master-port', free_port(), '-m', 'memlab.train_mixer', *args(rows, tmp_path/'ddp')])
+    r = run([BIN/'accelerate', 'launch', '--config_file', FSDP_CONFIG, '--num_processes', 2, '--main_process_port', free_port(),
+             '-m', 'memlab.train_mixer', *args(rows, tmp_path/'fsdp')], ACCELERATE_USE_CPU=1)
+    (one, l1, e1), (ddp, l2, e2), (fsdp, l3, e3) = (losses(tmp_path/k) for k in ('one', 'ddp', 'fsdp'))
+    assert (one['processes'], ddp['processes'], fsdp['processes']) == (1, 2, 2)
+    assert (one['fsdp'], ddp['fsdp'], fsdp['fsdp']) == (False, False, True)
+    assert len(l1) == 6 and len(e1) == 2
+    assert l2 == pytest.approx(l1, rel=1e-5) and l3 == pytest.approx(l1, rel=1e-5)   # same 16 rows per update, same updates
+    assert e2 == pytest.approx(e1, rel=1e-5) and e3 == pytest.approx(e1, rel=1e-5)   # evaluation sharded, then reduced
+    assert l1[-1] < l1[0]
+    m1, m2, m3 = (load(tmp_path/k) for k in ('one', 'ddp', 'fsdp'))                  # FSDP shards gathered into a plain folder
+    for (n, p1), p2, p3 in zip(m1.named_parameters(), m2.parameters(), m3.parameters()):
+        torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=n)
+        torch.testing.assert_close(p3, p1, rtol=1e-4, atol=1e-5, msg=n)
+    for k in ('one', 'ddp', 'fsdp'):
+        assert (tmp_path/k/'log.jsonl').exists() and (tmp_path/k/'loss.png').exists() and (tmp_path/k/'results.md').exists()
+
+def test_configs_take_the_process_count_from_the_launch(tmp_path):
+    "Neither shipped config holds num_processes; accelerate refuses to guess (its default is -1) instead of using a stale number."
+    for cfg in (FSDP_CONFIG, ZERO_CONFIG):
+        assert 'num_processes' not in {l.split(':')[0].strip() for l in cfg.read_text().splitlines() if not l.startswith('#')}
+    r = run([BIN/'accelerate', 'launch', '--config_file', FSDP_CONFIG, '-m', 'memlab.train_mixer', '--output_dir', tmp_path/'x'],
+            check=False)
+    assert r.returncode != 0 and 'You need to manually pass in `--num_processes` using this config yaml' in r.stderr
+    assert not (tmp_path/'x').exists()
+
+def test_zero3_is_refused_in_one_line(rows, tmp_path):
+    # Here deepspeed is not installed, and accelerate's launcher stops before memlab runs:
+    r = run([BIN/'accelerate', 'launch', '--config_file', ZERO_CONFIG, '--num_processes', 2, '-m', 'memlab.train_mixer',
+             *args(rows, tmp_path/'zero')], check=False)
+    assert r.returncode != 0 and 'DeepSpeed is not installed' in r.stderr
+    # Where the launcher does start the processes (deepspeed importable, here a stub package that only satisfies accelerate's
+    # launcher), each process of memlab_mixer says in one line why ZeRO-3 cannot run, and trains nothing.
+    stub = tmp_path/'stub'
+    (stub/'deepspeed'/'launcher').mkdir(parents=True)
+    (stub/'deepspeed'/'__init__.py').write_text("__version__ = '0.0.0'\n")
+    (stub/'deepspeed'/'launcher'/'__init__.py').write_text('')
+    (stub/'deepspeed'/'launcher'/'runner.py').write_text("DEEPSPEED_ENVIRONMENT_NAME = '.deepspeed_env'\n")
+    (stub/'deepspeed-0.0.0.dist-info').mkdir()
+    (stub/'deepspeed-0.0.0.dist-info'/'METADATA').write_text('Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.0.0\n')
+    r = run([BIN/'accelerate', 'launch', '--config_file', ZERO_CONFIG, '--num_processes', 2, '--main_process_port', free_port(),
+             '-m', 'memlab.train_mixer', *args(rows, tmp_path/'zero')], check=False, PYTHONPATH=f"{ROOT}:{stub}")
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if 'DeepSpeed ZeRO-3 cannot run here' in l]
+    assert len(lines) == 2 and 'it needs CUDA GPUs (none found)' in lines[0] and 'fsdp_config.yaml' in lines[0], r.stderr[-3000:]
+    assert not (tmp_path/'zero').exists()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_loaders.ipynb 2
 from __future__ import annotations
-import heapq, math
+import heapq, math, os
 
 import numpy as np
 import torch
@@ -18,12 +18,13 @@ __all__ = ['dist_rank_world', 'shift_labels', 'TokenBatches', 'lm_batches', 'Doc
 
 # %% ../nbs/03_loaders.ipynb
 def dist_rank_world(rank:int=None, world_size:int=None) -> tuple:
-    "(rank, world_size): the given values, else torch.distributed's when initialized, else (0, 1)."
+    """(rank, world_size): the given values, else torch.distributed's when initialized, else the launcher's `RANK`/`WORLD_SIZE`
+    environment (torchrun and accelerate launch set them before the process group exists), else (0, 1)."""
     if rank is None or world_size is None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank() if rank is None else rank
-            world_size = torch.distributed.get_world_size() if world_size is None else world_size
-        else: rank, world_size = rank or 0, world_size or 1
+            r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else: r, w = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
+        rank, world_size = (r if rank is None else rank), (w if world_size is None else world_size)
     check(world_size >= 1 and 0 <= rank < world_size, f"rank must be in 0..world_size-1, got rank {rank} of world_size {world_size}")
     return rank, world_size
 

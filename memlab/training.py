@@ -268,6 +268,10 @@ class Trainer:
         self.world_size = self.accelerator.num_processes
         self.accum = config.accumulation_steps(self.world_size)
         self._check_output_dir()
+        for name, data in (('train_data', train_data), ('eval_data', eval_data)):
+            w = getattr(data, 'world_size', None)
+            check(w is None or w == self.world_size, f"{name} was built for {w} process(es) but {self.world_size} are running: "
+                  f"build the loaders inside the launched processes (they read RANK/WORLD_SIZE) or pass rank= and world_size=")
         from memlab.core import seed_everything
         seed_everything(config.seed)
         self.step, self.tokens_seen, self.history, self._log_sums = 0, 0, [], {}

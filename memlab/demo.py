@@ -11,7 +11,8 @@ from .core import MemlabError, check, cli_main, atomic_write_text
 from .training import TrainConfig
 
 # %% auto 0
-__all__ = ['SECTIONS', 'demo_lm', 'run_demo', 'demo_table', 'plot_series', 'main']
+__all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora', 'demo_mixer',
+           'run_demo', 'demo_table', 'plot_series', 'main']
 
 # %% ../nbs/90_demo.ipynb
 def demo_lm(out:Path, quick:bool=False) -> tuple:
@@ -28,7 +29,69 @@ def demo_lm(out:Path, quick:bool=False) -> tuple:
     return rows, series
 
 # %% ../nbs/90_demo.ipynb
-SECTIONS = {'lm': demo_lm}
+DEMO_VOCAB, DEMO_DOCS = 8000, 160
+
+def demo_tokenizer(out:Path) -> Path:
+    "A byte-level BPE of `DEMO_VOCAB` tokens trained on pydocs' train split, saved (once) under `out/tokenizer`."
+    from memlab.tokenizers import train_tokenizer
+    path = Path(out)/'tokenizer'
+    if not path.exists(): train_tokenizer('pydocs', vocab_size=DEMO_VOCAB, save_dir=path, show_progress=False)
+    return path
+
+def demo_rows(out:Path, length:int) -> Path:
+    "Rows of `length` tokens from the first `DEMO_DOCS` pydocs documents of each split, pretokenized (once) with the demo tokenizer."
+    import datasets
+    from memlab.tokenizers import pretokenize
+    path = Path(out)/'data'/f'pydocs_bpe8k_{length}'
+    if not path.exists():
+        datasets.disable_progress_bars()
+        pretokenize('pydocs', demo_tokenizer(out), save_dir=path.parent, output_name=path.name, sequence_length=length,
+                    take=DEMO_DOCS, show_progress=False)
+    return path
+
+# %% ../nbs/90_demo.ipynb
+def demo_relora(out:Path, quick:bool=False) -> tuple:
+    "ReLoRA: llama_9m pretrained from scratch on pydocs, full-rank vs ReLoRA (a full-rank warm start, then LoRA merged every K updates)."
+    from memlab.train_relora import ReLoRARunConfig, train_relora
+    n, k = (20, 10) if quick else (80, 20)
+    common = dict(model_config='llama_9m', dataset_path=str(demo_rows(out, 128)), max_length=128, batch_size=8, num_training_steps=n,
+                  dtype='bf16', eval_every=n, max_eval_tokens='16K', report_to='none', seed=0, export_model=False)
+    full = train_relora(ReLoRARunConfig(**common, lr=2e-3, warmup_steps=k // 2, save_every=k, save_dir=str(out/'relora'/'full-rank')))
+    warm = out/'relora'/'full-rank'/'checkpoints'/f'step-{k:08d}'
+    rel = train_relora(ReLoRARunConfig(**common, use_peft=True, lora_r=32, lr=4e-3, warmup_steps=5, relora=k,
+                                       reset_optimizer_on_relora=False, optimizer_magnitude_pruning=0.9, scheduler='cosine_restarts',
+                                       restart_warmup_steps=5, warmed_up_model=str(warm), save_dir=str(out/'relora'/'relora')))
+    share = rel['trainable_parameters'] / rel['parameters']
+    rows = [{'method': 'ReLoRA', 'setting': f"llama_9m from scratch, {n} updates; ReLoRA: {k} full-rank, then merges every {k}",
+             'metric': 'validation perplexity', 'value': f"full-rank {full['final_eval_ppl']:.1f}, ReLoRA {rel['final_eval_ppl']:.1f} "
+                                                          f"({rel['merges']} merges, {share:.0%} of parameters trainable)"}]
+    series = {'ReLoRA vs full-rank: train loss': {name: [(h['step'], h['loss']) for h in r['history'] if 'loss' in h]
+                                                  for name, r in (('full-rank', full), ('ReLoRA', rel))}}
+    return rows, series
+
+# %% ../nbs/90_demo.ipynb
+def demo_mixer(out:Path, quick:bool=False) -> tuple:
+    "memorymodels: masked-mixer vs transformer autoencoders of equal size on pydocs; held-out reconstruction loss."
+    from memlab.train_mixer import MixerModelArgs, MixerTaskConfig, train_mixer
+    steps = 20 if quick else 200
+    task = MixerTaskConfig(model='autoencoder', dataset_path=str(demo_rows(out, 32)), save_model=False, plot=False)
+    archs = {'masked mixer': (MixerModelArgs(hidden_size=128, num_layers=2, length=32, kernel=4, decoder_input='unroll'), 3e-3),
+             'transformer': (MixerModelArgs(hidden_size=112, num_layers=2, length=32, encoder_type='transformer',
+                                            decoder_type='transformer', transformer_heads=4, decoder_input='unroll'), 1e-3)}
+    res = {}
+    for name, (args, lr) in archs.items():
+        res[name] = train_mixer(task, args, TrainConfig(output_dir=str(out/'mixer'/name.replace(' ', '_')), max_steps=steps,
+                                per_device_batch_size=32, lr=lr, scheduler='constant', warmup_steps=10, log_every=10,
+                                eval_every=steps, max_eval_steps=8, report_to='none', save_final=False))
+    m, t = res['masked mixer'], res['transformer']
+    rows = [{'method': 'memorymodels', 'setting': f"autoencoders of 32 tokens, {m['parameters']/1e6:.2f}M vs {t['parameters']/1e6:.2f}M "
+             f"parameters, {steps} updates", 'metric': 'held-out reconstruction loss (nats/token)',
+             'value': f"masked mixer {m['final']['eval_loss']:.2f}, transformer {t['final']['eval_loss']:.2f}"}]
+    series = {'autoencoders: train loss': {name: [(h['step'], h['loss']) for h in r['history'] if 'loss' in h] for name, r in res.items()}}
+    return rows, series
+
+# %% ../nbs/90_demo.ipynb
+SECTIONS = {'lm': demo_lm, 'relora': demo_relora, 'mixer': demo_mixer}
 
 def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
     "Run the demo sections; write results.md, results.json and demo.png under a fresh `<out>/demo-<time>/` (linked as `<out>/demo`)."

@@ -182,7 +182,13 @@ def launched_processes() -> int:
 def make_accelerator(mixed_precision:str='no'):
     "An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms."
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     if launched_processes() > 1 and not torch.cuda.is_available(): os.environ.setdefault('ACCELERATE_USE_CPU', '1')
+    state = AcceleratorState._shared_state
+    if state and str(state.get('_mixed_precision', state.get('mixed_precision'))) != mixed_precision:
+        # accelerate keeps one precision per process; runs in sequence (a notebook, the demo) may each choose their own.
+        # Only the precision settings are reset: the process group (PartialState) stays.
+        AcceleratorState._reset_state()
     acc = Accelerator(mixed_precision=mixed_precision)
     check(acc.num_processes == launched_processes(),
           f"launched as {launched_processes()} processes but accelerate formed a group of {acc.num_processes}: "

@@ -600,6 +600,22 @@ def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
                                f"nearest retrieving layer at or below it)")
     return dataclasses.replace(config, retrieval_map=format_retrieval_map(rmap), attention_layers=att)
 
+def _nf4_state_hooks(model):
+    """Let a model with a frozen bitsandbytes 4-bit base load its own `state_dict` (a training checkpoint): the quantization
+    statistics a 4-bit weight saves (absmax, quant_map, ...) are checked against the model's and consumed, as only loading
+    from a pretrained folder would restore them; the packed weights themselves load as usual."""
+    for m in model.modules():
+        if type(m).__name__ != 'Linear4bit' or getattr(m, '_memlab_nf4_hook', False): continue
+        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            own = None
+            for k in [k for k in state_dict if k.startswith(prefix + 'weight.')]:
+                if own is None: own = {n: v for n, v in module.state_dict(prefix=prefix).items()}
+                v = state_dict.pop(k)
+                check(k in own and torch.is_tensor(v) and v.shape == own[k].shape and torch.equal(v.to(own[k].device), own[k]),
+                      f"{k}: the saved 4-bit quantization statistics differ from this model's: the checkpoint was made from another base model")
+        m.register_load_state_dict_pre_hook(hook)
+        m._memlab_nf4_hook = True
+
 def _check_family(model) -> str:
     "The model's family, or a one-line refusal of an unsupported one."
     family = getattr(getattr(model, 'config', None), 'model_type', None)
@@ -666,6 +682,7 @@ class NeurocacheModel(nn.Module):
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
         self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
         if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
+        _nf4_state_hooks(base_model)
         self.train(base_model.training)                                          # keep the base model's mode
 
     @property
@@ -748,6 +765,7 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
     config = resolve_config(config, len(layers))
     for p in model.parameters(): p.requires_grad_(False)
     _add_lora(model, layers, config, family)
+    _nf4_state_hooks(model)
     return model.train(model.training)                  # PEFT makes its new modules in training mode: keep the model's mode
 
 def _unwrap(model) -> NeurocacheModel:

@@ -25,9 +25,10 @@ from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, 
                              make_accelerator)
 
 # %% auto 0
-__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'NeurocacheRunConfig', 'mixed_precision_of', 'build_model',
-           'describe_model', 'load_streams', 'stream_loss', 'NeurocacheCallback', 'fingerprint', 'save_run_neurocache',
-           'train_neurocache', 'summary', 'main']
+__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
+           'mixed_precision_of', 'build_model', 'describe_model', 'load_streams', 'stream_loss', 'NeurocacheCallback',
+           'fingerprint', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
+           'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall', 'demo']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -390,6 +391,118 @@ def main(argv=None):
     cfg = parse_configs(NeurocacheRunConfig, argv, prog='memlab_neurocache', description=main.__doc__, config_file_flag='config')
     res = train_neurocache(cfg)
     if int(os.environ.get('RANK', '0')) == 0 and 'eval' in res: print('\n' + summary(res))
+
+# %% ../nbs/21_train_neurocache.ipynb
+@dataclass
+class FactRecallTask(Config):
+    "Synthetic long-range recall: facts `F key value` at a document's start, asked as `Q key value` after a gap of filler."
+    n_facts: int = 8        # facts per document, each asked once
+    gap: int = 48           # filler tokens between the facts and the questions
+    n_keys: int = 64        # distinct keys (a document's keys are distinct)
+    n_values: int = 64      # distinct values (chance accuracy 1 / n_values)
+    n_filler: int = 64      # distinct filler tokens
+
+    EOS, FACT, QUERY = 0, 1, 2
+    @property
+    def key0(self) -> int: return 3
+    @property
+    def value0(self) -> int: return 3 + self.n_keys
+    @property
+    def vocab_size(self) -> int: return 3 + self.n_keys + self.n_values + self.n_filler
+
+    def document(self, rng) -> list:
+        "The token ids of one document."
+        keys, values = rng.choice(self.n_keys, self.n_facts, replace=False), rng.integers(0, self.n_values, self.n_facts)
+        ids = []
+        for k, v in zip(keys, values): ids += [self.FACT, self.key0 + int(k), self.value0 + int(v)]
+        ids += [int(t) for t in self.value0 + self.n_values + rng.integers(0, self.n_filler, self.gap)]
+        for i in rng.permutation(self.n_facts): ids += [self.QUERY, self.key0 + int(keys[i]), self.value0 + int(values[i])]
+        return ids
+
+    def documents(self, n:int, seed:int=0) -> list:
+        "`n` documents as text (space-separated ids), the form `fact_recall_tokenizer` reads."
+        rng = np.random.default_rng(seed)
+        return [' '.join(map(str, self.document(rng))) for _ in range(n)]
+
+    def answer_mask(self, input_ids:torch.Tensor) -> torch.Tensor:
+        "(B, T) True where the next token is an answer: the input is a key right after QUERY."
+        m = torch.zeros_like(input_ids, dtype=torch.bool)
+        m[:, 1:] = input_ids[:, :-1] == self.QUERY
+        return m
+
+def fact_recall_tokenizer(vocab_size:int):
+    "A Hugging Face tokenizer whose tokens are the ids themselves ('5 17 42' -> [5, 17, 42]); id 0 is EOS and padding."
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {'<eos>': 0, **{str(i): i for i in range(1, vocab_size)}}           # id 0 never appears in a document's text
+    tk = Tokenizer(models.WordLevel(vocab, unk_token='<eos>'))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token='<eos>', pad_token='<eos>', unk_token='<eos>')
+
+class RecallLoss:
+    "The causal-LM loss over every token, also logging answer-token sums (answer_loss, answer_correct, answers) for the task."
+    def __init__(self, task:FactRecallTask): self.task = task
+    def __call__(self, model, batch:dict) -> LossOutput:
+        inputs = {k: v for k, v in batch.items() if k != 'labels' and (k != 'start_of_sequence' or has_neurocache(model))}
+        logits = model(**inputs).logits.float()                                    # (B, T, V)
+        labels = batch['labels'].to(logits.device)
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction='none').view_as(labels)
+        ans = self.task.answer_mask(batch['input_ids'].to(labels.device)) & (labels != -100)
+        correct = ((logits.argmax(-1) == labels) & ans).sum().float()
+        return LossOutput(ce.sum(), (labels != -100).sum(), {'answer_loss': (ce * ans).sum().detach(), 'answer_correct': correct,
+                                                           'answers': ans.sum().float()})
+
+def recall_metrics(logs:dict, prefix:str='') -> dict:
+    "Answer accuracy and answer loss (nats) from a log or evaluation entry of `RecallLoss` sums."
+    n = logs[f'{prefix}answers']
+    if not n: return {'accuracy': float('nan'), 'answer_loss': float('nan')}   # a window with no question in it
+    return {'accuracy': logs[f'{prefix}answer_correct'] / n, 'answer_loss': logs[f'{prefix}answer_loss'] / n}
+
+# %% ../nbs/21_train_neurocache.ipynb
+TINY_RECALL_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256, max_positions=64)
+
+def recall_cache_config(**changes) -> NeurocacheConfig:
+    "The Neurocache of the synthetic task: retrieve and store at layer 0, attend in every layer, top-1 with its successor."
+    kw = dict(cache_size=256, cache_dtype='float32', compression_factor=2, topk=1, neighborhood_size=2, context_size=1,
+              retrieval_map='0:0', attention_layers='0-3')
+    return NeurocacheConfig(**{**kw, **changes})
+
+def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8, sequence_length:int=32,
+                      lr:float=3e-3, n_train:int=4000, n_eval:int=32, seed:int=0, eval_every:int=0, output_dir:str=None,
+                      model_kw:dict=None, progress:bool=False) -> dict:
+    "Train a tiny Llama from scratch on `task`, with the Neurocache `cache` (or none); answer accuracy and loss on held-out documents."
+    tok = fact_recall_tokenizer(task.vocab_size)
+    from memlab.models import tiny_model
+    model = tiny_model('llama', seed=seed, vocab_size=task.vocab_size, **{**TINY_RECALL_MODEL, **(model_kw or {})}).train()
+    if cache is not None: model = add_neurocache(model, cache, train_base=True)
+    train = DocumentStream(task.documents(n_train, seed), tok, batch_size, sequence_length, seed=seed, add_special_tokens=False)
+    ev = DocumentStream(task.documents(n_eval, seed + 10_000), tok, batch_size, sequence_length, loop=False, add_special_tokens=False)
+    tc = TrainConfig(output_dir=output_dir, max_steps=steps, per_device_batch_size=batch_size, lr=lr, warmup_steps=min(20, steps // 5),
+                     log_every=max(1, steps // 15), eval_every=eval_every, report_to='none', progress=progress, seed=seed, save_final=False)
+    t0 = time.time()
+    trainer = Trainer(model, tc, train, ev, loss_fn=RecallLoss(task), callbacks=[NeurocacheCallback()] if cache is not None else [])
+    history = trainer.fit()
+    final = [h for h in history if 'eval_loss' in h][-1]
+    return {'cache': cache.to_dict() if cache is not None else None, 'steps': steps, 'seconds': time.time() - t0,
+            **recall_metrics(final, 'eval_'), 'eval_loss': final['eval_loss'],
+            'train': [(h['step'], recall_metrics(h)['answer_loss'], recall_metrics(h)['accuracy']) for h in history
+                      if 'loss' in h and h['answers']],                          # (update, answer loss, accuracy)
+            'eval': [(h['step'], recall_metrics(h, 'eval_')['answer_loss'], recall_metrics(h, 'eval_')['accuracy'])
+                     for h in history if 'eval_loss' in h]}
+
+# %% ../nbs/21_train_neurocache.ipynb
+def demo(out:Path, quick:bool=False) -> tuple:
+    "Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without a cache."
+    task, steps = FactRecallTask(), 40 if quick else 120
+    runs = {name: train_fact_recall(task, cache, steps=steps, eval_every=0)
+            for name, cache in (('with Neurocache', recall_cache_config()), ('without cache', None))}
+    w, wo = runs['with Neurocache'], runs['without cache']
+    rows = [{'method': 'Neurocache', 'setting': f"tiny Llama from scratch, facts asked {task.gap}+ tokens later, 32-token segments, "
+                                                 f"{steps} updates", 'metric': 'held-out answer accuracy',
+             'value': f"with cache {w['accuracy']:.2f}, without {wo['accuracy']:.2f} (chance {1 / task.n_values:.2f})"}]
+    series = {'Neurocache: answer loss (synthetic recall)': {name: [(s, l) for s, l, _ in r['train']] for name, r in runs.items()}}
+    atomic_write_text(Path(out)/'neurocache'/'demo.json', json.dumps({k: {kk: vv for kk, vv in r.items()} for k, r in runs.items()}, indent=1))
+    return rows, series
 
 # %% ../nbs/21_train_neurocache.ipynb
 #| eval: false

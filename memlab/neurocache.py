@@ -983,12 +983,17 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     batch = dict(input_ids=ids, labels=torch.roll(ids, -1, 1), attention_mask=torch.ones_like(ids))
     opts = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5) for k, m in models.items()}
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    for m in models.values(): m.to(device)
+    ids = ids.to(device); batch = {k: v.to(device) for k, v in batch.items()}
+    # bf16 autocast on a GPU; fp32 on a CPU (without native bf16, as here, bf16 matrix products are several times slower)
+    autocast = (lambda: torch.autocast('cuda', dtype=torch.bfloat16)) if device == 'cuda' else contextlib.nullcontext
     def train_step(k):
         m = models[k]
-        with torch.autocast('cpu', dtype=torch.bfloat16): out = causal_lm_loss(m, batch)
+        with autocast(): out = causal_lm_loss(m, batch)
         (out.loss_sum / out.n_tokens).backward(); opts[k].step(); opts[k].zero_grad(set_to_none=True)
     def eval_step(k):
-        with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16): models[k](input_ids=ids)
+        with torch.no_grad(), autocast(): models[k](input_ids=ids)
     res = {}
     for mode, step in (('train', train_step), ('eval', eval_step)):
         for m in models.values(): m.train(mode == 'train')

@@ -187,7 +187,7 @@ def describe_model(model) -> str:
                 f"{c.cache_size:,}-entry {c.cache_type} cache" + (f", {c.eval_cache_size:,} in evaluation" if c.eval_cache_size else '') +
                 (f", LoRA r={c.lora_r}" if c.lora_r else ', no LoRA') + (', cache disabled' if not model.neurocache.enabled else '') + ')')
     else: what = 'LoRA only (no cache)' if t else 'base model (nothing trainable)'
-    return f"{type(getattr(model, 'base_model', model)).__name__} + {what}: {t:,} trainable of {n:,} parameters"
+    return f"{type(model.base_model if has_neurocache(model) else model).__name__} + {what}: {t:,} trainable of {n:,} parameters"
 
 # %% ../nbs/21_train_neurocache.ipynb
 def load_streams(cfg:NeurocacheRunConfig, tokenizer) -> tuple:
@@ -355,6 +355,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     res = {'mode': 'train' if training else 'evaluate', 'steps': trainer.step, 'tokens_seen': trainer.tokens_seen,
            'model': describe_model(model), 'parameters': count_parameters(model), 'trainable_parameters': count_parameters(model, True),
            'neurocache': nc_cfg.to_dict() if nc_cfg else None, 'cache_enabled': bool(nc_cfg and model.neurocache.enabled),
+           'base_4bit': any(type(m).__name__ == 'Linear4bit' for m in model.modules()),
            'eval': {k.replace('eval_', '', 1): v for k, v in final.items()},
            'test': {k.replace('test_', '', 1): v for k, v in test.items()} if test else None,
            'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / len(logs) if logs else None,

@@ -96,6 +96,7 @@ class NeurocacheConfig(Config):
     cache_type: str = 'FIFO'           # eviction order: FIFO (ring buffer) or LRU (evict the least recently retrieved entry)
     global_cache: bool = False         # one cache shared by all batch rows (never reset by start_of_sequence) instead of one per row
     topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided buckets; it used 512)
+    zero_init_output: bool = False     # start the cache attention's W_o at zero (an untrained Neurocache leaves the model unchanged) instead of the reference's copy of the layer's W_o
     lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the training CLI uses 32)
     lora_alpha: int = 64               # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.1          # LoRA dropout
@@ -126,6 +127,7 @@ class NeurocacheConfig(Config):
         self.cache_type = str(self.cache_type).upper()
         check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
         check(isinstance(self.global_cache, bool), f"global_cache must be true or false, got {self.global_cache!r}")
+        check(isinstance(self.zero_init_output, bool), f"zero_init_output must be true or false, got {self.zero_init_output!r}")
         check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
@@ -374,16 +376,17 @@ class CacheAttention(nn.Module):
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0):
         "x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens; valid (B, P+T, M)."
         B, T, _ = x.shape
-        P, M = prefix, ctx.shape[2]
+        P, M, d = prefix, ctx.shape[2], ctx.shape[3]
         nkv, hs = self.num_kv_heads, self.head_dim
         g = self.num_heads // nkv
         q = (self.q_proj(x) * hs**-0.5).view(B, T, nkv, g, hs)              # (B, T, nkv, g, hs)
-        k = self.k_proj(ctx).view(B, P + T, M, nkv, hs)                     # (B, P+T, M, nkv, hs)
-        v = self.v_proj(ctx).view(B, P + T, M, nkv, hs)
+        # K = C W_kᵀ and V = C W_vᵀ are linear in the retrieved states C, so W_k moves onto the query (q·W_k c = (W_kᵀq)·c) and
+        # W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, M, heads, hs) keys or values are ever made
+        qc = torch.einsum('btngh,nhd->btngd', q, self.k_proj.weight.view(nkv, hs, d))   # (B, T, nkv, g, d)
         scores, oks, starts = [], [], []
         for o in range(context_size):                                       # token t reads the retrievals of token t-o
             lo = min(T, max(0, o - P))                                      # tokens t < lo have no token t-o: masked
-            s = torch.einsum('btngd,btmnd->btngm', q[:, lo:], k[:, P + lo - o:P + T - o]).float()   # (B, T-lo, nkv, g, M)
+            s = torch.einsum('btngd,btmd->btngm', qc[:, lo:], ctx[:, P + lo - o:P + T - o]).float()   # (B, T-lo, nkv, g, M)
             scores.append(F.pad(s, (0, 0, 0, 0, 0, 0, lo, 0)))
             oks.append(torch.cat([valid.new_zeros(B, lo, M), valid[:, P + lo - o:P + T - o]], 1))  # (B, T, M)
             starts.append(lo)
@@ -391,9 +394,10 @@ class CacheAttention(nn.Module):
         s = s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min)
         p = torch.softmax(s, dim=-1) * ok.any(-1)[:, :, None, None, None]   # nothing valid -> exactly zero output
         out = 0
-        for o, (p_o, lo) in enumerate(zip(p.to(v.dtype).split(M, dim=-1), starts)):
-            y = torch.einsum('btngm,btmnd->btngd', p_o[:, lo:], v[:, P + lo - o:P + T - o])     # (B, T-lo, nkv, g, hs)
+        for o, (p_o, lo) in enumerate(zip(p.to(ctx.dtype).split(M, dim=-1), starts)):
+            y = torch.einsum('btngm,btmd->btngd', p_o[:, lo:], ctx[:, P + lo - o:P + T - o])    # (B, T-lo, nkv, g, d)
             out = out + F.pad(y, (0, 0, 0, 0, 0, 0, lo, 0))
+        out = torch.einsum('btngd,nhd->btngh', out, self.v_proj.weight.view(nkv, hs, d))    # (B, T, nkv, g, hs)
         return self.o_proj(out.reshape(B, T, self.num_heads * hs))           # (B, T, C)
 
 # %% ../nbs/20_neurocache.ipynb
@@ -494,16 +498,21 @@ class Neurocache(nn.Module):
         cache, mask = self.cache(r, B, x.device), self._token_mask(B, T, x.device)
         N = cache.rows
         slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk, touch=not self.frozen)
-        vals = cache.gather(slots, raw=self.reencode)                             # (N, B·T/N, M, d or h)
-        slots, valid, vals = slots.view(B, T, -1), valid.view(B, T, -1), vals.view(B, T, slots.shape[-1], -1)
+        inverse = None
+        if self.reencode:                # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+            rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
+            uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
+            vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)   # (U, h), (B, T, M)
+        else: vals = cache.gather(slots).view(B, T, slots.shape[-1], -1)           # (B, T, M, d)
+        slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
         P = 0
-        if cfg.context_size > 1:
+        if cfg.context_size > 1 and inverse is None:
             tail = self._tail.get(r)
             if tail is not None and tail[0].shape[0] == B and tail[0].shape[2:] == vals.shape[2:]:
                 vals, valid, P = torch.cat([tail[0], vals], 1), torch.cat([tail[1], valid], 1), tail[0].shape[1]
             if not self.training:                                                 # kept for a continuation (generation)
                 self._tail[r] = (vals[:, -(cfg.context_size - 1):].clone(), valid[:, -(cfg.context_size - 1):].clone())
-        self._retrieved[r] = dict(states=vals, valid=valid, prefix=P)
+        self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse)
         self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
 
     def _stash(self, r:int, x:torch.Tensor):
@@ -531,7 +540,7 @@ class Neurocache(nn.Module):
         # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what it did
         # (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused when they are needed
         if ctx is not None and ret['maker'] != layer and (ctx.requires_grad or not need_grad): return ctx
-        if self.reencode: ctx = proj(ret['states'].to(proj.proj.weight.dtype))       # (B, P+T, M, d): W_p learns through this
+        if self.reencode: ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]   # (B, T, M, d): W_p learns through this
         else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
         if 'ctx' not in ret: ret['ctx'], ret['maker'] = ctx, layer
         return ctx
@@ -676,7 +685,9 @@ class NeurocacheModel(nn.Module):
         self.base_model = base_model
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
         for j in config.attention_layers:
-            self.neurocache.attentions[str(j)].init_from(*attention_weights(getattr(layers[j], attn_name), h))
+            a = self.neurocache.attentions[str(j)]
+            a.init_from(*attention_weights(getattr(layers[j], attn_name), h))
+            if config.zero_init_output: nn.init.zeros_(a.o_proj.weight)
         self.layers = sorted(set(config.layer_map) | set(config.layer_map.values()) | set(config.attention_layers))
         for i in self.layers:
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))

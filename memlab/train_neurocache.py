@@ -88,6 +88,7 @@ class NeurocacheRunConfig(Config):
     similarity_fn: str = 'l2'              # l2 or dot
     global_cache: bool = False             # one cache shared by the rows of a batch instead of one per row
     topk_buckets: int = 0                  # 0: exact top-k; N: the reference library's approximate top-k over N buckets
+    zero_init_output: bool = False         # start the cache attention's W_o at zero: an untrained cache leaves the model unchanged (the reference copies the layer's W_o)
     disable_lora: bool = False             # train the Neurocache without LoRA
     lora_r: int = 32                       # LoRA rank on the FFN linears of the cache-attention layers
     lora_alpha: int = 64                   # LoRA alpha (scale alpha / r)
@@ -122,7 +123,8 @@ class NeurocacheRunConfig(Config):
                                 compression_factor=self.compression_factor, topk=self.topk, neighborhood_size=self.neighborhood_size,
                                 context_size=self.context_size, similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
                                 attention_layers=self.attention_layers, cache_type=self.cache_type, global_cache=self.global_cache,
-                                topk_buckets=self.topk_buckets, lora_r=0 if self.disable_lora else self.lora_r,
+                                topk_buckets=self.topk_buckets, zero_init_output=self.zero_init_output,
+                                lora_r=0 if self.disable_lora else self.lora_r,
                                 lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, lora_modules=self.lora_modules)
 
 # %% ../nbs/21_train_neurocache.ipynb
@@ -307,6 +309,9 @@ def _save_state(model, cfg, path, state:dict) -> Path:
 def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     "Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results (also <output_dir>/results.json)."
     mp = mixed_precision_of(cfg)
+    if cfg.with_tracking and cfg.report_to == 'wandb':
+        try: import wandb
+        except ImportError: raise MemlabError("--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)") from None
     acc = make_accelerator(mp)
     world = acc.num_processes
     refusal = _shared(_output_refusal(cfg) if acc.is_main_process else None, acc)

@@ -1040,12 +1040,13 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
 def benchmark(quick:bool=False) -> tuple:
     "`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token vs Memorizing Transformers."
     from memlab.bench import run_isolated
-    sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3)
     rows = []
-    for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
-        rows.append({'config': f"{label}: LoRA, no cache", 'tokens_per_s': sp[f'{mode}_lora']})
-        rows.append({'config': f"{label}: 16K cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
-                     'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
+    for threads in ((1,) if quick else (1, torch.get_num_threads())):
+        sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3, threads=threads)
+        for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
+            rows.append({'config': f"{label}, {threads} thread(s): LoRA, no cache", 'tokens_per_s': sp[f'{mode}_lora']})
+            rows.append({'config': f"{label}, {threads} thread(s): 16K cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
+                         'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
     mem = run_isolated('memlab.neurocache:_bench_memory')
     mt = mem['memorizing']['bytes_per_token']
     for k, label in (('memorizing', 'memory: Memorizing Transformers K/V (one layer), 16K tokens'),
@@ -1054,4 +1055,6 @@ def benchmark(quick:bool=False) -> tuple:
         m = mem[k]
         rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1), 'tensor_mib': round(m['tensor_mib'], 1),
                      'rss_growth_mib': round(m['rss_growth_mib'], 1), 'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
-    return rows, None
+    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib', 'memory vs Memorizing']
+    # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None ('—')
+    return [{k: r.get(k, None if k == 'tokens_per_s' else '') for k in keys} for r in rows], None

@@ -1,7 +1,8 @@
 """Integration tests of memlab_neurocache (the reference's train_neurocache.py) as real processes: the seed's two commands at
-small scale (the first under `accelerate launch` in one process, refused with fp16 on a CPU and run with bf16; the second under
+small scale (the first under `accelerate launch -m` in one process, refused with fp16 on a CPU and run with bf16; the second under
 `accelerate launch` with 2 CPU processes, nf4 base, replicas and per-rank row continuity checked), exact resume, --only_evaluate
-reproducing a run's final evaluation, and bad input as one line."""
+reproducing a run's final evaluation, a whole-split evaluation that does not depend on processes (`torchrun -m`) or rows, and bad
+input as one line."""
 import json, sys
 from pathlib import Path
 import pytest
@@ -152,6 +153,26 @@ def test_resume_and_only_evaluate_reproduce_the_run(data, seed1):
     assert e['eval']['loss'] == pytest.approx(a['eval']['loss'], rel=1e-6) and e['test']['loss'] == pytest.approx(a['test']['loss'], rel=1e-6)
     assert e['mode'] == 'evaluate' and e['eval']['tokens'] == a['eval']['tokens']
     assert big['neurocache']['eval_cache_size'] == 1024 and big['neurocache']['cache_type'] == 'LRU'
+
+def test_whole_split_evaluation_does_not_depend_on_processes_or_rows(data, seed1, tmp_path):
+    """--only_evaluate over a whole split (--max_eval_steps 0): one process with 4 rows and `torchrun -m` with 2 processes of 3 rows
+    give the same token-weighted loss over the same tokens (every document is read from its start with its own cache)."""
+    from memlab.data import load_corpus
+    docs = load_corpus('pydocs').split('validation')[:7]
+    corpus = tmp_path/'small.jsonl'
+    corpus.write_text(''.join(json.dumps({'id': d.id, 'text': d.text[:2000 + 500 * i], 'split': 'validation'}) + '\n'
+                              for i, d in enumerate(docs)))
+    out, _ = seed1
+    common = ['--model_name_or_path', data['model'], '--dataset_name', corpus, '--only_evaluate', '--pretrained_neurocache', out,
+              '--sequence_length', 32, '--max_eval_steps', 0, '--test_split', 'none', '--mixed_precision', 'no', '--progress', 'false']
+    [(code, err)] = run_many([common + ['--output_dir', tmp_path/'one', '--per_device_eval_batch_size', 4]])
+    assert code == 0, err
+    run([BIN/'torchrun', '--nproc-per-node', 2, '--master-port', free_port(), '-m', 'memlab.train_neurocache', *common,
+         '--output_dir', tmp_path/'two', '--per_device_eval_batch_size', 3])
+    one, two = results(tmp_path/'one'), results(tmp_path/'two')
+    assert (one['world_size'], two['world_size']) == (1, 2)
+    assert one['eval']['tokens'] == two['eval']['tokens'] > 7 * 2000 // 8
+    assert two['eval']['loss'] == pytest.approx(one['eval']['loss'], rel=1e-5)
 
 def test_bad_input_is_one_line(data, tmp_path):
     "Each bad input exits with status 2 and one line on stderr, before writing anything (all cases in one process)."

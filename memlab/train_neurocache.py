@@ -475,8 +475,16 @@ def recall_cache_config(**changes) -> NeurocacheConfig:
 
 def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8, sequence_length:int=32,
                       lr:float=3e-3, n_train:int=4000, n_eval:int=32, seed:int=0, eval_every:int=0, output_dir:str=None,
-                      model_kw:dict=None, progress:bool=False) -> dict:
+                      model_kw:dict=None, progress:bool=False, threads:int=1) -> dict:
     "Train a tiny Llama from scratch on `task`, with the Neurocache `cache` (or none); answer accuracy and loss on held-out documents."
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)      # a tiny model's operations are too small to gain from a second thread
+    try: return _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed, eval_every,
+                                   output_dir, model_kw, progress)
+    finally: torch.set_num_threads(prev)
+
+def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed, eval_every, output_dir, model_kw,
+                       progress) -> dict:
     tok = fact_recall_tokenizer(task.vocab_size)
     from memlab.models import tiny_model
     model = tiny_model('llama', seed=seed, vocab_size=task.vocab_size, **{**TINY_RECALL_MODEL, **(model_kw or {})}).train()

@@ -22,10 +22,11 @@ from .models import decoder_layers
 from .training import LossOutput, model_inputs
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'remat', 'torch_block', 'sdpa_block',
-           'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy',
-           'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTHandle', 'apply_bpt',
-           'remove_bpt', 'bpt_config_of', 'bpt_causal_lm_loss']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS', 'remat',
+           'torch_block', 'sdpa_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward',
+           'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer',
+           'BPTRematLayer', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of', 'bpt_causal_lm_loss',
+           'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -48,9 +49,9 @@ def remat(fn:Callable, policy:str='nothing_saveable') -> Callable:
     kw = {} if policy == 'nothing_saveable' else {'context_fn': functools.partial(
         create_selective_checkpoint_contexts, _save_only(_DOTS if policy == 'dots_saveable' else _DOTS_NO_BATCH))}
     @functools.wraps(fn)
-    def _remat(*args):
-        if not torch.is_grad_enabled(): return fn(*args)  # nothing to save in inference
-        return checkpoint(fn, *args, use_reentrant=False, **kw)
+    def _remat(*args, **kwargs):
+        if not torch.is_grad_enabled(): return fn(*args, **kwargs)  # nothing to save in inference
+        return checkpoint(fn, *args, use_reentrant=False, **kw, **kwargs)
     return _remat
 
 # %% ../nbs/10_bpt.ipynb
@@ -65,19 +66,20 @@ def _finite(m):
 def _gqa_matmul(a, b):
     "a (B, nh, x, y) @ b (B, nkv, y, z), each group of nh // nkv query heads sharing one key/value head: (B, nh, x, z)."
     nkv = b.shape[1]
+    if nkv == a.shape[1]: return a @ b                         # no GQA: a plain batched product
     return (a.unflatten(1, (nkv, a.shape[1] // nkv)) @ b.unsqueeze(2)).flatten(1, 2)
 
 def _masked(s, mask):
     "Scores with a block mask applied: bool (True = attend) or additive float."
     if mask is None: return s
-    if mask.dtype == torch.bool: return s.masked_fill(~mask, float('-inf'))
+    if mask.dtype == torch.bool: return s.masked_fill_(~mask, float('-inf'))   # s is a fresh product: fill in place
     return s + mask.to(s.dtype)
 
 def _scores(q, k, mask, scale, float32_logits):
     "Masked, scaled scores of a query block against a key block in the statistics dtype: (B, nh, qc, kc)."
     stat = _stat_dtype(q.dtype)
     if float32_logits: q, k = q.to(stat), k.to(stat)
-    return _masked(_gqa_matmul(q, k.transpose(-1, -2)).to(stat) * scale, mask)
+    return _masked(_gqa_matmul(q * scale, k.transpose(-1, -2)).to(stat), mask)   # scaling q (qc × hs) is cheaper than the scores
 
 # %% ../nbs/10_bpt.ipynb
 def torch_block(q, k, v, mask, scale:float, float32_logits:bool=False):
@@ -164,6 +166,22 @@ def _forward(q, k, v, mask, plan):
         out[:, :, qs:qs + plan.qc], lse[:, :, qs:qs + plan.qc] = o_i, lse_i
     return out, lse
 
+def _gqa_matmul_t(a, b, nkv:int):
+    "aᵀ @ b for a (B, nh, x, y), b (B, nh, x, z), summed over each group of query heads sharing a key/value head: (B, nkv, y, z)."
+    out = a.transpose(-1, -2) @ b                                              # (B, nh, y, z)
+    return out if nkv == out.shape[1] else out.unflatten(1, (nkv, out.shape[1] // nkv)).sum(2)
+
+def _torch_block_grads(q_i, k_j, v_j, mask, scale, float32_logits, lse_i, do_i, D_i):
+    "dq, dk, dv of one (query block, key block) pair of `torch_block`, from the rows' final log-sum-exp (FlashAttention's backward)."
+    stat = _stat_dtype(q_i.dtype)
+    s = _scores(q_i, k_j, mask, scale, float32_logits)                         # (B, nh, qc, kc) recomputed scores
+    p = torch.exp(s.sub_(_finite(lse_i)[..., None]))                          # (B, nh, qc, kc) final softmax probabilities, 0 where masked
+    dv = _gqa_matmul_t(p, do_i, v_j.shape[1])                                  # (B, nkv, kc, hs)
+    ds = p.mul_(_gqa_matmul(do_i, v_j.to(stat).transpose(-1, -2)).sub_(D_i[..., None]))  # (B, nh, qc, kc) dS = P ⊙ (dP − D)
+    dq = _gqa_matmul(ds, k_j.to(stat)).mul_(scale)                             # (B, nh, qc, hs)
+    dk = _gqa_matmul_t(ds, q_i.to(stat), k_j.shape[1]).mul_(scale)             # (B, nkv, kc, hs)
+    return dq, dk, dv
+
 class _BlockwiseAttention(torch.autograd.Function):
     "Blockwise attention saving only q, k, v, the output and the row log-sum-exp; backward recomputes each block."
     @staticmethod
@@ -185,6 +203,12 @@ class _BlockwiseAttention(torch.autograd.Function):
             D_i = (do_i * out[:, :, qs:qe].to(stat)).sum(-1)                               # (B, nh, qc)
             q_i = q[:, :, qs:qe].detach().requires_grad_()
             for ks, ke, diag in key_blocks(qs, qe, k.shape[2], plan.kc, plan.causal, plan.offset):
+                if plan.kernel is torch_block:     # the plain kernel's gradients in closed form
+                    gq, gk, gv = _torch_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke],
+                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset), plan.scale,
+                                                    plan.float32_logits, lse_i, do_i, D_i)
+                    dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
+                    continue
                 k_j, v_j = k[:, :, ks:ke].detach().requires_grad_(), v[:, :, ks:ke].detach().requires_grad_()
                 with torch.enable_grad():
                     acc, m, l = plan.kernel(q_i, k_j, v_j, _block_mask(mask, qs, qe, ks, ke, diag, plan.offset),
@@ -322,6 +346,7 @@ class BPTConfig(Config):
     float32_logits: bool = False             # compute q·kᵀ in fp32 (the softmax statistics and the loss are always fp32)
     attention_kernel: str = 'torch'          # per-block attention kernel: torch (plain PyTorch) or sdpa (F.scaled_dot_product_attention)
     fused: bool = False                      # run each decoder layer one query block at a time: attention, o_proj, residual, norm, FFN, residual (the paper's Algorithm 1)
+    layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as the reference remats every block (False: each layer keeps its (B, T, C) activations)
 
     def __post_init__(self):
         for name in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size'):
@@ -437,6 +462,22 @@ class BPTDecoderLayer(nn.Module):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 # %% ../nbs/10_bpt.ipynb
+class BPTRematLayer(nn.Module):
+    "Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`; a KV cache bypasses it."
+    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable'):
+        super().__init__()
+        self.base_layer, self.remat_policy = base_layer, remat_policy
+        self._step = remat(self.base_layer, remat_policy)
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled(): return self.base_layer(*args, **kwargs)
+        # recomputation would append to a KV cache twice: a training step does not keep one (as Hugging Face's own checkpointing)
+        if kwargs.get('past_key_values') is not None: kwargs = {**kwargs, 'past_key_values': None, 'use_cache': False}
+        return self._step(*args, **kwargs)
+
+    def extra_repr(self): return f"remat_policy={self.remat_policy!r}"
+
+# %% ../nbs/10_bpt.ipynb
 BPT_FAMILIES = ('llama', 'mistral')
 _HANDLES = weakref.WeakKeyDictionary()   # converted Hugging Face model -> its BPTHandle
 
@@ -491,6 +532,9 @@ def apply_bpt(model, config:BPTConfig=None) -> BPTHandle:
     elif config.ffn_chunk_size != -1:
         for layer in layers:
             replaced.append((layer, 'mlp', layer.mlp)); layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
+    if config.layer_remat and config.remat_policy != 'everything_saveable':
+        for i, layer in enumerate(layers):
+            replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, config.remat_policy)
     handle = BPTHandle(hf, config, attn_name, original_attn, replaced)
     _HANDLES[hf] = handle
     return handle
@@ -538,3 +582,59 @@ def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
     labels = batch['labels'].to(hidden.device)                                         # (B, T)
     loss = fused_linear_cross_entropy(hidden.flatten(0, 1), head.weight, labels.flatten(), cfg.lm_chunk_size, reduction='sum')
     return LossOutput(loss, (labels != -100).sum())
+
+# %% ../nbs/10_bpt.ipynb
+BENCH_BPT = dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024)   # BPT's setting in the benchmark
+BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt')
+
+def bench_model(model:str='reference', attn:str='sdpa'):
+    "The benchmark's model in fp32: the reference Llama (seeded random weights) or a built-in pretrained one (smollm2-135m)."
+    import transformers
+    from memlab.bench import reference_llama_config
+    if model == 'reference':
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(reference_llama_config(), attn_implementation=attn)
+    from memlab.models import load_model
+    return load_model(model, attn_implementation=attn)
+
+def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None) -> dict:
+    "Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` (one of BENCH_CONFIGS)."
+    from memlab.bench import measure_step
+    from memlab.models import enable_activation_checkpointing
+    check(config in BENCH_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(BENCH_CONFIGS)}")
+    m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').train()
+    if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
+    if config == 'bpt': apply_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (1, seq_len + 1), generator=g)
+    batch = {'input_ids': ids[:, :-1], 'labels': ids[:, 1:]}
+    losses = []
+    def step():
+        if config == 'bpt':
+            out = bpt_causal_lm_loss(m, batch)
+            loss = out.loss_sum / out.n_tokens
+        else: loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss   # HF shifts the labels itself
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    r = measure_step(step, seq_len, warmup=warmup, repeats=repeats)
+    return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1]}
+
+def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
+    "`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: a quick demonstration."
+    out = []
+    for T in sorted(seq_lens):
+        r = step_measurement(model, T, config, warmup=0, bpt=bpt)
+        out.append({'seq_len': T, **r})
+    return out
+
+def benchmark(quick:bool=False):
+    "`memlab_bench bpt`: peak memory and tokens/s of one training step of the reference Llama, HF attention vs BPT."
+    from memlab.bench import run_isolated
+    rows = []
+    for T in ((2048,) if quick else (2048, 8192)):
+        for c in BENCH_CONFIGS:
+            r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2)
+            rows.append({'config': c, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
+    return rows, 'sdpa'

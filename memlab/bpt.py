@@ -23,10 +23,10 @@ from .training import LossOutput, model_inputs
 
 # %% auto 0
 __all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS', 'remat',
-           'torch_block', 'sdpa_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward',
-           'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer',
-           'BPTRematLayer', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of', 'bpt_causal_lm_loss',
-           'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
+           'torch_block', 'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn',
+           'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask',
+           'BPTDecoderLayer', 'BPTRematLayer', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of',
+           'bpt_causal_lm_loss', 'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -86,7 +86,7 @@ def torch_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     "Plain PyTorch kernel: the online-softmax triple (numerator, max, sum) of one query block against one key block."
     s = _scores(q, k, mask, scale, float32_logits)            # (B, nh, qc, kc)
     m = s.detach().amax(-1)                                    # (B, nh, qc) block max, −∞ on fully masked rows; a constant for autograd
-    p = torch.exp(s - _finite(m)[..., None])                   # (B, nh, qc, kc) 0 where masked
+    p = s.sub_(_finite(m)[..., None]).exp_()                   # (B, nh, qc, kc) 0 where masked; in place: one block-sized tensor
     return _gqa_matmul(p, v.to(p.dtype)), m, p.sum(-1)         # a (B, nh, qc, hs), m, ℓ (B, nh, qc)
 
 def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
@@ -100,7 +100,41 @@ def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     lse = torch.logsumexp(torch.where(seen[..., None], s, 0), -1).masked_fill(~seen, float('-inf'))
     return torch.where(seen[..., None], o.to(stat), 0), lse, seen.to(stat)     # ℓ = 1 (0 on rows that see nothing)
 
-KERNELS = {'torch': torch_block, 'sdpa': sdpa_block}
+_FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
+_FLASH_BWD = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
+
+def _flash_args(q, k, v, mask):
+    "k, v repeated to q's heads (the fused operator has no GQA); the block mask as an additive bias and the rows that see a key."
+    g = q.shape[1] // k.shape[1]
+    if g > 1: k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)   # (B, nh, kc, hs), one block at a time
+    if mask is None: return k, v, None, None
+    bias = (torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float('-inf')) if mask.dtype == torch.bool
+            else mask.to(q.dtype))
+    bias = bias.expand(*bias.shape[:2], q.shape[2], k.shape[2])           # (B|1, 1|nh, qc, kc)
+    return k, v, bias, torch.isfinite(bias).any(-1)                         # seen: (B|1, 1|nh, qc)
+
+def flash_block(q, k, v, mask, scale:float, float32_logits:bool=False):
+    "Kernel calling PyTorch's fused CPU flash-attention operator on the block: (o, lse, 1); differentiated by its own backward operator."
+    stat = _stat_dtype(q.dtype)
+    causal = mask is not None and mask is _square_causal(q.shape[2], q.device)   # a plain diagonal block: the operator's own causal mode
+    k, v, bias, seen = _flash_args(q, k, v, None if causal else mask)
+    o, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)    # (B, nh, qc, hs), (B, nh, qc)
+    o, lse = o.to(stat), lse.to(stat)
+    if seen is None: return o, lse, torch.ones_like(lse)
+    seen = seen.expand_as(lse)                                             # the operator reports lse = 0 for rows that see nothing
+    return o.masked_fill(~seen[..., None], 0), lse.masked_fill(~seen, float('-inf')), seen.to(stat)
+
+def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
+    "dq, dk, dv of one block pair from the rows' final output and log-sum-exp, by the fused CPU backward operator."
+    g = q_i.shape[1] // k_j.shape[1]
+    causal = mask is not None and mask is _square_causal(q_i.shape[2], q_i.device)
+    k, v, bias, _ = _flash_args(q_i, k_j, v_j, None if causal else mask)
+    lse = torch.where(torch.isfinite(lse_i), lse_i, 0).to(_stat_dtype(q_i.dtype))   # rows that see no key at all: any finite value
+    dq, dk, dv = _FLASH_BWD(do_i.to(q_i.dtype), q_i, k, v, out_i, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    if g > 1: dk, dv = (t.unflatten(1, (-1, g)).sum(2) for t in (dk, dv))  # back to the key/value heads
+    return dq, dk, dv
+
+KERNELS = {'torch': torch_block, 'sdpa': sdpa_block, 'flash': flash_block}
 
 def _merge(state, block):
     "Fold one block's (a, m, ℓ) into the running (a, m, ℓ); the running max is a constant for autograd."
@@ -132,13 +166,20 @@ def key_blocks(qs:int, qe:int, Tk:int, k_chunk_size:int, causal:bool=True, offse
 class _Plan(NamedTuple):
     qc: int; kc: int; causal: bool; scale: float; kernel: Callable; float32_logits: bool; offset: int
 
-def _block_mask(mask, qs, qe, ks, ke, causal_part, offset):
+@functools.lru_cache(maxsize=8)
+def _square_causal(n:int, device) -> torch.Tensor:
+    "The (1, 1, n, n) lower-triangular mask of a block on the diagonal (cached: kernels recognise it by identity)."
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()[None, None]
+
+def _block_mask(mask, qs, qe, ks, ke, causal_part, offset, device=None):
     "The mask of block (queries qs:qe, keys ks:ke): None, bool (True = attend) or additive float, broadcastable to (B, nh, qc, kc)."
     m = None
     if causal_part:
-        device = mask.device if mask is not None else None
-        qpos = torch.arange(qs, qe, device=device) + offset
-        m = (torch.arange(ks, ke, device=device)[None, :] <= qpos[:, None])[None, None]   # (1, 1, qc, kc)
+        device = mask.device if mask is not None else device
+        if qs + offset == ks and qe - qs == ke - ks: m = _square_causal(qe - qs, device)          # a block on the diagonal
+        else:
+            qpos = torch.arange(qs, qe, device=device) + offset
+            m = (torch.arange(ks, ke, device=device)[None, :] <= qpos[:, None])[None, None]   # (1, 1, qc, kc)
     if mask is None: return m
     pm = mask[:, None, None, ks:ke] if mask.dim() == 2 else mask[..., qs:qe, ks:ke]      # (B, 1, 1, kc) or (B|1, 1|nh, qc, kc)
     if m is None: return pm
@@ -148,12 +189,13 @@ def _attend(q_i, k, v, mask, qs:int, plan:_Plan):
     "Online softmax of one query block over every key block it can see: (output, lse) in the statistics dtype."
     B, nh, qc, _ = q_i.shape
     stat = _stat_dtype(q_i.dtype)
-    state = (q_i.new_zeros(B, nh, qc, v.shape[-1], dtype=stat), q_i.new_full((B, nh, qc), float('-inf'), dtype=stat),
-             q_i.new_zeros(B, nh, qc, dtype=stat))
+    state = None
     for ks, ke, diag in key_blocks(qs, qs + qc, k.shape[2], plan.kc, plan.causal, plan.offset):
-        blk = plan.kernel(q_i, k[:, :, ks:ke], v[:, :, ks:ke], _block_mask(mask, qs, qs + qc, ks, ke, diag, plan.offset),
+        blk = plan.kernel(q_i, k[:, :, ks:ke], v[:, :, ks:ke], _block_mask(mask, qs, qs + qc, ks, ke, diag, plan.offset, q_i.device),
                           plan.scale, plan.float32_logits)
-        state = _merge(state, blk)
+        state = blk if state is None else _merge(state, blk)    # the first block's triple is already a valid running state
+    if state is None: state = (q_i.new_zeros(B, nh, qc, v.shape[-1], dtype=stat), q_i.new_full((B, nh, qc), float('-inf'), dtype=stat),
+                               q_i.new_zeros(B, nh, qc, dtype=stat))
     return _finish(*state)
 
 def _forward(q, k, v, mask, plan):
@@ -200,18 +242,24 @@ class _BlockwiseAttention(torch.autograd.Function):
         for qs in range(0, q.shape[2], plan.qc):
             qe = min(qs + plan.qc, q.shape[2])
             do_i, lse_i = dout[:, :, qs:qe].to(stat), lse[:, :, qs:qe]                  # (B, nh, qc, hs), (B, nh, qc)
-            D_i = (do_i * out[:, :, qs:qe].to(stat)).sum(-1)                               # (B, nh, qc)
+            D_i = None if plan.kernel is flash_block else (do_i * out[:, :, qs:qe].to(stat)).sum(-1)   # (B, nh, qc)
             q_i = q[:, :, qs:qe].detach().requires_grad_()
             for ks, ke, diag in key_blocks(qs, qe, k.shape[2], plan.kc, plan.causal, plan.offset):
+                if plan.kernel is flash_block:     # the fused operator's own backward
+                    gq, gk, gv = _flash_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke],
+                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device), plan.scale, lse_i,
+                                                    dout[:, :, qs:qe], out[:, :, qs:qe])
+                    dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
+                    continue
                 if plan.kernel is torch_block:     # the plain kernel's gradients in closed form
                     gq, gk, gv = _torch_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke],
-                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset), plan.scale,
+                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device), plan.scale,
                                                     plan.float32_logits, lse_i, do_i, D_i)
                     dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
                     continue
                 k_j, v_j = k[:, :, ks:ke].detach().requires_grad_(), v[:, :, ks:ke].detach().requires_grad_()
                 with torch.enable_grad():
-                    acc, m, l = plan.kernel(q_i, k_j, v_j, _block_mask(mask, qs, qe, ks, ke, diag, plan.offset),
+                    acc, m, l = plan.kernel(q_i, k_j, v_j, _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device),
                                             plan.scale, plan.float32_logits)
                 md = m.detach()
                 w = torch.exp(torch.where(torch.isfinite(md), md - _finite(lse_i), float('-inf')))   # (B, nh, qc) block's share
@@ -231,7 +279,7 @@ def _chunk(name, size, T) -> int:
     return T if size == -1 else min(size, max(T, 1))
 
 def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool=True, attention_mask=None, *,
-                        scale:float=None, kernel='torch', remat_policy:str='nothing_saveable', float32_logits:bool=False):
+                        scale:float=None, kernel='flash', remat_policy:str='nothing_saveable', float32_logits:bool=False):
     "Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs), one (query block, key block) pair at a time with an online softmax."
     check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, f"q, k, v must be (B, heads, T, head_size); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, nh, Tq, hs = q.shape
@@ -253,6 +301,8 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
     plan = _Plan(_chunk('q_chunk_size', q_chunk_size, Tq), _chunk('k_chunk_size', k_chunk_size, Tk), causal,
                  hs ** -0.5 if scale is None else scale, kernel_fn, float32_logits, Tk - Tq)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if kernel_fn is flash_block and (_FLASH is None or q.device.type != 'cpu' or (needs_grad and remat_policy != 'nothing_saveable')):
+        plan = plan._replace(kernel=torch_block)   # the fused operator is CPU-only and has no autograd formula for the merge
     if not needs_grad: return _forward(q, k, v, mask, plan)[0]
     if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
     step = remat(_attend, remat_policy)
@@ -344,7 +394,7 @@ class BPTConfig(Config):
     loss_chunk_size: int = -1                # tokens per chunk of the loss, fused with the LM head (-1: off unless head_chunk_size is set)
     remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable or everything_saveable
     float32_logits: bool = False             # compute q·kᵀ in fp32 (the softmax statistics and the loss are always fp32)
-    attention_kernel: str = 'torch'          # per-block attention kernel: torch (plain PyTorch) or sdpa (F.scaled_dot_product_attention)
+    attention_kernel: str = 'flash'          # per-block attention kernel: flash (PyTorch's fused CPU operator; torch elsewhere), torch (plain PyTorch) or sdpa (F.scaled_dot_product_attention)
     fused: bool = False                      # run each decoder layer one query block at a time: attention, o_proj, residual, norm, FFN, residual (the paper's Algorithm 1)
     layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as the reference remats every block (False: each layer keeps its (B, T, C) activations)
 
@@ -376,7 +426,7 @@ def _key_mask_to_dense(mask, Tq, Tk):
     return causal[None, None] & mask.bool()[:, None, None, :]
 
 def bpt_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, *, q_chunk_size:int=1024,
-                  k_chunk_size:int=1024, kernel:str='torch', remat_policy:str='nothing_saveable', float32_logits:bool=False, **kwargs):
+                  k_chunk_size:int=1024, kernel:str='flash', remat_policy:str='nothing_saveable', float32_logits:bool=False, **kwargs):
     "Hugging Face attention function: blockwise when queries and keys are one sequence, Hugging Face's SDPA for KV-cache decoding."
     check(not (dropout and module.training), f"BPT attention has no dropout (got {dropout}); set the model's attention_dropout to 0")
     causal = kwargs.pop('is_causal', None)
@@ -584,7 +634,7 @@ def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
     return LossOutput(loss, (labels != -100).sum())
 
 # %% ../nbs/10_bpt.ipynb
-BENCH_BPT = dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024)   # BPT's setting in the benchmark
+BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)   # BPT's setting in the benchmark
 BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt')
 
 def bench_model(model:str='reference', attn:str='sdpa'):

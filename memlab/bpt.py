@@ -72,7 +72,8 @@ def _gqa_matmul(a, b):
 def _masked(s, mask):
     "Scores with a block mask applied: bool (True = attend) or additive float."
     if mask is None: return s
-    if mask.dtype == torch.bool: return s.masked_fill_(~mask, float('-inf'))   # s is a fresh product: fill in place
+    if mask.dtype == torch.bool:   # s is a fresh product: fill it in place, unless autograd (or selective checkpointing) keeps it
+        return s.masked_fill(~mask, float('-inf')) if torch.is_grad_enabled() else s.masked_fill_(~mask, float('-inf'))
     return s + mask.to(s.dtype)
 
 def _scores(q, k, mask, scale, float32_logits):
@@ -86,7 +87,8 @@ def torch_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     "Plain PyTorch kernel: the online-softmax triple (numerator, max, sum) of one query block against one key block."
     s = _scores(q, k, mask, scale, float32_logits)            # (B, nh, qc, kc)
     m = s.detach().amax(-1)                                    # (B, nh, qc) block max, −∞ on fully masked rows; a constant for autograd
-    p = s.sub_(_finite(m)[..., None]).exp_()                   # (B, nh, qc, kc) 0 where masked; in place: one block-sized tensor
+    p = (torch.exp(s - _finite(m)[..., None]) if torch.is_grad_enabled()   # (B, nh, qc, kc) 0 where masked
+         else s.sub_(_finite(m)[..., None]).exp_())             # without autograd in place: one block-sized tensor
     return _gqa_matmul(p, v.to(p.dtype)), m, p.sum(-1)         # a (B, nh, qc, hs), m, ℓ (B, nh, qc)
 
 def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
@@ -99,6 +101,11 @@ def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     seen = torch.isfinite(s.detach().amax(-1))                 # (B, nh, qc) rows with at least one visible key
     lse = torch.logsumexp(torch.where(seen[..., None], s, 0), -1).masked_fill(~seen, float('-inf'))
     return torch.where(seen[..., None], o.to(stat), 0), lse, seen.to(stat)     # ℓ = 1 (0 on rows that see nothing)
+
+@functools.lru_cache(maxsize=8)
+def _square_causal(n:int, device) -> torch.Tensor:
+    "The (1, 1, n, n) lower-triangular mask of a block on the diagonal (cached: kernels recognise it by identity)."
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()[None, None]
 
 _FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 _FLASH_BWD = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
@@ -165,11 +172,6 @@ def key_blocks(qs:int, qe:int, Tk:int, k_chunk_size:int, causal:bool=True, offse
 # %% ../nbs/10_bpt.ipynb
 class _Plan(NamedTuple):
     qc: int; kc: int; causal: bool; scale: float; kernel: Callable; float32_logits: bool; offset: int
-
-@functools.lru_cache(maxsize=8)
-def _square_causal(n:int, device) -> torch.Tensor:
-    "The (1, 1, n, n) lower-triangular mask of a block on the diagonal (cached: kernels recognise it by identity)."
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()[None, None]
 
 def _block_mask(mask, qs, qe, ks, ke, causal_part, offset, device=None):
     "The mask of block (queries qs:qe, keys ks:ke): None, bool (True = attend) or additive float, broadcastable to (B, nh, qc, kc)."

@@ -146,7 +146,7 @@ def test_module_help_and_exit_status(data, tmp_path):
     for flag in ('--llama.q_chunk_size', '--optimizer.adamw_optimizer.lr_decay_steps', '--train_dataset.json_dataset.tokenizer_processes',
                  '--train_dataset.text_processor.fields', '--checkpointer.save_optimizer_state', '--mesh_dim', '--autoresume'):
         assert flag in h.stdout
-    assert 'does nothing here' in h.stdout.split('--llama.scan_layers')[-1][:300]
+    assert 'does nothing' in h.stdout.split('--llama.scan_layers')[-1][:300]
     out = tmp_path/'run'
     r = run([sys.executable, '-m', 'memlab.train_bpt', *command(data, out, **{'--llama.k_chunk_size': '0'})], check=False)
     assert r.returncode == 2 and 'Traceback' not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -660,7 +660,8 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (1, seq_len + 1), generator=g)
-    batch = {'input_ids': ids[:, :-1], 'labels': ids[:, 1:]}
+    labels = ids[:, 1:].clone(); labels[:, -1] = -100                   # the T - 1 targets Hugging Face's own loss uses
+    batch = {'input_ids': ids[:, :-1], 'labels': labels}
     losses = []
     def step():
         if config == 'bpt':

@@ -120,7 +120,7 @@ class LlamaBPTArgs(Config):
     max_sequence_length: int = None          # positions the model supports (default: the config's, raised to --train_dataset.json_dataset.seq_length)
     scan_layers: bool = True                 # accepted for the seed's command lines; does nothing here (JAX's scan over layers; PyTorch runs layers in a loop)
     param_scan_axis: int = 0                 # accepted for the seed's command lines; does nothing here (the stacking axis of JAX's scanned parameters)
-    attention_kernel: str = 'torch'          # memlab: per-block attention kernel, torch or sdpa (F.scaled_dot_product_attention on each block)
+    attention_kernel: str = 'flash'          # memlab: per-block attention kernel: flash (PyTorch's fused CPU operator; torch on other devices), torch or sdpa
     fused: bool = False                      # memlab: the paper's fused layer, one query block at a time through attention, o_proj, norm and FFN
     layer_remat: bool = True                 # memlab: also rematerialise each decoder layer as a whole under remat_policy (as the reference remats each block)
 

@@ -26,8 +26,8 @@ __all__ = ['LLAMA_PRESETS', 'DTYPES', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig
            'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
            'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
            'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'CheckpointSchedule',
-           'OptimizerStateSwitch', 'DatasetStateFile', 'read_dataset_state', 'full_state', 'fingerprint', 'train_bpt',
-           'main', 'demo']
+           'OptimizerStateSwitch', 'DatasetStateFile', 'read_dataset_state', 'full_state', 'fingerprint',
+           'set_mmap_threshold', 'train_bpt', 'main', 'demo']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -55,6 +55,7 @@ class BPTRunConfig(Config):
     export_model: bool = True              # at the end, save the trained model without BPT as a plain Hugging Face model in <output_dir>/model
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (log.jsonl is always written)
     progress: bool = True                  # show a progress bar (main process)
+    malloc_mmap_threshold: int = 1 << 20   # CPU with glibc: serve blocks above this many bytes with mmap, so freed blocks leave resident memory at once (0: glibc's default)
 
     def __post_init__(self):
         for name in ('total_steps', 'log_freq'):
@@ -69,6 +70,7 @@ class BPTRunConfig(Config):
         self.mesh = parse_mesh(self.mesh_dim)
         self.load = parse_load(self.load_checkpoint)
         check(self.report_to in ('tensorboard', 'wandb', 'none'), f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
+        check(self.malloc_mmap_threshold >= 0, f"--malloc_mmap_threshold must be 0 (glibc's default) or a size in bytes, got {self.malloc_mmap_threshold}")
 
     @property
     def mixed_precision(self) -> str: return DTYPES[self.dtype]
@@ -433,6 +435,14 @@ def fingerprint(state:dict) -> list:
         if v.is_floating_point(): v = v.double(); s += torch.stack([v.sum(), (v * v).sum()])
     return s.tolist()
 
+def set_mmap_threshold(nbytes:int) -> bool:
+    "glibc's `mallopt(M_MMAP_THRESHOLD, nbytes)`: blocks above `nbytes` are mmapped and returned to the OS when freed. False if unavailable."
+    if nbytes <= 0 or torch.cuda.is_available(): return False
+    try:
+        import ctypes
+        return bool(ctypes.CDLL('libc.so.6').mallopt(-3, int(nbytes)))   # M_MMAP_THRESHOLD = -3; also stops glibc moving it
+    except (OSError, AttributeError): return False
+
 def train_bpt(args:dict) -> dict:
     "Train as the parsed flags `args` ({prefix: config}) say; returns the results (also in <output_dir>/results.json)."
     run, llama, opt, adamw = args[''], args['llama'], args['optimizer'], args['optimizer.adamw_optimizer']
@@ -450,6 +460,7 @@ def train_bpt(args:dict) -> dict:
     kind, path = run.load
     if kind: check(Path(path).expanduser().exists() or str(path).lower() in BUILTIN_MODELS, f"--load_checkpoint {run.load_checkpoint}: no such folder")
     out = Path(run.output_dir or f"runs/bpt-{Path(run.load_llama_config or str(path)).stem or 'model'}")
+    set_mmap_threshold(run.malloc_mmap_threshold)
     acc = make_accelerator(run.mixed_precision)
     resume, refusal = _shared(_resume_plan(run, out) if acc.is_main_process else None, acc)
     check(refusal is None, refusal)                                  # every process stops on the main one's verdict

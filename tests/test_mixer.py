@@ -50,9 +50,16 @@ def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
     assert e2 == pytest.approx(e1, rel=1e-5) and e3 == pytest.approx(e1, rel=1e-5)   # evaluation sharded, then reduced
     assert l1[-1] < l1[0]
     m1, m2, m3 = (load(tmp_path/k) for k in ('one', 'ddp', 'fsdp'))                  # FSDP shards gathered into a plain folder
+    # The encoder's token-mixing biases shift a position by a constant over its features, which the next LayerNorm removes; only the
+    # last position (the memory vector) keeps it. Their other entries get gradients that are zero in exact arithmetic (~1e-10 here), and
+    # Adam turns that roundoff into +-lr steps whose sign depends on the summation order: compare those entries through the outputs.
     for (n, p1), p2, p3 in zip(m1.named_parameters(), m2.parameters(), m3.parameters()):
+        if n.startswith('encoder.') and n.endswith('token_mixing.bias'): p1, p2, p3 = p1[-1:], p2[-1:], p3[-1:]
         torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=n)
         torch.testing.assert_close(p3, p1, rtol=1e-4, atol=1e-5, msg=n)
+    x = torch.randint(0, m1.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): o1, o2, o3 = (m(input_ids=x).logits for m in (m1, m2, m3))
+    torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-4); torch.testing.assert_close(o3, o1, rtol=1e-4, atol=1e-4)
     for k in ('one', 'ddp', 'fsdp'):
         assert (tmp_path/k/'log.jsonl').exists() and (tmp_path/k/'loss.png').exists() and (tmp_path/k/'results.md').exists()
 

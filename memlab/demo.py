@@ -12,7 +12,7 @@ from .training import TrainConfig
 
 # %% auto 0
 __all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora', 'demo_mixer',
-           'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main']
+           'demo_neurocache', 'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main']
 
 # %% ../nbs/90_demo.ipynb
 def demo_lm(out:Path, quick:bool=False) -> tuple:
@@ -91,12 +91,17 @@ def demo_mixer(out:Path, quick:bool=False) -> tuple:
     return rows, series
 
 # %% ../nbs/90_demo.ipynb
+def demo_neurocache(out:Path, quick:bool=False) -> tuple:
+    "Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without a cache."
+    from memlab.train_neurocache import demo
+    return demo(out, quick=quick)
+
 def demo_bpt(out:Path, quick:bool=False) -> tuple:
     "BPT: peak memory of one training step against its length, SDPA + activation checkpointing vs BPT, on the reference Llama."
     from memlab.train_bpt import demo
     return demo(out, quick=quick)
 
-SECTIONS = {'lm': demo_lm, 'relora': demo_relora, 'mixer': demo_mixer, 'bpt': demo_bpt}
+SECTIONS = {'lm': demo_lm, 'neurocache': demo_neurocache, 'relora': demo_relora, 'mixer': demo_mixer, 'bpt': demo_bpt}
 
 def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
     "Run the demo sections; write results.md, results.json and demo.png under a fresh `<out>/demo-<time>/` (linked as `<out>/demo`)."

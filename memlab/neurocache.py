@@ -21,9 +21,10 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS',
            'format_retrieval_map', 'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache',
            'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'naive_cache_attention',
            'CacheProjection', 'Neurocache', 'NeurocacheAttention', 'resolve_config', 'NeurocacheModel',
-           'add_neurocache', 'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict',
-           'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'neurocache_state_dict',
-           'save_neurocache', 'load_neurocache', 'memory_per_token']
+           'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache', 'resize_cache',
+           'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'has_neurocache',
+           'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache', 'memory_per_token',
+           'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -82,7 +83,8 @@ def format_retrieval_map(layer_map:dict) -> str:
 @dataclass
 class NeurocacheConfig(Config):
     "Settings of a Neurocache; defaults are the reference library's."
-    cache_size: int = 8192             # entries (tokens) per cache; may differ between training and evaluation (see resize_cache)
+    cache_size: int = 8192             # entries (tokens) per cache; may differ between training and evaluation (see eval_cache_size, resize_cache)
+    eval_cache_size: int = None        # entries per cache in evaluation mode (model.eval()); None = cache_size. Train at 16K, evaluate at 128K
     cache_dtype: str = 'float32'       # storage dtype of the cache: float32, bfloat16 or float16
     compression_factor: int = 8        # cached states have d = hidden_size / compression_factor features; 1 stores the states as they are
     topk: int = 32                     # nearest cache entries retrieved per token
@@ -94,6 +96,7 @@ class NeurocacheConfig(Config):
     cache_type: str = 'FIFO'           # eviction order: FIFO (ring buffer) or LRU (evict the least recently retrieved entry)
     global_cache: bool = False         # one cache shared by all batch rows (never reset by start_of_sequence) instead of one per row
     topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided buckets; it used 512)
+    zero_init_output: bool = False     # start the cache attention's W_o at zero (an untrained Neurocache leaves the model unchanged) instead of the reference's copy of the layer's W_o
     lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the training CLI uses 32)
     lora_alpha: int = 64               # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.1          # LoRA dropout
@@ -102,17 +105,21 @@ class NeurocacheConfig(Config):
     def __post_init__(self):
         def is_int(v): return isinstance(v, int) and not isinstance(v, bool)
         check(is_int(self.cache_size) and self.cache_size > 0, f"cache_size must be a positive integer, got {self.cache_size!r}")
+        check(self.eval_cache_size is None or (is_int(self.eval_cache_size) and self.eval_cache_size > 0),
+              f"eval_cache_size must be a positive integer (or None: cache_size), got {self.eval_cache_size!r}")
         self.cache_dtype = str(self.cache_dtype).replace('torch.', '')
         check(self.cache_dtype in CACHE_DTYPES, f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         check(is_int(self.compression_factor) and self.compression_factor >= 1,
               f"compression_factor must be an integer >= 1, got {self.compression_factor!r}")
         check(is_int(self.topk) and self.topk >= 1, f"topk must be a positive integer, got {self.topk!r}")
-        check(self.topk <= self.cache_size, f"topk ({self.topk}) cannot exceed cache_size ({self.cache_size})")
         check(is_int(self.neighborhood_size) and self.neighborhood_size >= 1 and
               (self.neighborhood_size == 1 or self.neighborhood_size % 2 == 0),
               f"neighborhood_size must be 1 or an even number (hit i brings i-n/2+1 .. i+n/2), got {self.neighborhood_size!r}")
-        check(self.neighborhood_size < self.cache_size,
-              f"neighborhood_size ({self.neighborhood_size}) must be smaller than cache_size ({self.cache_size})")
+        for name in ('cache_size', 'eval_cache_size'):
+            size = getattr(self, name)
+            if size is None: continue
+            check(self.topk <= size, f"topk ({self.topk}) cannot exceed {name} ({size})")
+            check(self.neighborhood_size < size, f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
         check(is_int(self.context_size) and self.context_size >= 1, f"context_size must be a positive integer, got {self.context_size!r}")
         check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
         if self.retrieval_map is not None: self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
@@ -120,10 +127,13 @@ class NeurocacheConfig(Config):
         self.cache_type = str(self.cache_type).upper()
         check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
         check(isinstance(self.global_cache, bool), f"global_cache must be true or false, got {self.global_cache!r}")
+        check(isinstance(self.zero_init_output, bool), f"zero_init_output must be true or false, got {self.zero_init_output!r}")
         check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
-        if self.topk_buckets:
-            check(self.topk <= self.topk_buckets <= self.cache_size and self.cache_size % self.topk_buckets == 0,
-                  f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and cache_size ({self.cache_size}) and divide cache_size")
+        for name in ('cache_size', 'eval_cache_size'):
+            size = getattr(self, name)
+            if self.topk_buckets and size is not None:
+                check(self.topk <= self.topk_buckets <= size and size % self.topk_buckets == 0,
+                      f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and {name} ({size}) and divide {name}")
         check(is_int(self.lora_r) and self.lora_r >= 0, f"lora_r must be 0 (no LoRA) or a positive integer, got {self.lora_r!r}")
         check(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, f"lora_alpha must be positive, got {self.lora_alpha!r}")
         check(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
@@ -131,6 +141,10 @@ class NeurocacheConfig(Config):
         check(self.lora_modules is None or (isinstance(self.lora_modules, (list, tuple)) and self.lora_modules and
               all(isinstance(m, str) for m in self.lora_modules)), f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
         if self.lora_modules is not None: self.lora_modules = list(self.lora_modules)
+
+    def size(self, training:bool) -> int:
+        "Entries per cache in training mode (`cache_size`) or evaluation mode (`eval_cache_size`, default `cache_size`)."
+        return self.cache_size if training or self.eval_cache_size is None else self.eval_cache_size
 
     @property
     def layer_map(self) -> dict:
@@ -362,16 +376,17 @@ class CacheAttention(nn.Module):
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0):
         "x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens; valid (B, P+T, M)."
         B, T, _ = x.shape
-        P, M = prefix, ctx.shape[2]
+        P, M, d = prefix, ctx.shape[2], ctx.shape[3]
         nkv, hs = self.num_kv_heads, self.head_dim
         g = self.num_heads // nkv
         q = (self.q_proj(x) * hs**-0.5).view(B, T, nkv, g, hs)              # (B, T, nkv, g, hs)
-        k = self.k_proj(ctx).view(B, P + T, M, nkv, hs)                     # (B, P+T, M, nkv, hs)
-        v = self.v_proj(ctx).view(B, P + T, M, nkv, hs)
+        # K = C W_kᵀ and V = C W_vᵀ are linear in the retrieved states C, so W_k moves onto the query (q·W_k c = (W_kᵀq)·c) and
+        # W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, M, heads, hs) keys or values are ever made
+        qc = torch.einsum('btngh,nhd->btngd', q, self.k_proj.weight.view(nkv, hs, d))   # (B, T, nkv, g, d)
         scores, oks, starts = [], [], []
         for o in range(context_size):                                       # token t reads the retrievals of token t-o
             lo = min(T, max(0, o - P))                                      # tokens t < lo have no token t-o: masked
-            s = torch.einsum('btngd,btmnd->btngm', q[:, lo:], k[:, P + lo - o:P + T - o]).float()   # (B, T-lo, nkv, g, M)
+            s = torch.einsum('btngd,btmd->btngm', qc[:, lo:], ctx[:, P + lo - o:P + T - o]).float()   # (B, T-lo, nkv, g, M)
             scores.append(F.pad(s, (0, 0, 0, 0, 0, 0, lo, 0)))
             oks.append(torch.cat([valid.new_zeros(B, lo, M), valid[:, P + lo - o:P + T - o]], 1))  # (B, T, M)
             starts.append(lo)
@@ -379,9 +394,10 @@ class CacheAttention(nn.Module):
         s = s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min)
         p = torch.softmax(s, dim=-1) * ok.any(-1)[:, :, None, None, None]   # nothing valid -> exactly zero output
         out = 0
-        for o, (p_o, lo) in enumerate(zip(p.to(v.dtype).split(M, dim=-1), starts)):
-            y = torch.einsum('btngm,btmnd->btngd', p_o[:, lo:], v[:, P + lo - o:P + T - o])     # (B, T-lo, nkv, g, hs)
+        for o, (p_o, lo) in enumerate(zip(p.to(ctx.dtype).split(M, dim=-1), starts)):
+            y = torch.einsum('btngm,btmd->btngd', p_o[:, lo:], ctx[:, P + lo - o:P + T - o])    # (B, T-lo, nkv, g, d)
             out = out + F.pad(y, (0, 0, 0, 0, 0, 0, lo, 0))
+        out = torch.einsum('btngd,nhd->btngh', out, self.v_proj.weight.view(nkv, hs, d))    # (B, T, nkv, g, hs)
         return self.o_proj(out.reshape(B, T, self.num_heads * hs))           # (B, T, C)
 
 # %% ../nbs/20_neurocache.ipynb
@@ -449,7 +465,7 @@ class Neurocache(nn.Module):
     def _new_cache(self, rows:int, training:bool, device) -> KNNCache:
         cfg = self.config
         raw = self.hidden_size if training and cfg.compression_factor > 1 else 0   # training caches keep raw states for W_p
-        return KNNCache(rows, cfg.cache_size, self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
+        return KNNCache(rows, cfg.size(training), self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
                         cfg.neighborhood_size, cfg.similarity_fn, cfg.cache_type, cfg.topk_buckets)
 
     def cache(self, r:int, batch_size:int, device) -> KNNCache:
@@ -482,16 +498,21 @@ class Neurocache(nn.Module):
         cache, mask = self.cache(r, B, x.device), self._token_mask(B, T, x.device)
         N = cache.rows
         slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk, touch=not self.frozen)
-        vals = cache.gather(slots, raw=self.reencode)                             # (N, B·T/N, M, d or h)
-        slots, valid, vals = slots.view(B, T, -1), valid.view(B, T, -1), vals.view(B, T, slots.shape[-1], -1)
+        inverse = None
+        if self.reencode:                # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+            rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
+            uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
+            vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)   # (U, h), (B, T, M)
+        else: vals = cache.gather(slots).view(B, T, slots.shape[-1], -1)           # (B, T, M, d)
+        slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
         P = 0
-        if cfg.context_size > 1:
+        if cfg.context_size > 1 and inverse is None:
             tail = self._tail.get(r)
             if tail is not None and tail[0].shape[0] == B and tail[0].shape[2:] == vals.shape[2:]:
                 vals, valid, P = torch.cat([tail[0], vals], 1), torch.cat([tail[1], valid], 1), tail[0].shape[1]
             if not self.training:                                                 # kept for a continuation (generation)
                 self._tail[r] = (vals[:, -(cfg.context_size - 1):].clone(), valid[:, -(cfg.context_size - 1):].clone())
-        self._retrieved[r] = dict(states=vals, valid=valid, prefix=P)
+        self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse)
         self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
 
     def _stash(self, r:int, x:torch.Tensor):
@@ -519,7 +540,7 @@ class Neurocache(nn.Module):
         # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what it did
         # (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused when they are needed
         if ctx is not None and ret['maker'] != layer and (ctx.requires_grad or not need_grad): return ctx
-        if self.reencode: ctx = proj(ret['states'].to(proj.proj.weight.dtype))       # (B, P+T, M, d): W_p learns through this
+        if self.reencode: ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]   # (B, T, M, d): W_p learns through this
         else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
         if 'ctx' not in ret: ret['ctx'], ret['maker'] = ctx, layer
         return ctx
@@ -588,6 +609,29 @@ def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
                                f"nearest retrieving layer at or below it)")
     return dataclasses.replace(config, retrieval_map=format_retrieval_map(rmap), attention_layers=att)
 
+def _nf4_state_hooks(model):
+    """Let a model with a frozen bitsandbytes 4-bit base load its own `state_dict` (a training checkpoint): the quantization
+    statistics a 4-bit weight saves (absmax, quant_map, ...) are checked against the model's and consumed, as only loading
+    from a pretrained folder would restore them; the packed weights themselves load as usual."""
+    for m in model.modules():
+        if type(m).__name__ != 'Linear4bit' or getattr(m, '_memlab_nf4_hook', False): continue
+        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            own = None
+            for k in [k for k in state_dict if k.startswith(prefix + 'weight.')]:
+                if own is None: own = {n: v for n, v in module.state_dict(prefix=prefix).items()}
+                v = state_dict.pop(k)
+                check(k in own and torch.is_tensor(v) and v.shape == own[k].shape and torch.equal(v.to(own[k].device), own[k]),
+                      f"{k}: the saved 4-bit quantization statistics differ from this model's: the checkpoint was made from another base model")
+        m.register_load_state_dict_pre_hook(hook)
+        m._memlab_nf4_hook = True
+
+def _check_family(model) -> str:
+    "The model's family, or a one-line refusal of an unsupported one."
+    family = getattr(getattr(model, 'config', None), 'model_type', None)
+    check(family in SUPPORTED_FAMILIES, f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
+                                        f"{type(model).__name__} is {family!r}")
+    return family
+
 def _lora_targets(base_model, layers, config, family) -> list:
     "Full names of the FFN linears of the attention layers that get LoRA."
     prefix = next(n for n, m in base_model.named_modules() if m is layers)
@@ -618,14 +662,12 @@ def _add_lora(base_model, layers, config, family):
 # %% ../nbs/20_neurocache.ipynb
 class NeurocacheModel(nn.Module):
     "A causal LM with a Neurocache: `base_model` (attention wrapped, LoRA added, frozen) and `neurocache` (the method's parameters and caches)."
-    def __init__(self, base_model:nn.Module, config:NeurocacheConfig):
+    def __init__(self, base_model:nn.Module, config:NeurocacheConfig, train_base:bool=False):
         super().__init__()
         check(isinstance(config, NeurocacheConfig), f"config must be a NeurocacheConfig, got {type(config).__name__}")
         check(not isinstance(base_model, NeurocacheModel) and not any(isinstance(m, NeurocacheAttention) for m in base_model.modules()),
               "this model already has a Neurocache")
-        family = getattr(getattr(base_model, 'config', None), 'model_type', None)
-        check(family in SUPPORTED_FAMILIES, f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
-                                            f"{type(base_model).__name__} is {family!r}")
+        family = _check_family(base_model)
         layers = decoder_layers(base_model)
         config = resolve_config(config, len(layers))
         hc = base_model.config
@@ -635,18 +677,23 @@ class NeurocacheModel(nn.Module):
         attn_name = layer_parts(layers[0])['attn']
         hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
         self.family, self._requires_grad = family, {n: p.requires_grad for n, p in base_model.named_parameters()}
-        for p in base_model.parameters(): p.requires_grad_(False)             # the base model stays frozen
+        self.train_base = train_base
+        if not train_base:
+            for p in base_model.parameters(): p.requires_grad_(False)         # the base model stays frozen
         if config.lora_r: _add_lora(base_model, layers, config, family)
         emb = base_model.get_input_embeddings().weight
         self.base_model = base_model
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
         for j in config.attention_layers:
-            self.neurocache.attentions[str(j)].init_from(*attention_weights(getattr(layers[j], attn_name), h))
+            a = self.neurocache.attentions[str(j)]
+            a.init_from(*attention_weights(getattr(layers[j], attn_name), h))
+            if config.zero_init_output: nn.init.zeros_(a.o_proj.weight)
         self.layers = sorted(set(config.layer_map) | set(config.layer_map.values()) | set(config.attention_layers))
         for i in self.layers:
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
-        self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True),
-                       layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True)]
+        self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
+        if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
+        _nf4_state_hooks(base_model)
         self.train(base_model.training)                                          # keep the base model's mode
 
     @property
@@ -717,9 +764,20 @@ def _stop_gradient(module, args, kwargs):
     return args, kwargs
 
 # %% ../nbs/20_neurocache.ipynb
-def add_neurocache(model:nn.Module, config:NeurocacheConfig=None) -> NeurocacheModel:
-    "Give a Llama, Mistral, OPT, GPT-2 or Phi causal LM a Neurocache; the base model is frozen and changed in place."
-    return NeurocacheModel(model, config or NeurocacheConfig())
+def add_neurocache(model:nn.Module, config:NeurocacheConfig=None, train_base:bool=False) -> NeurocacheModel:
+    "Give a Llama, Mistral, OPT, GPT-2 or Phi causal LM a Neurocache; the base model is frozen (unless `train_base`) and changed in place."
+    return NeurocacheModel(model, config or NeurocacheConfig(), train_base)
+
+def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
+    "The LoRA-only baseline: freeze `model` and add LoRA (PEFT) to the FFN linears of the layers a Neurocache would attend in; no cache."
+    family = _check_family(model)
+    check(config.lora_r > 0, "the LoRA-only baseline needs lora_r > 0")
+    layers = decoder_layers(model)
+    config = resolve_config(config, len(layers))
+    for p in model.parameters(): p.requires_grad_(False)
+    _add_lora(model, layers, config, family)
+    _nf4_state_hooks(model)
+    return model.train(model.training)                  # PEFT makes its new modules in training mode: keep the model's mode
 
 def _unwrap(model) -> NeurocacheModel:
     "The `NeurocacheModel` inside DDP / accelerate / torch.compile wrappers."
@@ -727,6 +785,15 @@ def _unwrap(model) -> NeurocacheModel:
         if isinstance(model, NeurocacheModel): return model
         model = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
     raise MemlabError("this model has no Neurocache: call add_neurocache(model, config) first")
+
+def remove_lora(model) -> nn.Module:
+    "Undo `add_ffn_lora`: put the original FFN linears back (the base stays frozen); return the model."
+    from peft.tuners.lora import LoraLayer
+    model = _plain(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoraLayer): setattr(parent, name, child.get_base_layer())
+    return model
 
 def remove_neurocache(model) -> nn.Module:
     "Undo `add_neurocache`: restore the attention modules, remove the hooks and the LoRA layers, restore requires_grad; return the base model."
@@ -743,7 +810,7 @@ def remove_neurocache(model) -> nn.Module:
     return base
 
 # %% ../nbs/20_neurocache.ipynb
-CACHE_FIELDS = ('cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size', 'similarity_fn', 'cache_type',
+CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size', 'similarity_fn', 'cache_type',
                 'global_cache', 'topk_buckets')
 
 def reset_cache(model, rows=None):
@@ -775,9 +842,9 @@ def load_cache_state_dict(model, state:dict):
         mode, r = key.split('.')
         check(mode in ('train', 'eval') and int(r) in nc.config.layer_map, f"saved caches hold {key}, which this Neurocache has not")
         part = {k.rsplit('.', 1)[1]: v for k, v in state.items() if k.rsplit('.', 1)[0] == key}
-        n = part['keys'].shape[1]
-        check(n == nc.config.cache_size, f"the saved caches have {n} slots but cache_size is {nc.config.cache_size}: "
-                                         f"load them before resize_cache")
+        n, size = part['keys'].shape[1], nc.config.size(mode == 'train')
+        check(n == size, f"the saved {mode} caches have {n} slots but this Neurocache's {mode} caches have {size}: "
+                         f"load them before resize_cache")
         c = nc._new_cache(part['keys'].shape[0], mode == 'train', device)
         c.load_state_dict(part)
         nc.caches[mode == 'train'][int(r)] = c
@@ -801,43 +868,82 @@ def freeze_neurocache(model):
 # %% ../nbs/20_neurocache.ipynb
 NEUROCACHE_CONFIG_NAME, NEUROCACHE_WEIGHTS_NAME = 'neurocache_config.json', 'neurocache_model.safetensors'
 
-def neurocache_state_dict(model) -> dict:
-    "The tensors a saved Neurocache holds: the `neurocache.*` parameters and the LoRA weights."
-    return {k: v for k, v in _unwrap(model).state_dict().items() if k.startswith('neurocache.') or '.lora_' in k}
+def has_neurocache(model) -> bool:
+    "Whether `model` (possibly inside DDP / accelerate / torch.compile wrappers) is a `NeurocacheModel`."
+    try: _unwrap(model); return True
+    except MemlabError: return False
 
-def save_neurocache(model, save_directory) -> Path:
-    "Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`."
+def _plain(model) -> nn.Module:
+    "A model without its DDP / torch.compile wrappers."
+    for _ in range(4):
+        inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
+        if inner is None or not isinstance(inner, nn.Module): return model
+        model = inner
+    return model
+
+def neurocache_state_dict(model) -> dict:
+    "The tensors a saved Neurocache holds: the `neurocache.*` parameters and the LoRA weights (a LoRA-only model: its LoRA, keyed alike)."
+    if has_neurocache(model):
+        return {k: v for k, v in _unwrap(model).state_dict().items() if k.startswith('neurocache.') or '.lora_' in k}
+    state = {f"base_model.{k}": v for k, v in _plain(model).state_dict().items() if '.lora_' in k}
+    check(state, "this model has neither a Neurocache nor LoRA weights: nothing to save")
+    return state
+
+def save_neurocache(model, save_directory, config:NeurocacheConfig=None) -> Path:
+    "Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`; a LoRA-only model needs its `config`."
     from safetensors.torch import save_file
-    nm, path = _unwrap(model), Path(save_directory)
+    path, lora_only = Path(save_directory), not has_neurocache(model)
+    if lora_only:
+        check(config is not None, "saving a LoRA-only model needs the NeurocacheConfig it was built with (config=...)")
+        config = resolve_config(config, len(decoder_layers(_plain(model))))
+    else: config = _unwrap(model).neurocache_config
+    base = _plain(model).base_model if not lora_only else _plain(model)
+    state = {k: v.detach().contiguous().cpu() for k, v in neurocache_state_dict(model).items()}
+    meta = {'format': 'pt', 'family': str(getattr(base.config, 'model_type', '')), 'lora_only': str(lora_only).lower(),
+            'base_model': str(getattr(base.config, '_name_or_path', '') or '')}
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in neurocache_state_dict(nm).items()}
-    meta = {'format': 'pt', 'family': nm.family, 'base_model': str(getattr(nm.config, '_name_or_path', '') or '')}
     save_file(state, str(path/NEUROCACHE_WEIGHTS_NAME), metadata=meta)
-    atomic_write_text(path/NEUROCACHE_CONFIG_NAME, nm.neurocache_config.to_json())
+    atomic_write_text(path/NEUROCACHE_CONFIG_NAME, config.to_json())
     return path
 
-def load_neurocache(base_model:nn.Module, path, **overrides) -> NeurocacheModel:
-    "Add the Neurocache saved at `path` to `base_model`; `overrides` change settings such as cache_size. Fails on any key mismatch."
-    from safetensors.torch import load_file
+def saved_neurocache_info(path) -> dict:
+    "The config and file metadata of a saved Neurocache (one line of error if `path` is not one)."
+    from safetensors import safe_open
     path = Path(path)
     check((path/NEUROCACHE_CONFIG_NAME).exists() and (path/NEUROCACHE_WEIGHTS_NAME).exists(),
           f"{path} is not a saved Neurocache (it needs {NEUROCACHE_CONFIG_NAME} and {NEUROCACHE_WEIGHTS_NAME})")
-    config = NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME)
+    with safe_open(str(path/NEUROCACHE_WEIGHTS_NAME), 'pt') as f: meta = f.metadata() or {}
+    return {'config': NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME), 'lora_only': meta.get('lora_only') == 'true',
+            'family': meta.get('family'), 'base_model': meta.get('base_model')}
+
+def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
+    """Add the Neurocache saved at `path` to `base_model` (a `NeurocacheModel`; a LoRA-only save gives `base_model` with its LoRA);
+    `overrides` change settings such as cache_size. Fails on any key mismatch."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    info = saved_neurocache_info(path)
     unknown = [k for k in overrides if k not in {f.name for f in dataclasses.fields(NeurocacheConfig)}]
     check(not unknown, f"NeurocacheConfig has no field(s) {', '.join(unknown)}")
-    model = add_neurocache(base_model, dataclasses.replace(config, **overrides))
+    config = dataclasses.replace(info['config'], **overrides)
+    if info['lora_only']:
+        model = add_ffn_lora(base_model, config)
+        undo = lambda: remove_lora(model)
+    else:
+        model = add_neurocache(base_model, config)
+        undo = lambda: remove_neurocache(model)
     state, expected = load_file(str(path/NEUROCACHE_WEIGHTS_NAME)), neurocache_state_dict(model)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        remove_neurocache(model)
+        undo()
         raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME} does not fit this model: {len(missing)} missing key(s)"
                           f"{' (e.g. ' + missing[0] + ')' if missing else ''}, {len(unexpected)} unexpected"
                           f"{' (e.g. ' + unexpected[0] + ')' if unexpected else ''}")
     wrong = [k for k in state if state[k].shape != expected[k].shape]
     if wrong:
-        remove_neurocache(model)
+        undo()
         raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model expects "
                           f"{tuple(expected[wrong[0]].shape)}")
+    if info['lora_only']: state = {k[len('base_model.'):]: v for k, v in state.items()}
     res = model.load_state_dict(state, strict=False)
     check(not res.unexpected_keys, f"unexpected keys while loading the Neurocache: {res.unexpected_keys[:3]}")
     return model
@@ -852,3 +958,103 @@ def memory_per_token(hidden_size:int, num_heads:int, head_dim:int=None, num_kv_h
     d = hidden_size // compression_factor
     return dict(neurocache=d * b + CACHE_BOOKKEEPING_BYTES, neurocache_training=(d + hidden_size) * b + CACHE_BOOKKEEPING_BYTES,
                 memorizing=2 * num_heads * hd * b, memorizing_kv_heads=2 * (num_kv_heads or num_heads) * hd * b)
+
+# %% ../nbs/20_neurocache.ipynb
+def _rss() -> int:
+    "Resident memory of this process in bytes."
+    import re
+    return int(re.search(r"VmRSS:\s+(\d+)", Path('/proc/self/status').read_text()).group(1)) * 1024
+
+def _fill_cache(model, batch_size:int, seed:int=0):
+    "Fill every cache of the model's current mode with random states, as after a long document (benchmarks)."
+    nc = _unwrap(model).neurocache
+    g = torch.Generator().manual_seed(seed)
+    for r in nc.config.layer_map:
+        c = nc.cache(r, batch_size, _nc_device(nc))
+        keys = F.layer_norm(torch.randn(c.rows, c.size, c.dim, generator=g), (c.dim,))
+        raw = torch.randn(c.rows, c.size, nc.hidden_size, generator=g) if c.raw is not None else None
+        c.write(keys.to(c.device), raw=None if raw is None else raw.to(c.device))
+        check(bool(c.valid.all()), "the cache did not fill")
+
+def _nc_device(nc) -> torch.device:
+    "The device of a `Neurocache`'s parameters."
+    return next(nc.parameters()).device
+
+def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
+                 threads:int=None) -> dict:
+    "Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately (run it through `run_isolated`)."
+    import statistics, time
+    from memlab.models import load_model
+    from memlab.training import causal_lm_loss
+    if threads: torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32, lora_dropout=0.0)
+    models = {'cache': add_neurocache(load_model(model_name), cfg), 'lora': add_ffn_lora(load_model(model_name), cfg)}
+    vocab = models['lora'].get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (batch_size, seq_len))
+    batch = dict(input_ids=ids, labels=torch.roll(ids, -1, 1), attention_mask=torch.ones_like(ids))
+    opts = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5) for k, m in models.items()}
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    for m in models.values(): m.to(device)
+    ids = ids.to(device); batch = {k: v.to(device) for k, v in batch.items()}
+    # bf16 autocast on a GPU; fp32 on a CPU (without native bf16, as here, bf16 matrix products are several times slower)
+    autocast = (lambda: torch.autocast('cuda', dtype=torch.bfloat16)) if device == 'cuda' else contextlib.nullcontext
+    def train_step(k):
+        m = models[k]
+        with autocast(): out = causal_lm_loss(m, batch)
+        (out.loss_sum / out.n_tokens).backward(); opts[k].step(); opts[k].zero_grad(set_to_none=True)
+    def eval_step(k):
+        with torch.no_grad(), autocast(): models[k](input_ids=ids)
+    res = {}
+    for mode, step in (('train', train_step), ('eval', eval_step)):
+        for m in models.values(): m.train(mode == 'train')
+        _fill_cache(models['cache'], batch_size)
+        times = {k: [] for k in models}
+        for k in models: step(k)                                       # warm-up (and the optimizer state)
+        for _ in range(repeats):
+            for k in models:
+                t = time.perf_counter(); step(k); times[k].append(time.perf_counter() - t)
+        for k in models: res[f"{mode}_{k}"] = batch_size * seq_len / statistics.median(times[k])
+        res[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(times['lora'], times['cache']))
+    return res
+
+def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_size:int=16384, compression_factor:int=4,
+                  dtype:str='bfloat16') -> dict:
+    "Bytes per cached token of a filled Neurocache cache (evaluation and training) and of a Memorizing-Transformers K/V memory."
+    import gc
+    dt, d, S = getattr(torch, dtype), hidden_size // compression_factor, cache_size
+    out = {}
+    for name, make in (('neurocache', lambda: KNNCache(1, S, d, dtype=dt).state_dict()),
+                       ('neurocache_training', lambda: KNNCache(1, S, d, raw_dim=hidden_size, dtype=dt).state_dict()),
+                       ('memorizing', lambda: {'keys': torch.empty(S, num_heads, head_dim, dtype=dt),
+                                               'values': torch.empty(S, num_heads, head_dim, dtype=dt)})):
+        gc.collect(); before = _rss()
+        tensors = make()
+        for t in tensors.values(): t.fill_(1)                          # touch every page
+        grown = _rss() - before
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        out[name] = {'bytes_per_token': nbytes / S, 'rss_growth_mib': grown / 2**20, 'tensor_mib': nbytes / 2**20}
+        del tensors
+    return out
+
+def benchmark(quick:bool=False) -> tuple:
+    "`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token vs Memorizing Transformers."
+    from memlab.bench import run_isolated
+    rows = []
+    for threads in ((1,) if quick else (1, torch.get_num_threads())):
+        sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3, threads=threads)
+        for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
+            rows.append({'config': f"{label}, {threads} thread(s): LoRA, no cache", 'tokens_per_s': sp[f'{mode}_lora']})
+            rows.append({'config': f"{label}, {threads} thread(s): 16K cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
+                         'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
+    mem = run_isolated('memlab.neurocache:_bench_memory')
+    mt = mem['memorizing']['bytes_per_token']
+    for k, label in (('memorizing', 'memory: Memorizing Transformers K/V (one layer), 16K tokens'),
+                     ('neurocache', 'memory: Neurocache cache (evaluation), 16K tokens'),
+                     ('neurocache_training', 'memory: Neurocache cache (training, with raw states), 16K tokens')):
+        m = mem[k]
+        rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1), 'tensor_mib': round(m['tensor_mib'], 1),
+                     'rss_growth_mib': round(m['rss_growth_mib'], 1), 'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
+    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib', 'memory vs Memorizing']
+    # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None ('—')
+    return [{k: r.get(k, None if k == 'tokens_per_s' else '') for k in keys} for r in rows], None

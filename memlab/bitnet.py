@@ -17,6 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .core import Config, MemlabError, check, atomic_write_text
 from .models import as_dtype, decoder_layers
+from .relora import ReLoRALinear
 
 # %% auto 0
 __all__ = ['weight_quant', 'activation_quant', 'ste', 'rms_norm', 'BitLinear', 'BitNetConfig', 'bitnet_modules',
@@ -49,21 +50,23 @@ def rms_norm(x:torch.Tensor, weight:torch.Tensor, eps:float=1e-6) -> torch.Tenso
 
 # %% ../nbs/40_bitnet.ipynb
 def _linear_kind(m:nn.Module) -> str:
-    "'linear', 'conv1d', 'quantized' (bitsandbytes) or None."
+    "'linear', 'conv1d', 'relora' (a ReLoRALinear over a float linear), 'quantized' (bitsandbytes) or None."
     if type(m).__name__ in ('Linear4bit', 'Linear8bitLt', 'LinearFP4', 'LinearNF4', 'Linear8bit') or \
        type(getattr(m, 'weight', None)).__name__ in ('Params4bit', 'Int8Params'): return 'quantized'
+    if isinstance(m, ReLoRALinear): return 'relora'
     if isinstance(m, Conv1D): return 'conv1d'
     if isinstance(m, nn.Linear): return 'linear'
     return None
 
 class BitLinear(nn.Module):
     "A BitNet b1.58 linear layer around `base_layer` (nn.Linear or Conv1D): RMSNorm, 8-bit activations, ternary weights, STE."
-    def __init__(self, base_layer:nn.Module, # the nn.Linear or Conv1D whose weight becomes the latent weight
+    def __init__(self, base_layer:nn.Module, # the nn.Linear, Conv1D or ReLoRALinear whose weight becomes the latent weight
                  norm_eps:float=1e-6):         # epsilon of the input RMSNorm
         super().__init__()
         kind = _linear_kind(base_layer)
-        check(kind in ('linear', 'conv1d'), f"BitLinear wraps nn.Linear or Conv1D, not {type(base_layer).__name__}"
+        check(kind in ('linear', 'conv1d', 'relora'), f"BitLinear wraps nn.Linear or Conv1D, not {type(base_layer).__name__}"
               + (" (a 4/8-bit layer: load the model in fp32 or bf16 before converting)" if kind == 'quantized' else ''))
+        if kind == 'relora': _check_relora_base(base_layer)
         self.base_layer, self.is_conv1d, self.norm_eps = base_layer, kind == 'conv1d', norm_eps
         w = base_layer.weight
         self.out_features, self.in_features = (w.shape[1], w.shape[0]) if self.is_conv1d else w.shape
@@ -72,10 +75,15 @@ class BitLinear(nn.Module):
     @property
     def frozen(self) -> bool: return self.base_layer.weight is None
 
+    @property
+    def has_relora(self) -> bool: return isinstance(self.base_layer, ReLoRALinear)
+
     def latent_weight(self) -> torch.Tensor:
-        "The full-precision weight as (out, in) (a view of `base_layer.weight`; transposed for Conv1D)."
+        "The full-precision weight as (out, in): `base_layer.weight` (transposed for Conv1D), plus s·B·A under a ReLoRA base."
         check(not self.frozen, "this BitLinear is frozen (ternary codes only): it has no latent weight")
         w = self.base_layer.weight
+        if self.has_relora:                                 # W + s·B·A, summed in fp32 exactly as a ReLoRA merge sums it
+            return (w.float() + self.base_layer.delta_weight()).to(w.dtype)   # (out, in)
         return w.t() if self.is_conv1d else w               # (out, in)
 
     def ternary(self) -> tuple:
@@ -107,6 +115,8 @@ class BitLinear(nn.Module):
     @torch.no_grad()
     def freeze(self, codes:torch.Tensor=None, scale:torch.Tensor=None):
         "Drop the latent weight and keep int8 ternary codes and the scale (computed from the latent weight unless given)."
+        check(not self.has_relora, "this BitLinear holds a ReLoRA adapter: merge it into the latent weight first "
+              "(memlab.relora.remove_relora(model))")
         if codes is None: codes, scale = self.ternary()
         check(tuple(codes.shape) == (self.out_features, self.in_features),
               f"ternary codes of shape {tuple(codes.shape)} for a {self.out_features}x{self.in_features} layer")
@@ -118,7 +128,12 @@ class BitLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.base_layer.bias is not None}, "
-                f"{'conv1d, ' if self.is_conv1d else ''}{'frozen' if self.frozen else 'training'}")
+                f"{'conv1d, ' if self.is_conv1d else ''}{'relora, ' if self.has_relora else ''}{'frozen' if self.frozen else 'training'}")
+
+def _check_relora_base(layer:ReLoRALinear, name:str=''):
+    "Refuse a ReLoRA layer whose update cannot live in BitNet's latent weight (an input dropout)."
+    check(layer.relora_dropout.p == 0, f"ReLoRA layer{' ' + name if name else ''} has lora_dropout={layer.relora_dropout.p}: under BitNet the "
+          "update is added to the latent weight before quantization, where an input dropout has no meaning; use lora_dropout=0")
 
 # %% ../nbs/40_bitnet.ipynb
 @dataclass
@@ -163,7 +178,8 @@ def convert_to_bitnet(model:nn.Module,
           "(their LoRA linears would be converted too)")
     check(not bitnet_modules(model), f"{type(model).__name__} already has {len(bitnet_modules(model))} BitLinear modules; "
           "revert_bitnet it first or convert a fresh model")
-    linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m)}
+    inside_relora = {f"{n}.base_layer" for n, m in model.named_modules() if isinstance(m, ReLoRALinear)}
+    linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m) and n not in inside_relora}  # a ReLoRA layer converts whole
     check(linears, f"{type(model).__name__} has no nn.Linear or Conv1D layer to convert to BitNet")
     def wanted(n):
         if any(_name_matches(n, e) for e in cfg.exclude): return False
@@ -185,9 +201,11 @@ def convert_to_bitnet(model:nn.Module,
         except MemlabError: layers = None
         if layers is not None:
             empty = [i for i, layer in enumerate(layers)
-                     if not any(_linear_kind(m) in ('linear', 'conv1d') for m in layer.modules())]
+                     if not any(_linear_kind(m) in ('linear', 'conv1d', 'relora') for m in layer.modules())]
             check(not empty, f"decoder layers {empty} of {type(model).__name__} hold no nn.Linear or Conv1D: "
                   "their linear type is not supported, the conversion would leave them in full precision")
+    for n in targets:
+        if linears[n] == 'relora': _check_relora_base(model.get_submodule(n), n)
     for n in targets:
         parent, child = _parent(model, n)
         base = getattr(parent, child)
@@ -245,6 +263,9 @@ def save_packed(model:nn.Module, path,      # a model holding BitLinear modules;
     "Write the BitLinear weights packed at 2 bits per weight, plus scales, norms and all other tensors, to `path` (pass the unwrapped model)."
     mods = bitnet_modules(model)
     check(mods, f"{type(model).__name__} has no BitLinear module: convert_to_bitnet it before save_packed")
+    with_relora = [n for n, m in mods.items() if m.has_relora]
+    check(not with_relora, f"{len(with_relora)} BitLinear modules (e.g. {with_relora[0] if with_relora else ''}) hold ReLoRA adapters: "
+          "merge them into the latent weights with memlab.relora.remove_relora(model) before save_packed")
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
     sd, aliases = _dedup(model.state_dict())
     tensors, modules = {}, {}

@@ -674,6 +674,9 @@ class NeurocacheModel(nn.Module):
         h, nh = hc.hidden_size, hc.num_attention_heads
         check(h % config.compression_factor == 0, f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
         nkv = getattr(hc, 'num_key_value_heads', None) or nh
+        check(not any(isinstance(getattr(l, 'base_layer', None), nn.Module) for l in layers),
+              f"the decoder layers are wrapped ({type(layers[0]).__name__}): add the Neurocache before converting the model "
+              f"(e.g. add_neurocache, then apply_bpt)")
         attn_name = layer_parts(layers[0])['attn']
         hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
         self.family, self._requires_grad = family, {n: p.requires_grad for n, p in base_model.named_parameters()}
@@ -703,6 +706,7 @@ class NeurocacheModel(nn.Module):
     @property
     def device(self): return self.base_model.get_input_embeddings().weight.device
     def get_input_embeddings(self): return self.base_model.get_input_embeddings()
+    def get_base_model(self): return self.base_model      # PEFT's name for it: apply_bpt, decoder_layers, ... reach the HF model
 
     def _begin_forward(self, module, args, kwargs):
         "Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV cache."
@@ -721,11 +725,15 @@ class NeurocacheModel(nn.Module):
             B = (input_ids if input_ids is not None else kwargs['inputs_embeds']).shape[0]
             sos = _row_mask(torch.as_tensor(start_of_sequence).cpu(), B)
             if sos.any(): self.neurocache.reset(sos, training=self.training)
+        saving = {getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)} - {'nothing_saveable', 'everything_saveable'}
+        # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would get wrong ones
+        check(not (saving and self.training and torch.is_grad_enabled()), f"a Neurocache trains with layer remat_policy "
+              f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} (a re-run layer does not repeat its retrieval)")
         try: out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         except BaseException:
             self.neurocache.begin(); raise
-        checkpointing = any(getattr(l, 'gradient_checkpointing', False) for l in decoder_layers(self.base_model))
-        self.neurocache.commit(keep_retrieved=self.training and checkpointing)   # a checkpointed layer re-run reuses its retrieval
+        # in training a layer may be re-run in backward (checkpointing by Hugging Face, BPT or another wrapper): it reuses its retrieval
+        self.neurocache.commit(keep_retrieved=self.training and torch.is_grad_enabled())
         return out
 
     def generate(self, *args, start_of_sequence=None, **kwargs):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .core import Config, MemlabError, arg, check
-from .models import decoder_layers, layer_parts
+from .models import decoder_layers, layer_parts, _MLP_NAMES
 from .training import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
@@ -110,6 +110,12 @@ class ReLoRALinear(nn.Module):
         "The adapter's scale s: alpha / r, or tanh(p) when trainable."
         return self.relora_scaling.tanh() if self.trainable_scaling else self.scaling
 
+    def delta_weight(self) -> torch.Tensor:
+        "The update s·B·A as a differentiable fp32 (out, in) tensor, computed exactly as a merge computes it (autocast off)."
+        with torch.autocast(self.relora_A.device.type, enabled=False):
+            s = self.relora_scaling.float().tanh() if self.trainable_scaling else self.scaling
+            return (self.relora_B.float() @ self.relora_A.float()) * s                 # (out, r) @ (r, in) -> (out, in)
+
     def forward(self, x:torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)                                       # (..., out)
         h = self.relora_dropout(x)                                     # (..., in)
@@ -141,7 +147,9 @@ def _expected_targets(model) -> dict:
     for layer in layers:
         parts = layer_parts(layer)
         mods = [m for m in getattr(layer, parts['attn']).modules() if _is_linear(m)]
-        mods += [m for m in (layer.get_submodule(n) for n in parts['ffn']) if _is_linear(m)]
+        mlp = next((getattr(layer, n) for n in _MLP_NAMES if hasattr(layer, n)), None)
+        ffn = [mlp] if mlp is not None else [layer.get_submodule(n) for n in parts['ffn']]
+        mods += [m for f in ffn for m in f.modules() if _is_linear(m)]   # wrapped linears too (a BitLinear's base_layer)
         out.update({id(m): names.get(id(m), '?') for m in mods})
     return out
 
@@ -198,6 +206,13 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
     else:
         unused = [p for p in pats if not any(p in n for n in targets)]
         check(not unused, f"add_relora: target_modules {unused} match no nn.Linear layer of {type(model).__name__}")
+    from memlab.bitnet import BitLinear                  # imported here: memlab.bitnet imports this module
+    in_bitnet = [n for n in targets if isinstance(model.get_submodule(n.rpartition('.')[0]), BitLinear)]
+    if in_bitnet:   # the update lives in the latent weight: forward weight = quant(W + s·B·A)
+        check(config.lora_dropout == 0, f"add_relora: {len(in_bitnet)} targets are latent weights of BitNet layers (e.g. {in_bitnet[0]}), "
+              f"where the update is added to the weight before quantization and an input dropout has no meaning: pass lora_dropout=0")
+        check(config.quantize is None, f"add_relora: quantize={config.quantize!r} cannot store the latent weights of BitNet layers "
+              f"(e.g. {in_bitnet[0]}): BitNet trains them in full precision")
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     for name in targets:
         parent_name, _, child = name.rpartition('.')
@@ -314,6 +329,9 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
 def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
     "A new plain Hugging Face model (no ReLoRA layers, no quantization) whose weights are `model`'s with every update merged."
     from transformers import AutoModelForCausalLM
+    from memlab.bitnet import bitnet_modules
+    check(not bitnet_modules(model), "merged_model: a BitNet model is not a plain Hugging Face model; merge its ReLoRA updates into "
+          "the latent weights with remove_relora(model), then export it with memlab.bitnet.save_packed")
     cfg = copy.deepcopy(model.config)
     if hasattr(cfg, 'quantization_config'): del cfg.quantization_config
     plain = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

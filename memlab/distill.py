@@ -90,12 +90,14 @@ def _log_probs(s_logits, teacher, T:float, missing:str='zero'):
 # %% ../nbs/41_distill.ipynb
 def _rows(x, rows):
     "Rows `rows` of a flattened input: logits (N, V) → (n, V) fp32; `Hidden` → its logits for those rows in fp32."
+    if x is None: return None   # no teacher (a CE-only objective)
     if isinstance(x, Hidden): return F.linear(x.states[rows].float(), x.weight.float(), None if x.bias is None else x.bias.float())
     if isinstance(x, TopK): return TopK(x.indices[rows], x.logprobs[rows])
     return x[rows].float()
 
 def _flatten(x):
     "Flatten the token dimensions of a logits tensor, `Hidden` or `TopK` to rows."
+    if x is None: return None
     if isinstance(x, Hidden): return Hidden(x.states.reshape(-1, x.states.shape[-1]), x.weight, x.bias)
     if isinstance(x, TopK): return TopK(x.indices.reshape(-1, x.indices.shape[-1]), x.logprobs.reshape(-1, x.logprobs.shape[-1]))
     return x.reshape(-1, x.shape[-1])
@@ -108,10 +110,12 @@ def _vocab(x):
 
 def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
     "Per-token distillation loss (× T²) and cross-entropy on `labels` (or None) for fp32 student logits (n, V)."
-    ls, lt = _log_probs(s_logits, t_rows, T, missing)
-    kd = divergence(name, ls, lt, beta) * T ** 2                                    # (n,)
+    if t_rows is None: ls, kd = torch.log_softmax(s_logits, -1), s_logits.new_zeros(s_logits.shape[0])  # no teacher: CE only
+    else:
+        ls, lt = _log_probs(s_logits, t_rows, T, missing)
+        kd = divergence(name, ls, lt, beta) * T ** 2                                # (n,)
     if labels is None: ce = None
-    elif T == 1 and not (isinstance(t_rows, TopK) and missing == 'rest'): ce = -ls.gather(-1, labels[:, None]).squeeze(1)
+    elif (T == 1 or t_rows is None) and not (isinstance(t_rows, TopK) and missing == 'rest'): ce = -ls.gather(-1, labels[:, None]).squeeze(1)
     else: ce = F.cross_entropy(s_logits, labels, reduction='none')                  # (n,)
     return kd, ce
 
@@ -181,8 +185,10 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
     if name == 'jsd' and beta is None: beta = 0.5
     _check_loss_args(name, temperature, beta, missing)
     check(not isinstance(student, TopK), "the student must be logits or Hidden(states, weight), not TopK")
-    check(_lead_shape(student) == _lead_shape(teacher), f"student and teacher cover different tokens: {tuple(_lead_shape(student))} vs {tuple(_lead_shape(teacher))}")
-    vs, vt = _vocab(student), _vocab(teacher)
+    check(teacher is not None or kd_weight == 0, "no teacher given: only a CE objective (kd_weight=0) can be computed without one")
+    if teacher is not None:
+        check(_lead_shape(student) == _lead_shape(teacher), f"student and teacher cover different tokens: {tuple(_lead_shape(student))} vs {tuple(_lead_shape(teacher))}")
+    vs, vt = _vocab(student), (None if teacher is None else _vocab(teacher))
     check(vt is None or vs == vt, f"teacher and student vocabularies differ ({vt} vs {vs} tokens): distillation compares distributions over the same tokens")
     if name in ('reverse_kl', 'cakld') and isinstance(teacher, TopK) and missing == 'zero':
         check(teacher.indices.shape[-1] >= vs, f"{name} is infinite with a top-{teacher.indices.shape[-1]} teacher whose missing mass is zero; use missing='rest'")
@@ -552,6 +558,10 @@ class DistillationObjective(Config):
     fused: bool = False                 # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
 
     def __post_init__(self):
+        # Distily writes an unset feature option as None (`--hs_norm None`): read it as memlab's name for "nothing"
+        for f, none in (('hs_loss_fn', 'mse'), ('hs_layer_mapper', 'last'), ('hs_norm', 'none'), ('hs_projector', 'identity'),
+                        ('attn_loss_fn', 'mse'), ('attn_norm', 'none'), ('attn_projector', 'identity')):
+            if getattr(self, f) is None or str(getattr(self, f)).lower() in ('none', 'null', ''): setattr(self, f, none)
         for f in ('logits_weight', 'ce_weight', 'hs_weight', 'attn_weight'):
             check(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
         check(self.logits_weight + self.ce_weight + self.hs_weight + self.attn_weight > 0, "every weight is 0: the objective is empty")
@@ -636,7 +646,10 @@ class DistillLoss:
         self.teacher, self.offline = teacher, isinstance(teacher, TopKTeacher)
         feature_terms = obj.hs_weight > 0 or obj.attn_weight > 0
         check(student is not None or not feature_terms, "hidden-state and attention terms need the student: DistillLoss(teacher, objective, student=model)")
-        if self.offline:
+        self.needs_teacher = obj.logits_weight > 0 or feature_terms   # a CE-only objective (the baseline) never runs the teacher
+        check(teacher is not None or not self.needs_teacher, "no teacher given: only a CE objective (logits_weight=0, hs_weight=0, attn_weight=0) runs without one")
+        if teacher is None: v_teacher = None if student is None else output_vocab_size(student)
+        elif self.offline:
             check(not feature_terms, "an offline top-k teacher has no hidden states or attention maps: set hs_weight=0 and attn_weight=0")
             check(obj.logits_loss_fn not in ('reverse_kl', 'cakld') or obj.topk_missing == 'rest' or teacher.k >= teacher.vocab_size,
                   f"{obj.logits_loss_fn} is infinite with a top-{teacher.k} teacher whose missing mass is zero; set topk_missing='rest'")
@@ -696,7 +709,7 @@ class DistillLoss:
         if batch.get('attention_mask') is not None: mask = mask & batch['attention_mask'].to(mask.device).bool()
         out_s = model(**model_inputs(batch), **self._forward_kwargs(labels.device))
         dev = (out_s.hidden_states[-1] if obj.fused else out_s.logits).device
-        out_t, t = self._teacher_outputs(batch, dev)
+        out_t, t = self._teacher_outputs(batch, dev) if self.needs_teacher else (None, None)
         if obj.fused:
             w, b = _head(model)
             s = Hidden(out_s.hidden_states[-1], w, b)
@@ -704,14 +717,15 @@ class DistillLoss:
         mask, labels = mask.to(dev), labels.to(dev)
         name = obj.logits_loss_fn
         beta = obj.jsd_beta if name == 'jsd' else obj.cakld_beta if name == 'cakld' else None
+        if name == 'cakld' and beta is None and t is None: beta = 0.5   # no logit term: β is never used
         if name == 'cakld' and beta is None:
             if torch.is_grad_enabled() and model.training and not self.confidence.frozen:
                 self.confidence.update(teacher_top1(t, mask, obj.temperature, obj.topk_missing))
             beta = self.confidence.value
-        chunk = auto_chunk_size(self.vocab_size) if obj.chunk_size == -1 else (obj.chunk_size or None)
+        chunk = auto_chunk_size(self.vocab_size or _vocab(s)) if obj.chunk_size == -1 else (obj.chunk_size or None)
         total, kd, ce, n = objective_sums(name, s, t, mask=mask, labels=labels, temperature=obj.temperature, beta=beta,
                                           missing=obj.topk_missing, kd_weight=obj.logits_weight, ce_weight=obj.ce_weight, chunk_size=chunk)
-        logs = {'logits': kd, 'ce': ce}
+        logs = {'logits': kd, 'ce': ce} if t is not None else {'ce': ce}
         if obj.hs_weight > 0:
             per_tok = hidden_state_loss(out_s.hidden_states, out_t.hidden_states, self.hs_pairs, obj.hs_loss_fn,
                                         self.heads.hs_projector, self.heads.hs_norm)   # (B, T)

@@ -481,7 +481,7 @@ def _write_shard(out_dir, n, keys, idx, vals) -> dict:
     return {'file': name, 'rows': len(keys), 'seq_len': int(idx[0].shape[0])}
 
 def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, dataset:dict=None, teacher_name:str=None,
-                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False) -> Path:
+                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False, progress:bool=False) -> Path:
     "Write the teacher's top-`k` log-probabilities of every token of `batches` to safetensors shards in `out_dir`; return `out_dir`."
     out_dir = Path(out_dir)
     vocab = output_vocab_size(teacher)
@@ -510,8 +510,9 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
     seen, shards, all_keys, buf, n_tokens = set(), [], [], ([], [], []), 0
     def flush():
         if buf[0]: shards.append(_write_shard(out_dir, len(shards), *buf)); [b.clear() for b in buf]
+    from tqdm.auto import tqdm
     with torch.no_grad():
-        for batch in batches:
+        for batch in tqdm(batches, desc='teacher top-k', disable=not progress, dynamic_ncols=True, leave=False):
             ids = batch['input_ids']
             am = batch.get('attention_mask')
             logits = teacher(input_ids=ids.to(dev), **({'attention_mask': am.to(dev)} if am is not None else {})).logits  # (B, T, V)
@@ -553,7 +554,7 @@ class DistillationObjective(Config):
     attn_layer_mapper: str = 'layer-2'  # as hs_layer_mapper
     attn_norm: str = 'none'             # only none: attention rows are probability distributions
     attn_projector: str = 'identity'    # only identity: the last axis of an attention map is the sequence, not a width
-    topk_missing: str = 'zero'          # offline top-k teacher: treat the missing mass as 'zero' or as one 'rest' bucket
+    topk_missing: str = 'rest'          # offline top-k teacher: the missing mass is one 'rest' bucket, or 'zero' (top-k renormalised)
     chunk_size: int = -1                # tokens per chunk of the logit term: -1 = auto (about 8M logits per chunk), 0 = dense
     fused: bool = False                 # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
 
@@ -868,8 +869,9 @@ def describe_objective(objective:DistillationObjective) -> str:
 
 def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:DistillationObjective=None, hyperparameters:dict=None,
                training_tokens:int=None, peak_memory:int=None, teacher=None, student_name:str=None, license:str=None,
-               tags=(), devices:str=None, student_init:str=None, base_model_relation:Optional[str]='distillation') -> str:
-    "README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} (measured by the caller)."
+               tags=(), devices:str=None, student_init:str=None, base_model_relation:Optional[str]='distillation',
+               sections:dict=None) -> str:
+    "README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} (measured by the caller); `sections` adds {title: markdown}."
     import yaml
     check(isinstance(metrics, dict) and all(isinstance(v, dict) for v in metrics.values()),
           "metrics must map a metric name to {'teacher': value, 'student': value}")
@@ -881,8 +883,10 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     if dataset: meta['datasets'] = [dataset]
     if license: meta['license'] = license
     name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-distilled"
+    on_hub = re.fullmatch(r"[\w.-]+/[\w.-]+", teacher_name) is not None and not Path(teacher_name).exists()  # a hub id, not a local path
+    teacher_ref = f"[`{teacher_name}`](https://huggingface.co/{teacher_name})" if on_hub else f"`{teacher_name}`"
     L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '',
-         f"A student language model **distilled** from the teacher [`{teacher_name}`](https://huggingface.co/{teacher_name}) with "
+         f"A student language model **distilled** from the teacher {teacher_ref} with "
          f"[memlab](https://github.com/memlab/memlab) on `{dataset}`. It was trained to reproduce the teacher's outputs; it is a "
          "separate model, not a fine-tuned copy of the teacher.", '', '## Method', '',
          "Knowledge distillation: the teacher, frozen, predicts a distribution over the next token at every position of the training "
@@ -904,6 +908,7 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     L += ['', '### Resources', '']
     if peak_memory is not None: L.append(f"- Peak memory: {fmt_bytes(peak_memory)}")
     if devices: L.append(f"- Devices: {devices}")
+    for title, text in (sections or {}).items(): L += ['', f"## {title}", '', text.strip()]
     L += ['', '## Framework versions', '', f"- memlab {memlab.__version__}", f"- PyTorch {torch.__version__}",
           f"- Transformers {transformers.__version__}", f"- Python {platform.python_version()}", '']
     return '\n'.join(L)

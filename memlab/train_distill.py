@@ -180,7 +180,7 @@ class DistillationTrainingArguments(Config):
     lr_scheduler_kwargs: dict = arg(lambda: {'lr_end': 2e-5, 'power': 0.7})  # polynomial: lr_end and power; cosine_with_min_lr: min_lr or min_lr_rate
     warmup_ratio: float = 0.1  # linear warm-up over this fraction of the updates
     warmup_steps: int = 0  # linear warm-up over this many updates (overrides warmup_ratio when > 0)
-    bf16: bool = True  # bf16 autocast (fp32 master weights); works on CPUs too
+    bf16: bool = None  # bf16 autocast (fp32 master weights); default: on with a GPU that has bf16, off on a CPU (see above)
     fp16: bool = False  # fp16 autocast with loss scaling (GPU only)
     gradient_checkpointing: bool = True  # recompute the student's activations in backward (non-reentrant)
     logging_steps: int = 25  # log the training loss and its components every N updates
@@ -207,6 +207,7 @@ class DistillationTrainingArguments(Config):
         check(self.lr_scheduler_type in SCHEDULER_TYPES, f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, got {self.lr_scheduler_type!r}")
         kw = self.lr_scheduler_kwargs or {}
         check(isinstance(kw, dict), f"--lr_scheduler_kwargs must be a dict, got {kw!r}")
+        if self.bf16 is None: self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not self.fp16)
         check(not (self.bf16 and self.fp16), "give --bf16 or --fp16, not both")
         check(not self.fp16 or torch.cuda.is_available(), "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
         check(0 <= self.warmup_ratio < 1 and self.warmup_steps >= 0, "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")

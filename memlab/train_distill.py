@@ -375,8 +375,9 @@ def _copy_modules(student, teacher, copies, layer_selection) -> list:
         if name in ('embeddings', 'embed_tokens', 'lm_head'):
             group = 'lm_head' if name == 'lm_head' else 'embeddings'
             _copy_state(student, teacher, gt[group], name)
-            params = dict(student.named_parameters())
-            if freeze: [params[k].requires_grad_(False) for k in gs[group] if k in params]
+            if freeze:   # by module: a tied head and embedding are one parameter, listed once by named_parameters()
+                mods = [student.get_output_embeddings()] if group == 'lm_head' else [m for m in student.modules() if isinstance(m, nn.Embedding)]
+                for m in mods: m.requires_grad_(False)
             done.append(name + (' (frozen)' if freeze else ''))
             continue
         try: src, dst = teacher.get_submodule(name), student.get_submodule(name)

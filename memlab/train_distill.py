@@ -57,11 +57,11 @@ def parse_copy_modules(spec) -> list:
 @dataclass
 class StudentModelArguments(Config):
     "The student: an existing model, or one built from a config (the teacher's by default), with modules copied from the teacher."
-    student_model_name_or_path: str = None  # an existing student to distill into (folder, built-in name or hub id); default: build one
-    student_config_name_or_path: str = None  # the config to build the student from (model folder, config.json, built-in name such as tiny-llama); default: the teacher's
+    student_model_name_or_path: str = None  # an existing student to distill into (folder, built-in name or hub id); None: build one
+    student_config_name_or_path: str = None  # the config to build the student from (model folder, config.json, built-in name such as tiny-llama); None: the teacher's
     student_model_config: dict = None  # overrides of the student's config, e.g. '{"num_hidden_layers": 15}' (n_layer, num_layers, n_embd... mapped per family)
     reinitialize_weights: str = None  # xavier: re-initialise every linear and embedding (Xavier-uniform, zero biases) before the copies
-    copy_teacher_modules: list[str] = None  # teacher modules copied into the student, each optionally :freeze: layers, embeddings, lm_head or a module path (default: lm_head for a built student, nothing for an existing one)
+    copy_teacher_modules: list[str] = None  # teacher modules copied into the student, each optionally :freeze: layers, embeddings, lm_head or a module path (None: lm_head for a built student, nothing for an existing one)
     student_layer_selection: str = 'uniform'  # which teacher layers 'layers' copies: uniform (first and last included), first, last, or teacher indices '0,14,29'
     student_model_as_bitnet: bool = False  # make the student BitNet b1.58: every linear of its blocks becomes a BitLinear (ternary weights, 8-bit activations)
     bitnet_keep_weights: bool = True  # BitNet: start the latent weights from the student's own (copied) weights instead of Xavier re-initialisation
@@ -113,7 +113,7 @@ class DatasetArguments(Config):
     dataset_subset: str = None  # the hub dataset's configuration (Distily's default 20231101.en of wikimedia/wikipedia)
     dataset_split: str = 'train'  # the split trained on
     dataset_column_name: str = 'text'  # the field holding the text
-    dataset_sample_size: int = None  # rows of dataset_max_seq_length tokens taken from the start of the split (default: all)
+    dataset_sample_size: int = None  # rows of dataset_max_seq_length tokens taken from the start of the split (None: all)
     dataset_max_seq_length: int = 1024  # tokens per row
     dataset_test_size: float = 0.002  # fraction of the rows held out of training to measure the objective's loss (at least 1 row when > 0)
     dataset_shuffle_seed: int = 42  # seed of the training order and of the choice of held-out rows
@@ -163,7 +163,7 @@ ADAMW_NAMES = ('adamw_torch', 'adamw_torch_fused', 'adamw_hf', 'adamw')
 @dataclass
 class DistillationTrainingArguments(Config):
     "Hugging Face TrainingArguments' names for the loop: batches, schedule, precision, logging, evaluation, checkpoints."
-    output_dir: str = None  # run folder: the student, its model card, results, plot, logs and checkpoints (default runs/distill-<time>)
+    output_dir: str = None  # run folder: the student, its model card, results, plot, logs and checkpoints (None: runs/distill-<time>)
     max_steps: int = -1  # optimizer updates; > 0 overrides num_train_epochs
     num_train_epochs: float = 1.0  # passes over the training rows (when max_steps <= 0)
     per_device_train_batch_size: int = 16  # rows per process per micro-batch
@@ -180,7 +180,7 @@ class DistillationTrainingArguments(Config):
     lr_scheduler_kwargs: dict = arg(lambda: {'lr_end': 2e-5, 'power': 0.7})  # polynomial: lr_end and power; cosine_with_min_lr: min_lr or min_lr_rate
     warmup_ratio: float = 0.1  # linear warm-up over this fraction of the updates
     warmup_steps: int = 0  # linear warm-up over this many updates (overrides warmup_ratio when > 0)
-    bf16: bool = None  # bf16 autocast (fp32 master weights); default: on with a GPU that has bf16, off on a CPU (see above)
+    bf16: bool = None  # bf16 autocast (fp32 master weights); None: on with a GPU that has bf16, off on a CPU (bf16 is emulated there)
     fp16: bool = False  # fp16 autocast with loss scaling (GPU only)
     gradient_checkpointing: bool = True  # recompute the student's activations in backward (non-reentrant)
     logging_steps: int = 25  # log the training loss and its components every N updates
@@ -190,12 +190,12 @@ class DistillationTrainingArguments(Config):
     eval_teacher_metrics: bool = True  # measure the teacher's perplexity on the evaluators (the card's teacher column)
     save_strategy: str = 'steps'  # steps: checkpoint every save_steps (and at the end) | no: only the final model
     save_steps: int = 5000  # updates between checkpoints
-    save_total_limit: int = None  # checkpoints kept (default: 2)
+    save_total_limit: int = None  # checkpoints kept (None: 2)
     resume_from_checkpoint: str = None  # continue a run exactly: a checkpoints/step-* folder, or 'latest' in output_dir
     seed: int = 42  # seed of the student's initialisation and everything random in training
     report_to: str = 'tensorboard'  # tensorboard | wandb | none (log.jsonl is always written)
     push_to_hub: bool = False  # not done here: the output folder is ready to upload (huggingface-cli upload)
-    hub_model_id: str = None  # the student's name in its model card (default: <teacher>-distilled)
+    hub_model_id: str = None  # the student's name in its model card (None: <teacher>-distilled)
     disable_tqdm: bool = False  # hide the progress bars
 
     def __post_init__(self):

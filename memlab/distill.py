@@ -876,21 +876,27 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     check(isinstance(metrics, dict) and all(isinstance(v, dict) for v in metrics.values()),
           "metrics must map a metric name to {'teacher': value, 'student': value}")
     objective = objective if objective is not None else DistillationObjective()
+    distilled = objective.logits_weight > 0 or objective.hs_weight > 0 or objective.attn_weight > 0
     meta = {'base_model': teacher_name}
-    if base_model_relation: meta['base_model_relation'] = base_model_relation
+    if base_model_relation and distilled: meta['base_model_relation'] = base_model_relation
     meta.update(library_name='transformers', pipeline_tag='text-generation',
                 tags=list(dict.fromkeys(['memlab', 'distillation', 'knowledge-distillation', *tags])))
     if dataset: meta['datasets'] = [dataset]
     if license: meta['license'] = license
-    name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-distilled"
+    name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-{'distilled' if distilled else 'baseline'}"
     on_hub = re.fullmatch(r"[\w.-]+/[\w.-]+", teacher_name) is not None and not Path(teacher_name).exists()  # a hub id, not a local path
     teacher_ref = f"[`{teacher_name}`](https://huggingface.co/{teacher_name})" if on_hub else f"`{teacher_name}`"
-    L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '',
-         f"A student language model **distilled** from the teacher {teacher_ref} with "
-         f"[memlab](https://github.com/memlab/memlab) on `{dataset}`. It was trained to reproduce the teacher's outputs; it is a "
-         "separate model, not a fine-tuned copy of the teacher.", '', '## Method', '',
-         "Knowledge distillation: the teacher, frozen, predicts a distribution over the next token at every position of the training "
-         "text, and the student is trained to match it. " + describe_objective(objective), '',
+    if distilled:
+        intro = (f"A student language model **distilled** from the teacher {teacher_ref} with [memlab](https://github.com/memlab/memlab) "
+                 f"on `{dataset}`. It was trained to reproduce the teacher's outputs; it is a separate model, not a fine-tuned copy of the teacher.")
+        method = ("Knowledge distillation: the teacher, frozen, predicts a distribution over the next token at every position of the "
+                  "training text, and the student is trained to match it. ")
+    else:   # a CE-only objective: the baseline a distillation is compared with; no teacher output was used
+        intro = (f"A student language model built from the teacher {teacher_ref} and trained with [memlab](https://github.com/memlab/memlab) "
+                 f"on `{dataset}` **without distillation**: the baseline of a distillation experiment. No output of the teacher was used in training.")
+        method = "Plain language-model training on the text. "
+    L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '', intro, '', '## Method', '',
+         method + describe_objective(objective), '',
          '## Teacher and data', '', f"- Teacher: `{teacher_name}`", f"- Training data: `{dataset}`"]
     if student_init: L.append(f"- Student initialisation: {student_init}")
     if training_tokens is not None: L.append(f"- Training tokens: {training_tokens:,}")

@@ -612,7 +612,7 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
     metrics = {}
     for name, m in res['metrics'].items():
         metrics[f"{name} (perplexity)"] = {'teacher': m['teacher'], 'student': m['student']}
-        if m['student_before'] is not None: metrics[f"{name}, student before distillation"] = {'teacher': None, 'student': m['student_before']}
+        if m['student_before'] is not None: metrics[f"{name}, student before training"] = {'teacher': None, 'student': m['student_before']}
     if res['eval_objective']: metrics['objective on held-out training rows (per token)'] = {'teacher': None, 'student': res['eval_objective']['eval_loss']}
     steps = res['steps']
     hyper = {'updates': steps, 'learning rate': tr.learning_rate, 'schedule': tr.lr_scheduler_type, **({'schedule arguments': json.dumps(tr.lr_scheduler_kwargs)} if tr.lr_scheduler_type == 'polynomial' else {}),

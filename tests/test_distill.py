@@ -50,7 +50,7 @@ def test_run_writes_student_card_results_plot(online):
         assert (online/f).exists(), f
     card = (online/'README.md').read_text()
     assert f"| pydocs_ppl (perplexity) | {m['teacher']:.4g} | {m['student']:.4g} |" in card         # the measured numbers
-    assert f"| pydocs_ppl, student before distillation | — | {m['student_before']:.4g} |" in card
+    assert f"| pydocs_ppl, student before training | — | {m['student_before']:.4g} |" in card
     assert 'base_model_relation: distillation' in card and 'fine-tuned from' not in card.lower()
     assert f"| parameters | {r['teacher_parameters']:,} | {r['student_parameters']:,} |" in card
     assert r['train_tokens'] == 6 * 4 * 31 and f"Training tokens: {r['train_tokens']:,}" in card and 'Peak memory' in card

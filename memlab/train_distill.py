@@ -514,8 +514,10 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
         if attn: student.set_attn_implementation('eager')
         student.to(acc.device)
         loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)   # checks vocabularies, mappers, projectors
-    # generate the shards (once; the main process writes them while the others wait)
+    # generate the shards (once, in one process: a long teacher pass would outlast the other processes' wait at a barrier)
     if ta.teacher_topk_dir and topk is None:
+        check(acc.num_processes == 1, f"{ta.teacher_topk_dir} holds no top-k shards yet: write them first in one process (the same "
+              "command with --teacher_topk_only True, without the launcher), then launch the training on several")
         if acc.is_main_process:
             rows = {k: np.concatenate([data.train[k], data.test[k]]) for k in data.train}
             batches = list(TokenBatches(rows, tr.per_device_eval_batch_size, loop=False, rank=0, world_size=1))

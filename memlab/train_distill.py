@@ -65,6 +65,7 @@ class StudentModelArguments(Config):
     student_layer_selection: str = 'uniform'  # which teacher layers 'layers' copies: uniform (first and last included), first, last, or teacher indices '0,14,29'
     student_model_as_bitnet: bool = False  # make the student BitNet b1.58: every linear of its blocks becomes a BitLinear (ternary weights, 8-bit activations)
     bitnet_keep_weights: bool = True  # BitNet: start the latent weights from the student's own (copied) weights instead of Xavier re-initialisation
+    student_model_use_liger: bool = False  # Liger (Triton) kernels: not available (GPU-only); memlab's chunked and fused losses save the same logits memory
 
     def __post_init__(self):
         check(not (self.student_model_name_or_path and self.student_config_name_or_path),
@@ -75,6 +76,8 @@ class StudentModelArguments(Config):
               f"--student_model_config must be a dict such as '{{\"num_hidden_layers\": 6}}', got {self.student_model_config!r}")
         if self.reinitialize_weights is not None and str(self.reinitialize_weights).lower() in ('none', 'false', ''): self.reinitialize_weights = None
         check(self.reinitialize_weights in (None, 'xavier'), f"--reinitialize_weights supports xavier, got {self.reinitialize_weights!r}")
+        check(not self.student_model_use_liger, "--student_model_use_liger: Liger's Triton kernels need a GPU and are not used here; "
+              "memlab's chunked loss (--chunk_size) and --fused True keep the full logits out of memory instead")
         if self.copy_teacher_modules is None: self.copy_teacher_modules = [] if self.student_model_name_or_path else ['lm_head']
         self.copy_teacher_modules = [f"{n}:freeze" if f else n for n, f in parse_copy_modules(self.copy_teacher_modules)]
         sel = self.student_layer_selection

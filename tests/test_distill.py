@@ -141,7 +141,7 @@ def test_help_has_every_distily_flag():
     "Distily's field names (its six argument groups) and Hugging Face's training names are all flags."
     r = run([PYTHON, '-m', 'memlab.train_distill', '--help'])
     for flag in ('student_model_name_or_path', 'student_config_name_or_path', 'student_model_config', 'reinitialize_weights',
-                 'copy_teacher_modules', 'student_model_as_bitnet', 'teacher_model_name_or_path', 'teacher_load_in_8bit',
+                 'copy_teacher_modules', 'student_model_as_bitnet', 'student_model_use_liger', 'teacher_model_name_or_path', 'teacher_load_in_8bit',
                  'teacher_load_in_4bit', 'dataset_uri', 'dataset_subset', 'dataset_split', 'dataset_column_name', 'dataset_sample_size',
                  'dataset_max_seq_length', 'dataset_test_size', 'dataset_shuffle_seed', 'ppl_evaluators', 'ppl_extra_evaluators',
                  'harness_benchmarks', 'harness_benchmark_limit', 'harness_benchmark_bootstrap_iters', 'extra_grad_stats',

@@ -460,10 +460,13 @@ class TopKTeacher:
         if i not in self._files: self._files[i] = safe_open(str(self.dir/self.index['shards'][i]['file']), framework='pt')
         return self._files[i]
 
-    def lookup(self, input_ids:torch.Tensor) -> TopK:
-        "The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T)."
+    def lookup(self, input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> TopK:
+        "The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); padding rows get a uniform filler."
         idx, vals = [], []
-        for row in input_ids:
+        real = attention_mask.bool().any(-1).tolist() if attention_mask is not None else [True] * len(input_ids)
+        for row, r in zip(input_ids, real):
+            if not r:   # a padding row (no real token, every target masked): not stored, never read by a loss
+                idx.append(torch.arange(self.k).expand(len(row), self.k)); vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
             key = _row_key(row)
             check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: the shards were made from other data or another sequence length")
             i, r = self._rows[key]
@@ -518,9 +521,10 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
             logits = teacher(input_ids=ids.to(dev), **({'attention_mask': am.to(dev)} if am is not None else {})).logits  # (B, T, V)
             lp = torch.log_softmax(logits.float(), -1)
             vals, idx = lp.topk(k, dim=-1)                                                                                # (B, T, k)
-            for row, v, i in zip(ids, vals, idx):
+            real = am.bool().any(-1) if am is not None else torch.ones(len(ids), dtype=torch.bool)   # (B,) rows with a real token
+            for row, v, i, r in zip(ids, vals, idx, real.tolist()):
                 key = _row_key(row)
-                if key in seen: continue
+                if key in seen or not r: continue   # a padding row (an evaluation loader's last batch) is not data
                 if buf[0] and (len(buf[0]) >= rows_per_shard or buf[1][0].shape[0] != i.shape[0]): flush()
                 seen.add(key); all_keys.append(key); n_tokens += row.numel()
                 buf[0].append(key); buf[1].append(i.to('cpu', torch.int32)); buf[2].append(v.to('cpu', vdtype))
@@ -692,7 +696,7 @@ class DistillLoss:
 
     def _teacher_outputs(self, batch, device):
         if self.offline:
-            topk = self.teacher.lookup(batch['input_ids'])
+            topk = self.teacher.lookup(batch['input_ids'], batch.get('attention_mask'))
             return None, TopK(topk.indices.to(device), topk.logprobs.to(device))
         t_dev = _device(self.teacher)
         t_in = {k: batch[k].to(t_dev) for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}

@@ -523,7 +523,8 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
               "command with --teacher_topk_only True, without the launcher), then launch the training on several")
         if acc.is_main_process:
             rows = {k: np.concatenate([data.train[k], data.test[k]]) for k in data.train}
-            batches = list(TokenBatches(rows, tr.per_device_eval_batch_size, loop=False, rank=0, world_size=1))
+            B = tr.per_device_eval_batch_size
+            batches = [{k: torch.from_numpy(v[i:i + B]) for k, v in rows.items()} for i in range(0, len(rows['input_ids']), B)]
             say(f"memlab_distill: writing the teacher's top-{ta.teacher_topk_k} log-probabilities of {len(rows['input_ids'])} rows to {ta.teacher_topk_dir}")
             generate_teacher_topk(teacher, batches, ta.teacher_topk_dir, k=ta.teacher_topk_k, tokenizer=tok, dataset=data.fingerprint,
                                   teacher_name=teacher_name, dtype=ta.teacher_topk_dtype, progress=progress)

@@ -72,7 +72,8 @@ def test_accelerate_launch_two_processes_agree(teacher, online, tmp_path):
 def test_topk_shards_generated_once_then_reused(teacher, online, tmp_path):
     "--teacher_topk_only writes the shards; a run reads them back (k = vocabulary, fp32: the online run's training, exactly)."
     shards = tmp_path/'topk'
-    topk = ['--teacher_topk_dir', shards, '--teacher_topk_k', 512, '--teacher_topk_dtype', 'float32']
+    topk = ['--teacher_topk_dir', shards, '--teacher_topk_k', 512, '--teacher_topk_dtype', 'float32',
+            '--per_device_eval_batch_size', 5]      # batches that do not divide the rows: loaders pad the last one
     r = run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, tmp_path/'gen', *topk, '--teacher_topk_only', 'True')])
     index = json.loads((shards/'index.json').read_text())
     assert (index['k'], index['rows'], index['complete']) == (512, 64, True) and not (tmp_path/'gen').exists()

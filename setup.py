@@ -19,7 +19,6 @@ setuptools.setup(
     classifiers=['Programming Language :: Python :: 3', 'License :: ' + lic[1],
                  'Development Status :: 3 - Alpha', 'Natural Language :: English'],
     packages=setuptools.find_packages(include=['memlab', 'memlab.*']), include_package_data=True,
-    package_data={'memlab': ['configs/*.json', 'configs/*.yaml']},
     python_requires='>=' + cfg['min_python'],
     install_requires=cfg['requirements'].split(),
     extras_require={'dev': cfg['dev_requirements'].split()},

@@ -116,7 +116,8 @@ def hf_benchmark(quick:bool=False):
 def main():
     "memlab_bench: run a named benchmark and print its table of measured ratios."
     import argparse
-    p = argparse.ArgumentParser(prog='memlab_bench', description=main.__doc__,
+    from memlab.core import ArgumentParser
+    p = ArgumentParser(prog='memlab_bench', description=main.__doc__,
                                 epilog='benchmarks:\n' + '\n'.join(f'  {k:<11} {d}' for k, (_, d) in BENCHMARKS.items()),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('name', choices=sorted(BENCHMARKS), help='which benchmark to run')

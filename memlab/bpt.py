@@ -22,10 +22,11 @@ from .models import decoder_layers
 from .training import LossOutput, model_inputs
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'remat', 'torch_block', 'sdpa_block',
-           'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy',
-           'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTHandle', 'apply_bpt',
-           'remove_bpt', 'bpt_config_of', 'bpt_causal_lm_loss']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS', 'remat',
+           'torch_block', 'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn',
+           'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask',
+           'BPTDecoderLayer', 'BPTRematLayer', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of',
+           'bpt_causal_lm_loss', 'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -48,9 +49,9 @@ def remat(fn:Callable, policy:str='nothing_saveable') -> Callable:
     kw = {} if policy == 'nothing_saveable' else {'context_fn': functools.partial(
         create_selective_checkpoint_contexts, _save_only(_DOTS if policy == 'dots_saveable' else _DOTS_NO_BATCH))}
     @functools.wraps(fn)
-    def _remat(*args):
-        if not torch.is_grad_enabled(): return fn(*args)  # nothing to save in inference
-        return checkpoint(fn, *args, use_reentrant=False, **kw)
+    def _remat(*args, **kwargs):
+        if not torch.is_grad_enabled(): return fn(*args, **kwargs)  # nothing to save in inference
+        return checkpoint(fn, *args, use_reentrant=False, **kw, **kwargs)
     return _remat
 
 # %% ../nbs/10_bpt.ipynb
@@ -65,26 +66,29 @@ def _finite(m):
 def _gqa_matmul(a, b):
     "a (B, nh, x, y) @ b (B, nkv, y, z), each group of nh // nkv query heads sharing one key/value head: (B, nh, x, z)."
     nkv = b.shape[1]
+    if nkv == a.shape[1]: return a @ b                         # no GQA: a plain batched product
     return (a.unflatten(1, (nkv, a.shape[1] // nkv)) @ b.unsqueeze(2)).flatten(1, 2)
 
 def _masked(s, mask):
     "Scores with a block mask applied: bool (True = attend) or additive float."
     if mask is None: return s
-    if mask.dtype == torch.bool: return s.masked_fill(~mask, float('-inf'))
+    if mask.dtype == torch.bool:   # s is a fresh product: fill it in place, unless autograd (or selective checkpointing) keeps it
+        return s.masked_fill(~mask, float('-inf')) if torch.is_grad_enabled() else s.masked_fill_(~mask, float('-inf'))
     return s + mask.to(s.dtype)
 
 def _scores(q, k, mask, scale, float32_logits):
     "Masked, scaled scores of a query block against a key block in the statistics dtype: (B, nh, qc, kc)."
     stat = _stat_dtype(q.dtype)
     if float32_logits: q, k = q.to(stat), k.to(stat)
-    return _masked(_gqa_matmul(q, k.transpose(-1, -2)).to(stat) * scale, mask)
+    return _masked(_gqa_matmul(q * scale, k.transpose(-1, -2)).to(stat), mask)   # scaling q (qc × hs) is cheaper than the scores
 
 # %% ../nbs/10_bpt.ipynb
 def torch_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     "Plain PyTorch kernel: the online-softmax triple (numerator, max, sum) of one query block against one key block."
     s = _scores(q, k, mask, scale, float32_logits)            # (B, nh, qc, kc)
     m = s.detach().amax(-1)                                    # (B, nh, qc) block max, −∞ on fully masked rows; a constant for autograd
-    p = torch.exp(s - _finite(m)[..., None])                   # (B, nh, qc, kc) 0 where masked
+    p = (torch.exp(s - _finite(m)[..., None]) if torch.is_grad_enabled()   # (B, nh, qc, kc) 0 where masked
+         else s.sub_(_finite(m)[..., None]).exp_())             # without autograd in place: one block-sized tensor
     return _gqa_matmul(p, v.to(p.dtype)), m, p.sum(-1)         # a (B, nh, qc, hs), m, ℓ (B, nh, qc)
 
 def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
@@ -98,7 +102,46 @@ def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     lse = torch.logsumexp(torch.where(seen[..., None], s, 0), -1).masked_fill(~seen, float('-inf'))
     return torch.where(seen[..., None], o.to(stat), 0), lse, seen.to(stat)     # ℓ = 1 (0 on rows that see nothing)
 
-KERNELS = {'torch': torch_block, 'sdpa': sdpa_block}
+@functools.lru_cache(maxsize=8)
+def _square_causal(n:int, device) -> torch.Tensor:
+    "The (1, 1, n, n) lower-triangular mask of a block on the diagonal (cached: kernels recognise it by identity)."
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()[None, None]
+
+_FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
+_FLASH_BWD = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
+
+def _flash_args(q, k, v, mask):
+    "k, v repeated to q's heads (the fused operator has no GQA); the block mask as an additive bias and the rows that see a key."
+    g = q.shape[1] // k.shape[1]
+    if g > 1: k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)   # (B, nh, kc, hs), one block at a time
+    if mask is None: return k, v, None, None
+    bias = (torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float('-inf')) if mask.dtype == torch.bool
+            else mask.to(q.dtype))
+    bias = bias.expand(*bias.shape[:2], q.shape[2], k.shape[2])           # (B|1, 1|nh, qc, kc)
+    return k, v, bias, torch.isfinite(bias).any(-1)                         # seen: (B|1, 1|nh, qc)
+
+def flash_block(q, k, v, mask, scale:float, float32_logits:bool=False):
+    "Kernel calling PyTorch's fused CPU flash-attention operator on the block: (o, lse, 1); differentiated by its own backward operator."
+    stat = _stat_dtype(q.dtype)
+    causal = mask is not None and mask is _square_causal(q.shape[2], q.device)   # a plain diagonal block: the operator's own causal mode
+    k, v, bias, seen = _flash_args(q, k, v, None if causal else mask)
+    o, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)    # (B, nh, qc, hs), (B, nh, qc)
+    o, lse = o.to(stat), lse.to(stat)
+    if seen is None: return o, lse, torch.ones_like(lse)
+    seen = seen.expand_as(lse)                                             # the operator reports lse = 0 for rows that see nothing
+    return o.masked_fill(~seen[..., None], 0), lse.masked_fill(~seen, float('-inf')), seen.to(stat)
+
+def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
+    "dq, dk, dv of one block pair from the rows' final output and log-sum-exp, by the fused CPU backward operator."
+    g = q_i.shape[1] // k_j.shape[1]
+    causal = mask is not None and mask is _square_causal(q_i.shape[2], q_i.device)
+    k, v, bias, _ = _flash_args(q_i, k_j, v_j, None if causal else mask)
+    lse = torch.where(torch.isfinite(lse_i), lse_i, 0).to(_stat_dtype(q_i.dtype))   # rows that see no key at all: any finite value
+    dq, dk, dv = _FLASH_BWD(do_i.to(q_i.dtype), q_i, k, v, out_i, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    if g > 1: dk, dv = (t.unflatten(1, (-1, g)).sum(2) for t in (dk, dv))  # back to the key/value heads
+    return dq, dk, dv
+
+KERNELS = {'torch': torch_block, 'sdpa': sdpa_block, 'flash': flash_block}
 
 def _merge(state, block):
     "Fold one block's (a, m, ℓ) into the running (a, m, ℓ); the running max is a constant for autograd."
@@ -130,13 +173,15 @@ def key_blocks(qs:int, qe:int, Tk:int, k_chunk_size:int, causal:bool=True, offse
 class _Plan(NamedTuple):
     qc: int; kc: int; causal: bool; scale: float; kernel: Callable; float32_logits: bool; offset: int
 
-def _block_mask(mask, qs, qe, ks, ke, causal_part, offset):
+def _block_mask(mask, qs, qe, ks, ke, causal_part, offset, device=None):
     "The mask of block (queries qs:qe, keys ks:ke): None, bool (True = attend) or additive float, broadcastable to (B, nh, qc, kc)."
     m = None
     if causal_part:
-        device = mask.device if mask is not None else None
-        qpos = torch.arange(qs, qe, device=device) + offset
-        m = (torch.arange(ks, ke, device=device)[None, :] <= qpos[:, None])[None, None]   # (1, 1, qc, kc)
+        device = mask.device if mask is not None else device
+        if qs + offset == ks and qe - qs == ke - ks: m = _square_causal(qe - qs, device)          # a block on the diagonal
+        else:
+            qpos = torch.arange(qs, qe, device=device) + offset
+            m = (torch.arange(ks, ke, device=device)[None, :] <= qpos[:, None])[None, None]   # (1, 1, qc, kc)
     if mask is None: return m
     pm = mask[:, None, None, ks:ke] if mask.dim() == 2 else mask[..., qs:qe, ks:ke]      # (B, 1, 1, kc) or (B|1, 1|nh, qc, kc)
     if m is None: return pm
@@ -146,12 +191,13 @@ def _attend(q_i, k, v, mask, qs:int, plan:_Plan):
     "Online softmax of one query block over every key block it can see: (output, lse) in the statistics dtype."
     B, nh, qc, _ = q_i.shape
     stat = _stat_dtype(q_i.dtype)
-    state = (q_i.new_zeros(B, nh, qc, v.shape[-1], dtype=stat), q_i.new_full((B, nh, qc), float('-inf'), dtype=stat),
-             q_i.new_zeros(B, nh, qc, dtype=stat))
+    state = None
     for ks, ke, diag in key_blocks(qs, qs + qc, k.shape[2], plan.kc, plan.causal, plan.offset):
-        blk = plan.kernel(q_i, k[:, :, ks:ke], v[:, :, ks:ke], _block_mask(mask, qs, qs + qc, ks, ke, diag, plan.offset),
+        blk = plan.kernel(q_i, k[:, :, ks:ke], v[:, :, ks:ke], _block_mask(mask, qs, qs + qc, ks, ke, diag, plan.offset, q_i.device),
                           plan.scale, plan.float32_logits)
-        state = _merge(state, blk)
+        state = blk if state is None else _merge(state, blk)    # the first block's triple is already a valid running state
+    if state is None: state = (q_i.new_zeros(B, nh, qc, v.shape[-1], dtype=stat), q_i.new_full((B, nh, qc), float('-inf'), dtype=stat),
+                               q_i.new_zeros(B, nh, qc, dtype=stat))
     return _finish(*state)
 
 def _forward(q, k, v, mask, plan):
@@ -163,6 +209,22 @@ def _forward(q, k, v, mask, plan):
         o_i, lse_i = _attend(q[:, :, qs:qs + plan.qc], k, v, mask, qs, plan)
         out[:, :, qs:qs + plan.qc], lse[:, :, qs:qs + plan.qc] = o_i, lse_i
     return out, lse
+
+def _gqa_matmul_t(a, b, nkv:int):
+    "aᵀ @ b for a (B, nh, x, y), b (B, nh, x, z), summed over each group of query heads sharing a key/value head: (B, nkv, y, z)."
+    out = a.transpose(-1, -2) @ b                                              # (B, nh, y, z)
+    return out if nkv == out.shape[1] else out.unflatten(1, (nkv, out.shape[1] // nkv)).sum(2)
+
+def _torch_block_grads(q_i, k_j, v_j, mask, scale, float32_logits, lse_i, do_i, D_i):
+    "dq, dk, dv of one (query block, key block) pair of `torch_block`, from the rows' final log-sum-exp (FlashAttention's backward)."
+    stat = _stat_dtype(q_i.dtype)
+    s = _scores(q_i, k_j, mask, scale, float32_logits)                         # (B, nh, qc, kc) recomputed scores
+    p = torch.exp(s.sub_(_finite(lse_i)[..., None]))                          # (B, nh, qc, kc) final softmax probabilities, 0 where masked
+    dv = _gqa_matmul_t(p, do_i, v_j.shape[1])                                  # (B, nkv, kc, hs)
+    ds = p.mul_(_gqa_matmul(do_i, v_j.to(stat).transpose(-1, -2)).sub_(D_i[..., None]))  # (B, nh, qc, kc) dS = P ⊙ (dP − D)
+    dq = _gqa_matmul(ds, k_j.to(stat)).mul_(scale)                             # (B, nh, qc, hs)
+    dk = _gqa_matmul_t(ds, q_i.to(stat), k_j.shape[1]).mul_(scale)             # (B, nkv, kc, hs)
+    return dq, dk, dv
 
 class _BlockwiseAttention(torch.autograd.Function):
     "Blockwise attention saving only q, k, v, the output and the row log-sum-exp; backward recomputes each block."
@@ -182,12 +244,24 @@ class _BlockwiseAttention(torch.autograd.Function):
         for qs in range(0, q.shape[2], plan.qc):
             qe = min(qs + plan.qc, q.shape[2])
             do_i, lse_i = dout[:, :, qs:qe].to(stat), lse[:, :, qs:qe]                  # (B, nh, qc, hs), (B, nh, qc)
-            D_i = (do_i * out[:, :, qs:qe].to(stat)).sum(-1)                               # (B, nh, qc)
+            D_i = None if plan.kernel is flash_block else (do_i * out[:, :, qs:qe].to(stat)).sum(-1)   # (B, nh, qc)
             q_i = q[:, :, qs:qe].detach().requires_grad_()
             for ks, ke, diag in key_blocks(qs, qe, k.shape[2], plan.kc, plan.causal, plan.offset):
+                if plan.kernel is flash_block:     # the fused operator's own backward
+                    gq, gk, gv = _flash_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke],
+                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device), plan.scale, lse_i,
+                                                    dout[:, :, qs:qe], out[:, :, qs:qe])
+                    dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
+                    continue
+                if plan.kernel is torch_block:     # the plain kernel's gradients in closed form
+                    gq, gk, gv = _torch_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke],
+                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device), plan.scale,
+                                                    plan.float32_logits, lse_i, do_i, D_i)
+                    dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
+                    continue
                 k_j, v_j = k[:, :, ks:ke].detach().requires_grad_(), v[:, :, ks:ke].detach().requires_grad_()
                 with torch.enable_grad():
-                    acc, m, l = plan.kernel(q_i, k_j, v_j, _block_mask(mask, qs, qe, ks, ke, diag, plan.offset),
+                    acc, m, l = plan.kernel(q_i, k_j, v_j, _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device),
                                             plan.scale, plan.float32_logits)
                 md = m.detach()
                 w = torch.exp(torch.where(torch.isfinite(md), md - _finite(lse_i), float('-inf')))   # (B, nh, qc) block's share
@@ -207,7 +281,7 @@ def _chunk(name, size, T) -> int:
     return T if size == -1 else min(size, max(T, 1))
 
 def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool=True, attention_mask=None, *,
-                        scale:float=None, kernel='torch', remat_policy:str='nothing_saveable', float32_logits:bool=False):
+                        scale:float=None, kernel='flash', remat_policy:str='nothing_saveable', float32_logits:bool=False):
     "Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs), one (query block, key block) pair at a time with an online softmax."
     check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, f"q, k, v must be (B, heads, T, head_size); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, nh, Tq, hs = q.shape
@@ -229,6 +303,8 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
     plan = _Plan(_chunk('q_chunk_size', q_chunk_size, Tq), _chunk('k_chunk_size', k_chunk_size, Tk), causal,
                  hs ** -0.5 if scale is None else scale, kernel_fn, float32_logits, Tk - Tq)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if kernel_fn is flash_block and (_FLASH is None or q.device.type != 'cpu' or (needs_grad and remat_policy != 'nothing_saveable')):
+        plan = plan._replace(kernel=torch_block)   # the fused operator is CPU-only and has no autograd formula for the merge
     if not needs_grad: return _forward(q, k, v, mask, plan)[0]
     if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
     step = remat(_attend, remat_policy)
@@ -320,8 +396,9 @@ class BPTConfig(Config):
     loss_chunk_size: int = -1                # tokens per chunk of the loss, fused with the LM head (-1: off unless head_chunk_size is set)
     remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable or everything_saveable
     float32_logits: bool = False             # compute q·kᵀ in fp32 (the softmax statistics and the loss are always fp32)
-    attention_kernel: str = 'torch'          # per-block attention kernel: torch (plain PyTorch) or sdpa (F.scaled_dot_product_attention)
+    attention_kernel: str = 'flash'          # per-block attention kernel: flash (PyTorch's fused CPU operator; torch elsewhere), torch (plain PyTorch) or sdpa (F.scaled_dot_product_attention)
     fused: bool = False                      # run each decoder layer one query block at a time: attention, o_proj, residual, norm, FFN, residual (the paper's Algorithm 1)
+    layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as the reference remats every block (False: each layer keeps its (B, T, C) activations)
 
     def __post_init__(self):
         for name in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size'):
@@ -351,7 +428,7 @@ def _key_mask_to_dense(mask, Tq, Tk):
     return causal[None, None] & mask.bool()[:, None, None, :]
 
 def bpt_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, *, q_chunk_size:int=1024,
-                  k_chunk_size:int=1024, kernel:str='torch', remat_policy:str='nothing_saveable', float32_logits:bool=False, **kwargs):
+                  k_chunk_size:int=1024, kernel:str='flash', remat_policy:str='nothing_saveable', float32_logits:bool=False, **kwargs):
     "Hugging Face attention function: blockwise when queries and keys are one sequence, Hugging Face's SDPA for KV-cache decoding."
     check(not (dropout and module.training), f"BPT attention has no dropout (got {dropout}); set the model's attention_dropout to 0")
     causal = kwargs.pop('is_causal', None)
@@ -437,6 +514,22 @@ class BPTDecoderLayer(nn.Module):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 # %% ../nbs/10_bpt.ipynb
+class BPTRematLayer(nn.Module):
+    "Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`; a KV cache bypasses it."
+    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable'):
+        super().__init__()
+        self.base_layer, self.remat_policy = base_layer, remat_policy
+        self._step = remat(self.base_layer, remat_policy)
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled(): return self.base_layer(*args, **kwargs)
+        # recomputation would append to a KV cache twice: a training step does not keep one (as Hugging Face's own checkpointing)
+        if kwargs.get('past_key_values') is not None: kwargs = {**kwargs, 'past_key_values': None, 'use_cache': False}
+        return self._step(*args, **kwargs)
+
+    def extra_repr(self): return f"remat_policy={self.remat_policy!r}"
+
+# %% ../nbs/10_bpt.ipynb
 BPT_FAMILIES = ('llama', 'mistral')
 _HANDLES = weakref.WeakKeyDictionary()   # converted Hugging Face model -> its BPTHandle
 
@@ -491,6 +584,9 @@ def apply_bpt(model, config:BPTConfig=None) -> BPTHandle:
     elif config.ffn_chunk_size != -1:
         for layer in layers:
             replaced.append((layer, 'mlp', layer.mlp)); layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
+    if config.layer_remat and config.remat_policy != 'everything_saveable':
+        for i, layer in enumerate(layers):
+            replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, config.remat_policy)
     handle = BPTHandle(hf, config, attn_name, original_attn, replaced)
     _HANDLES[hf] = handle
     return handle
@@ -538,3 +634,60 @@ def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
     labels = batch['labels'].to(hidden.device)                                         # (B, T)
     loss = fused_linear_cross_entropy(hidden.flatten(0, 1), head.weight, labels.flatten(), cfg.lm_chunk_size, reduction='sum')
     return LossOutput(loss, (labels != -100).sum())
+
+# %% ../nbs/10_bpt.ipynb
+BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)   # BPT's setting in the benchmark
+BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt')
+
+def bench_model(model:str='reference', attn:str='sdpa'):
+    "The benchmark's model in fp32: the reference Llama (seeded random weights) or a built-in pretrained one (smollm2-135m)."
+    import transformers
+    from memlab.bench import reference_llama_config
+    if model == 'reference':
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(reference_llama_config(), attn_implementation=attn)
+    from memlab.models import load_model
+    return load_model(model, attn_implementation=attn)
+
+def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None) -> dict:
+    "Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` (one of BENCH_CONFIGS)."
+    from memlab.bench import measure_step
+    from memlab.models import enable_activation_checkpointing
+    check(config in BENCH_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(BENCH_CONFIGS)}")
+    m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').train()
+    if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
+    if config == 'bpt': apply_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (1, seq_len + 1), generator=g)
+    labels = ids[:, 1:].clone(); labels[:, -1] = -100                   # the T - 1 targets Hugging Face's own loss uses
+    batch = {'input_ids': ids[:, :-1], 'labels': labels}
+    losses = []
+    def step():
+        if config == 'bpt':
+            out = bpt_causal_lm_loss(m, batch)
+            loss = out.loss_sum / out.n_tokens
+        else: loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss   # HF shifts the labels itself
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    r = measure_step(step, seq_len, warmup=warmup, repeats=repeats)
+    return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1]}
+
+def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
+    "`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: a quick demonstration."
+    out = []
+    for T in sorted(seq_lens):
+        r = step_measurement(model, T, config, warmup=0, bpt=bpt)
+        out.append({'seq_len': T, **r})
+    return out
+
+def benchmark(quick:bool=False):
+    "`memlab_bench bpt`: peak memory and tokens/s of one training step of the reference Llama, HF attention vs BPT."
+    from memlab.bench import run_isolated
+    rows = []
+    for T in ((2048,) if quick else (2048, 8192)):
+        for c in BENCH_CONFIGS:
+            r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2)
+            rows.append({'config': c, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
+    return rows, 'sdpa'

@@ -193,7 +193,8 @@ def add_config_args(parser, cls, prefix:str='', title:str=None, defaults:dict=No
         aliases = [a if a.startswith('-') else f"--{a}" for a in f.metadata.get('aliases', ())]
         doc = f.metadata.get('help') or docs.get(f.name, '')
         shown = json.dumps(_jsonable(default)) if isinstance(default, (dict, list)) else default
-        help_ = f"{doc} (required)" if required else f"{doc} (default: {shown})"
+        said = re.search(r"\((default|required)\b", doc)  # the comment already says it: do not repeat it
+        help_ = doc if said else (f"{doc} (required)" if required else f"{doc} (default: {shown})")
         group.add_argument(name, *aliases, dest=f"{prefix}.{f.name}" if prefix else f.name, default=default,
                            required=required, help=help_.replace('%', '%%'), **kw)
     return group
@@ -223,10 +224,11 @@ def parse_configs(configs, argv=None, prog:str=None, description:str=None, confi
     for key, cls in items.items(): add_config_args(parser, cls, prefix=key if prefixed and key else '', defaults=defaults.get(cls),
                                                    skip=skip.get(cls, ()))
     if extra: extra(parser)
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if config_file_flag:
-        pre, _ = parser.parse_known_args(argv)
-        path = getattr(pre, config_file_flag)
+        first = argparse.ArgumentParser(add_help=False)   # only the file flag: required flags may come from the file
+        first.add_argument(f"--{config_file_flag}", default=None)
+        path = getattr(first.parse_known_args(argv)[0], config_file_flag)
         if path:
             d = load_config_file(path)
             known = {a.dest for a in parser._actions}
@@ -235,7 +237,12 @@ def parse_configs(configs, argv=None, prog:str=None, description:str=None, confi
             for a in parser._actions:
                 if a.dest in d:
                     v = d[a.dest]
-                    if a.type is not None and isinstance(v, str): v = a.type(v)
+                    try:
+                        if a.type is not None and v is not None: v = a.type(v)
+                    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+                        raise MemlabError(f"{path}: bad value {d[a.dest]!r} for {a.option_strings[0]}: {e}") from None
+                    if a.choices and v not in a.choices:
+                        raise MemlabError(f"{path}: {a.option_strings[0]} must be one of {', '.join(map(str, a.choices))}, got {v!r}")
                     a.default, a.required = v, False
     ns = vars(parser.parse_args(argv))
     out = {}

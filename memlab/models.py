@@ -199,7 +199,7 @@ def tiny_model(family:str='llama', seed:int=0, dtype=torch.float32, **kwargs) ->
     return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype).eval()
 
 def save_tiny_model(family:str, path, seed:int=0, **kwargs) -> Path:
-    "Save a tiny model of `family` (and a byte-level tokenizer of the same vocabulary size when it is 256+) to `path`."
+    "Save a tiny model of `family` (weights and config, no tokenizer) to `path`."
     path = Path(path); m = tiny_model(family, seed=seed, **kwargs); m.save_pretrained(path)
     return path
 

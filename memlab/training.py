@@ -204,11 +204,21 @@ def resolve_distributed_type(kind:str='auto') -> str:
 def shard_layer_classes(model, names=None) -> set:
     "Module classes FSDP shards separately: `names`, the accelerate config's, Hugging Face's `_no_split_modules`, else ModuleList children."
     env = os.environ.get('FSDP_TRANSFORMER_CLS_TO_WRAP')
-    names = set(names or (env.split(',') if env else None) or getattr(model, '_no_split_modules', None) or [])
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-    if not classes:
-        classes = {type(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
-    return classes
+    asked = [n.strip() for n in (names or (env.split(',') if env else [])) if n.strip()]
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    if asked:
+        # Names the user gave must exist: a typo would otherwise shard the wrong thing without a word. An accelerate config
+        # may list the blocks of several architectures (the shipped one: mixer and Llama blocks), so there one match suffices.
+        missing = [n for n in asked if n not in present]
+        check(not missing if names else len(missing) < len(asked),
+              f"FSDP layer class(es) {', '.join(missing)} not found in {type(model).__name__}; "
+              f"its decoder layers are {', '.join(sorted(_layer_names(model))) or 'unknown'}")
+        return {present[n] for n in asked if n in present}
+    classes = {present[n] for n in (getattr(model, '_no_split_modules', None) or []) if n in present}
+    return classes or {type(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+
+def _layer_names(model) -> set:
+    return {type(c).__name__ for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
 
 def apply_fsdp(model, device, mixed_precision:str='no', layer_cls=None):
     "Shard `model` with FSDP2 (`fully_shard` per decoder layer, then the root) on the current process group."
@@ -388,10 +398,12 @@ class Trainer:
         loss_sum, log_sums = torch.zeros((), device=self.accelerator.device), {}
         for i, batch in enumerate(micro_batches):
             batch = _to_device(batch, self.accelerator.device)
-            with self._sync_context(last=i == len(micro_batches) - 1), self.accelerator.autocast():
-                out = self.loss_fn(self.model, batch)
-                loss = out.loss_sum * self.world_size / n_global
-            self.accelerator.backward(loss)
+            # no_sync covers forward and backward: DDP decides in forward, FSDP2 in backward, whether to reduce gradients
+            with self._sync_context(last=i == len(micro_batches) - 1):
+                with self.accelerator.autocast():
+                    out = self.loss_fn(self.model, batch)
+                    loss = out.loss_sum * self.world_size / n_global
+                self.accelerator.backward(loss)
             loss_sum += out.loss_sum.detach().float()
             for k, v in out.logs.items(): log_sums[k] = log_sums.get(k, 0.0) + torch.as_tensor(v).detach().float().to(loss_sum.device)
             del out, loss

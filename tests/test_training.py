@@ -7,8 +7,8 @@ import pytest
 SCRIPT = ROOT/'tests'/'dist_train.py'
 
 def test_ddp_and_fsdp_agree_and_learn(tmp_path):
-    torchrun(SCRIPT, tmp_path/'ddp', '--dist', 'ddp')
-    torchrun(SCRIPT, tmp_path/'fsdp', '--dist', 'fsdp')
+    torchrun(SCRIPT, tmp_path/'ddp', '--dist', 'ddp', '--count_comms')
+    torchrun(SCRIPT, tmp_path/'fsdp', '--dist', 'fsdp', '--count_comms', '--reload')
     ddp, fsdp = results(tmp_path/'ddp'), results(tmp_path/'fsdp')
     assert len(ddp) == len(fsdp) == 2 and ddp[0]['world'] == 2 and fsdp[0]['dist'] == 'fsdp'
     assert ddp[0]['fingerprint'] == ddp[1]['fingerprint']            # DDP replicas agree exactly
@@ -16,6 +16,10 @@ def test_ddp_and_fsdp_agree_and_learn(tmp_path):
     assert ddp[0]['fingerprint'] == pytest.approx(fsdp[0]['fingerprint'], rel=1e-5, abs=1e-4)  # and FSDP trains what DDP trains
     assert ddp[0]['losses'] == pytest.approx(fsdp[0]['losses'], rel=1e-5)
     assert ddp[0]['losses'][-1] < ddp[0]['losses'][0] - 0.5          # the loss falls
+    assert fsdp[0]['reloaded_fingerprint'] == fsdp[0]['fingerprint']  # the sharded checkpoint loads back in the process that saved it
+    # gradient accumulation (2 micro-batches per update): gradients are reduced only in the last micro-batch of each update (no_sync)
+    for r in (ddp[0], fsdp[0]):
+        assert r['reductions_in_micro_batch'] and set(r['reductions_in_micro_batch']) == {1}, (r['dist'], r['reductions_in_micro_batch'][:10])
 
 def test_accelerate_launch_two_processes(tmp_path):
     run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',

@@ -30,7 +30,7 @@ __all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'PROJECTORS', 'NORMS', 'FEAT
            'feature_loss', 'hidden_state_loss', 'attention_loss', 'tokenizer_fingerprint', 'dataset_fingerprint',
            'TopKTeacher', 'generate_teacher_topk', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads',
            'save_distill_heads', 'load_distill_heads', 'output_vocab_size', 'DistillLoss', 'student_config',
-           'build_student', 'describe_objective', 'model_card']
+           'build_student', 'describe_objective', 'model_card', 'benchmark']
 
 # %% ../nbs/41_distill.ipynb
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -90,12 +90,14 @@ def _log_probs(s_logits, teacher, T:float, missing:str='zero'):
 # %% ../nbs/41_distill.ipynb
 def _rows(x, rows):
     "Rows `rows` of a flattened input: logits (N, V) → (n, V) fp32; `Hidden` → its logits for those rows in fp32."
+    if x is None: return None   # no teacher (a CE-only objective)
     if isinstance(x, Hidden): return F.linear(x.states[rows].float(), x.weight.float(), None if x.bias is None else x.bias.float())
     if isinstance(x, TopK): return TopK(x.indices[rows], x.logprobs[rows])
     return x[rows].float()
 
 def _flatten(x):
     "Flatten the token dimensions of a logits tensor, `Hidden` or `TopK` to rows."
+    if x is None: return None
     if isinstance(x, Hidden): return Hidden(x.states.reshape(-1, x.states.shape[-1]), x.weight, x.bias)
     if isinstance(x, TopK): return TopK(x.indices.reshape(-1, x.indices.shape[-1]), x.logprobs.reshape(-1, x.logprobs.shape[-1]))
     return x.reshape(-1, x.shape[-1])
@@ -108,10 +110,12 @@ def _vocab(x):
 
 def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
     "Per-token distillation loss (× T²) and cross-entropy on `labels` (or None) for fp32 student logits (n, V)."
-    ls, lt = _log_probs(s_logits, t_rows, T, missing)
-    kd = divergence(name, ls, lt, beta) * T ** 2                                    # (n,)
+    if t_rows is None: ls, kd = torch.log_softmax(s_logits, -1), s_logits.new_zeros(s_logits.shape[0])  # no teacher: CE only
+    else:
+        ls, lt = _log_probs(s_logits, t_rows, T, missing)
+        kd = divergence(name, ls, lt, beta) * T ** 2                                # (n,)
     if labels is None: ce = None
-    elif T == 1 and not (isinstance(t_rows, TopK) and missing == 'rest'): ce = -ls.gather(-1, labels[:, None]).squeeze(1)
+    elif (T == 1 or t_rows is None) and not (isinstance(t_rows, TopK) and missing == 'rest'): ce = -ls.gather(-1, labels[:, None]).squeeze(1)
     else: ce = F.cross_entropy(s_logits, labels, reduction='none')                  # (n,)
     return kd, ce
 
@@ -181,8 +185,10 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
     if name == 'jsd' and beta is None: beta = 0.5
     _check_loss_args(name, temperature, beta, missing)
     check(not isinstance(student, TopK), "the student must be logits or Hidden(states, weight), not TopK")
-    check(_lead_shape(student) == _lead_shape(teacher), f"student and teacher cover different tokens: {tuple(_lead_shape(student))} vs {tuple(_lead_shape(teacher))}")
-    vs, vt = _vocab(student), _vocab(teacher)
+    check(teacher is not None or kd_weight == 0, "no teacher given: only a CE objective (kd_weight=0) can be computed without one")
+    if teacher is not None:
+        check(_lead_shape(student) == _lead_shape(teacher), f"student and teacher cover different tokens: {tuple(_lead_shape(student))} vs {tuple(_lead_shape(teacher))}")
+    vs, vt = _vocab(student), (None if teacher is None else _vocab(teacher))
     check(vt is None or vs == vt, f"teacher and student vocabularies differ ({vt} vs {vs} tokens): distillation compares distributions over the same tokens")
     if name in ('reverse_kl', 'cakld') and isinstance(teacher, TopK) and missing == 'zero':
         check(teacher.indices.shape[-1] >= vs, f"{name} is infinite with a top-{teacher.indices.shape[-1]} teacher whose missing mass is zero; use missing='rest'")
@@ -251,7 +257,7 @@ LOSSES = {'kl': kl_loss, 'reverse_kl': reverse_kl_loss, 'jsd': jsd_loss, 'tvd': 
           'soft_ce': soft_ce_loss, 'mse': mse_loss, 'cos': cos_loss}
 
 # %% ../nbs/41_distill.ipynb
-def auto_chunk_size(vocab_size:int, logits_per_chunk:int=2**23) -> int:
+def auto_chunk_size(vocab_size:int, logits_per_chunk:int=2**21) -> int:
     "Tokens per chunk so that one chunk holds about `logits_per_chunk` logits."
     return max(16, logits_per_chunk // max(int(vocab_size), 1))
 
@@ -454,10 +460,13 @@ class TopKTeacher:
         if i not in self._files: self._files[i] = safe_open(str(self.dir/self.index['shards'][i]['file']), framework='pt')
         return self._files[i]
 
-    def lookup(self, input_ids:torch.Tensor) -> TopK:
-        "The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T)."
+    def lookup(self, input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> TopK:
+        "The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); padding rows get a uniform filler."
         idx, vals = [], []
-        for row in input_ids:
+        real = attention_mask.bool().any(-1).tolist() if attention_mask is not None else [True] * len(input_ids)
+        for row, r in zip(input_ids, real):
+            if not r:   # a padding row (no real token, every target masked): not stored, never read by a loss
+                idx.append(torch.arange(self.k).expand(len(row), self.k)); vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
             key = _row_key(row)
             check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: the shards were made from other data or another sequence length")
             i, r = self._rows[key]
@@ -475,7 +484,7 @@ def _write_shard(out_dir, n, keys, idx, vals) -> dict:
     return {'file': name, 'rows': len(keys), 'seq_len': int(idx[0].shape[0])}
 
 def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, dataset:dict=None, teacher_name:str=None,
-                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False) -> Path:
+                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False, progress:bool=False) -> Path:
     "Write the teacher's top-`k` log-probabilities of every token of `batches` to safetensors shards in `out_dir`; return `out_dir`."
     out_dir = Path(out_dir)
     vocab = output_vocab_size(teacher)
@@ -504,16 +513,18 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
     seen, shards, all_keys, buf, n_tokens = set(), [], [], ([], [], []), 0
     def flush():
         if buf[0]: shards.append(_write_shard(out_dir, len(shards), *buf)); [b.clear() for b in buf]
+    from tqdm.auto import tqdm
     with torch.no_grad():
-        for batch in batches:
+        for batch in tqdm(batches, desc='teacher top-k', disable=not progress, dynamic_ncols=True, leave=False):
             ids = batch['input_ids']
             am = batch.get('attention_mask')
             logits = teacher(input_ids=ids.to(dev), **({'attention_mask': am.to(dev)} if am is not None else {})).logits  # (B, T, V)
             lp = torch.log_softmax(logits.float(), -1)
             vals, idx = lp.topk(k, dim=-1)                                                                                # (B, T, k)
-            for row, v, i in zip(ids, vals, idx):
+            real = am.bool().any(-1) if am is not None else torch.ones(len(ids), dtype=torch.bool)   # (B,) rows with a real token
+            for row, v, i, r in zip(ids, vals, idx, real.tolist()):
                 key = _row_key(row)
-                if key in seen: continue
+                if key in seen or not r: continue   # a padding row (an evaluation loader's last batch) is not data
                 if buf[0] and (len(buf[0]) >= rows_per_shard or buf[1][0].shape[0] != i.shape[0]): flush()
                 seen.add(key); all_keys.append(key); n_tokens += row.numel()
                 buf[0].append(key); buf[1].append(i.to('cpu', torch.int32)); buf[2].append(v.to('cpu', vdtype))
@@ -547,11 +558,15 @@ class DistillationObjective(Config):
     attn_layer_mapper: str = 'layer-2'  # as hs_layer_mapper
     attn_norm: str = 'none'             # only none: attention rows are probability distributions
     attn_projector: str = 'identity'    # only identity: the last axis of an attention map is the sequence, not a width
-    topk_missing: str = 'zero'          # offline top-k teacher: treat the missing mass as 'zero' or as one 'rest' bucket
-    chunk_size: int = -1                # tokens per chunk of the logit term: -1 = auto (about 8M logits per chunk), 0 = dense
+    topk_missing: str = 'rest'          # offline top-k teacher: the missing mass is one 'rest' bucket, or 'zero' (top-k renormalised)
+    chunk_size: int = -1                # tokens per chunk of the logit term: -1 = auto (about 2M logits per chunk), 0 = dense
     fused: bool = False                 # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
 
     def __post_init__(self):
+        # Distily writes an unset feature option as None (`--hs_norm None`): read it as memlab's name for "nothing"
+        for f, none in (('hs_loss_fn', 'mse'), ('hs_layer_mapper', 'last'), ('hs_norm', 'none'), ('hs_projector', 'identity'),
+                        ('attn_loss_fn', 'mse'), ('attn_norm', 'none'), ('attn_projector', 'identity')):
+            if getattr(self, f) is None or str(getattr(self, f)).lower() in ('none', 'null', ''): setattr(self, f, none)
         for f in ('logits_weight', 'ce_weight', 'hs_weight', 'attn_weight'):
             check(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
         check(self.logits_weight + self.ce_weight + self.hs_weight + self.attn_weight > 0, "every weight is 0: the objective is empty")
@@ -636,7 +651,10 @@ class DistillLoss:
         self.teacher, self.offline = teacher, isinstance(teacher, TopKTeacher)
         feature_terms = obj.hs_weight > 0 or obj.attn_weight > 0
         check(student is not None or not feature_terms, "hidden-state and attention terms need the student: DistillLoss(teacher, objective, student=model)")
-        if self.offline:
+        self.needs_teacher = obj.logits_weight > 0 or feature_terms   # a CE-only objective (the baseline) never runs the teacher
+        check(teacher is not None or not self.needs_teacher, "no teacher given: only a CE objective (logits_weight=0, hs_weight=0, attn_weight=0) runs without one")
+        if teacher is None: v_teacher = None if student is None else output_vocab_size(student)
+        elif self.offline:
             check(not feature_terms, "an offline top-k teacher has no hidden states or attention maps: set hs_weight=0 and attn_weight=0")
             check(obj.logits_loss_fn not in ('reverse_kl', 'cakld') or obj.topk_missing == 'rest' or teacher.k >= teacher.vocab_size,
                   f"{obj.logits_loss_fn} is infinite with a top-{teacher.k} teacher whose missing mass is zero; set topk_missing='rest'")
@@ -678,7 +696,7 @@ class DistillLoss:
 
     def _teacher_outputs(self, batch, device):
         if self.offline:
-            topk = self.teacher.lookup(batch['input_ids'])
+            topk = self.teacher.lookup(batch['input_ids'], batch.get('attention_mask'))
             return None, TopK(topk.indices.to(device), topk.logprobs.to(device))
         t_dev = _device(self.teacher)
         t_in = {k: batch[k].to(t_dev) for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
@@ -696,7 +714,7 @@ class DistillLoss:
         if batch.get('attention_mask') is not None: mask = mask & batch['attention_mask'].to(mask.device).bool()
         out_s = model(**model_inputs(batch), **self._forward_kwargs(labels.device))
         dev = (out_s.hidden_states[-1] if obj.fused else out_s.logits).device
-        out_t, t = self._teacher_outputs(batch, dev)
+        out_t, t = self._teacher_outputs(batch, dev) if self.needs_teacher else (None, None)
         if obj.fused:
             w, b = _head(model)
             s = Hidden(out_s.hidden_states[-1], w, b)
@@ -704,14 +722,15 @@ class DistillLoss:
         mask, labels = mask.to(dev), labels.to(dev)
         name = obj.logits_loss_fn
         beta = obj.jsd_beta if name == 'jsd' else obj.cakld_beta if name == 'cakld' else None
+        if name == 'cakld' and beta is None and t is None: beta = 0.5   # no logit term: β is never used
         if name == 'cakld' and beta is None:
             if torch.is_grad_enabled() and model.training and not self.confidence.frozen:
                 self.confidence.update(teacher_top1(t, mask, obj.temperature, obj.topk_missing))
             beta = self.confidence.value
-        chunk = auto_chunk_size(self.vocab_size) if obj.chunk_size == -1 else (obj.chunk_size or None)
+        chunk = auto_chunk_size(self.vocab_size or _vocab(s)) if obj.chunk_size == -1 else (obj.chunk_size or None)
         total, kd, ce, n = objective_sums(name, s, t, mask=mask, labels=labels, temperature=obj.temperature, beta=beta,
                                           missing=obj.topk_missing, kd_weight=obj.logits_weight, ce_weight=obj.ce_weight, chunk_size=chunk)
-        logs = {'logits': kd, 'ce': ce}
+        logs = {'logits': kd, 'ce': ce} if t is not None else {'ce': ce}
         if obj.hs_weight > 0:
             per_tok = hidden_state_loss(out_s.hidden_states, out_t.hidden_states, self.hs_pairs, obj.hs_loss_fn,
                                         self.heads.hs_projector, self.heads.hs_norm)   # (B, T)
@@ -854,25 +873,34 @@ def describe_objective(objective:DistillationObjective) -> str:
 
 def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:DistillationObjective=None, hyperparameters:dict=None,
                training_tokens:int=None, peak_memory:int=None, teacher=None, student_name:str=None, license:str=None,
-               tags=(), devices:str=None, student_init:str=None, base_model_relation:Optional[str]='distillation') -> str:
-    "README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} (measured by the caller)."
+               tags=(), devices:str=None, student_init:str=None, base_model_relation:Optional[str]='distillation',
+               sections:dict=None) -> str:
+    "README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} (measured by the caller); `sections` adds {title: markdown}."
     import yaml
     check(isinstance(metrics, dict) and all(isinstance(v, dict) for v in metrics.values()),
           "metrics must map a metric name to {'teacher': value, 'student': value}")
     objective = objective if objective is not None else DistillationObjective()
+    distilled = objective.logits_weight > 0 or objective.hs_weight > 0 or objective.attn_weight > 0
     meta = {'base_model': teacher_name}
-    if base_model_relation: meta['base_model_relation'] = base_model_relation
+    if base_model_relation and distilled: meta['base_model_relation'] = base_model_relation
     meta.update(library_name='transformers', pipeline_tag='text-generation',
                 tags=list(dict.fromkeys(['memlab', 'distillation', 'knowledge-distillation', *tags])))
     if dataset: meta['datasets'] = [dataset]
     if license: meta['license'] = license
-    name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-distilled"
-    L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '',
-         f"A student language model **distilled** from the teacher [`{teacher_name}`](https://huggingface.co/{teacher_name}) with "
-         f"[memlab](https://github.com/memlab/memlab) on `{dataset}`. It was trained to reproduce the teacher's outputs; it is a "
-         "separate model, not a fine-tuned copy of the teacher.", '', '## Method', '',
-         "Knowledge distillation: the teacher, frozen, predicts a distribution over the next token at every position of the training "
-         "text, and the student is trained to match it. " + describe_objective(objective), '',
+    name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-{'distilled' if distilled else 'baseline'}"
+    on_hub = re.fullmatch(r"[\w.-]+/[\w.-]+", teacher_name) is not None and not Path(teacher_name).exists()  # a hub id, not a local path
+    teacher_ref = f"[`{teacher_name}`](https://huggingface.co/{teacher_name})" if on_hub else f"`{teacher_name}`"
+    if distilled:
+        intro = (f"A student language model **distilled** from the teacher {teacher_ref} with [memlab](https://github.com/memlab/memlab) "
+                 f"on `{dataset}`. It was trained to reproduce the teacher's outputs; it is a separate model, not a fine-tuned copy of the teacher.")
+        method = ("Knowledge distillation: the teacher, frozen, predicts a distribution over the next token at every position of the "
+                  "training text, and the student is trained to match it. ")
+    else:   # a CE-only objective: the baseline a distillation is compared with; no teacher output was used
+        intro = (f"A student language model built from the teacher {teacher_ref} and trained with [memlab](https://github.com/memlab/memlab) "
+                 f"on `{dataset}` **without distillation**: the baseline of a distillation experiment. No output of the teacher was used in training.")
+        method = "Plain language-model training on the text. "
+    L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '', intro, '', '## Method', '',
+         method + describe_objective(objective), '',
          '## Teacher and data', '', f"- Teacher: `{teacher_name}`", f"- Training data: `{dataset}`"]
     if student_init: L.append(f"- Student initialisation: {student_init}")
     if training_tokens is not None: L.append(f"- Training tokens: {training_tokens:,}")
@@ -890,6 +918,66 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     L += ['', '### Resources', '']
     if peak_memory is not None: L.append(f"- Peak memory: {fmt_bytes(peak_memory)}")
     if devices: L.append(f"- Devices: {devices}")
+    for title, text in (sections or {}).items(): L += ['', f"## {title}", '', text.strip()]
     L += ['', '## Framework versions', '', f"- memlab {memlab.__version__}", f"- PyTorch {torch.__version__}",
           f"- Transformers {transformers.__version__}", f"- Python {platform.python_version()}", '']
     return '\n'.join(L)
+
+# %% ../nbs/41_distill.ipynb
+def _loss_measurement(path:str, n_tokens:int=2048, vocab:int=49152, width:int=576, chunk_size:int=None) -> dict:
+    "Peak memory and tokens/s of forward + backward of the KL loss alone (`path`: dense, chunked or fused), inputs excluded."
+    from memlab.bench import measure_step
+    torch.set_num_threads(1); torch.manual_seed(0)
+    h, W = torch.randn(n_tokens, width), torch.randn(vocab, width) / width ** 0.5
+    ht, Wt = torch.randn(n_tokens, width), torch.randn(vocab, width) / width ** 0.5
+    if path == 'fused': s_in, t_in = Hidden(h.requires_grad_(), W.requires_grad_()), Hidden(ht, Wt)
+    else:
+        with torch.no_grad(): s_in, t_in = (h @ W.T).requires_grad_(), ht @ Wt.T      # (N, V) each: the models' logits
+    chunk = None if path == 'dense' else (chunk_size or auto_chunk_size(vocab))
+    def step():
+        total, n = loss_sum('kl', s_in, t_in, chunk_size=chunk)
+        total.backward()
+        for x in (h, W, s_in if not isinstance(s_in, Hidden) else None):
+            if x is not None: x.grad = None
+    return measure_step(step, n_tokens, warmup=1, repeats=2)
+
+def _step_measurement(kind:str, quick:bool=False, seq_len:int=512) -> dict:
+    "Peak memory and tokens/s of one training step (forward, backward, AdamW) of the half-depth student; `kind` picks the objective."
+    import tempfile
+    from memlab.bench import measure_step
+    from memlab.models import tiny_model
+    torch.set_num_threads(1); torch.manual_seed(0)
+    teacher = (tiny_model('llama', vocab_size=8192, num_layers=4) if quick else load_model('smollm2-135m')).eval().requires_grad_(False)
+    V, L = teacher.config.vocab_size, len(decoder_layers(teacher))
+    student = build_student(teacher, {'num_hidden_layers': L // 2}).train()
+    ids = torch.randint(0, V, (1, seq_len + 1))
+    batch = {'input_ids': ids[:, :-1], 'labels': ids[:, 1:], 'attention_mask': torch.ones(1, seq_len, dtype=torch.long)}
+    with tempfile.TemporaryDirectory() as d:
+        if kind == 'CE (no teacher)': loss_fn = DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1), student)
+        elif kind == 'KL, top-64 shards':
+            generate_teacher_topk(teacher, [batch], d, k=64)
+            loss_fn = DistillLoss(TopKTeacher(d), DistillationObjective(), student)
+            del teacher
+        else: loss_fn = DistillLoss(teacher, DistillationObjective(fused=kind.endswith('fused')), student)
+        opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
+        def step():
+            out = loss_fn(student, batch)
+            (out.loss_sum / out.n_tokens).backward()
+            opt.step(); opt.zero_grad(set_to_none=True)
+        return measure_step(step, seq_len, warmup=1, repeats=2)
+
+def benchmark(quick:bool=False) -> tuple:
+    "Distillation vs CE training steps, and the dense vs chunked vs fused loss at vocabulary 49,152 (`memlab_bench distill`)."
+    from memlab.bench import run_isolated
+    rows, N = [], 512 if quick else 2048
+    for path in ('dense', 'chunked', 'fused'):
+        r = run_isolated('memlab.distill:_loss_measurement', path, n_tokens=N)
+        rows.append({'config': f"{path} KL loss", 'group': f"loss alone, {N} tokens x 49152", **{k: round(v, 2) for k, v in r.items()}})
+    for kind in ('CE (no teacher)', 'KL, online teacher', 'KL, online teacher, fused', 'KL, top-64 shards'):
+        r = run_isolated('memlab.distill:_step_measurement', kind, quick=quick)
+        rows.append({'config': f"{kind} step", 'group': 'training step, 512 tokens' + (' (tiny models)' if quick else ', SmolLM2 -> 15 layers'),
+                     **{k: round(v, 2) for k, v in r.items()}})
+    for group in dict.fromkeys(r['group'] for r in rows):   # each measurement relative to the first row of its group
+        g = [r for r in rows if r['group'] == group]
+        for r in g: r['peak_ratio'], r['speed_ratio'] = round(r['peak_mib'] / g[0]['peak_mib'], 3), round(r['tokens_per_s'] / g[0]['tokens_per_s'], 3)
+    return rows, None

@@ -1,0 +1,154 @@
+"""Integration tests of memlab_distill (memlab.train_distill, Distily's command line) as real processes on tiny models and the
+embedded corpus: one process and `accelerate launch` on 2 CPU processes train the same student (replicas agree); the model card
+lists the measured metrics; top-k teacher shards are generated once (k = vocabulary: the same training as the online teacher) and
+reused; a BitNet student exports packed weights that reload to the evaluated model; bad input is one line, exit 2, nothing written."""
+import json, sys
+from pathlib import Path
+import pytest
+import torch
+from conftest import BIN, ROOT, free_port, run
+
+PYTHON = sys.executable
+
+@pytest.fixture(scope='module')
+def teacher(tmp_path_factory) -> Path:
+    "A 4-layer Llama (hidden 64) over a 512-token BPE trained on pydocs, saved with its tokenizer (random weights: a test teacher)."
+    from memlab.models import tiny_model
+    from memlab.tokenizers import train_tokenizer
+    d = tmp_path_factory.mktemp('distill')/'teacher'
+    train_tokenizer('pydocs', vocab_size=512, save_dir=d, take=40, show_progress=False)
+    tiny_model('llama', vocab_size=512, num_layers=4, hidden_size=64, intermediate_size=128, seed=3).save_pretrained(d)
+    return d
+
+def args(teacher, out, *extra) -> list:
+    "A small run: a 2-layer student (teacher layers 0 and 3 and the head copied), 64 rows of 32 tokens, 4 rows per update, 6 updates."
+    return ['--teacher_model_name_or_path', teacher, '--student_model_config', '{"num_hidden_layers": 2}',
+            '--copy_teacher_modules', 'layers,lm_head', '--dataset_sample_size', 64, '--dataset_max_seq_length', 32,
+            '--dataset_test_size', 0.125, '--ppl_evaluators', '[{"name": "pydocs_ppl", "dataset": "pydocs", "split": "validation", "sample_size": 8}]',
+            '--max_steps', 6, '--learning_rate', 3e-3, '--lr_scheduler_type', 'constant', '--logging_steps', 1, '--eval_steps', 3,
+            '--per_device_eval_batch_size', 4, '--bf16', 'False', '--gradient_checkpointing', 'False', '--report_to', 'none',
+            '--disable_tqdm', 'True', '--output_dir', out, *extra]
+
+def results(out) -> dict: return json.loads((Path(out)/'results.json').read_text())
+def losses(res) -> list: return [h['loss'] for h in res['history'] if 'loss' in h]
+
+@pytest.fixture(scope='module')
+def online(teacher, tmp_path_factory) -> Path:
+    "One process, 2 rows per micro-batch, 2 micro-batches per update, forward KL with the teacher online."
+    out = tmp_path_factory.mktemp('online')/'run'
+    run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, out, '--per_device_train_batch_size', 2, '--gradient_accumulation_steps', 2)])
+    return out
+
+def test_run_writes_student_card_results_plot(online):
+    r = results(online)
+    assert (r['steps'], r['world_size'], r['train_rows'], r['test_rows']) == (6, 1, 56, 8)
+    m = r['metrics']['pydocs_ppl']
+    assert m['student'] < m['student_before'] and m['tokens'] == 8 * 31
+    ev = [h['eval_loss'] for h in r['history'] if 'eval_loss' in h]
+    assert len(ev) == 3 and ev[-1] < ev[0]                       # the objective on held-out rows, at 0, 3 and 6
+    for f in ('README.md', 'model.safetensors', 'config.json', 'tokenizer.json', 'loss.png', 'log.jsonl'):
+        assert (online/f).exists(), f
+    card = (online/'README.md').read_text()
+    assert f"| pydocs_ppl (perplexity) | {m['teacher']:.4g} | {m['student']:.4g} |" in card         # the measured numbers
+    assert f"| pydocs_ppl, student before training | — | {m['student_before']:.4g} |" in card
+    assert 'base_model_relation: distillation' in card and 'fine-tuned from' not in card.lower()
+    assert f"| parameters | {r['teacher_parameters']:,} | {r['student_parameters']:,} |" in card
+    assert r['train_tokens'] == 6 * 4 * 31 and f"Training tokens: {r['train_tokens']:,}" in card and 'Peak memory' in card
+    from transformers import AutoModelForCausalLM                  # a plain Hugging Face folder
+    assert AutoModelForCausalLM.from_pretrained(online).config.num_hidden_layers == 2
+
+def test_accelerate_launch_two_processes_agree(teacher, online, tmp_path):
+    "2 processes x 2 rows = the same 4 rows per update as 1 process x 2 rows x 2 micro-batches: same losses, same student."
+    out = tmp_path/'ddp'
+    run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', 2, '--num_machines', 1, '--mixed_precision', 'no',
+         '--dynamo_backend', 'no', '--main_process_port', free_port(), '-m', 'memlab.train_distill',
+         *args(teacher, out, '--per_device_train_batch_size', 2)], ACCELERATE_USE_CPU=1)
+    one, two = results(online), results(out)
+    assert two['world_size'] == 2 and two['replicas_agree']        # checked across ranks inside the run (fingerprints all-gathered)
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    assert two['metrics']['pydocs_ppl']['student'] == pytest.approx(one['metrics']['pydocs_ppl']['student'], rel=1e-5)
+    assert two['fingerprint'] == pytest.approx(one['fingerprint'], rel=1e-5)
+
+def test_topk_shards_generated_once_then_reused(teacher, online, tmp_path):
+    "--teacher_topk_only writes the shards; a run reads them back (k = vocabulary, fp32: the online run's training, exactly)."
+    shards = tmp_path/'topk'
+    topk = ['--teacher_topk_dir', shards, '--teacher_topk_k', 512, '--teacher_topk_dtype', 'float32',
+            '--per_device_eval_batch_size', 5]      # batches that do not divide the rows: loaders pad the last one
+    r = run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, tmp_path/'gen', *topk, '--teacher_topk_only', 'True')])
+    index = json.loads((shards/'index.json').read_text())
+    assert (index['k'], index['rows'], index['complete']) == (512, 64, True) and not (tmp_path/'gen').exists()
+    stamp = (shards/'index.json').stat().st_mtime_ns
+    r = run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, tmp_path/'offline', *topk, '--per_device_train_batch_size', 2,
+                                                           '--gradient_accumulation_steps', 2)])
+    assert 'writing the teacher' not in r.stdout and (shards/'index.json').stat().st_mtime_ns == stamp
+    off, on = results(tmp_path/'offline'), results(online)
+    assert off['teacher_outputs'].startswith('top-512 shards')
+    assert losses(off) == pytest.approx(losses(on), rel=1e-4)
+    assert off['metrics']['pydocs_ppl']['student'] == pytest.approx(on['metrics']['pydocs_ppl']['student'], rel=1e-4)
+
+def test_bitnet_student_exports_packed_weights(teacher, tmp_path):
+    out = tmp_path/'bitnet'
+    run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, out, '--student_model_as_bitnet', 'True', '--per_device_train_batch_size', 4)])
+    r = results(out)
+    from memlab.bitnet import bitnet_modules, load_packed
+    from memlab.train_distill import perplexity, build_data, DatasetArguments, EvalArguments
+    from memlab.models import load_tokenizer
+    # 2 layers x (q, o: 64x64; k, v: 64x32 (2 KV heads); gate, up, down: 64x128) ternary weights, packed 4 per byte
+    assert r['packed']['ternary_params'] == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) == 73_728
+    assert r['packed']['packed_weights'] == 73_728 // 4
+    model = load_packed(out)
+    assert len(bitnet_modules(model)) == 14 and all(m.frozen for m in bitnet_modules(model).values())
+    ev = build_data(DatasetArguments(dataset_sample_size=64, dataset_max_seq_length=32), EvalArguments(
+        ppl_evaluators=[{'name': 'pydocs_ppl', 'dataset': 'pydocs', 'split': 'validation', 'sample_size': 8}]), load_tokenizer(out))
+    assert perplexity(model, ev.evaluators['pydocs_ppl'])['ppl'] == pytest.approx(r['metrics']['pydocs_ppl']['student'], rel=1e-4)
+    card = (out/'README.md').read_text()
+    assert 'load_packed' in card and '- bitnet' in card
+
+def test_bad_input_is_one_line(teacher, tmp_path):
+    "Each refusal: exit 2, one line on stderr, no traceback, the output folder never created (one process runs all cases)."
+    from memlab.models import tiny_model
+    from memlab.tokenizers import train_tokenizer
+    other_vocab = tmp_path/'vocab600'
+    tiny_model('llama', vocab_size=600, num_layers=2, hidden_size=64, intermediate_size=128).save_pretrained(other_vocab)
+    other_tok = tmp_path/'other_tok'          # a student with the teacher's vocabulary size but another tokenizer
+    train_tokenizer('pydocs', vocab_size=512, save_dir=other_tok, take=20, show_progress=False)
+    tiny_model('llama', vocab_size=512, num_layers=2, hidden_size=64, intermediate_size=128).save_pretrained(other_tok)
+    shards = tmp_path/'shards'
+    run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, tmp_path/'x', '--teacher_topk_dir', shards, '--teacher_topk_only', 'True')])
+    existing = ['--student_model_config', '', '--copy_teacher_modules', '']   # an existing student: nothing built, nothing copied
+    cases = [
+        (['--student_model_name_or_path', other_vocab, *existing], 'vocabularies differ (teacher 512, student 600 tokens)'),
+        (['--student_model_name_or_path', other_tok, *existing], 'teacher and student tokenizers differ'),
+        (['--logits_loss_fn', 'kld'], "unknown logits_loss_fn 'kld'"),
+        (['--hs_weight', 1, '--hs_layer_mapper', 'middle'], 'unknown layer mapper'),
+        # a projector that cannot map the widths: a wider student and the orthogonal projector (it needs student <= teacher width)
+        (['--student_model_config', '{"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 128}', '--copy_teacher_modules', '',
+          '--hs_weight', 1, '--hs_projector', 'orthogonal'], 'student width <= teacher width'),
+        (['--teacher_model_name_or_path', other_tok, '--teacher_topk_dir', shards], 'were made with tokenizer'),
+        (['--dataset_uri', 'wikimedia/wikipedia'], 'unreachable'),
+    ]
+    argvs = [[str(a) for a in args(teacher, tmp_path/f'bad{i}', *bad)] for i, (bad, _) in enumerate(cases)]
+    code = ("import json, sys\nfrom accelerate.state import AcceleratorState\nfrom memlab.core import run_cli\n"
+            "from memlab.train_distill import main\nout = []\nfor argv in json.loads(sys.argv[1]):\n"
+            "    AcceleratorState._reset_state(True)\n    code, _, err = run_cli(main, argv, prog='memlab_distill')\n"
+            "    out.append([code, err])\nprint(json.dumps(out))")
+    r = run([PYTHON, '-c', code, json.dumps(argvs)])
+    for i, ((bad, msg), (code, err)) in enumerate(zip(cases, json.loads(r.stdout.strip().splitlines()[-1]))):
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert code == 2 and len(lines) == 1 and msg in lines[0] and 'Traceback' not in err, (bad, code, err[-1500:])
+        assert not (tmp_path/f'bad{i}').exists(), bad
+
+def test_help_has_every_distily_flag():
+    "Distily's field names (its six argument groups) and Hugging Face's training names are all flags."
+    r = run([PYTHON, '-m', 'memlab.train_distill', '--help'])
+    for flag in ('student_model_name_or_path', 'student_config_name_or_path', 'student_model_config', 'reinitialize_weights',
+                 'copy_teacher_modules', 'student_model_as_bitnet', 'student_model_use_liger', 'teacher_model_name_or_path', 'teacher_load_in_8bit',
+                 'teacher_load_in_4bit', 'dataset_uri', 'dataset_subset', 'dataset_split', 'dataset_column_name', 'dataset_sample_size',
+                 'dataset_max_seq_length', 'dataset_test_size', 'dataset_shuffle_seed', 'ppl_evaluators', 'ppl_extra_evaluators',
+                 'harness_benchmarks', 'harness_benchmark_limit', 'harness_benchmark_bootstrap_iters', 'extra_grad_stats',
+                 'logits_weight', 'logits_loss_fn', 'hs_weight', 'hs_loss_fn', 'hs_layer_mapper', 'hs_norm', 'hs_projector',
+                 'attn_weight', 'attn_loss_fn', 'attn_layer_mapper', 'attn_norm', 'attn_projector', 'eval_teacher_metrics',
+                 'output_dir', 'learning_rate', 'per_device_train_batch_size', 'per_device_eval_batch_size', 'gradient_accumulation_steps',
+                 'num_train_epochs', 'max_steps', 'warmup_ratio', 'lr_scheduler_type', 'bf16', 'gradient_checkpointing',
+                 'logging_steps', 'eval_steps', 'eval_on_start', 'save_steps', 'report_to', 'optim', 'max_grad_norm'):
+        assert f"--{flag} " in r.stdout, flag

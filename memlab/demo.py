@@ -12,7 +12,7 @@ from .training import TrainConfig
 
 # %% auto 0
 __all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora', 'demo_mixer',
-           'demo_neurocache', 'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main']
+           'demo_neurocache', 'demo_distill', 'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main']
 
 # %% ../nbs/90_demo.ipynb
 def demo_lm(out:Path, quick:bool=False) -> tuple:
@@ -96,12 +96,17 @@ def demo_neurocache(out:Path, quick:bool=False) -> tuple:
     from memlab.train_neurocache import demo
     return demo(out, quick=quick)
 
+def demo_distill(out:Path, quick:bool=False) -> tuple:
+    "Distillation: SmolLM2-135M into a 15-layer student on pydocs with forward KL; validation perplexity of teacher and student."
+    from memlab.train_distill import demo
+    return demo(out, quick=quick)
+
 def demo_bpt(out:Path, quick:bool=False) -> tuple:
     "BPT: peak memory of one training step against its length, SDPA + activation checkpointing vs BPT, on the reference Llama."
     from memlab.train_bpt import demo
     return demo(out, quick=quick)
 
-SECTIONS = {'lm': demo_lm, 'neurocache': demo_neurocache, 'relora': demo_relora, 'mixer': demo_mixer, 'bpt': demo_bpt}
+SECTIONS = {'lm': demo_lm, 'neurocache': demo_neurocache, 'distill': demo_distill, 'relora': demo_relora, 'mixer': demo_mixer, 'bpt': demo_bpt}
 
 def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
     "Run the demo sections; write results.md, results.json and demo.png under a fresh `<out>/demo-<time>/` (linked as `<out>/demo`)."

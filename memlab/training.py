@@ -284,6 +284,7 @@ class Trainer:
         self.world_size = self.accelerator.num_processes
         self.accum = config.accumulation_steps(self.world_size)
         self._check_output_dir()
+        self.accelerator.wait_for_everyone()   # no rank writes to output_dir before every rank has checked it
         for name, data in (('train_data', train_data), ('eval_data', eval_data)):
             w = getattr(data, 'world_size', None)
             check(w is None or w == self.world_size, f"{name} was built for {w} process(es) but {self.world_size} are running: "

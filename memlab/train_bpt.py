@@ -18,6 +18,7 @@ from .data import Document, _iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
 from .tokenizers import _tokenize_split, check_vocab, get_tokenizer, pad_id
+from .training import main_process_value
 from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
                              make_accelerator)
 
@@ -401,13 +402,6 @@ def read_dataset_state(path) -> dict:
     except json.JSONDecodeError as e: raise MemlabError(f"--load_dataset_state {p} is not valid JSON ({e.msg})") from None
 
 # %% ../nbs/11_train_bpt.ipynb
-def _shared(value, acc):
-    "`value` as the main process has it, on every process."
-    if acc.num_processes == 1: return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
 def _resume_plan(run:BPTRunConfig, out:Path) -> tuple:
     "(resume_from, refusal): --autoresume's latest checkpoint, else trainstate:: from --load_checkpoint, else None."
     held = list_checkpoints(out) if out.exists() else []
@@ -462,7 +456,7 @@ def train_bpt(args:dict) -> dict:
     out = Path(run.output_dir or f"runs/bpt-{Path(run.load_llama_config or str(path)).stem or 'model'}")
     set_mmap_threshold(run.malloc_mmap_threshold)
     acc = make_accelerator(run.mixed_precision)
-    resume, refusal = _shared(_resume_plan(run, out) if acc.is_main_process else None, acc)
+    resume, refusal = main_process_value(_resume_plan(run, out) if acc.is_main_process else None, acc)
     check(refusal is None, refusal)                                  # every process stops on the main one's verdict
     tok = load_bpt_tokenizer(tok_args.vocab_file)
     rows = json_rows(ds, text, tok, show_progress=run.progress and acc.is_main_process)

@@ -21,6 +21,7 @@ from .neurocache import (CACHE_FIELDS, NeurocacheConfig, add_ffn_lora, add_neuro
                                load_cache_state_dict, load_neurocache, memory_per_token, neurocache_state_dict, reset_cache,
                                save_neurocache, saved_neurocache_info)
 from .tokenizers import check_vocab
+from .training import main_process_value
 from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, causal_lm_loss, list_checkpoints,
                              make_accelerator)
 
@@ -241,13 +242,6 @@ class NeurocacheCallback(Callback):
         load_cache_state_dict(m, load_file(str(f)))
 
 # %% ../nbs/21_train_neurocache.ipynb
-def _shared(value, acc):
-    "`value` as the main process has it, on every process."
-    if acc.num_processes == 1: return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
 def _output_refusal(cfg:NeurocacheRunConfig):
     "Why --output_dir cannot be used (None if it can)."
     out = Path(cfg.output_dir)
@@ -314,7 +308,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
         except ImportError: raise MemlabError("--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)") from None
     acc = make_accelerator(mp)
     world = acc.num_processes
-    refusal = _shared(_output_refusal(cfg) if acc.is_main_process else None, acc)
+    refusal = main_process_value(_output_refusal(cfg) if acc.is_main_process else None, acc)
     check(refusal is None, refusal)                                   # every process stops on the main one's verdict
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path)

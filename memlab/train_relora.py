@@ -18,6 +18,7 @@ from .models import llama_config, load_model
 from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model, relora_layers,
                            reset_mode_from_flags)
 from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenized_args
+from .training import main_process_value
 from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints, load_strict,
                              make_accelerator)
 
@@ -314,13 +315,6 @@ class ProfileCallback(Callback):
     def on_train_end(self, trainer): self.prof.stop()
 
 # %% ../nbs/31_train_relora.ipynb
-def _shared(value, acc):
-    "`value` as the main process has it, on every process."
-    if acc.num_processes == 1: return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
 def default_save_dir(cfg:ReLoRARunConfig) -> str:
     "checkpoints/<model>-<date-time>, as the reference names its runs."
     label = Path(str(cfg.model_config or cfg.model_name_or_path)).stem or 'model'
@@ -348,7 +342,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
     acc = make_accelerator(cfg.mixed_precision)
     world = acc.num_processes
-    save_dir, resume, refusal = _shared(_prepare_save_dir(cfg) if acc.is_main_process else None, acc)
+    save_dir, resume, refusal = main_process_value(_prepare_save_dir(cfg) if acc.is_main_process else None, acc)
     check(refusal is None, refusal)                                   # every process stops on the main one's verdict
     dd, data_args = load_data(cfg)
     tok = load_data_tokenizer(cfg, data_args)

@@ -19,8 +19,8 @@ from .models import tiny_model, enable_activation_checkpointing
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'TrainConfig',
            'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
-           'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'list_checkpoints', 'find_checkpoint',
-           'load_strict', 'Trainer']
+           'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'list_checkpoints',
+           'find_checkpoint', 'load_strict', 'Trainer']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -231,6 +231,14 @@ def apply_fsdp(model, device, mixed_precision:str='no', layer_cls=None):
         if type(m) in classes: fully_shard(m, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+def main_process_value(value, accelerator):
+    "`value` as the main process has it, on every process (a decision made once, e.g. whether an output folder may be used)."
+    if accelerator.num_processes == 1: return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
 
 # %% ../nbs/05_training.ipynb
 CHECKPOINTS = 'checkpoints'

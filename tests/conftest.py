@@ -22,6 +22,22 @@ def run(cmd, timeout=600, check=True, **envkw) -> subprocess.CompletedProcess:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}")
     return r
 
+def cli_runner(module:str, prog:str) -> str:
+    """A `python -c` script that runs `module`'s CLI once per argv of the JSON list in argv[1], in one process (accelerate's state
+    reset between runs), and prints [[exit code, stderr], ...] as JSON: many short CLI runs for the price of one interpreter start."""
+    return f'''
+import json, sys
+from accelerate.state import AcceleratorState
+from memlab.core import run_cli
+from {module} import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    AcceleratorState._reset_state(True)
+    code, _, err = run_cli(main, argv, prog={prog!r})
+    out.append([code, err])
+print(json.dumps(out))
+'''
+
 def torchrun(script, *args, nproc=2, **envkw):
     return run([BIN/'torchrun', '--nproc-per-node', nproc, '--master-port', free_port(), script, *args], **envkw)
 

@@ -6,7 +6,7 @@ input as one line."""
 import json, sys
 from pathlib import Path
 import pytest
-from conftest import BIN, ROOT, free_port, run
+from conftest import BIN, ROOT, cli_runner, free_port, run
 
 # The seed's two commands (000_744d84209cd43193.txt), verbatim but for the output folder, the model (a tiny OPT with a BPE of
 # pydocs, standing in for facebook/opt-350m and opt-1.3b) and the dataset (pydocs for long_pile:1.1.0, which is private).
@@ -116,18 +116,7 @@ def test_seed_2_two_processes_nf4(data, tmp_path):
         starts.append({tuple(row[1]) for step in steps for row in step if row[0]})
     assert starts[0] and starts[1] and not starts[0] & starts[1]             # each process reads its own documents
 
-RUNNER = r'''
-import json, sys
-from accelerate.state import AcceleratorState
-from memlab.core import run_cli
-from memlab.train_neurocache import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    AcceleratorState._reset_state(True)
-    code, _, err = run_cli(main, argv, prog='memlab_neurocache')
-    out.append([code, err])
-print(json.dumps(out))
-'''
+RUNNER = cli_runner('memlab.train_neurocache', 'memlab_neurocache')
 
 def run_many(argvs:list) -> list:
     "Run several memlab_neurocache command lines in one process (one start-up); (exit status, stderr) of each."

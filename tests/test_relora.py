@@ -4,7 +4,7 @@ the in-run warm-start switch under DDP with a resume past it, and bad input as o
 import json, subprocess, sys
 from pathlib import Path
 import pytest
-from conftest import BIN, ROOT, env, free_port, run, torchrun
+from conftest import BIN, ROOT, cli_runner, env, free_port, run, torchrun
 
 # The seed's five commands (002_b342b86074d2232c.txt), verbatim but for the data flags every command here needs (there is no
 # network: the data is pretokenized from the embedded pydocs corpus under the seed's directory name).
@@ -193,18 +193,7 @@ BAD = [
     (['--continue_from', '.'], 'is not a checkpoint'),
 ]
 
-BAD_RUNNER = r'''
-import json, sys
-from accelerate.state import AcceleratorState
-from memlab.core import run_cli
-from memlab.train_relora import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    AcceleratorState._reset_state(True)
-    code, _, err = run_cli(main, argv, prog='memlab_relora')
-    out.append([code, err])
-print(json.dumps(out))
-'''
+BAD_RUNNER = cli_runner('memlab.train_relora', 'memlab_relora')
 
 def test_bad_input_is_one_line(data, tmp_path):
     "Each bad input exits with status 2 and exactly one line on stderr, before writing anything (all cases in one process)."

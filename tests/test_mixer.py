@@ -78,7 +78,7 @@ def test_zero3_is_refused_in_one_line(rows, tmp_path):
              *args(rows, tmp_path/'zero')], check=False)
     assert r.returncode != 0 and 'DeepSpeed is not installed' in r.stderr
     # Where the launcher does start the processes (deepspeed importable, here a stub package that only satisfies accelerate's
-    # launcher), each process of memlab_mixer says in one line why ZeRO-3 cannot run, and trains nothing.
+    # launcher), memlab_mixer says in one line why ZeRO-3 cannot run, and trains nothing.
     stub = tmp_path/'stub'
     (stub/'deepspeed'/'launcher').mkdir(parents=True)
     (stub/'deepspeed'/'__init__.py').write_text("__version__ = '0.0.0'\n")
@@ -90,5 +90,7 @@ def test_zero3_is_refused_in_one_line(rows, tmp_path):
              '-m', 'memlab.train_mixer', *args(rows, tmp_path/'zero')], check=False, PYTHONPATH=f"{ROOT}:{stub}")
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if 'DeepSpeed ZeRO-3 cannot run here' in l]
-    assert len(lines) == 2 and 'it needs CUDA GPUs (none found)' in lines[0] and 'fsdp_config.yaml' in lines[0], r.stderr[-3000:]
+    # The first process to refuse exits with status 2 and torchrun then stops the other, which may not have printed yet: one or two lines.
+    assert 1 <= len(lines) <= 2 and len(set(lines)) == 1, r.stderr[-3000:]
+    assert 'it needs CUDA GPUs (none found)' in lines[0] and 'fsdp_config.yaml' in lines[0], r.stderr[-3000:]
     assert not (tmp_path/'zero').exists()

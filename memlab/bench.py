@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_bench.ipynb 2
 from __future__ import annotations
-import importlib, json, math, multiprocessing as mp, os, statistics, sys, time
+import importlib, json, math, multiprocessing as mp, os, queue, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -31,8 +31,18 @@ def run_isolated(target:str, *args, timeout:float=3600, **kwargs):
     q = ctx.Queue()
     p = ctx.Process(target=_isolated_entry, args=(q, target, args, kwargs))
     p.start()
-    try: status, value = q.get(timeout=timeout)
-    except Exception: p.kill(); raise MemlabError(f"{target} did not finish within {timeout:.0f} s")
+    deadline = time.monotonic() + timeout
+    while True:
+        try: status, value = q.get(timeout=1.0); break
+        except queue.Empty: pass
+        if not p.is_alive():          # it died without reporting (out-of-memory kill, a crash in C code): one last look, then say so
+            try: status, value = q.get(timeout=1.0); break
+            except queue.Empty: pass
+            code = p.exitcode
+            how = (f"was killed by signal {-code}" + (" (SIGKILL: often the kernel's out-of-memory killer)" if code == -9 else '')
+                   if code < 0 else f"exited with status {code}")
+            raise MemlabError(f"{target} {how} in its subprocess, without a result")
+        if time.monotonic() > deadline: p.kill(); p.join(); raise MemlabError(f"{target} did not finish within {timeout:.0f} s")
     p.join()
     if status == 'error': raise RuntimeError(f"{target} failed in its subprocess: {value}")
     return value

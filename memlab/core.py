@@ -4,16 +4,17 @@
 
 # %% ../nbs/00_core.ipynb 2
 from __future__ import annotations
-import argparse, ast, contextlib, dataclasses, functools, inspect, io, json, os, random, re, sys, tempfile, threading, time, types, typing
+import argparse, ast, contextlib, dataclasses, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, time, types, typing
 from pathlib import Path
 
 import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['MemlabError', 'check', 'cli_main', 'run_cli', 'field_docs', 'arg', 'Config', 'atomic_write_text', 'str2bool',
-           'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file', 'parse_configs',
-           'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes', 'count_parameters']
+__all__ = ['MemlabError', 'check', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
+           'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file',
+           'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes',
+           'count_parameters']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -46,6 +47,16 @@ def run_cli(main, argv=(), prog:str='memlab') -> tuple:
     except SystemExit as e: code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally: sys.argv = old
     return code, out.getvalue(), err.getvalue()
+
+# %% ../nbs/00_core.ipynb
+class DropLogMessages(logging.Filter):
+    "A logging filter that drops records whose message contains any of `fragments`."
+    def __init__(self, *fragments:str): super().__init__(); self.fragments = fragments
+    def filter(self, record) -> bool: return not any(f in record.getMessage() for f in self.fragments)
+
+_BNB_KERNEL_NOTICE = DropLogMessages('from kernels-community')
+if _BNB_KERNEL_NOTICE not in logging.getLogger('bitsandbytes.backends.cpu.ops').filters:
+    logging.getLogger('bitsandbytes.backends.cpu.ops').addFilter(_BNB_KERNEL_NOTICE)
 
 # %% ../nbs/00_core.ipynb
 _FIELD_RE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$")

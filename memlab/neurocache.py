@@ -13,18 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Config, MemlabError, arg, atomic_write_text, check
-from .models import decoder_layers, layer_parts
+from .models import decoder_layers, keep_4bit_trainable, layer_parts
 
 # %% auto 0
 __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME',
            'NEUROCACHE_WEIGHTS_NAME', 'CACHE_BOOKKEEPING_BYTES', 'parse_layers', 'parse_retrieval_map',
            'format_retrieval_map', 'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache',
-           'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'naive_cache_attention',
-           'CacheProjection', 'Neurocache', 'NeurocacheAttention', 'resolve_config', 'NeurocacheModel',
-           'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache', 'resize_cache',
-           'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'has_neurocache',
-           'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache', 'memory_per_token',
-           'benchmark']
+           'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'retrieval_scores',
+           'naive_cache_attention', 'CacheProjection', 'Neurocache', 'NeurocacheAttention', 'resolve_config',
+           'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache',
+           'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache',
+           'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache',
+           'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -96,7 +96,8 @@ class NeurocacheConfig(Config):
     cache_type: str = 'FIFO'           # eviction order: FIFO (ring buffer) or LRU (evict the least recently retrieved entry)
     global_cache: bool = False         # one cache shared by all batch rows (never reset by start_of_sequence) instead of one per row
     topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided buckets; it used 512)
-    zero_init_output: bool = False     # start the cache attention's W_o at zero (an untrained Neurocache leaves the model unchanged) instead of the reference's copy of the layer's W_o
+    zero_init_output: bool = True      # start each cache attention's W_o at zero: until it trains, the model predicts exactly as without a cache (False: the reference's copy of the layer's W_o)
+    retrieval_bias: float = 8.0        # starting per-head weight of the retrieval score in the cache-attention logits, learned; 0 = no such term (the reference)
     lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the training CLI uses 32)
     lora_alpha: int = 64               # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.1          # LoRA dropout
@@ -128,6 +129,9 @@ class NeurocacheConfig(Config):
         check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
         check(isinstance(self.global_cache, bool), f"global_cache must be true or false, got {self.global_cache!r}")
         check(isinstance(self.zero_init_output, bool), f"zero_init_output must be true or false, got {self.zero_init_output!r}")
+        check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool) and self.retrieval_bias >= 0,
+              f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), got {self.retrieval_bias!r}")
+        self.retrieval_bias = float(self.retrieval_bias)
         check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
@@ -357,13 +361,15 @@ def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
 # %% ../nbs/20_neurocache.ipynb
 class CacheAttention(nn.Module):
     "Attention from the segment's tokens to the states retrieved for them: Q from the layer input, K and V from the retrieved states."
-    def __init__(self, hidden_size:int, cache_dim:int, num_heads:int, num_kv_heads:int, head_dim:int):
+    def __init__(self, hidden_size:int, cache_dim:int, num_heads:int, num_kv_heads:int, head_dim:int, retrieval_bias:float=0.):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(cache_dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(cache_dim, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        # per-head weight of the retrieval score in the logits (None: the reference's attention, scores from W_q, W_k only)
+        self.retrieval_scale = nn.Parameter(torch.full((num_heads,), float(retrieval_bias))) if retrieval_bias else None
 
     @torch.no_grad()
     def init_from(self, wq, wk, wv, wo):
@@ -373,8 +379,9 @@ class CacheAttention(nn.Module):
             check(lin.weight.shape == w.shape, f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
             lin.weight.copy_(w)
 
-    def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0):
-        "x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens; valid (B, P+T, M)."
+    def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
+        """x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens; valid (B, P+T, M);
+        bias (B, P+T, M): the retrieval score of each state, weighted per head by `retrieval_scale` and added to the logits."""
         B, T, _ = x.shape
         P, M, d = prefix, ctx.shape[2], ctx.shape[3]
         nkv, hs = self.num_kv_heads, self.head_dim
@@ -387,6 +394,10 @@ class CacheAttention(nn.Module):
         for o in range(context_size):                                       # token t reads the retrievals of token t-o
             lo = min(T, max(0, o - P))                                      # tokens t < lo have no token t-o: masked
             s = torch.einsum('btngd,btmd->btngm', qc[:, lo:], ctx[:, P + lo - o:P + T - o]).float()   # (B, T-lo, nkv, g, M)
+            if self.retrieval_scale is not None:
+                check(bias is not None, "this cache attention weighs retrieval scores: pass bias")
+                w = self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None]
+                s = s + w * bias[:, P + lo - o:P + T - o, None, None, :].float()
             scores.append(F.pad(s, (0, 0, 0, 0, 0, 0, lo, 0)))
             oks.append(torch.cat([valid.new_zeros(B, lo, M), valid[:, P + lo - o:P + T - o]], 1))  # (B, T, M)
             starts.append(lo)
@@ -401,7 +412,17 @@ class CacheAttention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.num_heads * hs))           # (B, T, C)
 
 # %% ../nbs/20_neurocache.ipynb
-def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1, prefix:int=0):
+def retrieval_scores(query, states, neighborhood_size:int, similarity_fn:str='l2'):
+    """The retrieval score of each retrieved state, per unit of cache dimension: query (B, T, d) against the hits among
+    states (B, T, k·w, d); a neighbour gets the score of the hit that brought it. Returns (B, T, k·w) in fp32."""
+    w, d = neighborhood_size, states.shape[-1]
+    hits = states[:, :, neighborhood_offsets(w).index(0)::w].float()          # (B, T, k, d): the hits themselves
+    s = torch.einsum('btd,btkd->btk', query.float(), hits)
+    if similarity_fn == 'l2': s = 2 * s - hits.pow(2).sum(-1)                 # the score retrieval ranked by: 2 q·c − ‖c‖²
+    return (s / d).repeat_interleave(w, dim=-1)                               # (B, T, k·w)
+
+# %% ../nbs/20_neurocache.ipynb
+def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
     "Reference for `CacheAttention.forward`: one token and one head at a time."
     B, T, _ = x.shape
     nh, nkv, hs = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -417,7 +438,10 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
                 ks = [k[b, p, m, kv] for p in pos for m in range(k.shape[2]) if valid[b, p, m]]
                 vs = [v[b, p, m, kv] for p in pos for m in range(k.shape[2]) if valid[b, p, m]]
                 if not ks: continue
-                w = torch.softmax(torch.stack(ks) @ q[b, t, h] / hs**0.5, 0)
+                logits = torch.stack(ks) @ q[b, t, h] / hs**0.5
+                if attn.retrieval_scale is not None:
+                    logits = logits + attn.retrieval_scale[h] * torch.stack([bias[b, p, m] for p in pos for m in range(k.shape[2]) if valid[b, p, m]])
+                w = torch.softmax(logits, 0)
                 out[b, t, h] = w @ torch.stack(vs)
     return attn.o_proj(out.view(B, T, nh * hs))
 
@@ -441,8 +465,8 @@ class Neurocache(nn.Module):
         self.cache_dim = hidden_size // cf
         self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1 else nn.Identity()
                                           for r in config.layer_map})
-        self.attentions = nn.ModuleDict({str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim)
-                                         for j in config.attention_layers})
+        self.attentions = nn.ModuleDict({str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim,
+                                                                config.retrieval_bias) for j in config.attention_layers})
         self.stores = {}                                                       # storing layer -> retrieving layers it feeds
         self.retrieving = set(config.layer_map)
         for r, s in config.layer_map.items(): self.stores.setdefault(s, []).append(r)
@@ -505,14 +529,20 @@ class Neurocache(nn.Module):
             vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)   # (U, h), (B, T, M)
         else: vals = cache.gather(slots).view(B, T, slots.shape[-1], -1)           # (B, T, M, d)
         slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
+        bias = None
+        if cfg.retrieval_bias and inverse is None:                              # scores of the stored states, no gradient needed
+            bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)   # (B, T, M)
         P = 0
         if cfg.context_size > 1 and inverse is None:
             tail = self._tail.get(r)
             if tail is not None and tail[0].shape[0] == B and tail[0].shape[2:] == vals.shape[2:]:
                 vals, valid, P = torch.cat([tail[0], vals], 1), torch.cat([tail[1], valid], 1), tail[0].shape[1]
+                if bias is not None: bias = torch.cat([tail[2], bias], 1)
             if not self.training:                                                 # kept for a continuation (generation)
-                self._tail[r] = (vals[:, -(cfg.context_size - 1):].clone(), valid[:, -(cfg.context_size - 1):].clone())
-        self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse)
+                keep = -(cfg.context_size - 1)
+                self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(), None if bias is None else bias[:, keep:].clone())
+        self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse, bias=bias,
+                                  x=x.detach() if cfg.retrieval_bias and inverse is not None else None)
         self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
 
     def _stash(self, r:int, x:torch.Tensor):
@@ -529,7 +559,8 @@ class Neurocache(nn.Module):
         if r is None: return None
         check(r in self._retrieved, f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
         ret = self._retrieved[r]
-        return self.attentions[str(layer)](x, self._context(r, layer), ret['valid'], self.config.context_size, ret['prefix'])
+        ctx = self._context(r, layer)
+        return self.attentions[str(layer)](x, ctx, ret['valid'], self.config.context_size, ret['prefix'], ret.get('bias'))
 
     def _context(self, r:int, layer:int) -> torch.Tensor:
         "The retrieved states of cache `r` as the attention layers read them (re-projected through W_p in training), made once per forward."
@@ -540,7 +571,11 @@ class Neurocache(nn.Module):
         # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what it did
         # (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused when they are needed
         if ctx is not None and ret['maker'] != layer and (ctx.requires_grad or not need_grad): return ctx
-        if self.reencode: ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]   # (B, T, M, d): W_p learns through this
+        if self.reencode:
+            ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]   # (B, T, M, d): W_p learns through this
+            if self.config.retrieval_bias:                                         # and through the retrieval scores
+                cfg = self.config
+                ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size, cfg.similarity_fn)
         else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
         if 'ctx' not in ret: ret['ctx'], ret['maker'] = ctx, layer
         return ctx
@@ -613,6 +648,7 @@ def _nf4_state_hooks(model):
     """Let a model with a frozen bitsandbytes 4-bit base load its own `state_dict` (a training checkpoint): the quantization
     statistics a 4-bit weight saves (absmax, quant_map, ...) are checked against the model's and consumed, as only loading
     from a pretrained folder would restore them; the packed weights themselves load as usual."""
+    keep_4bit_trainable(model)                          # evaluation must not switch a 4-bit layer to a kernel without backward
     for m in model.modules():
         if type(m).__name__ != 'Linear4bit' or getattr(m, '_memlab_nf4_hook', False): continue
         def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

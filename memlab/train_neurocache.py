@@ -89,7 +89,8 @@ class NeurocacheRunConfig(Config):
     similarity_fn: str = 'l2'              # l2 or dot
     global_cache: bool = False             # one cache shared by the rows of a batch instead of one per row
     topk_buckets: int = 0                  # 0: exact top-k; N: the reference library's approximate top-k over N buckets
-    zero_init_output: bool = False         # start the cache attention's W_o at zero: an untrained cache leaves the model unchanged (the reference copies the layer's W_o)
+    zero_init_output: bool = True          # start the cache attention's W_o at zero: an untrained cache leaves the model unchanged (false: the reference's copy of the layer's W_o)
+    retrieval_bias: float = 8.0            # starting per-head weight of the retrieval score in the cache-attention logits, learned (0: none, the reference)
     disable_lora: bool = False             # train the Neurocache without LoRA
     lora_r: int = 32                       # LoRA rank on the FFN linears of the cache-attention layers
     lora_alpha: int = 64                   # LoRA alpha (scale alpha / r)
@@ -125,6 +126,7 @@ class NeurocacheRunConfig(Config):
                                 context_size=self.context_size, similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
                                 attention_layers=self.attention_layers, cache_type=self.cache_type, global_cache=self.global_cache,
                                 topk_buckets=self.topk_buckets, zero_init_output=self.zero_init_output,
+                                retrieval_bias=self.retrieval_bias,
                                 lora_r=0 if self.disable_lora else self.lora_r,
                                 lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, lora_modules=self.lora_modules)
 

@@ -24,12 +24,12 @@ from .models import decoder_layers
 from .training import LossOutput, model_inputs
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS', 'remat',
-           'torch_block', 'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn',
-           'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask',
-           'BPTDecoderLayer', 'BPTRematLayer', 'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'apply_bpt',
-           'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss', 'bench_model', 'step_measurement',
-           'step_measurements', 'benchmark']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS',
+           'STEP_CONFIGS', 'ALLOCATORS', 'remat', 'torch_block', 'sdpa_block', 'flash_block', 'key_blocks',
+           'blockwise_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig',
+           'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer', 'fused_causal_lm_loss',
+           'BPTLossHooks', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss',
+           'set_mmap_threshold', 'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -713,8 +713,21 @@ def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
     return LossOutput(out.loss, (labels != -100).sum().to(out.loss.device))
 
 # %% ../nbs/10_bpt.ipynb
+def set_mmap_threshold(nbytes:int=1 << 20) -> bool:
+    "glibc: serve every block above `nbytes` with mmap, so that freed blocks leave resident memory at once (process-wide); False if not applied."
+    if nbytes <= 0 or torch.cuda.is_available(): return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)                      # the C library this process runs on
+        libc.gnu_get_libc_version                     # glibc only: mallopt's numbering is glibc's
+        return bool(libc.mallopt(-3, int(nbytes)))    # M_MMAP_THRESHOLD = -3; also stops glibc moving the threshold
+    except (OSError, AttributeError): return False
+
+# %% ../nbs/10_bpt.ipynb
 BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)   # BPT's setting in the benchmark
-BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt')
+BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
+STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits',)                       # what step_measurement measures
+ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}                  # the benchmark's allocator settings: mmap threshold (0: glibc's)
 
 def bench_model(model:str='reference', attn:str='sdpa'):
     "The benchmark's model in fp32: the reference Llama (seeded random weights) or a built-in pretrained one (smollm2-135m)."
@@ -726,14 +739,15 @@ def bench_model(model:str='reference', attn:str='sdpa'):
     from memlab.models import load_model
     return load_model(model, attn_implementation=attn)
 
-def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None) -> dict:
-    "Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` (one of BENCH_CONFIGS)."
+def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None, mmap_threshold:int=0) -> dict:
+    "Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` (one of STEP_CONFIGS)."
     from memlab.bench import measure_step
     from memlab.models import enable_activation_checkpointing
-    check(config in BENCH_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(BENCH_CONFIGS)}")
+    check(config in STEP_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(STEP_CONFIGS)}")
+    fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
     m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').train()
     if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
-    if config == 'bpt': apply_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
+    if config.startswith('bpt'): apply_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (1, seq_len + 1), generator=g)
@@ -744,12 +758,15 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
         if config == 'bpt':
             out = bpt_causal_lm_loss(m, batch)
             loss = out.loss_sum / out.n_tokens
-        else: loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss   # HF shifts the labels itself
+        else:
+            with full_logits(m) if config == 'bpt full logits' else contextlib.nullcontext():
+                loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss   # HF shifts the labels itself
         loss.backward()
         m.zero_grad(set_to_none=True)
         losses.append(loss.item())
     r = measure_step(step, seq_len, warmup=warmup, repeats=repeats)
-    return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1]}
+    return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1],
+            'mmap_threshold': mmap_threshold if fixed else 0}
 
 def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
     "`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: a quick demonstration."
@@ -760,11 +777,12 @@ def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
     return out
 
 def benchmark(quick:bool=False):
-    "`memlab_bench bpt`: peak memory and tokens/s of one training step of the reference Llama, HF attention vs BPT."
+    "`memlab_bench bpt`: peak memory and tokens/s of one training step of the reference Llama, HF attention vs BPT, both allocator settings."
     from memlab.bench import run_isolated
     rows = []
     for T in ((2048,) if quick else (2048, 8192)):
-        for c in BENCH_CONFIGS:
-            r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2)
-            rows.append({'config': c, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
+        for alloc, nbytes in ALLOCATORS.items():
+            for c in BENCH_CONFIGS:
+                r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2, mmap_threshold=nbytes)
+                rows.append({'config': c, 'allocator': alloc, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
     return rows, 'sdpa'

@@ -533,10 +533,11 @@ class BPTRematLayer(nn.Module):
     def extra_repr(self): return f"remat_policy={self.remat_policy!r}"
 
 # %% ../nbs/10_bpt.ipynb
-def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int, num_items_in_batch=None,
-                         ignore_index:int=-100, shift_labels:torch.Tensor=None) -> torch.Tensor:
-    "Hugging Face's causal-LM loss (labels shifted inside) of `hidden` (B, T, C) under the head `weight` (V, C), without the logits."
-    if shift_labels is None: shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]   # (B, T) position t predicts token t + 1
+def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int,
+                         num_items_in_batch=None, ignore_index:int=-100, shift_labels:torch.Tensor=None) -> torch.Tensor:
+    "Hugging Face's causal-LM loss (labels shifted inside) of `hidden` (B, T, C) and the head `weight` (V, C), without logits."
+    if shift_labels is None:                                                                     # position t predicts token t + 1
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]                       # (B, T)
     targets = shift_labels.to(hidden.device).reshape(-1)                                        # (B·T,)
     if num_items_in_batch is None:                                                               # the token mean
         return fused_linear_cross_entropy(hidden.flatten(0, 1), weight, targets, chunk_size, ignore_index, 'mean')
@@ -593,7 +594,9 @@ class BPTLossHooks:
 
     def _after(self, module, args, kwargs, output):
         call = self._calls.pop()
-        if call is None or output is None or 'hidden' not in call: return None   # not ours, or the forward failed
+        if call is None or output is None: return None   # not ours, or the forward failed
+        check('hidden' in call, f"BPT's fused loss saw no output of {type(module.base_model).__name__}; call with "
+              f"head_chunk_size and loss_chunk_size -1, or inside full_logits(model)")
         hidden, head, keep = call['hidden'], module.get_output_embeddings(), call['keep']
         with torch.autocast(**call['autocast']):
             loss = fused_causal_lm_loss(hidden, head.weight, call['labels'], self.chunk_size, call.get('num_items_in_batch'),
@@ -714,7 +717,7 @@ def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
 
 # %% ../nbs/10_bpt.ipynb
 def set_mmap_threshold(nbytes:int=1 << 20) -> bool:
-    "glibc: serve every block above `nbytes` with mmap, so that freed blocks leave resident memory at once (process-wide); False if not applied."
+    "glibc: mmap every block above `nbytes`, so freed blocks leave resident memory at once (process-wide); False if not applied."
     if nbytes <= 0 or torch.cuda.is_available(): return False
     try:
         import ctypes
@@ -727,7 +730,7 @@ def set_mmap_threshold(nbytes:int=1 << 20) -> bool:
 BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)   # BPT's setting in the benchmark
 BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
 STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits',)                       # what step_measurement measures
-ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}                  # the benchmark's allocator settings: mmap threshold (0: glibc's)
+ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}                  # the benchmark's mmap thresholds (0: glibc's own)
 
 def bench_model(model:str='reference', attn:str='sdpa'):
     "The benchmark's model in fp32: the reference Llama (seeded random weights) or a built-in pretrained one (smollm2-135m)."
@@ -777,7 +780,7 @@ def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
     return out
 
 def benchmark(quick:bool=False):
-    "`memlab_bench bpt`: peak memory and tokens/s of one training step of the reference Llama, HF attention vs BPT, both allocator settings."
+    "`memlab_bench bpt`: peak memory and tokens/s of a training step of the reference Llama, HF vs BPT, two allocator settings."
     from memlab.bench import run_isolated
     rows = []
     for T in ((2048,) if quick else (2048, 8192)):

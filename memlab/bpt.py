@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_bpt.ipynb 2
 from __future__ import annotations
-import contextlib, functools, hashlib, sys, weakref
+import contextlib, functools, hashlib, inspect, sys, weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -15,18 +15,21 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import transformers
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.modeling_utils import slice_logits_to_keep
 
 from .core import Config, MemlabError, check
 from .models import decoder_layers
 from .training import LossOutput, model_inputs
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS', 'remat',
-           'torch_block', 'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn',
-           'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask',
-           'BPTDecoderLayer', 'BPTRematLayer', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of',
-           'bpt_causal_lm_loss', 'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS',
+           'STEP_CONFIGS', 'ALLOCATORS', 'remat', 'torch_block', 'sdpa_block', 'flash_block', 'key_blocks',
+           'blockwise_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig',
+           'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer', 'fused_causal_lm_loss',
+           'BPTLossHooks', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss',
+           'set_mmap_threshold', 'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -530,6 +533,85 @@ class BPTRematLayer(nn.Module):
     def extra_repr(self): return f"remat_policy={self.remat_policy!r}"
 
 # %% ../nbs/10_bpt.ipynb
+def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int,
+                         num_items_in_batch=None, ignore_index:int=-100, shift_labels:torch.Tensor=None) -> torch.Tensor:
+    "Hugging Face's causal-LM loss (labels shifted inside) of `hidden` (B, T, C) and the head `weight` (V, C), without logits."
+    if shift_labels is None:                                                                     # position t predicts token t + 1
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]                       # (B, T)
+    targets = shift_labels.to(hidden.device).reshape(-1)                                        # (B·T,)
+    if num_items_in_batch is None:                                                               # the token mean
+        return fused_linear_cross_entropy(hidden.flatten(0, 1), weight, targets, chunk_size, ignore_index, 'mean')
+    loss = fused_linear_cross_entropy(hidden.flatten(0, 1), weight, targets, chunk_size, ignore_index, 'sum')
+    return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+# %% ../nbs/10_bpt.ipynb
+def _fused_head(model) -> nn.Linear:
+    "The model's LM head, checked to be what `fused_linear_cross_entropy` can stand in for: a bias-free `nn.Linear`."
+    head = model.get_output_embeddings()
+    check(isinstance(head, nn.Linear) and head.bias is None, f"the fused LM head needs a bias-free nn.Linear head; got "
+          f"{type(head).__name__} (set head_chunk_size and loss_chunk_size to -1)")
+    return head
+
+@functools.lru_cache(maxsize=None)
+def _positional_names(cls) -> tuple:
+    "Names of the parameters of `cls.forward` that a caller can pass by position (self excluded)."
+    ps = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+_LOSS_KWARGS = ('shift_labels', 'num_items_in_batch', 'ignore_index')   # Hugging Face's loss arguments besides the labels
+
+class BPTLossHooks:
+    "Hooks making a causal LM's `model(..., labels=...)` compute its loss by the fused chunked head: no (B, T, V) logits."
+    def __init__(self, model:nn.Module, chunk_size:int):
+        _fused_head(model)
+        self.model, self.chunk_size, self.dense = model, chunk_size, 0   # dense > 0: inside `full_logits`
+        self._calls = []                          # one entry per call in flight: None (not ours) or what its loss needs
+        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         model.base_model.register_forward_hook(self._capture),
+                         model.register_forward_hook(self._after, with_kwargs=True, always_call=True)]
+
+    def takes_over(self) -> bool:
+        "Whether a call with labels goes through the fused path now: outside `full_logits`, with Hugging Face's causal-LM loss."
+        return not self.dense and self.model.loss_function is ForCausalLMLoss
+
+    def _before(self, module, args, kwargs):
+        self._calls.append(None)                  # first: `_after` runs even when the forward fails, and pops one entry per call
+        names = _positional_names(type(module))
+        kw = {**dict(zip(names, args)), **kwargs}
+        if len(args) > len(names) or kw.get('labels') is None or not self.takes_over(): return None
+        labels = kw.pop('labels')                 # so Hugging Face computes no loss of its own
+        self._calls[-1] = {'labels': labels, 'keep': kw.get('logits_to_keep', 0), 'ignore_index': -100,
+                           **{k: kw.pop(k) for k in _LOSS_KWARGS if k in kw}}
+        kw['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=labels.device)   # the head multiplies (B, 0, C): no logits
+        return (), kw
+
+    def _capture(self, module, args, out):
+        call = self._calls[-1] if self._calls else None
+        if call is None: return
+        call['hidden'] = out.last_hidden_state if hasattr(out, 'last_hidden_state') else out[0]   # (B, T, C) after the final norm
+        dev = call['hidden'].device.type
+        call['autocast'] = dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev))
+
+    def _after(self, module, args, kwargs, output):
+        call = self._calls.pop()
+        if call is None or output is None: return None   # not ours, or the forward failed
+        check('hidden' in call, f"BPT's fused loss saw no output of {type(module.base_model).__name__}; call with "
+              f"head_chunk_size and loss_chunk_size -1, or inside full_logits(model)")
+        hidden, head, keep = call['hidden'], module.get_output_embeddings(), call['keep']
+        with torch.autocast(**call['autocast']):
+            loss = fused_causal_lm_loss(hidden, head.weight, call['labels'], self.chunk_size, call.get('num_items_in_batch'),
+                                        call['ignore_index'], call.get('shift_labels'))
+            logits = None if isinstance(keep, int) and keep == 0 else head(slice_logits_to_keep(hidden, keep))  # asked-for positions
+        if isinstance(output, tuple):             # return_dict=False: Hugging Face's tuple, with the loss first
+            return (loss, output[0] if logits is None else logits) + tuple(output[1:])
+        return type(output)(**{**output, 'loss': loss, 'logits': output.logits if logits is None else logits})
+
+    def remove(self):
+        "Remove the hooks."
+        for h in self._handles: h.remove()
+        self._handles = []
+
+# %% ../nbs/10_bpt.ipynb
 BPT_FAMILIES = ('llama', 'mistral')
 _HANDLES = weakref.WeakKeyDictionary()   # converted Hugging Face model -> its BPTHandle
 
@@ -546,16 +628,19 @@ def _hf_model(model) -> nn.Module:
 
 class BPTHandle:
     "What `apply_bpt` changed in a model; `remove()` undoes it."
-    def __init__(self, model, config, attn_name, original_attn, replaced):
+    def __init__(self, model, config, attn_name, original_attn, replaced, loss_hooks=None):
         self.model, self.config, self.attn_name, self.original_attn, self.replaced = model, config, attn_name, original_attn, replaced
+        self.loss_hooks = loss_hooks             # BPTLossHooks when the head and loss are chunked
     def remove(self):
-        "Put back every replaced module and the original attention implementation."
+        "Put back every replaced module and the original attention implementation; remove the loss hooks."
+        if self.loss_hooks is not None: self.loss_hooks.remove(); self.loss_hooks = None
         for parent, name, original in reversed(self.replaced): setattr(parent, name, original)
         if self.attn_name is not None: self.model.set_attn_implementation(self.original_attn)
         _HANDLES.pop(self.model, None)
         self.replaced = []
     def __repr__(self):
-        return f"BPTHandle({type(self.model).__name__}, {len(self.replaced)} modules replaced, attention={self.attn_name})"
+        return (f"BPTHandle({type(self.model).__name__}, {len(self.replaced)} modules replaced, attention={self.attn_name}, "
+                f"fused loss in model(labels=...): {self.loss_hooks is not None})")
 
 def apply_bpt(model, config:BPTConfig=None) -> BPTHandle:
     "Convert a Hugging Face Llama-family causal LM to BPT in place (blockwise attention, chunked FFN or fused layers); reversible."
@@ -573,6 +658,7 @@ def apply_bpt(model, config:BPTConfig=None) -> BPTHandle:
     if config.fused:   # check every layer before changing anything
         for layer in layers: BPTDecoderLayer(layer, config)
     else: check(all(hasattr(layer, 'mlp') for layer in layers), f"{type(layers[0]).__name__} has no `mlp` to chunk")
+    if config.lm_chunk_size != -1: _fused_head(hf)
     original_attn, attn_name, replaced = hf.config._attn_implementation, None, []
     if config.attention_enabled:
         attn_name = _register_attention(config)
@@ -587,7 +673,8 @@ def apply_bpt(model, config:BPTConfig=None) -> BPTHandle:
     if config.layer_remat and config.remat_policy != 'everything_saveable':
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, config.remat_policy)
-    handle = BPTHandle(hf, config, attn_name, original_attn, replaced)
+    loss_hooks = BPTLossHooks(hf, config.lm_chunk_size) if config.lm_chunk_size != -1 else None
+    handle = BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks)
     _HANDLES[hf] = handle
     return handle
 
@@ -604,12 +691,14 @@ def bpt_config_of(model) -> BPTConfig | None:
 
 # %% ../nbs/10_bpt.ipynb
 @contextlib.contextmanager
-def _capture_output(module:nn.Module):
-    "Context manager: a forward hook storing `module`'s output in the yielded dict, removed on exit."
-    store = {}
-    handle = module.register_forward_hook(lambda m, args, out: store.__setitem__('out', out))
-    try: yield store
-    finally: handle.remove()
+def full_logits(model):
+    "Context manager: inside it, a converted model's `model(..., labels=...)` is Hugging Face's own call (full logits, its loss)."
+    h = _HANDLES.get(_hf_model(model))
+    hooks = None if h is None else h.loss_hooks
+    if hooks is not None: hooks.dense += 1
+    try: yield
+    finally:
+        if hooks is not None: hooks.dense -= 1
 
 def _dense_lm_loss(model, batch:dict) -> LossOutput:
     "`memlab.training.causal_lm_loss` with fp32 statistics that stay fp64 for an fp64 model."
@@ -620,24 +709,28 @@ def _dense_lm_loss(model, batch:dict) -> LossOutput:
 
 def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
     "Summed next-token cross-entropy (pre-shifted labels, -100 ignored) and token count, through the fused chunked LM head when BPT's config asks."
-    hf = _hf_model(model)
-    cfg = bpt_config_of(hf)
-    if cfg is None or cfg.lm_chunk_size == -1: return _dense_lm_loss(model, batch)
-    head = hf.get_output_embeddings()
-    check(isinstance(head, nn.Linear) and head.bias is None, f"the fused LM head needs a bias-free nn.Linear head; got {type(head).__name__}")
-    inputs = model_inputs(batch)
-    no_logits = torch.empty(0, dtype=torch.long, device=inputs['input_ids'].device)
-    with _capture_output(hf.base_model) as seen:
-        model(**inputs, logits_to_keep=no_logits, use_cache=False)
-    out = seen['out']
-    hidden = out.last_hidden_state if hasattr(out, 'last_hidden_state') else out[0]     # (B, T, C) after the final norm
-    labels = batch['labels'].to(hidden.device)                                         # (B, T)
-    loss = fused_linear_cross_entropy(hidden.flatten(0, 1), head.weight, labels.flatten(), cfg.lm_chunk_size, reduction='sum')
-    return LossOutput(loss, (labels != -100).sum())
+    h = _HANDLES.get(_hf_model(model))
+    if h is None or h.loss_hooks is None or not h.loss_hooks.takes_over(): return _dense_lm_loss(model, batch)
+    labels = batch['labels']                                                            # (B, T) pre-shifted: labels[t] follows token t
+    out = model(**model_inputs(batch), labels=labels, shift_labels=labels, num_items_in_batch=1, use_cache=False)   # the sum
+    return LossOutput(out.loss, (labels != -100).sum().to(out.loss.device))
+
+# %% ../nbs/10_bpt.ipynb
+def set_mmap_threshold(nbytes:int=1 << 20) -> bool:
+    "glibc: mmap every block above `nbytes`, so freed blocks leave resident memory at once (process-wide); False if not applied."
+    if nbytes <= 0 or torch.cuda.is_available(): return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)                      # the C library this process runs on
+        libc.gnu_get_libc_version                     # glibc only: mallopt's numbering is glibc's
+        return bool(libc.mallopt(-3, int(nbytes)))    # M_MMAP_THRESHOLD = -3; also stops glibc moving the threshold
+    except (OSError, AttributeError): return False
 
 # %% ../nbs/10_bpt.ipynb
 BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)   # BPT's setting in the benchmark
-BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt')
+BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
+STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits',)                       # what step_measurement measures
+ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}                  # the benchmark's mmap thresholds (0: glibc's own)
 
 def bench_model(model:str='reference', attn:str='sdpa'):
     "The benchmark's model in fp32: the reference Llama (seeded random weights) or a built-in pretrained one (smollm2-135m)."
@@ -649,14 +742,15 @@ def bench_model(model:str='reference', attn:str='sdpa'):
     from memlab.models import load_model
     return load_model(model, attn_implementation=attn)
 
-def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None) -> dict:
-    "Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` (one of BENCH_CONFIGS)."
+def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None, mmap_threshold:int=0) -> dict:
+    "Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` (one of STEP_CONFIGS)."
     from memlab.bench import measure_step
     from memlab.models import enable_activation_checkpointing
-    check(config in BENCH_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(BENCH_CONFIGS)}")
+    check(config in STEP_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(STEP_CONFIGS)}")
+    fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
     m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').train()
     if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
-    if config == 'bpt': apply_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
+    if config.startswith('bpt'): apply_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (1, seq_len + 1), generator=g)
@@ -667,12 +761,15 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
         if config == 'bpt':
             out = bpt_causal_lm_loss(m, batch)
             loss = out.loss_sum / out.n_tokens
-        else: loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss   # HF shifts the labels itself
+        else:
+            with full_logits(m) if config == 'bpt full logits' else contextlib.nullcontext():
+                loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss   # HF shifts the labels itself
         loss.backward()
         m.zero_grad(set_to_none=True)
         losses.append(loss.item())
     r = measure_step(step, seq_len, warmup=warmup, repeats=repeats)
-    return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1]}
+    return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1],
+            'mmap_threshold': mmap_threshold if fixed else 0}
 
 def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
     "`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: a quick demonstration."
@@ -683,11 +780,12 @@ def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
     return out
 
 def benchmark(quick:bool=False):
-    "`memlab_bench bpt`: peak memory and tokens/s of one training step of the reference Llama, HF attention vs BPT."
+    "`memlab_bench bpt`: peak memory and tokens/s of a training step of the reference Llama, HF vs BPT, two allocator settings."
     from memlab.bench import run_isolated
     rows = []
     for T in ((2048,) if quick else (2048, 8192)):
-        for c in BENCH_CONFIGS:
-            r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2)
-            rows.append({'config': c, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
+        for alloc, nbytes in ALLOCATORS.items():
+            for c in BENCH_CONFIGS:
+                r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2, mmap_threshold=nbytes)
+                rows.append({'config': c, 'allocator': alloc, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
     return rows, 'sdpa'

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .bpt import BPT_FAMILIES, BPTConfig, apply_bpt, bpt_causal_lm_loss, remove_bpt
+from .bpt import BPT_FAMILIES, BPTConfig, apply_bpt, bpt_causal_lm_loss, remove_bpt, set_mmap_threshold
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
                          seed_everything)
 from .data import Document, _iter_json_records
@@ -27,8 +27,8 @@ __all__ = ['LLAMA_PRESETS', 'DTYPES', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig
            'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
            'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
            'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'CheckpointSchedule',
-           'OptimizerStateSwitch', 'DatasetStateFile', 'read_dataset_state', 'full_state', 'fingerprint',
-           'set_mmap_threshold', 'train_bpt', 'main', 'demo']
+           'OptimizerStateSwitch', 'DatasetStateFile', 'read_dataset_state', 'full_state', 'fingerprint', 'train_bpt',
+           'main', 'demo']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -428,14 +428,6 @@ def fingerprint(state:dict) -> list:
     for v in state.values():
         if v.is_floating_point(): v = v.double(); s += torch.stack([v.sum(), (v * v).sum()])
     return s.tolist()
-
-def set_mmap_threshold(nbytes:int) -> bool:
-    "glibc's `mallopt(M_MMAP_THRESHOLD, nbytes)`: blocks above `nbytes` are mmapped and returned to the OS when freed. False if unavailable."
-    if nbytes <= 0 or torch.cuda.is_available(): return False
-    try:
-        import ctypes
-        return bool(ctypes.CDLL('libc.so.6').mallopt(-3, int(nbytes)))   # M_MMAP_THRESHOLD = -3; also stops glibc moving it
-    except (OSError, AttributeError): return False
 
 def train_bpt(args:dict) -> dict:
     "Train as the parsed flags `args` ({prefix: config}) say; returns the results (also in <output_dir>/results.json)."

@@ -29,7 +29,8 @@ from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, 
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
            'mixed_precision_of', 'build_model', 'describe_model', 'load_streams', 'stream_loss', 'NeurocacheCallback',
            'fingerprint', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
-           'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall', 'demo']
+           'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall',
+           'RecallProbe', 'answer_nll', 'demo']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -499,6 +500,57 @@ def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_tr
                       if 'loss' in h and h['answers']],                          # (update, answer loss, accuracy)
             'eval': [(h['step'], recall_metrics(h, 'eval_')['answer_loss'], recall_metrics(h, 'eval_')['accuracy'])
                      for h in history if 'eval_loss' in h]}
+
+# %% ../nbs/21_train_neurocache.ipynb
+_FIRST = ('Ingrid', 'Tobias', 'Marisol', 'Radek', 'Oluwaseun', 'Henrike', 'Casimir', 'Philippa', 'Anselm', 'Dagny', 'Leocadia',
+          'Barnaby', 'Ximena', 'Evander', 'Saoirse', 'Ottoline', 'Thaddeus', 'Wilhelmina', 'Ignatius', 'Ysolde')
+_LAST = ('Valtersen', 'Quillfeather', 'Abernathy', 'Moravcik', 'Adeyemi', 'Lindqvist', 'Pendergast', 'Okonkwo', 'Fairbrother',
+         'Castellanos', 'Ravensworth', 'Szymanski', 'Thistlewood', 'Kowalczyk', 'Blackwood', 'Vandermeer', 'Zielinski', 'Haverford')
+_TOPICS = ('parser', 'scheduler', 'archive', 'profiler', 'resolver', 'allocator', 'tracer', 'validator')
+
+@dataclass
+class RecallProbe(Config):
+    "A made-up fact inserted near the start of each real document and restated at least `gap` tokens later."
+    gap: int = 2048          # tokens between the fact and its restatement (at least)
+    segment: int = 256       # tokens per segment when a document is read in segments
+    seed: int = 0            # draws the names, topics and numbers
+
+    def documents(self, texts, tokenizer) -> list:
+        "[(input_ids (T,), answer positions)] for each text long enough to hold the gap; answers: the restated name and number."
+        rng, out = np.random.default_rng(self.seed), []
+        for text in texts:
+            first, last, topic = rng.choice(_FIRST), rng.choice(_LAST), rng.choice(_TOPICS)
+            number = int(rng.integers(1000, 10000))
+            fact = f"the maintainer of the {topic} notes is {first} {last}, reachable at extension {number}."
+            a = text.find('\n\n', 300)
+            if a < 0: continue
+            head, rest = text[:a + 2] + f"Note: {fact}\n\n", text[a + 2:]
+            offsets = tokenizer(rest, return_offsets_mapping=True, add_special_tokens=False)['offset_mapping']
+            if len(offsets) <= self.gap: continue
+            cut = rest.find('\n\n', offsets[self.gap][0])
+            if cut < 0: continue
+            text = head + rest[:cut + 2] + f"As noted above, {fact}\n\n" + rest[cut + 2:]
+            asked = len(head) + cut + 2                                       # the restatement starts here (characters)
+            spans = [(text.index(s, asked), text.index(s, asked) + len(s)) for s in (f"{first} {last}", str(number))]
+            enc = tokenizer(text, return_offsets_mapping=True)
+            pos = [i for i, (s, e) in enumerate(enc['offset_mapping']) if e > s and any(s < c1 and e > c0 for c0, c1 in spans)]
+            pos = [p for p in pos if p % self.segment]                       # not the first token of a segment
+            out.append((torch.tensor(enc['input_ids']), torch.tensor(pos)))
+        return out
+
+@torch.no_grad()
+def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
+    "(mean NLL in nats, count) of the answer tokens of `RecallProbe.documents`, read in segments (a cache carried across them) or whole."
+    nc, total, n = has_neurocache(model), 0., 0
+    for ids, pos in docs:
+        end = int(pos.max()) + 1
+        windows = [(0, end)] if full else [(s, min(s + segment, end)) for s in range(0, end, segment)]
+        for s0, s1 in windows:
+            kw = {'start_of_sequence': torch.tensor([s0 == 0])} if nc else {}
+            logp = F.log_softmax(model(input_ids=ids[None, s0:s1], **kw).logits[0].float(), -1)   # (s1-s0, V)
+            mine = pos[(pos > s0) & (pos < s1)]
+            total -= logp[mine - 1 - s0, ids[mine]].sum().item(); n += len(mine)
+    return total / max(n, 1), n
 
 # %% ../nbs/21_train_neurocache.ipynb
 def demo(out:Path, quick:bool=False) -> tuple:

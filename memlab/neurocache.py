@@ -232,14 +232,17 @@ class KNNCache:
         "Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity (N, Q, k·w)."
         N, Q, _ = query.shape
         S, k = self.size, min(topk, self.size)
-        # fp32 scores on CPU (no fast bf16 matmul there); on GPU the storage dtype is used
-        keys = self.keys if self.keys.device.type == 'cuda' else self.keys.float()
+        # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b = 0 for
+        # dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the top-k
+        d, l2 = self.keys.shape[-1], self.similarity_fn == 'l2'
+        keys = torch.empty(N, S, d + 1, device=self.device)                  # (N, S, d+1)
+        keys[..., :d] = self.keys
+        keys[..., d] = torch.where(self.valid, -self.sqnorm if l2 else 0., float('-inf'))
+        query = torch.cat([query.float() * (2. if l2 else 1.), query.new_ones(N, Q, 1, dtype=torch.float32)], -1)   # (N, Q, d+1)
         chunk = max(1, SCORE_BUDGET // max(1, N * S))
         hits, ok = [], []
         for q in query.split(chunk, dim=1):                                   # chunks of queries, all rows at once
-            s = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2)).float()     # (N, q, S)
-            if self.similarity_fn == 'l2': s = 2 * s - self.sqnorm[:, None, :]
-            s = s.masked_fill(~self.valid[:, None, :], float('-inf'))
+            s = torch.bmm(q, keys.transpose(1, 2))                            # (N, q, S)
             v, i = bucketed_topk(s, k, self.topk_buckets) if self.topk_buckets else s.topk(k, dim=-1)
             hits.append(i); ok.append(v > float('-inf'))
         hits, ok = torch.cat(hits, 1), torch.cat(ok, 1)                       # (N, Q, k)

@@ -54,13 +54,35 @@ def remat(fn:Callable, policy:str='nothing_saveable') -> Callable:
     @functools.wraps(fn)
     def _remat(*args, **kwargs):
         if not torch.is_grad_enabled(): return fn(*args, **kwargs)  # nothing to save in inference
-        return checkpoint(fn, *args, use_reentrant=False, **kw, **kwargs)
+        if not kw: return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        with _autocast_cache_off(): return checkpoint(fn, *args, use_reentrant=False, **kw, **kwargs)
     return _remat
+
+@contextlib.contextmanager
+def _autocast_cache_off():
+    "Autocast without its weight-cast cache: a selectively checkpointed block casts alike in forward and recompute."
+    prev = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try: yield
+    finally: torch.set_autocast_cache_enabled(prev)
 
 # %% ../nbs/10_bpt.ipynb
 def _stat_dtype(dtype) -> torch.dtype:
     "Precision of the softmax statistics: fp32, or fp64 for fp64 inputs."
     return torch.promote_types(dtype, torch.float32)
+
+def _attention_dtype(q, k, v) -> torch.dtype:
+    "The one dtype attention computes q, k, v in: autocast's when it is on (as for SDPA), else their common promotion."
+    dev = q.device.type
+    low = all(t.is_floating_point() and t.dtype != torch.float64 for t in (q, k, v))     # autocast leaves fp64 alone
+    if low and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return functools.reduce(torch.promote_types, (q.dtype, k.dtype, v.dtype))
+
+def _autocast_off(device_type:str):
+    "Context manager turning autocast off on `device_type`: inside, every product runs in the dtype its inputs have."
+    if not torch.amp.is_autocast_available(device_type): return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 def _finite(m):
     "A finite stand-in for a running max (−∞ on rows that have seen no key yet)."
@@ -100,7 +122,7 @@ def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     if float32_logits: q, k, v = q.to(stat), k.to(stat), v.to(stat)
     sdpa_mask_ = mask if mask is None or mask.dtype == torch.bool else mask.to(q.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask_, scale=scale, enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, qc, hs)
-    s = _scores(q, k, mask, scale, float32_logits)             # (B, nh, qc, kc)
+    s = _scores(q, k, mask, scale, True)     # (B, nh, qc, kc) fp32, as SDPA's fused kernels form o: lse must match it
     seen = torch.isfinite(s.detach().amax(-1))                 # (B, nh, qc) rows with at least one visible key
     lse = torch.logsumexp(torch.where(seen[..., None], s, 0), -1).masked_fill(~seen, float('-inf'))
     return torch.where(seen[..., None], o.to(stat), 0), lse, seen.to(stat)     # ℓ = 1 (0 on rows that see nothing)
@@ -241,41 +263,44 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        mask, plan = (rest[0] if ctx.has_mask else None), ctx.plan
-        stat = _stat_dtype(q.dtype)
-        dq, dk, dv = (torch.zeros_like(t, dtype=stat) for t in (q, k, v))
-        for qs in range(0, q.shape[2], plan.qc):
-            qe = min(qs + plan.qc, q.shape[2])
-            do_i, lse_i = dout[:, :, qs:qe].to(stat), lse[:, :, qs:qe]                  # (B, nh, qc, hs), (B, nh, qc)
-            D_i = None if plan.kernel is flash_block else (do_i * out[:, :, qs:qe].to(stat)).sum(-1)   # (B, nh, qc)
-            q_i = q[:, :, qs:qe].detach().requires_grad_()
-            for ks, ke, diag in key_blocks(qs, qe, k.shape[2], plan.kc, plan.causal, plan.offset):
-                if plan.kernel is flash_block:     # the fused operator's own backward
-                    gq, gk, gv = _flash_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke],
-                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device), plan.scale, lse_i,
-                                                    dout[:, :, qs:qe], out[:, :, qs:qe])
-                    dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
-                    continue
-                if plan.kernel is torch_block:     # the plain kernel's gradients in closed form
-                    gq, gk, gv = _torch_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke],
-                                                    _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device), plan.scale,
-                                                    plan.float32_logits, lse_i, do_i, D_i)
-                    dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
-                    continue
-                k_j, v_j = k[:, :, ks:ke].detach().requires_grad_(), v[:, :, ks:ke].detach().requires_grad_()
-                with torch.enable_grad():
-                    acc, m, l = plan.kernel(q_i, k_j, v_j, _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device),
-                                            plan.scale, plan.float32_logits)
-                md = m.detach()
-                w = torch.exp(torch.where(torch.isfinite(md), md - _finite(lse_i), float('-inf')))   # (B, nh, qc) block's share
-                pairs = [(acc, w[..., None] * do_i), (l, -w * D_i),
-                         (m, w * ((do_i * acc.detach()).sum(-1) - l.detach() * D_i))]
-                outs, grads = zip(*[(t, g) for t, g in pairs if t.requires_grad])
-                gq, gk, gv = torch.autograd.grad(outs, (q_i, k_j, v_j), grads, allow_unused=True)
-                if gq is not None: dq[:, :, qs:qe] += gq
-                if gk is not None: dk[:, :, ks:ke] += gk
-                if gv is not None: dv[:, :, ks:ke] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        with _autocast_off(q.device.type):      # a backward called under autocast computes as the forward did
+            grads = _blockwise_backward(q, k, v, out, lse, rest[0] if ctx.has_mask else None, ctx.plan, dout)
+        return (*grads, None, None)
+
+def _blockwise_backward(q, k, v, out, lse, mask, plan:_Plan, dout):
+    "dq, dk, dv of blockwise attention, one block pair at a time, accumulated in fp32, returned in the inputs' dtype."
+    stat = _stat_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=stat) for t in (q, k, v))
+    for qs in range(0, q.shape[2], plan.qc):
+        qe = min(qs + plan.qc, q.shape[2])
+        do_i, lse_i = dout[:, :, qs:qe].to(stat), lse[:, :, qs:qe]                  # (B, nh, qc, hs), (B, nh, qc)
+        D_i = None if plan.kernel is flash_block else (do_i * out[:, :, qs:qe].to(stat)).sum(-1)   # (B, nh, qc)
+        q_i = q[:, :, qs:qe].detach().requires_grad_()
+        for ks, ke, diag in key_blocks(qs, qe, k.shape[2], plan.kc, plan.causal, plan.offset):
+            bmask = _block_mask(mask, qs, qe, ks, ke, diag, plan.offset, q.device)
+            if plan.kernel is flash_block:     # the fused operator's own backward
+                gq, gk, gv = _flash_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke], bmask, plan.scale, lse_i,
+                                                dout[:, :, qs:qe], out[:, :, qs:qe])
+                dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
+                continue
+            if plan.kernel is torch_block:     # the plain kernel's gradients in closed form
+                gq, gk, gv = _torch_block_grads(q_i.detach(), k[:, :, ks:ke], v[:, :, ks:ke], bmask, plan.scale,
+                                                plan.float32_logits, lse_i, do_i, D_i)
+                dq[:, :, qs:qe] += gq; dk[:, :, ks:ke] += gk; dv[:, :, ks:ke] += gv
+                continue
+            k_j, v_j = k[:, :, ks:ke].detach().requires_grad_(), v[:, :, ks:ke].detach().requires_grad_()
+            with torch.enable_grad():
+                acc, m, l = plan.kernel(q_i, k_j, v_j, bmask, plan.scale, plan.float32_logits)
+            md = m.detach()
+            w = torch.exp(torch.where(torch.isfinite(md), md - _finite(lse_i), float('-inf')))   # (B, nh, qc) its share
+            pairs = [(acc, w[..., None] * do_i), (l, -w * D_i),
+                     (m, w * ((do_i * acc.detach()).sum(-1) - l.detach() * D_i))]
+            outs, grads = zip(*[(t, g) for t, g in pairs if t.requires_grad])
+            gq, gk, gv = torch.autograd.grad(outs, (q_i, k_j, v_j), grads, allow_unused=True)
+            if gq is not None: dq[:, :, qs:qe] += gq
+            if gk is not None: dk[:, :, ks:ke] += gk
+            if gv is not None: dv[:, :, ks:ke] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 # %% ../nbs/10_bpt.ipynb
 def _chunk(name, size, T) -> int:
@@ -308,11 +333,14 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if kernel_fn is flash_block and (_FLASH is None or q.device.type != 'cpu' or (needs_grad and remat_policy != 'nothing_saveable')):
         plan = plan._replace(kernel=torch_block)   # the fused operator is CPU-only and has no autograd formula for the merge
-    if not needs_grad: return _forward(q, k, v, mask, plan)[0]
-    if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
-    step = remat(_attend, remat_policy)
-    outs = [step(q[:, :, qs:qs + plan.qc], k, v, mask, qs, plan)[0] for qs in range(0, Tq, plan.qc)]
-    return torch.cat(outs, dim=2).to(q.dtype)     # (B, nh, Tq, hs)
+    dtype = _attention_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)   # differentiable casts: gradients return in each input's dtype
+    with _autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
+        if not needs_grad: return _forward(q, k, v, mask, plan)[0]
+        if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
+        step = remat(_attend, remat_policy)
+        outs = [step(q[:, :, qs:qs + plan.qc], k, v, mask, qs, plan)[0] for qs in range(0, Tq, plan.qc)]
+        return torch.cat(outs, dim=2).to(dtype)       # (B, nh, Tq, hs)
 
 # %% ../nbs/10_bpt.ipynb
 def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable') -> torch.Tensor:
@@ -398,7 +426,7 @@ class BPTConfig(Config):
     head_chunk_size: int = -1                # tokens per chunk of the LM head, fused with the loss (-1: off unless loss_chunk_size is set)
     loss_chunk_size: int = -1                # tokens per chunk of the loss, fused with the LM head (-1: off unless head_chunk_size is set)
     remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable or everything_saveable
-    float32_logits: bool = False             # compute q·kᵀ in fp32 (the softmax statistics and the loss are always fp32)
+    float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
     attention_kernel: str = 'flash'          # per-block attention kernel: flash (PyTorch's fused CPU operator; torch elsewhere), torch (plain PyTorch) or sdpa (F.scaled_dot_product_attention)
     fused: bool = False                      # run each decoder layer one query block at a time: attention, o_proj, residual, norm, FFN, residual (the paper's Algorithm 1)
     layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as the reference remats every block (False: each layer keeps its (B, T, C) activations)

@@ -119,7 +119,7 @@ class LlamaBPTArgs(Config):
     head_chunk_size: int = -1                # tokens per chunk of the LM head fused with the loss (-1: off unless loss_chunk_size is set)
     loss_chunk_size: int = -1                # tokens per chunk of the loss fused with the LM head (-1: off unless head_chunk_size is set)
     remat_policy: str = 'nothing_saveable'   # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable | everything_saveable (no recomputation)
-    float32_logits: bool = False             # compute q·kᵀ in fp32 under bf16 (softmax statistics and the loss are always fp32)
+    float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
     max_sequence_length: int = None          # positions the model supports (default: the config's, raised to --train_dataset.json_dataset.seq_length)
     scan_layers: bool = True                 # accepted for the seed's command lines; does nothing here (JAX's scan over layers; PyTorch runs layers in a loop)
     param_scan_axis: int = 0                 # accepted for the seed's command lines; does nothing here (the stacking axis of JAX's scanned parameters)

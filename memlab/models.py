@@ -21,10 +21,10 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TINY_FAMILIES', 'LLAMA_CONFIGS', 'memlab_home',
            'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'keep_4bit_trainable',
            'plain_names', 'TransparentWrapper', 'state_names', 'MethodSpec', 'register_method', 'method_spec',
-           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'load_state',
-           'register_folder', 'folder_loader', 'folder_methods', 'model_folder', 'load_model', 'load_tokenizer',
-           'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts',
-           'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder',
+           'load_state', 'register_folder', 'folder_loader', 'folder_methods', 'model_folder', 'load_saved_methods',
+           'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers',
+           'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -295,13 +295,22 @@ def save_pretrained(model, save_directory, **kwargs) -> Path:
         save_class(model, path, state_dict=sd, **kwargs)
         for name, tensors in aside.items():
             if tensors: _write_safetensors(tensors, path/f"{name}_model.safetensors", {'memlab_method': name})
-    else:                                               # memlab's file only: no model.safetensors for transformers to misread
+    elif kwargs.get('is_main_process', True):           # memlab's file only: no model.safetensors for transformers to misread
         for s in specs:
             if s.encode: sd = s.encode(model, sd)
-        for f in path.glob('model*.safetensors*'): f.unlink()
-        model.config.save_pretrained(path)
-        if getattr(model, 'generation_config', None) is not None and model.can_generate(): model.generation_config.save_pretrained(path)
-        _write_safetensors(_dedup(sd), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps([e['method'] for e in entries])})
+        write_memlab_folder(model, path, sd)
+    return path
+
+def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
+    "Write config.json (recording `methods`, by default the model's) and `tensors` as memlab's weights file, and no `model.safetensors`."
+    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+    for f in path.glob('model*.safetensors*'): f.unlink()          # a plain save's weights would be read instead of these
+    cfg = copy.deepcopy(model.config)
+    if methods is not None: setattr(cfg, METHODS_KEY, methods)
+    cfg.save_pretrained(path)
+    if getattr(model, 'generation_config', None) is not None and model.can_generate(): model.generation_config.save_pretrained(path)
+    names = [e['method'] for e in getattr(cfg, METHODS_KEY, None) or []]
+    _write_safetensors(_dedup(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
     return path
 
 # %% ../nbs/04_models.ipynb
@@ -351,7 +360,7 @@ def _from_pretrained(value, what:str, strict:bool, **kw):
 
 # %% ../nbs/04_models.ipynb
 _FOLDER_LOADERS = {}   # name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model)
-FOLDER_MARKERS = {'bitnet.json': 'memlab.bitnet', 'adapter_config.json': 'memlab.train'}  # file -> module that registers its loader
+FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'), 'adapter_config.json': ('peft-adapter', 'memlab.train')}  # file: (loader, its module)
 RUN_MODEL_DIRS = ('model', 'adapter')   # where memlab's commands put a run's model: exported (or merged) model, else adapter
 
 def register_folder(name:str, detect:Callable, load:Callable):
@@ -361,8 +370,8 @@ def register_folder(name:str, detect:Callable, load:Callable):
 def folder_loader(folder) -> Optional[Callable]:
     "The registered loader of `folder`'s kind, if it is one (modules named in `FOLDER_MARKERS` are imported on demand)."
     folder = Path(folder)
-    for marker, module in FOLDER_MARKERS.items():
-        if (folder/marker).exists(): importlib.import_module(module)
+    for marker, (name, module) in FOLDER_MARKERS.items():
+        if name not in _FOLDER_LOADERS and (folder/marker).exists(): importlib.import_module(module)
     return next((load for detect, load in _FOLDER_LOADERS.values() if detect(folder)), None)
 
 def folder_methods(folder) -> list:
@@ -396,9 +405,14 @@ def _load_with_methods(folder:Path, entries:list, strict:bool, **kw) -> nn.Modul
                  for k, v in load_file(str(folder/f"{s.name}_model.safetensors")).items()}
         load_state(model, aside, f"cannot load {folder} ({names})", strict, required=set(model.state_dict()) - plain_keys)
         return model.eval()
-    check((folder/MEMLAB_WEIGHTS).exists(), f"{folder} has no {MEMLAB_WEIGHTS}: an incomplete save of a {names} model")
-    kw.pop('ignore_mismatched_sizes', None)
-    model = AutoModelForCausalLM.from_config(cfg, **kw)
+    return load_saved_methods(folder, AutoModelForCausalLM.from_config(cfg, **kw), strict)
+
+def load_saved_methods(folder, model:nn.Module, strict:bool=True) -> nn.Module:
+    "Into plain `model`, the methods `folder` records (rebuilt in order) and the tensors of its memlab weights file."
+    folder, entries = Path(folder), folder_methods(folder)
+    names = '+'.join(e['method'] for e in entries)
+    check(entries and (folder/MEMLAB_WEIGHTS).exists(), f"{folder} is not a memlab model folder (no {MEMLAB_WEIGHTS} and method record)")
+    specs = [method_spec(e['method']) for e in entries]
     for e, s in zip(entries, specs): model = s.rebuild(model, e['config'])
     from safetensors.torch import load_file
     tensors = load_file(str(folder/MEMLAB_WEIGHTS))

@@ -69,3 +69,24 @@ def test_fsdp_kill_and_resume(tmp_path):
     full, resumed = results(tmp_path/'full'), results(tmp_path/'killed')
     assert resumed[0]['losses'] == pytest.approx(full[0]['losses'], rel=1e-6)
     assert resumed[0]['fingerprint'] == pytest.approx(full[0]['fingerprint'], rel=1e-6)
+
+PLANT = r'''
+import io, sys, torch
+class Planted:
+    def __reduce__(self): return (io.open, (sys.argv[2], 'w'))     # unpickling it would create the file sys.argv[2]
+torch.save({'rng': Planted(), 'data': None}, sys.argv[1])
+'''
+
+def test_planted_pickle_in_a_checkpoint_is_refused(tmp_path):
+    "--resume_from latest of a checkpoint holding a planted pickle (an older memlab's process_0.pt): one line, exit 2, nothing run."
+    run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '4', '--save_every', '2'])
+    ck, marker = tmp_path/'run'/'checkpoints'/'step-00000004', tmp_path/'ran'
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith('model')) == [
+        'optimizer.json', 'optimizer.safetensors', 'process_0.json', 'process_0.safetensors', 'scheduler_callbacks.json',
+        'trainer_state.json']                                          # no pickle written
+    for f in ('process_0.json', 'process_0.safetensors'): (ck/f).unlink()
+    run([sys.executable, '-c', PLANT, ck/'process_0.pt', marker])
+    r = run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '6', '--save_every', '2', '--resume'], check=False)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and f"refusing to load {ck/'process_0.pt'}" in lines[0], r.stderr
+    assert not marker.exists()

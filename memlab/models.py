@@ -308,7 +308,8 @@ def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
     cfg = copy.deepcopy(model.config)
     if methods is not None: setattr(cfg, METHODS_KEY, methods)
     cfg.save_pretrained(path)
-    if getattr(model, 'generation_config', None) is not None and model.can_generate(): model.generation_config.save_pretrained(path)
+    gen = getattr(model, 'generation_config', None)
+    if gen is not None and getattr(model, 'can_generate', lambda: False)(): gen.save_pretrained(path)
     names = [e['method'] for e in getattr(cfg, METHODS_KEY, None) or []]
     _write_safetensors(_dedup(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
     return path

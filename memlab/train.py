@@ -13,7 +13,8 @@ import torch
 from .core import Config, MemlabError, arg, check, cli_main, count_parameters, parse_configs, atomic_write_text, fmt_bytes
 from .data import load_corpus
 from .loaders import lm_batches
-from .models import as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model, state_names
+from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
+                           state_names)
 from .tokenizers import check_vocab
 from .training import Trainer, TrainConfig
 
@@ -37,7 +38,7 @@ class LMTaskConfig(Config):
     lora_dropout: float = 0.0                             # LoRA dropout
     lora_modules: list[str] = arg(lambda: ['all-linear'])   # modules that get LoRA (PEFT names; all-linear = every linear but the head)
     nf4: bool = False                                     # load the base model in 4-bit nf4 (bitsandbytes; needs LoRA)
-    save_merged: bool = False                             # with LoRA, also write the model with the adapters merged (fp32) to <output_dir>/model
+    save_merged: bool = False                             # with LoRA, also write the fp32-merged model to <run>/model
     plot: bool = True                                     # write loss.png in the output folder
 
     def __post_init__(self):
@@ -92,11 +93,11 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
     return res
 
 # %% ../nbs/07_train.ipynb
-ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: the LoRA adapter, the whole model, the adapter's base
+ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base
 
 @torch.no_grad()
 def plain_lora_model(model, merge:bool=True, dtype=torch.float32) -> torch.nn.Module:
-    "A new plain model from PEFT LoRA `model`: its base with every active adapter merged in fp32 (or the base alone); 4/8-bit dequantized."
+    "A new plain model from PEFT LoRA `model`: its base (4/8-bit dequantized) with each active adapter merged in fp32."
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
     from memlab.relora import _base_weight_fp32, _quant_kind
@@ -120,11 +121,11 @@ def plain_lora_model(model, merge:bool=True, dtype=torch.float32) -> torch.nn.Mo
     return plain.eval()
 
 def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=False) -> dict:
-    "Write a run's model into `out`: a LoRA run's PEFT adapter in `adapter/` (and, `merged`, the merged model), else the model in `model/`."
+    "Write a run's model into `out`: a LoRA run's adapter to `adapter/` (and, `merged`, `model/`), else `model/`."
     out, written = Path(out), {}
     if hasattr(model, 'peft_config'):
         kind, base = resolve_model(task.model_name_or_path)
-        if kind == 'config':                 # random weights from a built-in config: the adapter needs those very weights
+        if kind == 'config':                 # random weights from a built-in config: the adapter needs those very ones
             plain_lora_model(model, merge=False).save_pretrained(out/BASE_DIR)
             base, written['base'] = out/BASE_DIR, str(out/BASE_DIR)
         base = str(Path(base).resolve()) if kind != 'hub' else base
@@ -143,25 +144,29 @@ def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=Fa
 ADAPTER_INFO = 'memlab_adapter.json'   # beside PEFT's files: the base to load (and whether in nf4)
 
 def load_adapter_folder(folder, dtype='float32', quantization:str=None, strict:bool=True, **kwargs):
-    "A PEFT LoRA adapter folder as a plain model: its base (in nf4 if it trained on one) with the adapter merged in fp32."
+    "A PEFT LoRA adapter folder as a plain model: its base (nf4 if it trained on one) with the adapter merged in fp32."
     from peft import PeftConfig, PeftModel
     folder = Path(folder)
     info = json.loads((folder/ADAPTER_INFO).read_text()) if (folder/ADAPTER_INFO).exists() else {}
     base_name = info.get('base') or PeftConfig.from_pretrained(folder).base_model_name_or_path
-    check(base_name, f"{folder} is a LoRA adapter that names no base model (base_model_name_or_path): load its base and use peft")
-    base = load_model(base_name, dtype=dtype, quantization=quantization or ('nf4' if info.get('nf4') else None), strict=strict)
+    check(base_name, f"{folder} is a LoRA adapter naming no base model (base_model_name_or_path): load it with peft")
+    quantization = quantization or ('nf4' if info.get('nf4') else None)
+    base = load_model(base_name, dtype=dtype, quantization=quantization, strict=strict)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try: lora = PeftModel.from_pretrained(base, folder)
         except (ValueError, RuntimeError, KeyError) as e:
-            raise MemlabError(f"cannot load the adapter {folder} onto {base_name}: {' '.join(str(e).split())[:200]}") from None
+            why = ' '.join(str(e).split())[:200]
+            raise MemlabError(f"cannot load the adapter {folder} onto {base_name}: {why}") from None
     for w in caught:                      # peft only warns about adapter tensors it did not find or did not expect
         msg = ' '.join(str(w.message).split())
-        if strict and 'keys' in msg: raise MemlabError(f"cannot load the adapter {folder}: {msg[:200]}; pass strict=False to load anyway")
+        if strict and 'keys' in msg:
+            raise MemlabError(f"cannot load the adapter {folder}: {msg[:200]}; pass strict=False to load anyway")
         warnings.warn(msg, stacklevel=2)
     return plain_lora_model(lora, dtype=as_dtype(dtype))
 
-def _is_adapter(folder) -> bool: return (Path(folder)/'adapter_config.json').exists() and not (Path(folder)/'config.json').exists()
+def _is_adapter(folder) -> bool:
+    return (Path(folder)/'adapter_config.json').exists() and not (Path(folder)/'config.json').exists()
 register_folder('peft-adapter', _is_adapter, load_adapter_folder)
 
 # %% ../nbs/07_train.ipynb
@@ -197,7 +202,8 @@ def main(argv=None):
     if train.output_dir is None: train.output_dir = default_output_dir('train')
     res = train_lm(task, train)
     if res.get('after') is not None:
-        print('\n' + results_table(res) + f"\nresults, loss.png, checkpoints and the model ({', '.join(res.get('saved') or {})}) in {train.output_dir}")
+        saved = ', '.join(res.get('saved') or {})
+        print('\n' + results_table(res) + f"\nresults, loss.png, checkpoints, model ({saved}) in {train.output_dir}")
 
 # %% ../nbs/07_train.ipynb
 #| eval: false

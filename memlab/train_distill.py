@@ -632,8 +632,8 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
         sections['BitNet b1.58 weights'] = (f"Every linear layer of the blocks is a BitLinear (ternary weights, 8-bit activations, an RMSNorm on its input). "
             f"The folder holds them packed at 2 bits per weight: {p['ternary_params']:,} ternary weights in {fmt_bytes(p['packed_weights'])}, "
             f"the whole `memlab_model.safetensors` {fmt_bytes(p['file'])}. Load with `memlab.load_model(folder)` (or "
-            "`memlab.bitnet.load_packed(folder)`); plain `AutoModelForCausalLM.from_pretrained` refuses the folder (it holds no "
-            "`model.safetensors`: a plain model would compute with full-precision weights, not the ternary ones).")
+            "`memlab.bitnet.load_packed(folder)`); plain `AutoModelForCausalLM.from_pretrained` refuses the folder "
+            "(no `model.safetensors`: a plain model would compute with full-precision weights, not ternary ones).")
     if res.get('distill_heads'):
         sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm trained with the student "
                                           "(not part of the model; `memlab.distill.load_distill_heads` restores them to continue distilling).")

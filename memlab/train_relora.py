@@ -19,8 +19,8 @@ from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_s
                            reset_mode_from_flags)
 from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenized_args
 from .training import main_process_value
-from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints, load_sharded, load_strict,
-                             make_accelerator, read_state, sharded_metadata)
+from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
+                             load_sharded, load_strict, make_accelerator, read_state, sharded_metadata)
 
 # %% auto 0
 __all__ = ['DTYPES', 'OPTIMIZERS', 'ReLoRARunConfig', 'build_model', 'find_warm_start', 'warm_start_step', 'load_warm_start',
@@ -212,7 +212,8 @@ def load_warm_start(model:nn.Module, path) -> dict:
     if kind == 'memlab':
         st = json.loads((p/'trainer_state.json').read_text())
         info.update(step=st['step'], tokens_seen=st['tokens_seen'])
-        if any((p/f).exists() for f in ('process_0.json', 'process_0.pt')): info['data'] = read_state(p/'process_0').get('data')
+        if any((p/f).exists() for f in ('process_0.json', 'process_0.pt')):
+            info['data'] = read_state(p/'process_0').get('data')   # JSON; an older memlab's .pt if plain data
     return info
 
 # %% ../nbs/31_train_relora.ipynb

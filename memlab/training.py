@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Config, MemlabError, arg, check, peak_memory, rng_state, set_rng_state
-from .models import tiny_model, enable_activation_checkpointing
+from .models import tiny_model, enable_activation_checkpointing, to_state_names
 
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'TrainConfig',
@@ -272,6 +272,7 @@ def find_checkpoint(resume_from, output_dir=None) -> Path:
 def load_strict(module:nn.Module, state:dict, what:str='model'):
     "`module.load_state_dict(state, strict=True)`, turning a key mismatch into one clear MemlabError."
     missing, unexpected = [], []
+    state = to_state_names(module, state)         # a checkpoint of an older memlab named wrapped weights `....base_layer.*`
     own = module.state_dict()
     missing = sorted(k for k in own if k not in state); unexpected = sorted(k for k in state if k not in own)
     if missing or unexpected:
@@ -283,7 +284,7 @@ def load_strict(module:nn.Module, state:dict, what:str='model'):
 
 # %% ../nbs/05_training.ipynb
 def _encode(obj, tensors:dict, where:str):
-    "`obj` as JSON data: tensors moved to `tensors` (a reference left in place), tuples, arrays and non-string keys tagged."
+    "`obj` as JSON data: tensors moved to `tensors` (a reference left), tuples, arrays and non-string keys tagged."
     if isinstance(obj, torch.Tensor):
         key = f"t{len(tensors)}"
         tensors[key] = (obj.full_tensor() if hasattr(obj, 'full_tensor') else obj).detach().cpu().contiguous()
@@ -294,10 +295,11 @@ def _encode(obj, tensors:dict, where:str):
     if isinstance(obj, tuple): return {'__tuple__': [_encode(x, tensors, where) for x in obj]}
     if isinstance(obj, list): return [_encode(x, tensors, where) for x in obj]
     if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith('__') for k in obj): return {k: _encode(v, tensors, where) for k, v in obj.items()}
+        if all(isinstance(k, str) and not k.startswith('__') for k in obj):
+            return {k: _encode(v, tensors, where) for k, v in obj.items()}
         return {'__items__': [[_encode(k, tensors, where), _encode(v, tensors, where)] for k, v in obj.items()]}
-    raise MemlabError(f"{where}: a {type(obj).__name__} cannot be saved without pickle; state dicts must hold tensors, arrays, "
-                      "numbers, strings, lists, tuples and dicts")
+    raise MemlabError(f"{where}: a {type(obj).__name__} cannot be saved without pickle; state dicts must hold tensors, "
+                      "arrays, numbers, strings, lists, tuples and dicts")
 
 def _decode(obj, tensors:dict):
     if isinstance(obj, list): return [_decode(x, tensors) for x in obj]
@@ -309,7 +311,7 @@ def _decode(obj, tensors:dict):
     return {k: _decode(v, tensors) for k, v in obj.items()}
 
 def write_state(obj, stem):
-    "Write `obj` (a state dict: tensors, arrays, numbers, strings, lists, tuples, dicts) as `stem`.json + `stem`.safetensors: no pickle."
+    "Write state dict `obj` (tensors, arrays, numbers, strings, lists, tuples, dicts) as JSON + safetensors: no pickle."
     from safetensors.torch import save_file
     stem, tensors = Path(stem), {}
     data = _encode(obj, tensors, str(stem))
@@ -317,7 +319,7 @@ def write_state(obj, stem):
     stem.with_name(stem.name + '.json').write_text(json.dumps(data))
 
 def read_state(stem):
-    "Read what `write_state` wrote; a checkpoint of an older memlab (`stem`.pt) loads only if it holds nothing but data (no code runs)."
+    "Read what `write_state` wrote; an older memlab's `stem`.pt loads only if it holds nothing but data (no code runs)."
     stem = Path(stem)
     js, st, pt = (stem.with_name(stem.name + s) for s in ('.json', '.safetensors', '.pt'))
     if js.exists():
@@ -332,7 +334,7 @@ _LEGACY_GLOBALS = ['numpy.dtype', 'numpy.ndarray', 'numpy.dtypes.UInt32DType', '
                    'numpy.core.multiarray._reconstruct']
 
 def load_pickled_data(path):
-    "`torch.load(path, weights_only=True)` allowing only NumPy arrays besides tensors: a pickle that would run code is refused in one line."
+    "`torch.load(path, weights_only=True)` allowing NumPy arrays besides tensors: anything else is refused in one line."
     import importlib
     allowed = []
     for name in _LEGACY_GLOBALS:
@@ -345,16 +347,18 @@ def load_pickled_data(path):
             return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         why = ' '.join(str(e).split())
-        if 'WeightsUnpickler error:' in why: why = why.split('WeightsUnpickler error:', 1)[1].split(' Check the documentation')[0]
+        if 'WeightsUnpickler error:' in why:            # torch's message: keep the part naming what was refused
+            why = why.split('WeightsUnpickler error:', 1)[1].split(' Check the documentation')[0]
         why = why.strip()[:150]
-        raise MemlabError(f"refusing to load {path}: it is not plain data ({why}); memlab never runs code from a checkpoint") from None
+        raise MemlabError(f"refusing to load {path}: it is not plain data ({why}); "
+                          "memlab never runs code from a checkpoint") from None
 
 # %% ../nbs/05_training.ipynb
 class _MetadataUnpickler(pickle.Unpickler):
     "Unpickles `torch.distributed.checkpoint` metadata, and nothing else: any other global is refused."
-    MODULES = ('torch.distributed.checkpoint.metadata', 'torch.distributed.checkpoint.filesystem', 'torch.distributed.checkpoint.planner')
-    ALLOWED = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('pathlib', 'PosixPath'), ('pathlib', 'PurePosixPath'),
-               ('pathlib', 'WindowsPath'), ('pathlib', 'PureWindowsPath'), ('collections', 'OrderedDict')}
+    MODULES = tuple(f"torch.distributed.checkpoint.{m}" for m in ('metadata', 'filesystem', 'planner'))
+    ALLOWED = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict'),
+               *(('pathlib', p) for p in ('PosixPath', 'PurePosixPath', 'WindowsPath', 'PureWindowsPath'))}
     def find_class(self, module, name):
         ok = (module, name) in self.ALLOWED or (module in self.MODULES and not name.startswith('__')) or \
              (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype))
@@ -371,7 +375,8 @@ def _safe_reader(path):
             with self.fs.create_stream(path, 'rb') as f:
                 try: metadata = _MetadataUnpickler(f).load()
                 except Exception as e:
-                    raise MemlabError(f"refusing to load {path}: it is not checkpoint metadata ({' '.join(str(e).split())[:120]}); "
+                    why = ' '.join(str(e).split())[:120]
+                    raise MemlabError(f"refusing to load {path}: it is not checkpoint metadata ({why}); "
                                       "memlab never runs code from a checkpoint") from None
             if getattr(metadata, 'storage_meta', None) is None: metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -379,21 +384,22 @@ def _safe_reader(path):
     return SafeReader(str(path))
 
 def _safe_planner():
-    "A load planner whose non-tensor items are read with `torch.load(weights_only=True)` (torch's default planner unpickles them)."
+    "A load planner reading non-tensor items with `torch.load(weights_only=True)` (torch's default unpickles them)."
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
             v = torch.load(value, map_location='cpu', weights_only=True)
-            if self.flatten_state_dict: set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], v)
-            else: self.state_dict[read_item.dest_index.fqn] = v
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict: set_element(self.original_state_dict, self.mappings[fqn], v)
+            else: self.state_dict[fqn] = v
     return SafePlanner()
 
 def load_sharded(state_dict:dict, path):
-    "`torch.distributed.checkpoint.load(state_dict, path)` without unpickling anything but checkpoint metadata and plain data."
+    "`torch.distributed.checkpoint.load(state_dict, path)`, unpickling nothing but checkpoint metadata and plain data."
     import torch.distributed.checkpoint as dcp
     reader = _safe_reader(path)
-    reader.read_metadata()               # a refusal here is one line (inside dcp.load it would be wrapped in a CheckpointException)
+    reader.read_metadata()               # a refusal here is one line (dcp.load would wrap it in a CheckpointException)
     dcp.load(state_dict, storage_reader=reader, planner=_safe_planner())
 
 def sharded_metadata(path):
@@ -643,11 +649,11 @@ class Trainer:
             from safetensors.torch import save_model
             save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
             write_state(self.optimizer.state_dict(), tmp/'optimizer')
-        write_state({'rng': rng_state(), 'data': self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None},
-                    tmp/f'process_{r}')
+        data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
+        write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
         if self.is_main:
-            write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': [cb.state_dict() for cb in self.callbacks]},
-                        tmp/'scheduler_callbacks')
+            callbacks = [cb.state_dict() for cb in self.callbacks]
+            write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
         self._event('on_save', tmp)
         acc.wait_for_everyone()
         if self.is_main:

@@ -103,8 +103,8 @@ def test_bitnet_student_exports_packed_weights(teacher, tmp_path):
     assert perplexity(model, ev.evaluators['pydocs_ppl'])['ppl'] == pytest.approx(r['metrics']['pydocs_ppl']['student'], rel=1e-4)
     card = (out/'README.md').read_text()
     assert 'load_packed' in card and '- bitnet' in card
-    # the run folder loads through memlab.load_model as the BitNet model it is (it loaded as a plain Llama with random projections);
-    # plain transformers refuses it (no model.safetensors) instead of loading that plain Llama
+    # the run folder loads through memlab.load_model as the BitNet model it is (it used to load as a plain Llama with
+    # random projections); plain transformers refuses it (no model.safetensors) instead of loading that plain Llama
     from memlab.models import load_model
     from transformers import AutoModelForCausalLM
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))

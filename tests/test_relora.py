@@ -203,15 +203,16 @@ torch.save({'rng': None, 'data': Planted()}, sys.argv[1])
 '''
 
 def test_planted_pickle_in_a_warm_start_is_refused(data, warm, tmp_path):
-    "A warm start of someone else's run never runs its pickles: a planted process_0.pt (an older memlab's layout) is one line, exit 2."
+    "A warm start of someone else's run runs none of its pickles: a planted process_0.pt is one line, exit 2."
     import shutil
     planted, marker = tmp_path/'planted', tmp_path/'ran'
     shutil.copytree(warm/'checkpoints'/'step-00000010', planted)
     for f in ('process_0.json', 'process_0.safetensors'): (planted/f).unlink()
     run([sys.executable, '-c', PLANT, planted/'process_0.pt', marker])
-    r = run([sys.executable, '-m', 'memlab.train_relora', '--dataset_path', data['path'], '--tokenizer', data['tokenizer'],
-             '--model_config', 'configs/llama_9m.json', '--batch_size', '1', '--dtype', 'float32', '--num_training_steps', '12',
-             '--continue_from', planted, '--save_dir', tmp_path/'run', '--report_to', 'none'], check=False)
+    r = run([sys.executable, '-m', 'memlab.train_relora', '--dataset_path', data['path'],
+             '--tokenizer', data['tokenizer'], '--model_config', 'configs/llama_9m.json', '--batch_size', '1',
+             '--dtype', 'float32', '--num_training_steps', '12', '--continue_from', planted,
+             '--save_dir', tmp_path/'run', '--report_to', 'none'], check=False)
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1 and f"refusing to load {planted/'process_0.pt'}" in lines[0], r.stderr
     assert not marker.exists() and not (tmp_path/'run').exists()

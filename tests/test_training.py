@@ -78,12 +78,12 @@ torch.save({'rng': Planted(), 'data': None}, sys.argv[1])
 '''
 
 def test_planted_pickle_in_a_checkpoint_is_refused(tmp_path):
-    "--resume_from latest of a checkpoint holding a planted pickle (an older memlab's process_0.pt): one line, exit 2, nothing run."
+    "Resuming from a checkpoint with a planted pickle (an older memlab's process_0.pt): one line, exit 2, no code run."
     run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '4', '--save_every', '2'])
     ck, marker = tmp_path/'run'/'checkpoints'/'step-00000004', tmp_path/'ran'
     assert sorted(p.name for p in ck.iterdir() if not p.name.startswith('model')) == [
-        'optimizer.json', 'optimizer.safetensors', 'process_0.json', 'process_0.safetensors', 'scheduler_callbacks.json',
-        'trainer_state.json']                                          # no pickle written
+        'optimizer.json', 'optimizer.safetensors', 'process_0.json', 'process_0.safetensors',
+        'scheduler_callbacks.json', 'trainer_state.json']             # no pickle written
     for f in ('process_0.json', 'process_0.safetensors'): (ck/f).unlink()
     run([sys.executable, '-c', PLANT, ck/'process_0.pt', marker])
     r = run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '6', '--save_every', '2', '--resume'], check=False)

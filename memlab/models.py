@@ -180,9 +180,13 @@ class TransparentWrapper(nn.Module):
         self.register_state_dict_post_hook(_strip_base_layer)
         self.register_load_state_dict_pre_hook(_add_base_layer)
 
-    def _fqn_modifiers(self) -> dict:
-        "torch.distributed.checkpoint's contract with state-dict hooks: the plain names that live in `base_layer`."
-        return {n: _BASE for n in plain_names(self.base_layer) - _own_names(self)}
+    def __getattr__(self, name:str):
+        "A plain name living in `base_layer` is found on the wrapper too (how torch.distributed.checkpoint resolves keys)."
+        try: return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get('_modules', {}).get(_BASE)
+            if name == _BASE or base is None or name not in plain_names(base): raise
+            return getattr(base, name)
 
 def state_names(model:nn.Module) -> dict:
     "{module name: its name in state dicts} for every module of `model` (the two differ inside a `TransparentWrapper`)."

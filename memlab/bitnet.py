@@ -4,7 +4,7 @@
 
 # %% ../nbs/40_bitnet.ipynb 2
 from __future__ import annotations
-import json, math
+import dataclasses, json, math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,13 +16,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from .core import Config, MemlabError, check, atomic_write_text
-from .models import as_dtype, decoder_layers
+from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers,
+                           detach_method, folder_methods, load_model, load_saved_methods, model_methods,
+                           register_folder, register_method, state_names, write_memlab_folder)
 from .relora import ReLoRALinear
 
 # %% auto 0
-__all__ = ['weight_quant', 'activation_quant', 'ste', 'rms_norm', 'BitLinear', 'BitNetConfig', 'bitnet_modules',
-           'convert_to_bitnet', 'revert_bitnet', 'pack_ternary', 'unpack_ternary', 'save_packed', 'load_packed',
-           'packed_report']
+__all__ = ['revert_bitnet', 'weight_quant', 'activation_quant', 'ste', 'rms_norm', 'BitLinear', 'BitNetConfig', 'bitnet_modules',
+           'add_bitnet', 'convert_to_bitnet', 'remove_bitnet', 'pack_ternary', 'unpack_ternary', 'save_packed',
+           'load_packed', 'packed_report']
 
 # %% ../nbs/40_bitnet.ipynb
 def weight_quant(w:torch.Tensor, eps:float=1e-5) -> tuple:
@@ -58,16 +60,16 @@ def _linear_kind(m:nn.Module) -> str:
     if isinstance(m, nn.Linear): return 'linear'
     return None
 
-class BitLinear(nn.Module):
+class BitLinear(TransparentWrapper):
     "A BitNet b1.58 linear layer around `base_layer` (nn.Linear or Conv1D): RMSNorm, 8-bit activations, ternary weights, STE."
     def __init__(self, base_layer:nn.Module, # the nn.Linear, Conv1D or ReLoRALinear whose weight becomes the latent weight
                  norm_eps:float=1e-6):         # epsilon of the input RMSNorm
-        super().__init__()
         kind = _linear_kind(base_layer)
         check(kind in ('linear', 'conv1d', 'relora'), f"BitLinear wraps nn.Linear or Conv1D, not {type(base_layer).__name__}"
               + (" (a 4/8-bit layer: load the model in fp32 or bf16 before converting)" if kind == 'quantized' else ''))
         if kind == 'relora': _check_relora_base(base_layer)
-        self.base_layer, self.is_conv1d, self.norm_eps = base_layer, kind == 'conv1d', norm_eps
+        super().__init__(base_layer)
+        self.is_conv1d, self.norm_eps = kind == 'conv1d', norm_eps
         w = base_layer.weight
         self.out_features, self.in_features = (w.shape[1], w.shape[0]) if self.is_conv1d else w.shape
         self.bitnet_norm_weight = nn.Parameter(torch.ones(self.in_features, dtype=w.dtype, device=w.device))
@@ -138,7 +140,7 @@ def _check_relora_base(layer:ReLoRALinear, name:str=''):
 # %% ../nbs/40_bitnet.ipynb
 @dataclass
 class BitNetConfig(Config):
-    "Which linears become BitLinear and how (the keyword arguments of `convert_to_bitnet`)."
+    "Which linears become BitLinear and how (the config of `add_bitnet`)."
     target_modules: list[str] | None = None  # names of linears to convert (dotted-name components); None = every linear but `exclude`
     exclude: list[str] = field(default_factory=lambda: ['lm_head'])  # names never converted (full-precision output head by default)
     keep_weights: bool = True  # start from the model's own weights (True) or re-initialise them (False)
@@ -165,29 +167,24 @@ def _parent(model, name):
     parent, _, child = name.rpartition('.')
     return (model.get_submodule(parent) if parent else model), child
 
-def convert_to_bitnet(model:nn.Module,
-                      target_modules:list=None,      # linear names to convert; None = every nn.Linear / Conv1D except `exclude`
-                      keep_weights:bool=True,        # keep the original weights as latent weights, else re-initialise
-                      exclude=('lm_head',),          # names never converted
-                      norm_eps:float=1e-6,           # epsilon of each BitLinear's RMSNorm
-                      expected:int=None) -> nn.Module: # refuse unless exactly this many modules are converted
+def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
     "Replace the target linear layers of `model` (any family, GPT-2 Conv1D included) by `BitLinear`, in place; refuse if nothing matches."
-    cfg = BitNetConfig(target_modules=None if target_modules is None else list(target_modules), exclude=list(exclude),
-                       keep_weights=keep_weights, norm_eps=norm_eps, expected=expected)
-    check(not hasattr(model, 'peft_config'), "convert_to_bitnet needs a plain model: merge_and_unload() the PEFT adapters first "
-          "(their LoRA linears would be converted too)")
+    cfg = config or BitNetConfig()
+    check(not hasattr(model, 'peft_config'), "add_bitnet needs a plain model: merge_and_unload() the PEFT adapters "
+          "first (their LoRA linears would be converted too)")
     check(not bitnet_modules(model), f"{type(model).__name__} already has {len(bitnet_modules(model))} BitLinear modules; "
-          "revert_bitnet it first or convert a fresh model")
+          "remove_bitnet it first or convert a fresh model")
     inside_relora = {f"{n}.base_layer" for n, m in model.named_modules() if isinstance(m, ReLoRALinear)}
     linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m) and n not in inside_relora}  # a ReLoRA layer converts whole
+    names = state_names(model)            # matched by a plain model's names (other methods' wrappers are transparent)
     check(linears, f"{type(model).__name__} has no nn.Linear or Conv1D layer to convert to BitNet")
     def wanted(n):
-        if any(_name_matches(n, e) for e in cfg.exclude): return False
-        return cfg.target_modules is None or any(_name_matches(n, t) for t in cfg.target_modules)
+        if any(_name_matches(names[n], e) for e in cfg.exclude): return False
+        return cfg.target_modules is None or any(_name_matches(names[n], t) for t in cfg.target_modules)
     targets = [n for n in linears if wanted(n)]
     leaf_names = sorted({n.rpartition('.')[2] for n in linears})
     if cfg.target_modules is not None:
-        missing = [t for t in cfg.target_modules if not any(_name_matches(n, t) for n in linears)]
+        missing = [t for t in cfg.target_modules if not any(_name_matches(names[n], t) for n in linears)]
         check(not missing, f"target_modules {missing} match no linear layer of {type(model).__name__}; its linears are named "
               f"{', '.join(leaf_names)}")
     check(targets, f"nothing to convert in {type(model).__name__}: every linear ({', '.join(leaf_names)}) is excluded by {cfg.exclude}")
@@ -214,9 +211,20 @@ def convert_to_bitnet(model:nn.Module,
                 nn.init.xavier_uniform_(base.weight)
                 if base.bias is not None: base.bias.zero_()
         setattr(parent, child, BitLinear(base, norm_eps=cfg.norm_eps))
-    return model
+    return attach_method(model, 'bitnet', dataclasses.replace(cfg, expected=len(targets)).to_dict())
 
-def revert_bitnet(model:nn.Module) -> nn.Module:
+def convert_to_bitnet(model:nn.Module,
+                      target_modules:list=None,      # linears to convert; None = every nn.Linear / Conv1D but `exclude`
+                      keep_weights:bool=True,        # keep the original weights as latent weights, else re-initialise
+                      exclude=('lm_head',),          # names never converted
+                      norm_eps:float=1e-6,           # epsilon of each BitLinear's RMSNorm
+                      expected:int=None) -> nn.Module: # refuse unless exactly this many modules are converted
+    "`add_bitnet` with the fields of `BitNetConfig` as keyword arguments."
+    targets = None if target_modules is None else list(target_modules)
+    return add_bitnet(model, BitNetConfig(target_modules=targets, exclude=list(exclude), keep_weights=keep_weights,
+                                          norm_eps=norm_eps, expected=expected))
+
+def remove_bitnet(model:nn.Module) -> nn.Module:
     "Put every BitLinear's `base_layer` back (its latent weights; the RMSNorms and quantizers are dropped), in place."
     mods = bitnet_modules(model)
     check(mods, f"{type(model).__name__} has no BitLinear module to revert")
@@ -226,7 +234,9 @@ def revert_bitnet(model:nn.Module) -> nn.Module:
     for n, m in mods.items():
         parent, child = _parent(model, n)
         setattr(parent, child, m.base_layer)
-    return model
+    return detach_method(model, 'bitnet')
+
+revert_bitnet = remove_bitnet   # the name before the method contract
 
 # %% ../nbs/40_bitnet.ipynb
 def pack_ternary(codes:torch.Tensor) -> torch.Tensor:
@@ -248,64 +258,87 @@ def unpack_ternary(packed:torch.Tensor, shape) -> torch.Tensor:
 # %% ../nbs/40_bitnet.ipynb
 _FORMAT = 'memlab-bitnet-packed'
 
-def _dedup(sd:dict) -> tuple:
-    "Drop tensors that share storage with an earlier one (tied weights): (state dict, {alias: kept name})."
-    out, aliases, seen = {}, {}, {}
-    for k, v in sd.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel() else None
-        if key is not None and key in seen: aliases[k] = seen[key]; continue
-        if key is not None: seen[key] = k
-        out[k] = v
-    return out, aliases
+@torch.no_grad()
+def _pack_modules(model:nn.Module, sd:dict, frozen_only:bool) -> dict:
+    "`sd` with each BitLinear's weight as packed codes and scale (only the frozen ones' when `frozen_only`)."
+    sd, names = dict(sd), state_names(model)
+    for n, m in bitnet_modules(model).items():
+        if frozen_only and not m.frozen: continue
+        p = names[n]
+        codes, scale = m.ternary()
+        for k in (f"{p}.weight", f"{p}.bitnet_ternary", f"{p}.bitnet_scale"): sd.pop(k, None)
+        sd[f"{p}.bitnet_packed"], sd[f"{p}.bitnet_scale"] = pack_ternary(codes), scale.detach().float().reshape(())
+    return sd
+
+def _decode_bitnet(model:nn.Module, tensors:dict) -> dict:
+    "Freeze the BitLinears saved packed (placeholders) and unpack their codes under the names frozen layers load."
+    tensors, names = dict(tensors), state_names(model)
+    for n, m in bitnet_modules(model).items():
+        p, shape = names[n], (m.out_features, m.in_features)
+        if f"{p}.bitnet_packed" not in tensors: continue
+        m.freeze(torch.zeros(shape, dtype=torch.int8), torch.ones(()))    # placeholders, loaded next
+        tensors[f"{p}.bitnet_ternary"] = unpack_ternary(tensors.pop(f"{p}.bitnet_packed"), shape)
+    return tensors
+
+def _rebuild_bitnet(model:nn.Module, config:dict) -> nn.Module:
+    "BitLinears on a freshly built model, as `config` says (no re-initialisation: the saved tensors follow)."
+    return add_bitnet(model, dataclasses.replace(BitNetConfig.from_dict(config), keep_weights=True))
+
+register_method(MethodSpec('bitnet', rebuild=_rebuild_bitnet, plain=False, decode=_decode_bitnet,
+                           encode=lambda model, sd: _pack_modules(model, sd, frozen_only=True)))
 
 def save_packed(model:nn.Module, path,      # a model holding BitLinear modules; output directory
                 dtype=None) -> Path:       # dtype for the non-converted floating tensors (None: keep theirs)
-    "Write the BitLinear weights packed at 2 bits per weight, plus scales, norms and all other tensors, to `path` (pass the unwrapped model)."
+    "Write `model` to `path`, every BitLinear's ternary weights packed at 2 bits per weight (the model is not changed)."
     mods = bitnet_modules(model)
-    check(mods, f"{type(model).__name__} has no BitLinear module: convert_to_bitnet it before save_packed")
+    check(mods, f"{type(model).__name__} has no BitLinear module: add_bitnet it before save_packed")
     with_relora = [n for n, m in mods.items() if m.has_relora]
     check(not with_relora, f"{len(with_relora)} BitLinear modules (e.g. {with_relora[0] if with_relora else ''}) hold ReLoRA adapters: "
           "merge them into the latent weights with memlab.relora.remove_relora(model) before save_packed")
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    sd, aliases = _dedup(model.state_dict())
-    tensors, modules = {}, {}
-    for name, m in mods.items():
-        codes, scale = m.ternary()
-        tensors[f"{name}.bitnet_packed"] = pack_ternary(codes)
-        tensors[f"{name}.bitnet_scale"] = scale.detach().float().reshape(())
-        modules[name] = {'kind': 'conv1d' if m.is_conv1d else 'linear', 'shape': [m.out_features, m.in_features],
-                         'norm_eps': m.norm_eps}
-    skip = {f"{n}.{s}" for n in mods for s in ('base_layer.weight', 'bitnet_ternary', 'bitnet_scale')}
-    cast = None if dtype is None else as_dtype(dtype)
-    for k, v in sd.items():
-        if k in skip: continue
-        v = v.detach()
-        if cast is not None and v.is_floating_point() and not k.endswith('.bitnet_norm_weight'): v = v.to(cast)
-        tensors[k] = v
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path/'model.safetensors'), metadata={'format': 'pt'})
-    ref = next(iter(mods.values())).bitnet_norm_weight
-    meta = {'format': _FORMAT, 'version': 1, 'modules': modules, 'aliases': aliases,
-            'dtype': str(ref.dtype).replace('torch.', '')}
+    path = Path(path)
+    sd, cast = _pack_modules(model, model.state_dict(), False), None if dtype is None else as_dtype(dtype)
+    if cast is not None:
+        keep = ('.bitnet_norm_weight', '.bitnet_scale')
+        sd = {k: v.to(cast) if v.is_floating_point() and not k.endswith(keep) else v for k, v in sd.items()}
+    methods = model_methods(model)
+    if not any(e['method'] == 'bitnet' for e in methods):   # BitLinears put in by hand: record them by name
+        eps = {m.norm_eps for m in mods.values()}
+        check(len(eps) == 1, f"BitLinear modules with different norm_eps {sorted(eps)} cannot be saved")
+        cfg = BitNetConfig(target_modules=list(mods), exclude=[], norm_eps=eps.pop(), expected=len(mods))
+        methods += [{'method': 'bitnet', 'config': cfg.to_dict()}]
+    write_memlab_folder(model, path, sd, methods)
+    names, ref = state_names(model), next(iter(mods.values())).bitnet_norm_weight
+    meta = {'format': _FORMAT, 'version': 2, 'dtype': str(ref.dtype).replace('torch.', ''),
+            'modules': {names[n]: {'kind': 'conv1d' if m.is_conv1d else 'linear', 'norm_eps': m.norm_eps,
+                                   'shape': [m.out_features, m.in_features]} for n, m in mods.items()}}
     atomic_write_text(path/'bitnet.json', json.dumps(meta, indent=1))
-    if getattr(model, 'config', None) is not None and hasattr(model.config, 'save_pretrained'): model.config.save_pretrained(path)
     return path
 
-def load_packed(path,               # a directory written by `save_packed`
+def load_packed(path,               # a folder written by `save_packed` or by `save_pretrained` of a BitNet model
                 model:nn.Module=None, # an unconverted model of the same architecture to load into (default: built from config.json)
                 dtype=None) -> nn.Module: # dtype to build the model in (default: the dtype it was saved from)
-    "Rebuild a BitNet model from `save_packed` output: frozen BitLinears with the packed ternary weights; strict loading."
+    "Rebuild a BitNet model from its folder (frozen BitLinears where the weights were packed); strict loading."
     path = Path(path)
-    check((path/'bitnet.json').exists() and (path/'model.safetensors').exists(),
-          f"{path} is not a packed BitNet directory (no bitnet.json / model.safetensors); write one with save_packed")
+    meta = json.loads((path/'bitnet.json').read_text()) if (path/'bitnet.json').exists() else {}
+    if meta.get('version') == 1: return _load_packed_v1(path, model, dtype)
+    check((path/MEMLAB_WEIGHTS).exists() and any(e['method'] == 'bitnet' for e in folder_methods(path)),
+          f"{path} is not a packed BitNet directory (no {MEMLAB_WEIGHTS} with a BitNet record in config.json); "
+          "write one with save_packed")
+    dtype = as_dtype(dtype or meta.get('dtype', 'float32'))
+    if model is None: return load_model(path, dtype=dtype)
+    return load_saved_methods(path, model.to(dtype))
+
+def _load_packed_v1(path, model:nn.Module=None, dtype=None) -> nn.Module:
+    "A packed folder written before the method contract (`model.safetensors` + `bitnet.json` version 1)."
     meta = json.loads((path/'bitnet.json').read_text())
-    check(meta.get('format') == _FORMAT and meta.get('version') == 1, f"{path}/bitnet.json: unknown format {meta.get('format')!r}")
+    check(meta.get('format') == _FORMAT, f"{path}/bitnet.json: unknown format {meta.get('format')!r}")
     dtype = as_dtype(dtype or meta['dtype'])
     if model is None:
         check((path/'config.json').exists(), f"{path} has no config.json: pass the model skeleton as `model=`")
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     mods, eps = meta['modules'], {m['norm_eps'] for m in meta['modules'].values()}
     check(len(eps) == 1, f"{path}: BitLinear modules with different norm_eps {sorted(eps)} are not supported")
-    convert_to_bitnet(model, target_modules=list(mods), exclude=(), keep_weights=True, norm_eps=eps.pop(), expected=len(mods))
+    add_bitnet(model, BitNetConfig(target_modules=list(mods), exclude=[], norm_eps=eps.pop(), expected=len(mods)))
     found = bitnet_modules(model)
     check(set(found) == set(mods), f"{path}: the model's converted modules differ from the saved ones "
           f"({sorted(set(found) ^ set(mods))[:3]}): a different architecture?")
@@ -325,14 +358,25 @@ def load_packed(path,               # a directory written by `save_packed`
           f"unexpected {res.unexpected_keys[:5]}")
     return model.eval()
 
+def _is_v1(folder) -> bool:
+    try: return json.loads((Path(folder)/'bitnet.json').read_text()).get('version') == 1
+    except (OSError, json.JSONDecodeError): return False
+
+def _load_v1_folder(folder, dtype=None, quantization=None, strict:bool=True, **kwargs) -> nn.Module:
+    check(quantization is None, f"{folder} holds a packed BitNet model: it loads as it was saved, not in 4/8 bits")
+    return _load_packed_v1(Path(folder), dtype=dtype)
+
+register_folder('bitnet-v1', _is_v1, _load_v1_folder)
+
 # %% ../nbs/40_bitnet.ipynb
 def packed_report(path) -> dict:
-    "Bytes on disk of a packed BitNet directory's `model.safetensors`, split into packed weights, scales and the rest."
-    f = Path(path)/'model.safetensors'
+    "Bytes on disk of a `save_packed` folder's weights file, split into packed weights, scales and the rest."
+    path = Path(path)
+    f = path/MEMLAB_WEIGHTS if (path/MEMLAB_WEIGHTS).exists() else path/'model.safetensors'   # the latter: version 1
     with open(f, 'rb') as fh:
         n = int.from_bytes(fh.read(8), 'little'); header = json.loads(fh.read(n))
     out = {'file': f.stat().st_size, 'packed_weights': 0, 'scales': 0, 'other': 0, 'ternary_params': 0}
-    meta = json.loads((Path(path)/'bitnet.json').read_text())
+    meta = json.loads((path/'bitnet.json').read_text())
     out['ternary_params'] = sum(math.prod(m['shape']) for m in meta['modules'].values())
     for k, v in header.items():
         if k == '__metadata__': continue

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import contextlib, copy, difflib, math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -17,20 +18,20 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.utils import ModelOutput
 
-from .core import MemlabError, check, count_parameters
+from .core import MemlabError, atomic_write_text, check, count_parameters
 from .training import LossOutput, causal_lm_loss, model_inputs
 
 # %% auto 0
 __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', 'MEMORY_MODES', 'MEMORY_FORMATS', 'OBJECTIVES',
-           'FP8_E4M3_MAX', 'FP8_E4M3_MANTISSA_BITS', 'MaskedMixerConfig', 'causal_mask_like', 'MaskedConv1d',
-           'MultiHeadMixing', 'MaskedLinearMixing', 'MaskedMixerBlock', 'MixerStack', 'TransformerStack', 'make_stack',
-           'MixerPreTrainedModel', 'check_right_padded', 'MaskedMixerForCausalLM', 'assert_causal', 'fp8_e4m3_step',
-           'add_memory_noise', 'quantize_memory', 'memory_bits', 'MemoryEncoder', 'unroll_indices', 'Unroll',
-           'MemoryModelOutput', 'MaskedMixerAutoencoder', 'autoencoder_targets', 'autoencoder_loss',
-           'random_token_batch', 'RandomTokenBatches', 'memory_format', 'OracleMemoryModel', 'ParallelMemoryModel',
-           'RecurrentMemoryModel', 'copy_batch', 'objective_batches', 'objective_loss', 'token_accuracy',
-           'bits_per_byte', 'normalized_loss', 'information', 'info_nce', 'count_model_parameters', 'match_parameters',
-           'llama_matching', 'mixer_step_measurement', 'benchmark']
+           'REMOTE_CODE_MODULE', 'FP8_E4M3_MAX', 'FP8_E4M3_MANTISSA_BITS', 'MaskedMixerConfig', 'causal_mask_like',
+           'MaskedConv1d', 'MultiHeadMixing', 'MaskedLinearMixing', 'MaskedMixerBlock', 'MixerStack',
+           'TransformerStack', 'make_stack', 'MixerPreTrainedModel', 'check_right_padded', 'MaskedMixerForCausalLM',
+           'assert_causal', 'fp8_e4m3_step', 'add_memory_noise', 'quantize_memory', 'memory_bits', 'MemoryEncoder',
+           'unroll_indices', 'Unroll', 'MemoryModelOutput', 'MaskedMixerAutoencoder', 'autoencoder_targets',
+           'autoencoder_loss', 'random_token_batch', 'RandomTokenBatches', 'memory_format', 'OracleMemoryModel',
+           'ParallelMemoryModel', 'RecurrentMemoryModel', 'copy_batch', 'objective_batches', 'objective_loss',
+           'token_accuracy', 'bits_per_byte', 'normalized_loss', 'information', 'info_nce', 'count_model_parameters',
+           'match_parameters', 'llama_matching', 'mixer_step_measurement', 'benchmark']
 
 # %% ../nbs/50_mixer.ipynb
 MIXER_TYPES = ('conv', 'linear')
@@ -244,6 +245,8 @@ def make_stack(kind:str, config:MaskedMixerConfig, dim:int, n_layers:int, length
     return (MixerStack if kind == 'mixer' else TransformerStack)(config, dim, n_layers, length)
 
 # %% ../nbs/50_mixer.ipynb
+REMOTE_CODE_MODULE = 'modeling_memlab_mixer'   # the file `save_pretrained` writes for transformers' custom-code loading
+
 class MixerPreTrainedModel(PreTrainedModel):
     "Base class of memlab's mixer models: one config class, Hugging Face initialisation, saving and loading."
     config_class = MaskedMixerConfig
@@ -264,6 +267,17 @@ class MixerPreTrainedModel(PreTrainedModel):
             raise MemlabError(f"checkpoint does not fit {cls.__name__}: " + '; '.join(
                 f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', …' if len(v) > 3 else ''})" for k, v in problems.items()))
         return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, **kwargs):
+        "`PreTrainedModel.save_pretrained`, plus the custom-code record that lets transformers find these classes."
+        names = {'AutoConfig': 'MaskedMixerConfig'}
+        if type(self).__name__ == 'MaskedMixerForCausalLM': names['AutoModelForCausalLM'] = 'MaskedMixerForCausalLM'
+        self.config.auto_map = {k: f"{REMOTE_CODE_MODULE}.{v}" for k, v in names.items()}
+        super().save_pretrained(save_directory, **kwargs)
+        if kwargs.get('is_main_process', True):
+            shim = (f"# written by memlab: the classes come from the installed memlab package\n"
+                    f"from memlab.mixer import {', '.join(sorted(set(names.values())))}\n")
+            atomic_write_text(Path(save_directory)/f"{REMOTE_CODE_MODULE}.py", shim)
 
     def load_encoder(self, source:nn.Module):
         "Copy the memory encoder (embedding, blocks, bottleneck) of a trained autoencoder or memory model; every key must match."

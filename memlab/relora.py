@@ -4,7 +4,7 @@
 
 # %% ../nbs/30_relora.ipynb 2
 from __future__ import annotations
-import copy, inspect, logging, math, warnings
+import copy, dataclasses, inspect, logging, math, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -15,7 +15,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .core import Config, MemlabError, arg, check
-from .models import decoder_layers, layer_parts, _MLP_NAMES
+from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method, layer_parts,
+                           plain_config, register_method, state_names, _MLP_NAMES)
 from .training import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
@@ -83,12 +84,11 @@ def _kaiming_(t, generator=None):
     _copy_full_(t, full, same_on_all_ranks=generator is not None)
 
 # %% ../nbs/30_relora.ipynb
-class ReLoRALinear(nn.Module):
+class ReLoRALinear(TransparentWrapper):
     "A frozen `base_layer` plus a restartable low-rank update: y = base(x) + s·B·A·dropout(x)."
     def __init__(self, base_layer:nn.Linear, r:int=128, lora_alpha:float=32, lora_dropout:float=0.1,
                  trainable_scaling:bool=False, generator:torch.Generator=None):
-        super().__init__()
-        self.base_layer = base_layer
+        super().__init__(base_layer)
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.r, self.lora_alpha, self.trainable_scaling = r, lora_alpha, trainable_scaling
         self.scaling = lora_alpha / r
@@ -228,7 +228,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
         layer.train(training)                                                      # an eval-mode model stays in eval mode
         setattr(parent, child, layer)
     assert len(relora_layers(model)) == len(targets)
-    return model
+    return attach_method(model, 'relora', config.to_dict())
 
 # %% ../nbs/30_relora.ipynb
 _EPS = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float64: 2**-53}
@@ -323,7 +323,7 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
         parent_name, _, child = name.rpartition('.')
         setattr(model.get_submodule(parent_name), child, m.base_layer)
         if _quant_kind(m.base_layer) is None: m.base_layer.weight.requires_grad_(True)
-    return model
+    return detach_method(model, 'relora')
 
 @torch.no_grad()
 def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
@@ -332,23 +332,22 @@ def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
     from memlab.bitnet import bitnet_modules
     check(not bitnet_modules(model), "merged_model: a BitNet model is not a plain Hugging Face model; merge its ReLoRA updates into "
           "the latent weights with remove_relora(model), then export it with memlab.bitnet.save_packed")
-    cfg = copy.deepcopy(model.config)
-    if hasattr(cfg, 'quantization_config'): del cfg.quantization_config
-    plain = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    sd, done = {}, []
+    plain = AutoModelForCausalLM.from_config(plain_config(model.config), dtype=dtype)
+    sd, done, keys, names = {}, [], [], state_names(model)
     for name, m in model.named_modules():
         if any(name.startswith(d) for d in done): continue          # inside a layer already handled
+        key = names[name]                                            # its name in state dicts
         if isinstance(m, ReLoRALinear):
             base = m.base_layer
             W = (_full(base.weight).float() if _quant_kind(base) is None else _base_weight_fp32(base))
             s = _full(m.relora_scaling).float().tanh() if m.trainable_scaling else m.scaling
-            sd[f"{name}.weight"] = W + (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s
-        elif _is_linear(m) and _quant_kind(m) is not None: sd[f"{name}.weight"] = _base_weight_fp32(m)
+            sd[f"{key}.weight"] = W + (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s
+        elif _is_linear(m) and _quant_kind(m) is not None: sd[f"{key}.weight"] = _base_weight_fp32(m)
         else: continue
-        if m.bias is not None: sd[f"{name}.bias"] = _full(m.bias).float()
-        done.append(name + '.')
+        if m.bias is not None: sd[f"{key}.bias"] = _full(m.bias).float()
+        done.append(name + '.'); keys.append(key + '.')
     for k, v in model.state_dict().items():
-        if not any(k.startswith(d) for d in done): sd[k] = _full(v)
+        if not any(k.startswith(d) for d in keys): sd[k] = _full(v)
     plain.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
     return plain.eval()
 
@@ -359,6 +358,32 @@ def save_merged(model:nn.Module, path, dtype=torch.float32, tokenizer=None) -> P
     plain.save_pretrained(path)
     if tokenizer is not None: tokenizer.save_pretrained(path)
     return path
+
+# %% ../nbs/30_relora.ipynb
+def _rebuild_relora(model:nn.Module, config:dict) -> nn.Module:
+    "ReLoRA layers on a freshly loaded model, as `config` says (no re-initialisation: the saved tensors follow)."
+    return add_relora(model, dataclasses.replace(ReLoRAConfig.from_dict(config), keep_original_weights=True))
+
+@torch.no_grad()
+def _relora_to_plain(model:nn.Module, sd:dict) -> tuple:
+    "Plain weights: each wrapped linear's W + s·B·A (fp32, rounded once); aside: A, B, and W where it differs."
+    sd, aside, names = dict(sd), {}, state_names(model)
+    for name, m in relora_layers(model):
+        p = names[name] + '.'
+        mine = {k: sd.pop(k) for k in [k for k in sd if k.startswith(p)]}
+        base = m.base_layer
+        quantized = _quant_kind(base) is not None
+        W = _base_weight_fp32(base) if quantized else _full(base.weight).float()
+        s = _full(m.relora_scaling).float().tanh() if m.trainable_scaling else m.scaling
+        delta = (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s      # (out, in), as a merge computes it
+        sd[p + 'weight'] = (W + delta).to(m.relora_A.dtype if quantized else base.weight.dtype)
+        if base.bias is not None: sd[p + 'bias'] = _full(base.bias)
+        aside.update({k: v for k, v in mine.items() if k[len(p):].startswith('relora_')})
+        if quantized or bool(delta.ne(0).any()):      # the plain weight is not W itself: keep W for an exact reload
+            aside.update({k: v for k, v in mine.items() if not k[len(p):].startswith('relora_')})
+    return sd, aside
+
+register_method(MethodSpec('relora', rebuild=_rebuild_relora, to_plain=_relora_to_plain))
 
 # %% ../nbs/30_relora.ipynb
 def _envelope(t:float, N:int, W:int, m:float) -> float:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_train.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, time
+import dataclasses, json, math, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,13 +13,15 @@ import torch
 from .core import Config, MemlabError, arg, check, cli_main, count_parameters, parse_configs, atomic_write_text, fmt_bytes
 from .data import load_corpus
 from .loaders import lm_batches
-from .models import load_model, load_tokenizer
+from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
+                           state_names)
 from .tokenizers import check_vocab
 from .training import Trainer, TrainConfig
 
 # %% auto 0
-__all__ = ['TRAIN_DEFAULTS', 'LMTaskConfig', 'default_output_dir', 'add_lora', 'train_lm', 'results_table', 'plot_history',
-           'main']
+__all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_INFO', 'LMTaskConfig', 'default_output_dir',
+           'add_lora', 'train_lm', 'plain_lora_model', 'save_run_model', 'load_adapter_folder', 'results_table',
+           'plot_history', 'main']
 
 # %% ../nbs/07_train.ipynb
 @dataclass
@@ -36,6 +38,7 @@ class LMTaskConfig(Config):
     lora_dropout: float = 0.0                             # LoRA dropout
     lora_modules: list[str] = arg(lambda: ['all-linear'])   # modules that get LoRA (PEFT names; all-linear = every linear but the head)
     nf4: bool = False                                     # load the base model in 4-bit nf4 (bitsandbytes; needs LoRA)
+    save_merged: bool = False                             # with LoRA, also write the fp32-merged model to <run>/model
     plot: bool = True                                     # write loss.png in the output folder
 
     def __post_init__(self):
@@ -82,10 +85,89 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
            'before': evals[0] if len(evals) > 1 else None, 'after': evals[-1] if evals else None, 'history': history}
     if trainer.is_main and train.output_dir:
         out = Path(train.output_dir)
+        if trainer.fsdp: warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)")
+        else: res['saved'] = save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)
         atomic_write_text(out/'results.json', json.dumps(res, indent=1))
         atomic_write_text(out/'results.md', results_table(res))
         if task.plot: plot_history(history, out/'loss.png', title=f"{task.model_name_or_path} on {task.dataset_name}")
     return res
+
+# %% ../nbs/07_train.ipynb
+ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base
+
+@torch.no_grad()
+def plain_lora_model(model, merge:bool=True, dtype=torch.float32) -> torch.nn.Module:
+    "A new plain model from PEFT LoRA `model`: its base (4/8-bit dequantized) with each active adapter merged in fp32."
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+    from memlab.relora import _base_weight_fp32, _quant_kind
+    base = model.get_base_model()
+    plain = AutoModelForCausalLM.from_config(plain_config(base.config), dtype=dtype)
+    sd, done, names = {}, [], state_names(base)
+    for name, m in base.named_modules():
+        if any(name.startswith(d) for d in done): continue
+        if isinstance(m, LoraLayer): layer = m.get_base_layer()
+        elif isinstance(m, torch.nn.Linear) and _quant_kind(m): layer = m          # a 4/8-bit linear without LoRA
+        else: continue
+        W = _base_weight_fp32(layer) if _quant_kind(layer) else layer.weight.float()  # (out, in)
+        if merge and isinstance(m, LoraLayer):
+            for a in m.active_adapters: W = W + m.get_delta_weight(a).float()       # added in fp32, rounded once below
+        sd[f"{names[name]}.weight"] = W
+        if layer.bias is not None: sd[f"{names[name]}.bias"] = layer.bias.float()
+        done.append(name + '.')
+    handled = tuple(names[d[:-1]] + '.' for d in done)
+    sd.update({k: v for k, v in base.state_dict().items() if not k.startswith(handled)})
+    plain.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
+    return plain.eval()
+
+def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=False) -> dict:
+    "Write a run's model into `out`: a LoRA run's adapter to `adapter/` (and, `merged`, `model/`), else `model/`."
+    out, written = Path(out), {}
+    if hasattr(model, 'peft_config'):
+        kind, base = resolve_model(task.model_name_or_path)
+        if kind == 'config':                 # random weights from a built-in config: the adapter needs those very ones
+            plain_lora_model(model, merge=False).save_pretrained(out/BASE_DIR)
+            base, written['base'] = out/BASE_DIR, str(out/BASE_DIR)
+        base = str(Path(base).resolve()) if kind != 'hub' else base
+        model.peft_config['default'].base_model_name_or_path = base             # what `peft` loads the adapter onto
+        model.save_pretrained(out/ADAPTER_DIR)
+        atomic_write_text(out/ADAPTER_DIR/ADAPTER_INFO, json.dumps({'base': base, 'nf4': task.nf4}, indent=1))
+        written['adapter'] = str(out/ADAPTER_DIR)
+        if merged: plain_lora_model(model).save_pretrained(out/MODEL_DIR); written['model'] = str(out/MODEL_DIR)
+    else:
+        model.save_pretrained(out/MODEL_DIR); written['model'] = str(out/MODEL_DIR)
+    if tokenizer is not None:
+        for k in ('adapter', 'model'):
+            if k in written: tokenizer.save_pretrained(written[k])
+    return written
+
+ADAPTER_INFO = 'memlab_adapter.json'   # beside PEFT's files: the base to load (and whether in nf4)
+
+def load_adapter_folder(folder, dtype='float32', quantization:str=None, strict:bool=True, **kwargs):
+    "A PEFT LoRA adapter folder as a plain model: its base (nf4 if it trained on one) with the adapter merged in fp32."
+    from peft import PeftConfig, PeftModel
+    folder = Path(folder)
+    info = json.loads((folder/ADAPTER_INFO).read_text()) if (folder/ADAPTER_INFO).exists() else {}
+    base_name = info.get('base') or PeftConfig.from_pretrained(folder).base_model_name_or_path
+    check(base_name, f"{folder} is a LoRA adapter naming no base model (base_model_name_or_path): load it with peft")
+    quantization = quantization or ('nf4' if info.get('nf4') else None)
+    base = load_model(base_name, dtype=dtype, quantization=quantization, strict=strict)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try: lora = PeftModel.from_pretrained(base, folder)
+        except (ValueError, RuntimeError, KeyError) as e:
+            why = ' '.join(str(e).split())[:200]
+            raise MemlabError(f"cannot load the adapter {folder} onto {base_name}: {why}") from None
+    for w in caught:                      # peft only warns about adapter tensors it did not find or did not expect
+        msg = ' '.join(str(w.message).split())
+        if strict and 'keys' in msg:
+            raise MemlabError(f"cannot load the adapter {folder}: {msg[:200]}; pass strict=False to load anyway")
+        warnings.warn(msg, stacklevel=2)
+    return plain_lora_model(lora, dtype=as_dtype(dtype))
+
+def _is_adapter(folder) -> bool:
+    return (Path(folder)/'adapter_config.json').exists() and not (Path(folder)/'config.json').exists()
+register_folder('peft-adapter', _is_adapter, load_adapter_folder)
 
 # %% ../nbs/07_train.ipynb
 def results_table(res:dict) -> str:
@@ -120,7 +202,8 @@ def main(argv=None):
     if train.output_dir is None: train.output_dir = default_output_dir('train')
     res = train_lm(task, train)
     if res.get('after') is not None:
-        print('\n' + results_table(res) + f"\nresults, loss.png and checkpoints in {train.output_dir}")
+        saved = ', '.join(res.get('saved') or {})
+        print('\n' + results_table(res) + f"\nresults, loss.png, checkpoints, model ({saved}) in {train.output_dir}")
 
 # %% ../nbs/07_train.ipynb
 #| eval: false

@@ -22,7 +22,7 @@ from .training import CHECKPOINTS, Callback, TrainConfig, Trainer, make_accelera
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, _copy_plan, _param_groups, _reinitialize,
                             dataset_fingerprint, generate_teacher_topk, model_card, output_vocab_size, remove_distill_heads,
                             save_distill_heads, student_config, tokenizer_fingerprint)
-from .bitnet import bitnet_modules, convert_to_bitnet, packed_report, save_packed
+from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, save_packed
 
 # %% auto 0
 __all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'parse_copy_modules',
@@ -422,7 +422,7 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
     if copied: how.append('copied from the teacher: ' + ', '.join(copied))
     elif not args.student_model_name_or_path: how.append('random weights (nothing copied from the teacher)')
     if args.student_model_as_bitnet:
-        convert_to_bitnet(student, keep_weights=args.bitnet_keep_weights)
+        add_bitnet(student, BitNetConfig(keep_weights=args.bitnet_keep_weights))
         how.append(f"converted to BitNet b1.58 ({len(bitnet_modules(student))} BitLinear layers, latent weights "
                    f"{'kept' if args.bitnet_keep_weights else 're-initialised'})")
     return student.train(), '; '.join(how)
@@ -631,8 +631,9 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
         p = res['packed']
         sections['BitNet b1.58 weights'] = (f"Every linear layer of the blocks is a BitLinear (ternary weights, 8-bit activations, an RMSNorm on its input). "
             f"The folder holds them packed at 2 bits per weight: {p['ternary_params']:,} ternary weights in {fmt_bytes(p['packed_weights'])}, "
-            f"the whole `model.safetensors` {fmt_bytes(p['file'])}. Load with `memlab.bitnet.load_packed(folder)`; plain "
-            "`AutoModelForCausalLM.from_pretrained` cannot read packed weights.")
+            f"the whole `memlab_model.safetensors` {fmt_bytes(p['file'])}. Load with `memlab.load_model(folder)` (or "
+            "`memlab.bitnet.load_packed(folder)`); plain `AutoModelForCausalLM.from_pretrained` refuses the folder "
+            "(no `model.safetensors`: a plain model would compute with full-precision weights, not ternary ones).")
     if res.get('distill_heads'):
         sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm trained with the student "
                                           "(not part of the model; `memlab.distill.load_distill_heads` restores them to continue distilling).")

@@ -19,8 +19,8 @@ from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_s
                            reset_mode_from_flags)
 from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenized_args
 from .training import main_process_value
-from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints, load_strict,
-                             make_accelerator)
+from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
+                             load_sharded, load_strict, make_accelerator, read_state, sharded_metadata)
 
 # %% auto 0
 __all__ = ['DTYPES', 'OPTIMIZERS', 'ReLoRARunConfig', 'build_model', 'find_warm_start', 'warm_start_step', 'load_warm_start',
@@ -171,12 +171,11 @@ def _checkpoint_weights(p:Path) -> dict:
         from safetensors.torch import load_file
         return load_file(str(p/'model.safetensors'))
     check((p/'sharded').is_dir(), f"{p} has neither model.safetensors nor sharded/: an incomplete checkpoint")
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    meta = dcp.FileSystemReader(str(p/'sharded')).read_metadata()
+    meta = sharded_metadata(p/'sharded')                      # read without unpickling anything but checkpoint metadata
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
           if k.startswith('model.') and isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, checkpoint_id=str(p/'sharded'))             # every process reads the full tensors
+    load_sharded(sd, p/'sharded')                            # every process reads the full tensors
     return {k[len('model.'):]: v for k, v in sd.items()}
 
 def _hf_weights(p:Path) -> dict:
@@ -213,7 +212,8 @@ def load_warm_start(model:nn.Module, path) -> dict:
     if kind == 'memlab':
         st = json.loads((p/'trainer_state.json').read_text())
         info.update(step=st['step'], tokens_seen=st['tokens_seen'])
-        if (p/'process_0.pt').exists(): info['data'] = torch.load(p/'process_0.pt', weights_only=False).get('data')
+        if any((p/f).exists() for f in ('process_0.json', 'process_0.pt')):
+            info['data'] = read_state(p/'process_0').get('data')   # JSON; an older memlab's .pt if plain data
     return info
 
 # %% ../nbs/31_train_relora.ipynb

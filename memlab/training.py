@@ -4,23 +4,25 @@
 
 # %% ../nbs/05_training.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, sys, time, typing
+import dataclasses, json, math, os, pickle, shutil, sys, time, typing, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, arg, check, peak_memory
-from .models import tiny_model, enable_activation_checkpointing
+from .core import Config, MemlabError, arg, check, peak_memory, rng_state, set_rng_state
+from .models import tiny_model, enable_activation_checkpointing, to_state_names
 
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'TrainConfig',
            'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
            'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'list_checkpoints',
-           'find_checkpoint', 'load_strict', 'Trainer']
+           'find_checkpoint', 'load_strict', 'write_state', 'read_state', 'load_pickled_data', 'load_sharded',
+           'sharded_metadata', 'Trainer']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -270,6 +272,7 @@ def find_checkpoint(resume_from, output_dir=None) -> Path:
 def load_strict(module:nn.Module, state:dict, what:str='model'):
     "`module.load_state_dict(state, strict=True)`, turning a key mismatch into one clear MemlabError."
     missing, unexpected = [], []
+    state = to_state_names(module, state)         # a checkpoint of an older memlab named wrapped weights `....base_layer.*`
     own = module.state_dict()
     missing = sorted(k for k in own if k not in state); unexpected = sorted(k for k in state if k not in own)
     if missing or unexpected:
@@ -278,6 +281,130 @@ def load_strict(module:nn.Module, state:dict, what:str='model'):
             f"missing {len(missing)} key(s): {_few(missing)}" if missing else '',
             f"unexpected {len(unexpected)} key(s): {_few(unexpected)}" if unexpected else '') if x))
     module.load_state_dict(state, strict=True)
+
+# %% ../nbs/05_training.ipynb
+def _encode(obj, tensors:dict, where:str):
+    "`obj` as JSON data: tensors moved to `tensors` (a reference left), tuples, arrays and non-string keys tagged."
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = (obj.full_tensor() if hasattr(obj, 'full_tensor') else obj).detach().cpu().contiguous()
+        return {'__tensor__': key}
+    if isinstance(obj, np.ndarray): return {'__ndarray__': obj.tolist(), 'dtype': str(obj.dtype)}
+    if isinstance(obj, np.generic): return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)): return obj
+    if isinstance(obj, tuple): return {'__tuple__': [_encode(x, tensors, where) for x in obj]}
+    if isinstance(obj, list): return [_encode(x, tensors, where) for x in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith('__') for k in obj):
+            return {k: _encode(v, tensors, where) for k, v in obj.items()}
+        return {'__items__': [[_encode(k, tensors, where), _encode(v, tensors, where)] for k, v in obj.items()]}
+    raise MemlabError(f"{where}: a {type(obj).__name__} cannot be saved without pickle; state dicts must hold tensors, "
+                      "arrays, numbers, strings, lists, tuples and dicts")
+
+def _decode(obj, tensors:dict):
+    if isinstance(obj, list): return [_decode(x, tensors) for x in obj]
+    if not isinstance(obj, dict): return obj
+    if '__tensor__' in obj: return tensors[obj['__tensor__']]
+    if '__ndarray__' in obj: return np.array(obj['__ndarray__'], dtype=obj['dtype'])
+    if '__tuple__' in obj: return tuple(_decode(x, tensors) for x in obj['__tuple__'])
+    if '__items__' in obj: return {_decode(k, tensors): _decode(v, tensors) for k, v in obj['__items__']}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+def write_state(obj, stem):
+    "Write state dict `obj` (tensors, arrays, numbers, strings, lists, tuples, dicts) as JSON + safetensors: no pickle."
+    from safetensors.torch import save_file
+    stem, tensors = Path(stem), {}
+    data = _encode(obj, tensors, str(stem))
+    if tensors: save_file(tensors, str(stem.with_name(stem.name + '.safetensors')), metadata={'format': 'pt'})
+    stem.with_name(stem.name + '.json').write_text(json.dumps(data))
+
+def read_state(stem):
+    "Read what `write_state` wrote; an older memlab's `stem`.pt loads only if it holds nothing but data (no code runs)."
+    stem = Path(stem)
+    js, st, pt = (stem.with_name(stem.name + s) for s in ('.json', '.safetensors', '.pt'))
+    if js.exists():
+        data = json.loads(js.read_text())
+        from safetensors.torch import load_file
+        return _decode(data, load_file(str(st)) if st.exists() else {})
+    check(pt.exists(), f"{stem.parent} is an incomplete checkpoint: it has no {js.name}")
+    return load_pickled_data(pt)
+
+# the non-tensor globals older memlab checkpoints hold (NumPy's RNG state); anything else in a pickle is refused
+_LEGACY_GLOBALS = ['numpy.dtype', 'numpy.ndarray', 'numpy.dtypes.UInt32DType', 'numpy._core.multiarray._reconstruct',
+                   'numpy.core.multiarray._reconstruct']
+
+def load_pickled_data(path):
+    "`torch.load(path, weights_only=True)` allowing NumPy arrays besides tensors: anything else is refused in one line."
+    import importlib
+    allowed = []
+    for name in _LEGACY_GLOBALS:
+        mod, _, attr = name.rpartition('.')
+        try: allowed.append(getattr(importlib.import_module(mod), attr))
+        except (ImportError, AttributeError): pass
+    try:
+        with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+            warnings.simplefilter('ignore')             # torch warns about pickle protocols before refusing
+            return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        why = ' '.join(str(e).split())
+        if 'WeightsUnpickler error:' in why:            # torch's message: keep the part naming what was refused
+            why = why.split('WeightsUnpickler error:', 1)[1].split(' Check the documentation')[0]
+        why = why.strip()[:150]
+        raise MemlabError(f"refusing to load {path}: it is not plain data ({why}); "
+                          "memlab never runs code from a checkpoint") from None
+
+# %% ../nbs/05_training.ipynb
+class _MetadataUnpickler(pickle.Unpickler):
+    "Unpickles `torch.distributed.checkpoint` metadata, and nothing else: any other global is refused."
+    MODULES = tuple(f"torch.distributed.checkpoint.{m}" for m in ('metadata', 'filesystem', 'planner'))
+    ALLOWED = {('torch', 'Size'), ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict'),
+               *(('pathlib', p) for p in ('PosixPath', 'PurePosixPath', 'WindowsPath', 'PureWindowsPath'))}
+    def find_class(self, module, name):
+        ok = (module, name) in self.ALLOWED or (module in self.MODULES and not name.startswith('__')) or \
+             (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype))
+        if not ok: raise pickle.UnpicklingError(f"Unsupported global {module}.{name}")
+        return super().find_class(module, name)
+
+def _safe_reader(path):
+    "A `torch.distributed.checkpoint` reader of `path` whose metadata unpickles only checkpoint metadata classes."
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = self._get_metadata_path(kwargs.get('rank'))
+            with self.fs.create_stream(path, 'rb') as f:
+                try: metadata = _MetadataUnpickler(f).load()
+                except Exception as e:
+                    why = ' '.join(str(e).split())[:120]
+                    raise MemlabError(f"refusing to load {path}: it is not checkpoint metadata ({why}); "
+                                      "memlab never runs code from a checkpoint") from None
+            if getattr(metadata, 'storage_meta', None) is None: metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+    return SafeReader(str(path))
+
+def _safe_planner():
+    "A load planner reading non-tensor items with `torch.load(weights_only=True)` (torch's default unpickles them)."
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            v = torch.load(value, map_location='cpu', weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict: set_element(self.original_state_dict, self.mappings[fqn], v)
+            else: self.state_dict[fqn] = v
+    return SafePlanner()
+
+def load_sharded(state_dict:dict, path):
+    "`torch.distributed.checkpoint.load(state_dict, path)`, unpickling nothing but checkpoint metadata and plain data."
+    import torch.distributed.checkpoint as dcp
+    reader = _safe_reader(path)
+    reader.read_metadata()               # a refusal here is one line (dcp.load would wrap it in a CheckpointException)
+    dcp.load(state_dict, storage_reader=reader, planner=_safe_planner())
+
+def sharded_metadata(path):
+    "The metadata of the sharded checkpoint at `path`, read safely."
+    return _safe_reader(path).read_metadata()
 
 # %% ../nbs/05_training.ipynb
 class Trainer:
@@ -521,13 +648,12 @@ class Trainer:
         elif self.is_main:
             from safetensors.torch import save_model
             save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
-            torch.save(self.optimizer.state_dict(), tmp/'optimizer.pt')
-        from memlab.core import rng_state
-        torch.save({'rng': rng_state(), 'data': self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None},
-                   tmp/f'process_{r}.pt')
+            write_state(self.optimizer.state_dict(), tmp/'optimizer')
+        data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
+        write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
         if self.is_main:
-            torch.save({'scheduler': self.scheduler.state_dict(),
-                        'callbacks': [cb.state_dict() for cb in self.callbacks]}, tmp/'scheduler_callbacks.pt')
+            callbacks = [cb.state_dict() for cb in self.callbacks]
+            write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
         self._event('on_save', tmp)
         acc.wait_for_everyone()
         if self.is_main:
@@ -552,18 +678,17 @@ class Trainer:
         check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
               f"{path} was written under {state['distributed_type']}; resume it the same way")
         # Callbacks first: one may need to change the model (say, add adapters the run had switched to) before its state loads.
-        sc = torch.load(path/'scheduler_callbacks.pt', weights_only=False)
+        sc = read_state(path/'scheduler_callbacks')
         check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
               f"this run has {len(self.callbacks)}: resume with the same method options")
         for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
         self.step = state['step']
         self._event('on_load_begin', path)
         if self.fsdp:
-            import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
             msd, osd = get_state_dict(self.model, self.optimizer)
             sd = {'model': msd, 'optimizer': osd}
-            dcp.load(sd, checkpoint_id=str(path/'sharded'))
+            load_sharded(sd, path/'sharded')
             set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
         else:
             from safetensors.torch import load_file
@@ -575,10 +700,9 @@ class Trainer:
                     twin = next((k2 for k2 in sd if own[k2].data_ptr() == own[k].data_ptr()), None) if k in own else None
                     if twin is not None: sd[k] = sd[twin]
             load_strict(self.unwrapped_model, sd, 'model')
-            self.optimizer.load_state_dict(torch.load(path/'optimizer.pt', weights_only=False))
+            self.optimizer.load_state_dict(read_state(path/'optimizer'))
         self.scheduler.load_state_dict(sc['scheduler'])
-        proc = torch.load(path/f'process_{acc.process_index}.pt', weights_only=False)
-        from memlab.core import set_rng_state
+        proc = read_state(path/f'process_{acc.process_index}')
         set_rng_state(proc['rng'])
         if proc['data'] is not None:
             check(hasattr(self.train_data, 'load_state_dict'), "the checkpoint holds a data position but the training data cannot restore one")

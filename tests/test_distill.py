@@ -103,6 +103,13 @@ def test_bitnet_student_exports_packed_weights(teacher, tmp_path):
     assert perplexity(model, ev.evaluators['pydocs_ppl'])['ppl'] == pytest.approx(r['metrics']['pydocs_ppl']['student'], rel=1e-4)
     card = (out/'README.md').read_text()
     assert 'load_packed' in card and '- bitnet' in card
+    # the run folder loads through memlab.load_model as the BitNet model it is (it used to load as a plain Llama with
+    # random projections); plain transformers refuses it (no model.safetensors) instead of loading that plain Llama
+    from memlab.models import load_model
+    from transformers import AutoModelForCausalLM
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): assert torch.equal(load_model(out)(input_ids=ids).logits, model(input_ids=ids).logits)
+    with pytest.raises(OSError, match='no file named'): AutoModelForCausalLM.from_pretrained(out)
 
 def test_bad_input_is_one_line(teacher, tmp_path):
     "Each refusal: exit 2, one line on stderr, no traceback, the output folder never created (one process runs all cases)."

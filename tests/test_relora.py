@@ -114,8 +114,8 @@ def test_seed_4_fsdp_relora_from_warm_start(data, warm, relora_fsdp):
     assert [h['relora/merge_step'] for h in merged] == [15, 19] and all(h['relora/merge_lr'] == 0 for h in merged)
     assert all(0.899 <= h['relora/reset_fraction_zeroed'] < 1 for h in merged)       # the seed's magnitude pruning, moments coupled
     assert r['history'][0]['step'] == 11 and r['trainable_parameters'] < r['equivalent_parameters']
-    w = torch_load(warm/'checkpoints'/'step-00000010'/'process_0.pt')['data']
-    c = torch_load(relora_fsdp/'checkpoints'/'step-00000012'/'process_0.pt')['data']
+    w = read_state(warm/'checkpoints'/'step-00000010'/'process_0')['data']
+    c = read_state(relora_fsdp/'checkpoints'/'step-00000012'/'process_0')['data']
     assert c['position'] - w['position'] == 2 * 4                           # the data read on from the warm start's position
 
 def test_seed_5_resumes_command_4_exactly(data, warm, relora_fsdp):
@@ -139,9 +139,9 @@ def test_ddp_zero_agrees_with_fsdp(data, warm, relora_fsdp):
     assert losses(ddp) == pytest.approx(losses(fsdp), rel=1e-4)
     assert ddp['fingerprint'] == pytest.approx(fsdp['fingerprint'], rel=1e-4)
 
-def torch_load(p):
-    import torch
-    return torch.load(p, weights_only=False)
+def read_state(stem):
+    from memlab.training import read_state
+    return read_state(stem)
 
 SWITCH = r'''
 import json, sys, torch
@@ -194,6 +194,28 @@ BAD = [
 ]
 
 BAD_RUNNER = cli_runner('memlab.train_relora', 'memlab_relora')
+
+PLANT = r'''
+import io, sys, torch
+class Planted:
+    def __reduce__(self): return (io.open, (sys.argv[2], 'w'))     # unpickling it would create the file sys.argv[2]
+torch.save({'rng': None, 'data': Planted()}, sys.argv[1])
+'''
+
+def test_planted_pickle_in_a_warm_start_is_refused(data, warm, tmp_path):
+    "A warm start of someone else's run runs none of its pickles: a planted process_0.pt is one line, exit 2."
+    import shutil
+    planted, marker = tmp_path/'planted', tmp_path/'ran'
+    shutil.copytree(warm/'checkpoints'/'step-00000010', planted)
+    for f in ('process_0.json', 'process_0.safetensors'): (planted/f).unlink()
+    run([sys.executable, '-c', PLANT, planted/'process_0.pt', marker])
+    r = run([sys.executable, '-m', 'memlab.train_relora', '--dataset_path', data['path'],
+             '--tokenizer', data['tokenizer'], '--model_config', 'configs/llama_9m.json', '--batch_size', '1',
+             '--dtype', 'float32', '--num_training_steps', '12', '--continue_from', planted,
+             '--save_dir', tmp_path/'run', '--report_to', 'none'], check=False)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and f"refusing to load {planted/'process_0.pt'}" in lines[0], r.stderr
+    assert not marker.exists() and not (tmp_path/'run').exists()
 
 def test_bad_input_is_one_line(data, tmp_path):
     "Each bad input exits with status 2 and exactly one line on stderr, before writing anything (all cases in one process)."

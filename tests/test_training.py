@@ -1,6 +1,6 @@
 """Integration tests of memlab's training loop as real processes: DDP and FSDP on 2 CPU processes, accelerate launch,
 2 nodes over loopback, a run killed with SIGKILL (mid-training and mid-save) and resumed, and the no-process-group guard."""
-import signal, sys
+import json, signal, sys
 from conftest import BIN, ROOT, free_port, results, run, torchrun
 import pytest
 
@@ -69,3 +69,51 @@ def test_fsdp_kill_and_resume(tmp_path):
     full, resumed = results(tmp_path/'full'), results(tmp_path/'killed')
     assert resumed[0]['losses'] == pytest.approx(full[0]['losses'], rel=1e-6)
     assert resumed[0]['fingerprint'] == pytest.approx(full[0]['fingerprint'], rel=1e-6)
+
+PLANT = r'''
+import io, sys, torch
+class Planted:
+    def __reduce__(self): return (io.open, (sys.argv[2], 'w'))     # unpickling it would create the file sys.argv[2]
+torch.save({'rng': Planted(), 'data': None}, sys.argv[1])
+'''
+
+def test_planted_pickle_in_a_checkpoint_is_refused(tmp_path):
+    "Resuming from a checkpoint with a planted pickle (an older memlab's process_0.pt): one line, exit 2, no code run."
+    run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '4', '--save_every', '2'])
+    ck, marker = tmp_path/'run'/'checkpoints'/'step-00000004', tmp_path/'ran'
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith('model')) == [
+        'optimizer.json', 'optimizer.safetensors', 'process_0.json', 'process_0.safetensors',
+        'scheduler_callbacks.json', 'trainer_state.json']             # no pickle written
+    for f in ('process_0.json', 'process_0.safetensors'): (ck/f).unlink()
+    run([sys.executable, '-c', PLANT, ck/'process_0.pt', marker])
+    r = run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '6', '--save_every', '2', '--resume'], check=False)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and f"refusing to load {ck/'process_0.pt'}" in lines[0], r.stderr
+    assert not marker.exists()
+
+WRAPPED = r'''
+import json, os, sys, torch
+from memlab.bitnet import add_bitnet
+from memlab.models import tiny_model
+from memlab.relora import ReLoRAConfig, add_relora
+from memlab.training import BatchList, Trainer, TrainConfig
+sys.path.insert(0, sys.argv[3]); from dist_train import fingerprint, make_batches
+out, mode = sys.argv[1], sys.argv[2]
+model = add_relora(add_bitnet(tiny_model('llama', seed=1)), ReLoRAConfig(r=4, lora_dropout=0.0), seed=0)
+cfg = TrainConfig(output_dir=out, max_steps=2 if mode == 'cut' else 4, save_every=2, log_every=1, lr=3e-3, report_to='none',
+                  progress=False, per_device_batch_size=2, distributed_type='fsdp', scheduler='constant',
+                  resume_from='latest' if mode == 'resume' else None)
+t = Trainer(model, cfg, BatchList(make_batches(6, seed=100 + int(os.environ['RANK']))))
+hist = t.fit()
+json.dump({'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fingerprint(t.model)},
+          open(f"{out}/{mode}_rank{os.environ['RANK']}.json", 'w'))
+'''
+
+def test_fsdp_checkpoint_of_wrapped_layers_resumes_exactly(tmp_path):
+    "FSDP2 checkpoints of a model whose trainable weights sit inside method wrappers (BitNet latent weights, ReLoRA adapters)."
+    script = tmp_path/'wrapped.py'; script.write_text(WRAPPED)
+    for out, mode in (('full', 'full'), ('cut', 'cut'), ('cut', 'resume')):
+        torchrun(script, tmp_path/out, mode, ROOT/'tests')
+    full, resumed = (json.loads((tmp_path/f).read_text()) for f in ('full/full_rank0.json', 'cut/resume_rank0.json'))
+    assert len(resumed['losses']) == 4 and resumed['losses'] == pytest.approx(full['losses'], rel=1e-6)
+    assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)

@@ -383,7 +383,8 @@ def _from_pretrained(value, what:str, strict:bool, **kw):
 # %% ../nbs/04_models.ipynb
 _FOLDER_LOADERS = {}   # name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model)
 FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'),        # file: (its loader, the module registering it)
-                  'adapter_config.json': ('peft-adapter', 'memlab.train')}
+                  'adapter_config.json': ('peft-adapter', 'memlab.train'),
+                  'neurocache_config.json': ('neurocache', 'memlab.neurocache')}
 RUN_MODEL_DIRS = ('model', 'adapter')   # where commands put a run's model: the (merged) model, else the adapter
 
 def register_folder(name:str, detect:Callable, load:Callable):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Config, MemlabError, arg, atomic_write_text, check
-from .models import decoder_layers, keep_4bit_trainable, layer_parts
+from .models import TransparentWrapper, decoder_layers, keep_4bit_trainable, layer_parts, load_model, register_folder
 
 # %% auto 0
 __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME',
@@ -24,7 +24,7 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS',
            'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache',
            'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache',
            'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache',
-           'memory_per_token', 'benchmark']
+           'load_saved_neurocache', 'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -614,11 +614,11 @@ def _row_mask(rows, n:int) -> torch.Tensor:
     return rows
 
 # %% ../nbs/20_neurocache.ipynb
-class NeurocacheAttention(nn.Module):
+class NeurocacheAttention(TransparentWrapper):
     "Stands in for a decoder layer's attention: calls `base_layer` unchanged and adds the Neurocache's cache attention."
     def __init__(self, base_layer:nn.Module, layer_idx:int, neurocache:Neurocache):
-        super().__init__()
-        self.base_layer, self.layer_idx = base_layer, layer_idx
+        super().__init__(base_layer)                          # state dicts keep the attention's plain names
+        self.layer_idx = layer_idx
         object.__setattr__(self, 'neurocache', neurocache)   # a reference, not a submodule: its parameters live in NeurocacheModel.neurocache
 
     def forward(self, *args, **kwargs):
@@ -736,6 +736,8 @@ class NeurocacheModel(nn.Module):
         self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
         if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
         _nf4_state_hooks(base_model)
+        _refuse_plain_save(base_model, "this model carries a Neurocache (cache wrappers and LoRA): save it with the "
+                           "NeurocacheModel's save_pretrained (cache, LoRA and config), or remove_neurocache(model) first")
         self.train(base_model.training)                                          # keep the base model's mode
 
     @property
@@ -746,6 +748,10 @@ class NeurocacheModel(nn.Module):
     def device(self): return self.base_model.get_input_embeddings().weight.device
     def get_input_embeddings(self): return self.base_model.get_input_embeddings()
     def get_base_model(self): return self.base_model      # PEFT's name for it: apply_bpt, decoder_layers, ... reach the HF model
+    @classmethod
+    def from_pretrained(cls, path, base_model=None, **kwargs):
+        "The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by `load_model`)."
+        return load_saved_neurocache(path, base_model, **kwargs)
 
     def _begin_forward(self, module, args, kwargs):
         "Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV cache."
@@ -800,6 +806,18 @@ class NeurocacheModel(nn.Module):
         "Write only the Neurocache: neurocache_config.json and neurocache_model.safetensors (its weights and its LoRA)."
         return save_neurocache(self, save_directory)
 
+class _SaveRefused:
+    "A Hugging Face model's `save_pretrained` while a memlab method is inside it that a plain load would misread."
+    def __init__(self, why:str): self.why = why
+    def __call__(self, *args, **kwargs): raise MemlabError(self.why)
+
+def _refuse_plain_save(model:nn.Module, why:str):
+    "Make `model.save_pretrained` (on this instance only) refuse with one line; `_allow_plain_save` undoes it."
+    model.save_pretrained = _SaveRefused(why)
+
+def _allow_plain_save(model:nn.Module):
+    if isinstance(vars(model).get('save_pretrained'), _SaveRefused): del model.save_pretrained
+
 def _stop_gradient(module, args, kwargs):
     "Pre-hook on the lowest Neurocache layer: detach its input so the backward pass stops there."
     def cut(h):
@@ -824,6 +842,8 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
     for p in model.parameters(): p.requires_grad_(False)
     _add_lora(model, layers, config, family)
     _nf4_state_hooks(model)
+    _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: save them with save_neurocache(model, "
+                              "dir, config), or remove_lora(model) first")
     return model.train(model.training)                  # PEFT makes its new modules in training mode: keep the model's mode
 
 def _unwrap(model) -> NeurocacheModel:
@@ -837,6 +857,7 @@ def remove_lora(model) -> nn.Module:
     "Undo `add_ffn_lora`: put the original FFN linears back (the base stays frozen); return the model."
     from peft.tuners.lora import LoraLayer
     model = _plain(model)
+    _allow_plain_save(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, LoraLayer): setattr(parent, name, child.get_base_layer())
@@ -848,6 +869,7 @@ def remove_neurocache(model) -> nn.Module:
     nm = _unwrap(model)
     base = nm.base_model
     for h in nm._hooks: h.remove()
+    _allow_plain_save(base)
     for parent in list(base.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, NeurocacheAttention): setattr(parent, name, child.base_layer)
@@ -947,7 +969,8 @@ def save_neurocache(model, save_directory, config:NeurocacheConfig=None) -> Path
     base = _plain(model).base_model if not lora_only else _plain(model)
     state = {k: v.detach().contiguous().cpu() for k, v in neurocache_state_dict(model).items()}
     meta = {'format': 'pt', 'family': str(getattr(base.config, 'model_type', '')), 'lora_only': str(lora_only).lower(),
-            'base_model': str(getattr(base.config, '_name_or_path', '') or '')}
+            'base_model': str(getattr(base.config, '_name_or_path', '') or ''),
+            'base_quantization': 'nf4' if any(type(m).__name__ == 'Linear4bit' for m in base.modules()) else ''}
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path/NEUROCACHE_WEIGHTS_NAME), metadata=meta)
     atomic_write_text(path/NEUROCACHE_CONFIG_NAME, config.to_json())
@@ -961,7 +984,7 @@ def saved_neurocache_info(path) -> dict:
           f"{path} is not a saved Neurocache (it needs {NEUROCACHE_CONFIG_NAME} and {NEUROCACHE_WEIGHTS_NAME})")
     with safe_open(str(path/NEUROCACHE_WEIGHTS_NAME), 'pt') as f: meta = f.metadata() or {}
     return {'config': NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME), 'lora_only': meta.get('lora_only') == 'true',
-            'family': meta.get('family'), 'base_model': meta.get('base_model')}
+            'family': meta.get('family'), 'base_model': meta.get('base_model'), 'base_quantization': meta.get('base_quantization') or None}
 
 def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     """Add the Neurocache saved at `path` to `base_model` (a `NeurocacheModel`; a LoRA-only save gives `base_model` with its LoRA);
@@ -994,6 +1017,26 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     res = model.load_state_dict(state, strict=False)
     check(not res.unexpected_keys, f"unexpected keys while loading the Neurocache: {res.unexpected_keys[:3]}")
     return model
+
+# %% ../nbs/20_neurocache.ipynb
+def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:str=None, attn_implementation:str=None,
+                          strict:bool=True, **overrides) -> nn.Module:
+    "The Neurocache (or LoRA-only baseline) saved at `path` on `base_model`: a model, or what `load_model` takes (default: the recorded one)."
+    info = saved_neurocache_info(path)
+    if base_model is None or isinstance(base_model, (str, Path)):
+        ref = base_model or info['base_model']
+        check(ref, f"{path} does not record the base model it was saved on: pass base_model=... (a model or a name)")
+        try: base_model = load_model(ref, dtype=dtype, quantization=quantization or info['base_quantization'],
+                                     attn_implementation=attn_implementation, strict=strict)
+        except MemlabError as e:
+            raise MemlabError(f"cannot load {ref}, the base model of the Neurocache in {path} ({e}): pass base_model=...") from None
+    return load_neurocache(base_model, path, **overrides).eval()
+
+def _is_saved_neurocache(folder) -> bool:
+    folder = Path(folder)
+    return (folder/NEUROCACHE_CONFIG_NAME).is_file() and (folder/NEUROCACHE_WEIGHTS_NAME).is_file()
+
+register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_saved_neurocache(folder, **kw))
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (bool), write time and last use (int64)

@@ -25,6 +25,11 @@ def check(cond, msg:str):
     if not cond: raise MemlabError(msg)
 
 # %% ../nbs/00_core.ipynb
+def _close_process_group():
+    "Tear down torch.distributed's process group, if one was formed: its threads must not outlive the interpreter's exit."
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+
 def cli_main(fn):
     "Wrap a command-line entry point: a `MemlabError` becomes one line on stderr and exit status 2; success returns None (exit 0)."
     @functools.wraps(fn)
@@ -35,6 +40,7 @@ def cli_main(fn):
             msg = ' '.join(str(e).split())  # always exactly one line
             print(f"{prog}: error: {msg}", file=sys.stderr)
             sys.exit(2)
+        finally: _close_process_group()   # left to interpreter exit, gloo's threads can abort a finished run (SIGABRT)
     return _main
 
 # %% ../nbs/00_core.ipynb

@@ -181,7 +181,7 @@ def test_bad_input_is_one_line(data, tmp_path):
            (['--attention_layers', '3,7'], 'attention layer 7 is outside the model'),
            (['--retrieval_map', '3:3', '--attention_layers', '2,3'], 'below the lowest retrieving layer'),
            (['--retrieval_map', '3->3'], 'does not parse'),
-           (['--model_name_or_path', neox], "Neurocache supports the llama, mistral, opt, gpt2, phi families"),
+           (['--model_name_or_path', neox], "Neurocache supports the llama, mistral, opt, gpt2, phi, gptj families"),
            (['--dataset_name', 'long_pile:1.1.0'], 'long_pile'),
            (['--mixed_precision', 'fp16'], 'fp16 mixed precision'),
            (['--disable_neurocache', '--disable_lora'], 'leaves nothing to train'),

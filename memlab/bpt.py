@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_bpt.ipynb 2
 from __future__ import annotations
-import contextlib, functools, hashlib, inspect, sys, weakref
+import contextlib, functools, hashlib, inspect, sys
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -20,16 +20,17 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import slice_logits_to_keep
 
 from .core import Config, MemlabError, check
-from .models import decoder_layers
+from .models import MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method, register_method
 from .training import LossOutput, model_inputs
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'BENCH_BPT', 'BENCH_CONFIGS',
-           'STEP_CONFIGS', 'ALLOCATORS', 'remat', 'torch_block', 'sdpa_block', 'flash_block', 'key_blocks',
-           'blockwise_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig',
-           'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer', 'fused_causal_lm_loss',
-           'BPTLossHooks', 'BPTHandle', 'apply_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss',
-           'set_mmap_threshold', 'bench_model', 'step_measurement', 'step_measurements', 'benchmark']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'BENCH_BPT',
+           'BENCH_CONFIGS', 'STEP_CONFIGS', 'ALLOCATORS', 'remat', 'torch_block', 'sdpa_block', 'flash_block',
+           'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy',
+           'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer',
+           'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits',
+           'bpt_causal_lm_loss', 'set_mmap_threshold', 'bench_model', 'step_measurement', 'step_measurements',
+           'benchmark']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -350,11 +351,11 @@ def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='
     outs = [f(c) for c in x.split(size, dim=1)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)   # (B, T, C)
 
-class BPTFeedForward(nn.Module):
+class BPTFeedForward(TransparentWrapper):
     "Wrapper running its `base_layer` (a position-wise FFN) `chunk_size` tokens at a time, each chunk recomputed in backward."
     def __init__(self, base_layer:nn.Module, chunk_size:int, remat_policy:str='nothing_saveable'):
-        super().__init__()
-        self.base_layer, self.chunk_size, self.remat_policy = base_layer, chunk_size, remat_policy
+        super().__init__(base_layer)
+        self.chunk_size, self.remat_policy = chunk_size, remat_policy
     def forward(self, x): return chunked_ffn(self.base_layer, x, self.chunk_size, self.remat_policy)
     def extra_repr(self): return f"chunk_size={self.chunk_size}, remat_policy={self.remat_policy!r}"
 
@@ -501,14 +502,14 @@ def _register_attention(config:BPTConfig) -> str:
 # %% ../nbs/10_bpt.ipynb
 FUSABLE_ATTENTION = ('LlamaAttention', 'MistralAttention')
 
-class BPTDecoderLayer(nn.Module):
+class BPTDecoderLayer(TransparentWrapper):
     "Wrapper running its `base_layer` (a Llama decoder layer) one query block at a time: attention, o_proj, residual, norm, FFN, residual."
     def __init__(self, base_layer:nn.Module, config:BPTConfig):
-        super().__init__()
         attn = base_layer.self_attn
         check(type(attn).__name__ in FUSABLE_ATTENTION and all(hasattr(attn, n) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
               f"fused BPT supports attention modules {', '.join(FUSABLE_ATTENTION)}; got {type(attn).__name__} (use fused=False)")
-        self.base_layer, self.bpt_config = base_layer, config
+        super().__init__(base_layer)
+        self.bpt_config = config
         self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
@@ -545,11 +546,11 @@ class BPTDecoderLayer(nn.Module):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 # %% ../nbs/10_bpt.ipynb
-class BPTRematLayer(nn.Module):
+class BPTRematLayer(TransparentWrapper):
     "Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`; a KV cache bypasses it."
     def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable'):
-        super().__init__()
-        self.base_layer, self.remat_policy = base_layer, remat_policy
+        super().__init__(base_layer)
+        self.remat_policy = remat_policy
         self._step = remat(self.base_layer, remat_policy)
 
     def forward(self, *args, **kwargs):
@@ -641,7 +642,7 @@ class BPTLossHooks:
 
 # %% ../nbs/10_bpt.ipynb
 BPT_FAMILIES = ('llama', 'mistral')
-_HANDLES = weakref.WeakKeyDictionary()   # converted Hugging Face model -> its BPTHandle
+_STATE = '_memlab_bpt'   # attribute of a converted Hugging Face model: its BPTHandle (what to undo)
 
 def _hf_model(model) -> nn.Module:
     "The Hugging Face model inside DDP/FSDP (`.module`), `torch.compile` (`._orig_mod`) and PEFT wrappers."
@@ -654,8 +655,12 @@ def _hf_model(model) -> nn.Module:
         model = inner
     return model
 
+def _handle(model):
+    "The `BPTHandle` of a converted model (through wrappers), or None."
+    return vars(_hf_model(model)).get(_STATE)
+
 class BPTHandle:
-    "What `apply_bpt` changed in a model; `remove()` undoes it."
+    "What `add_bpt` changed in a model (kept on the model); `remove_bpt(model)` undoes it."
     def __init__(self, model, config, attn_name, original_attn, replaced, loss_hooks=None):
         self.model, self.config, self.attn_name, self.original_attn, self.replaced = model, config, attn_name, original_attn, replaced
         self.loss_hooks = loss_hooks             # BPTLossHooks when the head and loss are chunked
@@ -664,20 +669,20 @@ class BPTHandle:
         if self.loss_hooks is not None: self.loss_hooks.remove(); self.loss_hooks = None
         for parent, name, original in reversed(self.replaced): setattr(parent, name, original)
         if self.attn_name is not None: self.model.set_attn_implementation(self.original_attn)
-        _HANDLES.pop(self.model, None)
+        vars(self.model).pop(_STATE, None)
         self.replaced = []
     def __repr__(self):
         return (f"BPTHandle({type(self.model).__name__}, {len(self.replaced)} modules replaced, attention={self.attn_name}, "
                 f"fused loss in model(labels=...): {self.loss_hooks is not None})")
 
-def apply_bpt(model, config:BPTConfig=None) -> BPTHandle:
-    "Convert a Hugging Face Llama-family causal LM to BPT in place (blockwise attention, chunked FFN or fused layers); reversible."
+def add_bpt(model, config:BPTConfig=None):
+    "Convert a Hugging Face Llama-family causal LM to BPT in place (blockwise attention, chunked FFN or fused layers); return it."
     config = BPTConfig() if config is None else config
     hf = _hf_model(model)
     family = getattr(getattr(hf, 'config', None), 'model_type', None)
     check(family in BPT_FAMILIES, f"BPT converts Llama-family causal LMs ({', '.join(BPT_FAMILIES)}, e.g. SmolLM2); "
           f"{type(hf).__name__} (model_type={family!r}) is not one")
-    check(hf not in _HANDLES, "this model is already converted by apply_bpt; call remove_bpt(model) first")
+    check(_handle(hf) is None, "this model is already converted by add_bpt; call remove_bpt(model) first")
     check(not getattr(hf.config, 'attention_dropout', 0.0),
           f"BPT attention has no dropout; set attention_dropout=0 (the model has {hf.config.attention_dropout})")
     layers = decoder_layers(hf)
@@ -702,26 +707,33 @@ def apply_bpt(model, config:BPTConfig=None) -> BPTHandle:
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, config.remat_policy)
     loss_hooks = BPTLossHooks(hf, config.lm_chunk_size) if config.lm_chunk_size != -1 else None
-    handle = BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks)
-    _HANDLES[hf] = handle
-    return handle
+    setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks))
+    attach_method(hf, 'bpt', config.to_dict())
+    return model
+
+apply_bpt = add_bpt   # the older name
 
 def remove_bpt(model):
-    "Undo `apply_bpt` on `model`."
+    "Undo `add_bpt` on `model`: the plain model again (its modules, attention implementation and `save_pretrained`)."
     hf = _hf_model(model)
-    check(hf in _HANDLES, "this model is not converted by apply_bpt")
-    _HANDLES[hf].remove()
+    check(_handle(hf) is not None, "this model is not converted by add_bpt")
+    _handle(hf).remove()
+    detach_method(hf, 'bpt')
+    return model
 
 def bpt_config_of(model) -> BPTConfig | None:
     "The `BPTConfig` a model was converted with, or None."
-    h = _HANDLES.get(_hf_model(model))
+    h = _handle(model)
     return None if h is None else h.config
+
+register_method(MethodSpec('bpt', rebuild=lambda m, c: add_bpt(m, BPTConfig.from_dict(c))))   # plain weights
+
 
 # %% ../nbs/10_bpt.ipynb
 @contextlib.contextmanager
 def full_logits(model):
     "Context manager: inside it, a converted model's `model(..., labels=...)` is Hugging Face's own call (full logits, its loss)."
-    h = _HANDLES.get(_hf_model(model))
+    h = _handle(model)
     hooks = None if h is None else h.loss_hooks
     if hooks is not None: hooks.dense += 1
     try: yield
@@ -737,7 +749,7 @@ def _dense_lm_loss(model, batch:dict) -> LossOutput:
 
 def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
     "Summed next-token cross-entropy (pre-shifted labels, -100 ignored) and token count, through the fused chunked LM head when BPT's config asks."
-    h = _HANDLES.get(_hf_model(model))
+    h = _handle(model)
     if h is None or h.loss_hooks is None or not h.loss_hooks.takes_over(): return _dense_lm_loss(model, batch)
     labels = batch['labels']                                                            # (B, T) pre-shifted: labels[t] follows token t
     out = model(**model_inputs(batch), labels=labels, shift_labels=labels, num_items_in_batch=1, use_cache=False)   # the sum

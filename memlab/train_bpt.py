@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .bpt import BPT_FAMILIES, BPTConfig, apply_bpt, bpt_causal_lm_loss, remove_bpt, set_mmap_threshold
+from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, remove_bpt, set_mmap_threshold
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
                          seed_everything)
 from .data import Document, _iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
 from .tokenizers import _tokenize_split, check_vocab, get_tokenizer, pad_id
-from .training import main_process_value
+from .training import load_sharded, main_process_value, sharded_metadata, write_state
 from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
                              make_accelerator)
 
@@ -286,7 +286,7 @@ def _is_hf_model(path) -> bool:
     return str(path).lower() in BUILTIN_MODELS or (p.is_dir() and (p/'config.json').exists() and not (p/'trainer_state.json').exists())
 
 def strip_bpt_names(state:dict) -> dict:
-    "A state dict of a BPT-converted model with the wrappers' `base_layer.` removed from its keys (the plain model's names)."
+    "Older checkpoints' keys (before BPT's wrappers kept plain names) with the wrappers' `base_layer.` removed; plain keys pass."
     return {k.replace('base_layer.', ''): v for k, v in state.items()}
 
 def checkpoint_weights(path) -> dict:
@@ -296,12 +296,11 @@ def checkpoint_weights(path) -> dict:
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return strip_bpt_names(load_file(str(p/'model.safetensors')))
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    meta = dcp.FileSystemReader(str(p/'sharded')).read_metadata()
+    meta = sharded_metadata(p/'sharded')                   # read safely: no pickle from a user's path
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
           if k.startswith('model.') and isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, checkpoint_id=str(p/'sharded'), no_dist=not torch.distributed.is_initialized())
+    load_sharded(sd, p/'sharded')
     return strip_bpt_names({k[len('model.'):]: v for k, v in sd.items()})
 
 def build_model(run:BPTRunConfig, llama:LlamaBPTArgs, vocab_size:int, seq_length:int) -> nn.Module:
@@ -383,9 +382,10 @@ class OptimizerStateSwitch(Callback):
     "With `save=False`, checkpoints hold an empty AdamW state (its hyper-parameters only): a resume restarts the moments."
     def __init__(self, save:bool=True): self.save = save
     def on_save(self, trainer, checkpoint_dir):
-        f = Path(checkpoint_dir)/'optimizer.pt'
-        if not self.save and trainer.is_main and f.exists():
-            torch.save({'state': {}, 'param_groups': trainer.optimizer.state_dict()['param_groups']}, f)
+        if self.save or not trainer.is_main or trainer.fsdp: return        # FSDP is refused with save=False by train_bpt
+        stem = Path(checkpoint_dir)/'optimizer'
+        for f in ('optimizer.safetensors', 'optimizer.pt'): (stem.parent/f).unlink(missing_ok=True)   # the moments go
+        write_state({'state': {}, 'param_groups': trainer.optimizer.state_dict()['param_groups']}, stem)
 
 class DatasetStateFile(Callback):
     "Write the data reader's position as `dataset_state.json` into every checkpoint."
@@ -454,7 +454,7 @@ def train_bpt(args:dict) -> dict:
     rows = json_rows(ds, text, tok, show_progress=run.progress and acc.is_main_process)
     model = build_model(run, llama, len(tok), ds.seq_length)
     n_params = count_parameters(model)
-    handle = apply_bpt(model, llama.bpt)
+    model = add_bpt(model, llama.bpt)
     data = TokenBatches({'input_ids': rows['input_ids'], 'attention_mask': rows['attention_mask']}, ds.batch_size // per_micro,
                         shuffle=False, seed=run.seed, pad_id=pad_id(tok))
     callbacks = [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq), OptimizerStateSwitch(ckpt.save_optimizer_state),
@@ -472,7 +472,7 @@ def train_bpt(args:dict) -> dict:
     trainer = Trainer(model, tc, data, loss_fn=bpt_causal_lm_loss, callbacks=callbacks, scheduler=sched, accelerator=acc,
                       run_config=run_config)
     if run.load_dataset_state: data.load_state_dict(read_dataset_state(run.load_dataset_state))
-    acc.print(f"memlab_bpt: {n_params:,} parameters, {handle}; {world} process(es) ({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
+    acc.print(f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) ({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
               f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of {ds.seq_length} tokens per update; "
               f"{len(rows['input_ids'])} rows of data; updates {trainer.step} -> {run.total_steps}; run folder {out}")
     history = trainer.fit()

@@ -78,6 +78,12 @@ def test_seed_command_ddp(ddp):
     assert cfg['model']['hidden_size'] == 64 and cfg['model']['num_key_value_heads'] == 2 and cfg['model']['vocab_size'] == 512
     plain = json.loads((ddp/'model'/'config.json').read_text())                      # the exported model is a plain Llama
     assert plain['model_type'] == 'llama' and (ddp/'model'/'tokenizer.json').exists()
+    import torch
+    from transformers import AutoModelForCausalLM
+    from memlab.models import load_model
+    m, ref = load_model(ddp), AutoModelForCausalLM.from_pretrained(ddp/'model')         # the run folder loads as its model
+    x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): assert torch.equal(m(input_ids=x).logits, ref(input_ids=x).logits)
 
 def test_autoresume_fsdp_accelerate_launch_continues_exactly(data, ddp):
     "3 updates under torchrun with FSDP, then --autoresume=True to 6 under accelerate launch: the DDP run's losses, update by update."

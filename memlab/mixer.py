@@ -4,7 +4,7 @@
 
 # %% ../nbs/50_mixer.ipynb 2
 from __future__ import annotations
-import contextlib, copy, difflib, math
+import contextlib, copy, difflib, json, math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -19,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from transformers.utils import ModelOutput
 
 from .core import MemlabError, atomic_write_text, check, count_parameters
+from .models import register_folder
 from .training import LossOutput, causal_lm_loss, model_inputs
 
 # %% auto 0
@@ -28,10 +29,10 @@ __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', '
            'TransformerStack', 'make_stack', 'MixerPreTrainedModel', 'check_right_padded', 'MaskedMixerForCausalLM',
            'assert_causal', 'fp8_e4m3_step', 'add_memory_noise', 'quantize_memory', 'memory_bits', 'MemoryEncoder',
            'unroll_indices', 'Unroll', 'MemoryModelOutput', 'MaskedMixerAutoencoder', 'autoencoder_targets',
-           'autoencoder_loss', 'random_token_batch', 'RandomTokenBatches', 'memory_format', 'OracleMemoryModel',
-           'ParallelMemoryModel', 'RecurrentMemoryModel', 'copy_batch', 'objective_batches', 'objective_loss',
-           'token_accuracy', 'bits_per_byte', 'normalized_loss', 'information', 'info_nce', 'count_model_parameters',
-           'match_parameters', 'llama_matching', 'mixer_step_measurement', 'benchmark']
+           'autoencoder_loss', 'load_mixer', 'random_token_batch', 'RandomTokenBatches', 'memory_format',
+           'OracleMemoryModel', 'ParallelMemoryModel', 'RecurrentMemoryModel', 'copy_batch', 'objective_batches',
+           'objective_loss', 'token_accuracy', 'bits_per_byte', 'normalized_loss', 'information', 'info_nce',
+           'count_model_parameters', 'match_parameters', 'llama_matching', 'mixer_step_measurement', 'benchmark']
 
 # %% ../nbs/50_mixer.ipynb
 MIXER_TYPES = ('conv', 'linear')
@@ -467,6 +468,28 @@ def autoencoder_loss(model, batch:dict) -> LossOutput:
     return LossOutput(loss, (targets != -100).sum(), {'accuracy': correct.detach()})
 
 autoencoder_loss.count_tokens = lambda batch: (autoencoder_targets(batch) != -100).sum()  # the loop's token count
+
+# %% ../nbs/50_mixer.ipynb
+def load_mixer(path, dtype=None, strict:bool=True, **kwargs) -> MixerPreTrainedModel:
+    "Open a saved memlab mixer model of any kind: the class named in its config.json, every tensor checked."
+    p = Path(path).expanduser()
+    check((p/'config.json').is_file(), f"no saved model at {p} (no config.json)")
+    arch = (json.loads((p/'config.json').read_text()).get('architectures') or [None])[0]
+    cls = globals().get(str(arch))
+    check(isinstance(cls, type) and issubclass(cls, MixerPreTrainedModel), f"{p} holds a {arch}, not a memlab mixer model")
+    if dtype is not None: kwargs['dtype'] = dtype
+    try: return cls.from_pretrained(str(p), strict=strict, **kwargs)
+    except OSError as e: raise MemlabError(f"cannot load {arch} from {p}: {str(e).splitlines()[0]}") from None
+
+def _is_mixer_folder(folder) -> bool:
+    try: return json.loads((Path(folder)/'config.json').read_text()).get('model_type') == MaskedMixerConfig.model_type
+    except (OSError, ValueError): return False
+
+def _load_mixer_folder(folder, dtype=None, quantization=None, attn_implementation=None, strict=True):
+    check(quantization is None, f"{folder} holds a memlab mixer model: it loads as saved; 4/8-bit loading is for transformers' models")
+    return load_mixer(folder, dtype=dtype, strict=strict)
+
+register_folder('mixer', _is_mixer_folder, _load_mixer_folder)
 
 # %% ../nbs/50_mixer.ipynb
 def random_token_batch(batch_size:int, length:int, vocab_size:int, generator:Optional[torch.Generator]=None) -> dict:

@@ -463,12 +463,12 @@ def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementatio
     if attn_implementation: kw['attn_implementation'] = attn_implementation
     if kind == 'path' and not gguf_file and Path(value).is_dir():
         value = model_folder(value)
+        _register_memlab_architectures(value)   # imports the module of a memlab architecture (it may register a folder kind)
         special = folder_loader(value)
         if special is not None:         # a registered kind of folder (a PEFT adapter, an older packed BitNet folder)
             model = special(value, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
                             strict=strict)
             return model.to(device) if device is not None and not quantization else model
-        _register_memlab_architectures(value)
         entries = folder_methods(value)
         if entries:                     # a model saved with memlab methods: rebuilt with them
             check(quantization is None, f"{value} holds a model with memlab methods "

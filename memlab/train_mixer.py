@@ -17,8 +17,8 @@ from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main,
                          seed_everything, str2bool)
 from .data import load_corpus
 from .loaders import TokenBatches
-from .mixer import (MaskedMixerConfig, MixerPreTrainedModel, autoencoder_loss, memory_bits, normalized_loss, information,
-                          objective_loss)
+from .mixer import (MaskedMixerConfig, MixerPreTrainedModel, autoencoder_loss, load_mixer, memory_bits, normalized_loss,
+                          information, objective_loss)
 from .models import load_model, load_tokenizer
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
 from .train import default_output_dir, plot_history
@@ -27,8 +27,8 @@ from .training import Trainer, TrainConfig, make_accelerator
 # %% auto 0
 __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',
            'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'model_args_class', 'MixerTaskConfig', 'mixer_config', 'model_class',
-           'input_length', 'load_mixer', 'build_model', 'DataInfo', 'data_info', 'check_fits', 'packed_rows',
-           'mixer_data', 'check_launcher', 'memory_cost', 'save_trained_model', 'train_mixer', 'results_table', 'main']
+           'input_length', 'build_model', 'DataInfo', 'data_info', 'check_fits', 'packed_rows', 'mixer_data',
+           'check_launcher', 'memory_cost', 'save_trained_model', 'train_mixer', 'results_table', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
 SEED_ALIASES = {'hidden_size': ('dim',), 'num_layers': ('depth',), 'length': ('tokenized_length',)}  # the original drivers' names
@@ -97,15 +97,6 @@ def model_class(kind:str) -> type:
 def input_length(kind:str, config:MaskedMixerConfig) -> int:
     "Tokens one row of data may hold for model kind `kind`: n_chunks × length for chunked memory models, else length."
     return config.n_chunks * config.length if kind in CHUNKED else config.length
-
-def load_mixer(path, **kwargs) -> MixerPreTrainedModel:
-    "Open a saved memlab mixer model of any kind: the class named in its config.json."
-    p = Path(path).expanduser()
-    check((p/'config.json').is_file(), f"no saved model at {p} (no config.json)")
-    arch = (json.loads((p/'config.json').read_text()).get('architectures') or [None])[0]
-    cls = getattr(mixer, str(arch), None)
-    check(isinstance(cls, type) and issubclass(cls, MixerPreTrainedModel), f"{p} holds a {arch}, not a memlab mixer model")
-    return cls.from_pretrained(str(p), **kwargs)
 
 def build_model(task:MixerTaskConfig, config:MaskedMixerConfig, seed:int=0) -> nn.Module:
     "The model `task.model` of `config`, seeded; with a pretrained (LoRA) decoder and a loaded encoder when asked."

@@ -60,6 +60,10 @@ def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
     x = torch.randint(0, m1.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(): o1, o2, o3 = (m(input_ids=x).logits for m in (m1, m2, m3))
     torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-4); torch.testing.assert_close(o3, o1, rtol=1e-4, atol=1e-4)
+    from memlab.models import load_model                                             # the run folder, as every command reads it
+    via = load_model(tmp_path/'fsdp').eval()
+    assert type(via).__name__ == 'MaskedMixerAutoencoder'
+    with torch.no_grad(): assert torch.equal(via(input_ids=x).logits, o3)
     for k in ('one', 'ddp', 'fsdp'):
         assert (tmp_path/k/'log.jsonl').exists() and (tmp_path/k/'loss.png').exists() and (tmp_path/k/'results.md').exists()
 

@@ -790,7 +790,7 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
     fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
     m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').train()
     if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
-    if config.startswith('bpt'): apply_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
+    if config.startswith('bpt'): add_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (1, seq_len + 1), generator=g)

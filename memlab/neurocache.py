@@ -1036,7 +1036,8 @@ def _is_saved_neurocache(folder) -> bool:
     folder = Path(folder)
     return (folder/NEUROCACHE_CONFIG_NAME).is_file() and (folder/NEUROCACHE_WEIGHTS_NAME).is_file()
 
-register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_saved_neurocache(folder, **kw))
+register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_saved_neurocache(folder, **kw),
+                base=lambda folder: saved_neurocache_info(folder)['base_model'])
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (bool), write time and last use (int64)

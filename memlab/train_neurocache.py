@@ -19,7 +19,7 @@ from .loaders import DocumentStream
 from .models import load_model, load_tokenizer
 from .neurocache import (CACHE_FIELDS, NeurocacheConfig, add_ffn_lora, add_neurocache, cache_state_dict, has_neurocache,
                                load_cache_state_dict, load_neurocache, memory_per_token, neurocache_state_dict, reset_cache,
-                               save_neurocache, saved_neurocache_info)
+                               save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_vocab
 from .training import main_process_value
 from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, causal_lm_loss, list_checkpoints,
@@ -27,10 +27,10 @@ from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, 
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
-           'mixed_precision_of', 'build_model', 'describe_model', 'load_streams', 'stream_loss', 'NeurocacheCallback',
-           'fingerprint', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
-           'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall',
-           'RecallProbe', 'answer_nll', 'demo']
+           'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
+           'stream_loss', 'NeurocacheCallback', 'fingerprint', 'save_run_neurocache', 'train_neurocache', 'summary',
+           'main', 'FactRecallTask', 'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config',
+           'train_fact_recall', 'RecallProbe', 'answer_nll', 'demo']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -157,8 +157,20 @@ def _explicit_differences(cfg:NeurocacheRunConfig, saved:NeurocacheConfig) -> li
         if v != s: out.append((k, v, s))
     return out
 
+def as_base_and_neurocache(cfg:NeurocacheRunConfig) -> NeurocacheRunConfig:
+    "A saved Neurocache (a run folder) given as --model_name_or_path read as its recorded base model + --pretrained_neurocache."
+    folder = Path(str(cfg.model_name_or_path)).expanduser()
+    if not (folder/NEUROCACHE_CONFIG_NAME).is_file(): return cfg
+    check(not cfg.pretrained_neurocache, f"--model_name_or_path {folder} is a saved Neurocache and --pretrained_neurocache is "
+          f"{cfg.pretrained_neurocache}: give the saved Neurocache once, as either")
+    info = saved_neurocache_info(folder)
+    check(info['base_model'], f"{folder} does not record its base model: pass --model_name_or_path BASE --pretrained_neurocache {folder}")
+    return dataclasses.replace(cfg, model_name_or_path=info['base_model'], pretrained_neurocache=str(folder),
+                               nf4=cfg.nf4 or info['base_quantization'] in ('nf4', '4bit'))
+
 def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
     "The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto the base."
+    cfg = as_base_and_neurocache(cfg)
     model = load_model(cfg.model_name_or_path, quantization='nf4' if cfg.nf4 else None)
     if tokenizer is not None: check_vocab(tokenizer, model)
     if hasattr(model.config, 'use_cache'): model.config.use_cache = False    # no key/value cache of the base model: segments are independent
@@ -184,12 +196,17 @@ def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
         return model
     return add_neurocache(model, nc)
 
+def _layer_span(layers) -> str:
+    "22-29 for a contiguous run of layers, else 22, 25, 28."
+    layers = list(layers)
+    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1 else ', '.join(map(str, layers))
+
 def describe_model(model) -> str:
     "One line: what was built."
     n, t = count_parameters(model), count_parameters(model, trainable_only=True)
     if has_neurocache(model):
         c = model.neurocache_config
-        what = (f"Neurocache (retrieval {c.retrieval_map}, attention in {c.attention_layers[0]}-{c.attention_layers[-1]}, "
+        what = (f"Neurocache (retrieval {c.retrieval_map}, attention in {_layer_span(c.attention_layers)}, "
                 f"{c.cache_size:,}-entry {c.cache_type} cache" + (f", {c.eval_cache_size:,} in evaluation" if c.eval_cache_size else '') +
                 (f", LoRA r={c.lora_r}" if c.lora_r else ', no LoRA') + (', cache disabled' if not model.neurocache.enabled else '') + ')')
     else: what = 'LoRA only (no cache)' if t else 'base model (nothing trainable)'

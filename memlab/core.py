@@ -4,21 +4,23 @@
 
 # %% ../nbs/00_core.ipynb 2
 from __future__ import annotations
-import argparse, ast, contextlib, dataclasses, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, time, types, typing
+import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, time, types, typing
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['MemlabError', 'check', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
-           'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file',
-           'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes',
-           'count_parameters']
+__all__ = ['MemlabError', 'check', 'environment_error', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config',
+           'atomic_write_text', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
+           'load_config_file', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory',
+           'fmt_bytes', 'count_parameters']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
     "A problem with the user's input or environment, reported as one line by memlab's command-line tools."
+    exit_code = 2                # the status a command line exits with
 
 def check(cond, msg:str):
     "Raise `MemlabError(msg)` unless `cond` holds."
@@ -30,16 +32,37 @@ def _close_process_group():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
+def environment_error(e:BaseException) -> Optional[str]:
+    "One line for an error of the machine or of a file rather than of memlab (unwritable path, full disk, corrupt file), else None."
+    if isinstance(e, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({e.reason} at byte {e.start}): convert it to UTF-8"
+    if isinstance(e, OSError):
+        where = f" {e.filename}" if e.filename else ''
+        if e.errno == errno.ENOSPC: return f"no space left on device writing{where}: free some space, then resume the run"
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS): return f"cannot write{where}: {e.strerror} (choose a folder you can write)"
+        if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR): return f"{e.strerror}:{where} (a file stands where a folder is needed, or the reverse)"
+        return f"{e.strerror or e}:{where}" if e.strerror else ' '.join(str(e).split())
+    if type(e).__name__ == 'SafetensorError': return f"a weights file is corrupt or cut short ({' '.join(str(e).split())})"
+    return None
+
+def _fail(message:str, code:int):
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'memlab'
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)   # always exactly one line
+    sys.exit(code)
+
 def cli_main(fn):
-    "Wrap a command-line entry point: a `MemlabError` becomes one line on stderr and exit status 2; success returns None (exit 0)."
+    "Wrap a command-line entry point: a `MemlabError` or an `environment_error` becomes one line on stderr; success returns None."
     @functools.wraps(fn)
     def _main(*args, **kwargs):
         try: fn(*args, **kwargs)  # a console script does sys.exit(main()): a returned value would become exit status 1
-        except MemlabError as e:
-            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'memlab'
-            msg = ' '.join(str(e).split())  # always exactly one line
-            print(f"{prog}: error: {msg}", file=sys.stderr)
-            sys.exit(2)
+        except MemlabError as e: _fail(str(e), e.exit_code)
+        except KeyboardInterrupt:
+            if os.environ.get('MEMLAB_TRACEBACK'): raise
+            _fail("interrupted (nothing saved since the last checkpoint)", 130)
+        except Exception as e:
+            msg = environment_error(e)
+            if msg is None or os.environ.get('MEMLAB_TRACEBACK'): raise
+            _fail(msg, 1)
         finally: _close_process_group()   # left to interpreter exit, gloo's threads can abort a finished run (SIGABRT)
     return _main
 
@@ -127,12 +150,20 @@ class Config:
         return cls.from_dict(d, strict=strict)
 
 # %% ../nbs/00_core.ipynb
+def _umask() -> int:
+    u = os.umask(0); os.umask(u)
+    return u
+
 def atomic_write_text(path, text:str):
-    "Write `text` to `path` atomically."
+    "Write `text` to `path` atomically (a reader sees the old file or the new one), with the mode `open` would give it."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix='.tmp')
-    with os.fdopen(fd, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())           # mkstemp makes 0600 files; a plain write honours the umask
+        with os.fdopen(fd, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True); raise
 
 # %% ../nbs/00_core.ipynb
 def str2bool(s) -> bool:

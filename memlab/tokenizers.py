@@ -17,10 +17,10 @@ from .core import Config, MemlabError, arg, atomic_write_text, check, cli_main, 
 from .data import Corpus, Document, canonical_split, hub_offline_unless_reachable, load_corpus
 
 # %% auto 0
-__all__ = ['get_tokenizer', 'tokenizer_label', 'eos_id', 'pad_id', 'encode_documents', 'train_tokenizer', 'TrainTokenizerConfig',
-           'train_tokenizer_main', 'Packer', 'pad_rows', 'dataset_label', 'pretokenized_name', 'ROW_FEATURES',
-           'pretokenize', 'pretokenized_args', 'load_pretokenized', 'check_vocab', 'PretokenizeConfig',
-           'pretokenize_main']
+__all__ = ['TOKENIZER_COMMANDS', 'get_tokenizer', 'tokenizer_label', 'eos_id', 'pad_id', 'encode_documents', 'train_tokenizer',
+           'TrainTokenizerConfig', 'train_tokenizer_main', 'Packer', 'pad_rows', 'dataset_label', 'pretokenized_name',
+           'ROW_FEATURES', 'pretokenize', 'pretokenized_args', 'load_pretokenized', 'check_vocab', 'PretokenizeConfig',
+           'pretokenize_main', 'tokenizers_module_main']
 
 # %% ../nbs/02_tokenizers.ipynb
 def get_tokenizer(tokenizer):
@@ -127,10 +127,6 @@ def train_tokenizer_main():
     tok = train_tokenizer(cfg.dataset, vocab_size=cfg.vocab_size, base_tokenizer=cfg.base_tokenizer, save_dir=cfg.save_dir,
                           take=cfg.take, text_field=cfg.text_field, dataset_config=cfg.dataset_config)
     print(f"saved a tokenizer of {len(tok)} tokens to {cfg.save_dir}")
-
-# %% ../nbs/02_tokenizers.ipynb
-#| eval: false
-if __name__ == '__main__': train_tokenizer_main()
 
 # %% ../nbs/02_tokenizers.ipynb
 class Packer:
@@ -343,5 +339,18 @@ def pretokenize_main():
     print(f"{out}: " + '; '.join(f"{s} {v['documents']} documents, {v['tokens']} tokens, {v['rows']} rows" for s, v in c.items()))
 
 # %% ../nbs/02_tokenizers.ipynb
+TOKENIZER_COMMANDS = {'train_tokenizer': 'train_tokenizer_main', 'pretokenize': 'pretokenize_main'}
+
+def tokenizers_module_main():
+    "`python -m memlab.tokenizers COMMAND ...`: run one of the module's two commands (memlab_train_tokenizer, memlab_pretokenize)."
+    cmd = sys.argv[1] if len(sys.argv) > 1 else None
+    if cmd not in TOKENIZER_COMMANDS:
+        print(f"python -m memlab.tokenizers: error: give a command first: {' or '.join(TOKENIZER_COMMANDS)} "
+              f"(e.g. python -m memlab.tokenizers pretokenize --help)", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [f"memlab_{cmd}", *sys.argv[2:]]
+    globals()[TOKENIZER_COMMANDS[cmd]]()
+
+# %% ../nbs/02_tokenizers.ipynb
 #| eval: false
-if __name__ == '__main__': pretokenize_main()
+if __name__ == "__main__": tokenizers_module_main()

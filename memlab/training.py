@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_training.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, pickle, shutil, sys, time, typing, warnings
+import dataclasses, json, math, os, pickle, shutil, signal, sys, threading, time, typing, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -22,7 +22,7 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm
            'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
            'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'list_checkpoints',
            'find_checkpoint', 'load_strict', 'write_state', 'read_state', 'load_pickled_data', 'load_sharded',
-           'sharded_metadata', 'Trainer']
+           'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -407,6 +407,31 @@ def sharded_metadata(path):
     return _safe_reader(path).read_metadata()
 
 # %% ../nbs/05_training.ipynb
+class Interrupted(MemlabError):
+    "Training stopped by a signal, after saving what it could."
+    def __init__(self, message:str, signum:int):
+        super().__init__(message); self.exit_code = 128 + int(signum)
+
+class StopSignals:
+    "Within `with`, the first SIGINT/SIGTERM sets `received` (the signal's name) instead of stopping; a second SIGINT stops at once."
+    SIGNALS = ('SIGINT', 'SIGTERM')
+    def __init__(self): self.received, self.signum, self._old = None, None, {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT: raise KeyboardInterrupt   # asked twice: stop now
+        if self.received is None: self.received, self.signum = signal.Signals(signum).name, signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                s = getattr(signal, name); self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items(): signal.signal(s, h)
+        self._old = {}
+
+# %% ../nbs/05_training.ipynb
 class Trainer:
     "memlab's one training loop: `Trainer(model, config, train_data, eval_data, loss_fn, callbacks).fit()`."
     def __init__(self, model:nn.Module, config:TrainConfig, train_data=None, eval_data=None, loss_fn=None, callbacks=(),
@@ -727,6 +752,30 @@ class Trainer:
         from tqdm.auto import tqdm
         bar = tqdm(total=c.max_steps, initial=self.step, desc='train', disable=not (c.progress and self.is_main), dynamic_ncols=True)
         it = iter(self.train_data)
+        with StopSignals() as signals:
+            try: self._fit_loop(it, bar, signals)
+            finally: bar.close()
+        self._event('on_train_end')
+        return self.history
+
+    def _stop_requested(self, signals:StopSignals) -> bool:
+        "Whether any process received a stop signal (all processes get the same answer, at the same update)."
+        if self.world_size == 1: return signals.received is not None
+        flag = torch.tensor([float(signals.signum or 0)], device=self.accelerator.device)
+        signum = int(self.accelerator.reduce(flag, reduction='max').item())
+        if signum and signals.signum is None: signals.received, signals.signum = signal.Signals(signum).name, signum
+        return bool(signum)
+
+    def _stop(self, signals:StopSignals, saved:Path=None):
+        "Save a checkpoint (unless this update was just saved) and raise `Interrupted`."
+        c = self.config
+        if c.output_dir and saved is None: saved = self.save_checkpoint()
+        where = (f"checkpoint {saved} saved: continue with resume_from='latest' (--resume_from latest or the command's resume flag)"
+                 if saved else "no output_dir, nothing saved")
+        raise Interrupted(f"stopped by {signals.received} after update {self.step}; {where}", signals.signum)
+
+    def _fit_loop(self, it, bar, signals:StopSignals):
+        c = self.config
         pm = peak_memory(self.accelerator.device, collect=False).__enter__()
         t0, tok0, window = time.perf_counter(), 0, []
         self.should_stop = False
@@ -755,12 +804,23 @@ class Trainer:
                 self.log(logs)
                 window, tok0 = [], 0
                 pm = peak_memory(self.accelerator.device, collect=False).__enter__(); t0 = time.perf_counter()
-            if self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):
-                self.log(self.evaluate())
+            stopping = not last and self._stop_requested(signals)      # the last update finishes the run as usual
+            if not stopping and self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):
+                try: self.log(self.evaluate())
+                except Exception as e: self._evaluation_failed(e)
                 t0 = time.perf_counter()
+            saved = None
             if c.output_dir and ((c.save_every and self.step % c.save_every == 0) or (last and c.save_final)):
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
                 t0 = time.perf_counter()
-        bar.close()
-        self._event('on_train_end')
-        return self.history
+            if not last and (stopping or self._stop_requested(signals)): self._stop(signals, saved)
+
+    def _evaluation_failed(self, e:Exception):
+        "An evaluation failed after an update: save the trained state first (one process), then report the failure."
+        c = self.config
+        if not (c.output_dir and self.world_size == 1): raise e
+        saved = self.save_checkpoint()
+        from memlab.core import environment_error
+        why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
+        raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); the trained state is saved "
+                          f"in {saved}: fix the evaluation settings and continue with resume_from='latest'") from e

@@ -1,6 +1,7 @@
 """A tiny training run through memlab's loop, for the integration tests (launched plainly, with torchrun, or killed on purpose).
 
-python tests/dist_train.py OUT [--dist ddp|fsdp] [--steps N] [--save_every K] [--die_at_step S] [--die_in_save S] [--resume]
+python tests/dist_train.py OUT [--dist ddp|fsdp] [--steps N] [--save_every K] [--die_at_step S] [--die_in_save S]
+                             [--signal_at_step S --signal SIGTERM|SIGINT] [--resume]
 Writes OUT/result_rank{r}.json with the losses and a fingerprint of the final parameters.
 """
 import argparse, json, os, signal, sys
@@ -27,11 +28,18 @@ class Die(Callback):
     def on_save(self, t, folder):
         if self.in_save and t.step == self.in_save: os.kill(os.getpid(), signal.SIGKILL)
 
+class SendSignal(Callback):
+    "Send `signum` to this process (rank 0 only) at the end of update `at_step`, as a user's Ctrl-C or a scheduler's SIGTERM would."
+    def __init__(self, at_step=None, signum=signal.SIGTERM): self.at_step, self.signum = at_step, signum
+    def on_step_end(self, t):
+        if self.at_step and t.step == self.at_step and t.accelerator.process_index == 0: os.kill(os.getpid(), self.signum)
+
 @cli_main
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('out'); p.add_argument('--dist', default='ddp'); p.add_argument('--steps', type=int, default=8)
     p.add_argument('--save_every', type=int, default=0); p.add_argument('--die_at_step', type=int); p.add_argument('--die_in_save', type=int)
+    p.add_argument('--signal_at_step', type=int); p.add_argument('--signal', default='SIGTERM')
     p.add_argument('--resume', action='store_true'); p.add_argument('--accum', type=int, default=2)
     p.add_argument('--count_comms', action='store_true', help='record which micro-batch each gradient reduction happens in')
     p.add_argument('--reload', action='store_true', help='after training, load the final checkpoint into a new model in this process')
@@ -45,7 +53,7 @@ def main():
         calls[0] += 1
         return causal_lm_loss(model, batch)
     t = Trainer(tiny_model('llama', seed=1), cfg, BatchList(make_batches(6, seed=100 + rank)),
-                callbacks=[Die(a.die_at_step, a.die_in_save)], loss_fn=loss_fn)
+                callbacks=[Die(a.die_at_step, a.die_in_save), SendSignal(a.signal_at_step, getattr(signal, a.signal))], loss_fn=loss_fn)
     if a.count_comms: count_gradient_reductions(t, lambda: comms.append((calls[0] - 1) % a.accum))
     hist = t.fit()
     fp, reloaded = fingerprint(t.model), None

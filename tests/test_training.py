@@ -61,6 +61,31 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, how):
     assert resumed['losses'] == pytest.approx(full['losses'], rel=1e-6)
     assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
 
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
+def test_signal_saves_a_checkpoint_and_resumes_exactly(tmp_path, sig):
+    "SIGTERM (a scheduler) or Ctrl-C after update 3: the update finishes, a checkpoint is saved, one line; resuming gives the full run."
+    run([sys.executable, SCRIPT, tmp_path/'full', '--steps', '8'])
+    r = run([sys.executable, SCRIPT, tmp_path/'stopped', '--steps', '8', '--signal_at_step', '3', '--signal', sig], check=False)
+    assert r.returncode == 128 + getattr(signal, sig), (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f'stopped by {sig} after update 3' in lines[0] and 'step-00000003' in lines[0], r.stderr[-2000:]
+    assert [p.name for p in (tmp_path/'stopped'/'checkpoints').glob('step-*')] == ['step-00000003']
+    run([sys.executable, SCRIPT, tmp_path/'stopped', '--steps', '8', '--resume'])
+    full, resumed = results(tmp_path/'full')[0], results(tmp_path/'stopped')[0]
+    assert resumed['losses'] == pytest.approx(full['losses'], rel=1e-6) and len(resumed['losses']) == 8
+    assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
+
+def test_signal_to_one_of_two_processes_stops_both_at_the_same_update(tmp_path):
+    "Under torchrun only rank 0 gets SIGTERM: both ranks agree to stop after update 3 and write one checkpoint together."
+    r = torchrun(SCRIPT, tmp_path/'stopped', '--steps', '8', '--signal_at_step', '3', check=False)
+    assert r.returncode != 0 and 'stopped by SIGTERM after update 3' in r.stderr, r.stderr[-3000:]
+    assert [p.name for p in (tmp_path/'stopped'/'checkpoints').glob('step-*')] == ['step-00000003']
+    torchrun(SCRIPT, tmp_path/'stopped', '--steps', '8', '--resume')
+    torchrun(SCRIPT, tmp_path/'full', '--steps', '8')
+    full, resumed = results(tmp_path/'full'), results(tmp_path/'stopped')
+    assert resumed[0]['losses'] == pytest.approx(full[0]['losses'], rel=1e-6)
+    assert resumed[1]['fingerprint'] == pytest.approx(full[1]['fingerprint'], rel=1e-6)
+
 def test_fsdp_kill_and_resume(tmp_path):
     torchrun(SCRIPT, tmp_path/'full', '--dist', 'fsdp', '--steps', '6', '--save_every', '2')
     r = torchrun(SCRIPT, tmp_path/'killed', '--dist', 'fsdp', '--steps', '6', '--save_every', '2', '--die_at_step', '5', check=False)

@@ -18,7 +18,7 @@ from .data import Document, _iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
 from .tokenizers import _tokenize_split, check_vocab, get_tokenizer, pad_id
-from .training import load_sharded, main_process_value, sharded_metadata, write_state
+from .training import load_sharded, main_process_value, output_dir_refusal, sharded_metadata, write_state
 from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
                              make_accelerator)
 
@@ -406,8 +406,7 @@ def _resume_plan(run:BPTRunConfig, out:Path) -> tuple:
     "(resume_from, refusal): --autoresume's latest checkpoint, else trainstate:: from --load_checkpoint, else None."
     held = list_checkpoints(out) if out.exists() else []
     if run.autoresume and held: return 'latest', None
-    if held or (out/'log.jsonl').exists() or (out/'run_config.json').exists():
-        return None, f"--output_dir {out} already holds a run: pass --autoresume=True to continue it, or choose another --output_dir"
+    if (refusal := output_dir_refusal(out, '--autoresume=True')): return None, refusal
     if run.load[0] == 'trainstate':
         p = Path(run.load[1]).expanduser()
         if not (p/'trainer_state.json').exists(): return None, f"--load_checkpoint trainstate::{p} is not a memlab checkpoint (no trainer_state.json)"

@@ -18,7 +18,7 @@ from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .training import CHECKPOINTS, Callback, TrainConfig, Trainer, make_accelerator
+from .training import CHECKPOINTS, Callback, TrainConfig, Trainer, make_accelerator, output_dir_refusal
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, _copy_plan, _param_groups, _reinitialize,
                             dataset_fingerprint, generate_teacher_topk, model_card, output_vocab_size, remove_distill_heads,
                             save_distill_heads, student_config, tokenizer_fingerprint)
@@ -465,10 +465,6 @@ def fingerprint(model) -> list:
 # %% ../nbs/42_train_distill.ipynb
 BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}  # what memlab's built-in names are (for the card's base_model)
 
-def _holds_run(out) -> bool:
-    out = Path(out)
-    return out.exists() and any((out/f).exists() for f in (CHECKPOINTS, 'log.jsonl', 'run_config.json', 'README.md', 'results.json'))
-
 def _tokenizer_of(name):
     "The tokenizer saved with model `name`, or None when it has none."
     try: return load_tokenizer(name)
@@ -484,8 +480,7 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs data-parallel (DDP): launch with "
           "torchrun or accelerate launch --multi_gpu, not with an FSDP config")
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
-    check(tr.resume_from_checkpoint or not _holds_run(out), f"{out} already holds a run: pass --resume_from_checkpoint latest to continue it, "
-          "or choose another --output_dir")
+    if not tr.resume_from_checkpoint and (refusal := output_dir_refusal(out, '--resume_from_checkpoint latest')): raise MemlabError(refusal)
     acc = make_accelerator(tr.mixed_precision)
     progress = not tr.disable_tqdm and acc.is_main_process
     say = acc.print

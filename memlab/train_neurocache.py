@@ -21,7 +21,7 @@ from .neurocache import (CACHE_FIELDS, NeurocacheConfig, add_ffn_lora, add_neuro
                                load_cache_state_dict, load_neurocache, memory_per_token, neurocache_state_dict, reset_cache,
                                save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_vocab
-from .training import main_process_value
+from .training import main_process_value, output_dir_refusal
 from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, causal_lm_loss, list_checkpoints,
                              make_accelerator)
 
@@ -268,9 +268,7 @@ def _output_refusal(cfg:NeurocacheRunConfig):
     if cfg.resume_from_checkpoint or cfg.save_and_quit or not out.exists(): return None
     if cfg.only_evaluate:
         return f"--output_dir {out} already holds results.json: choose another folder" if (out/'results.json').exists() else None
-    held = [n for n in (CHECKPOINTS, 'log.jsonl', 'run_config.json', 'results.json') if (out/n).exists()]
-    return (f"--output_dir {out} already holds a run ({held[0]}): pass --resume_from_checkpoint latest to continue it, or choose "
-            f"another folder") if held else None
+    return output_dir_refusal(out, '--resume_from_checkpoint latest')
 
 def fingerprint(model) -> list:
     "Sum and sum of squares (float64) of the trainable weights: equal replicas give equal fingerprints."

@@ -18,7 +18,7 @@ from .models import llama_config, load_model
 from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model, relora_layers,
                            reset_mode_from_flags)
 from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenized_args
-from .training import main_process_value
+from .training import main_process_value, output_dir_refusal
 from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
                              load_sharded, load_strict, make_accelerator, read_state, sharded_metadata)
 
@@ -334,8 +334,7 @@ def _prepare_save_dir(cfg:ReLoRARunConfig) -> tuple:
     if not resume and out.exists():
         held = list_checkpoints(out)
         if cfg.autoresume and held: resume = 'latest'
-        elif held or (out/'log.jsonl').exists() or (out/'run_config.json').exists():
-            return save_dir, resume, f"--save_dir {out} already holds a run: pass --autoresume True to continue it, or choose another --save_dir"
+        elif (refusal := output_dir_refusal(out, '--autoresume True', 'save_dir')): return save_dir, resume, refusal
     return save_dir, resume, None
 
 def train_relora(cfg:ReLoRARunConfig) -> dict:

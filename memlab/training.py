@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses, json, math, os, pickle, shutil, signal, sys, threading, time, typing, warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -18,11 +18,12 @@ from .core import Config, MemlabError, arg, check, peak_memory, rng_state, set_r
 from .models import tiny_model, enable_activation_checkpointing, to_state_names
 
 # %% auto 0
-__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'TrainConfig',
-           'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
-           'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'list_checkpoints',
-           'find_checkpoint', 'load_strict', 'write_state', 'read_state', 'load_pickled_data', 'load_sharded',
-           'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer']
+__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'LossOutput', 'model_inputs', 'causal_lm_loss',
+           'Callback', 'TrainConfig', 'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets',
+           'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
+           'main_process_value', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'clear_unfinished_run',
+           'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
+           'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -269,6 +270,30 @@ def find_checkpoint(resume_from, output_dir=None) -> Path:
     check((p/'trainer_state.json').exists(), f"{p} is not a memlab checkpoint (no trainer_state.json): pass a checkpoints/step-* folder or 'latest'")
     return p
 
+UNFINISHED_RUN_FILES = ('run_config.json', 'log.jsonl', 'loss.png', 'tensorboard')   # what a run writes before its first checkpoint
+
+def output_dir_refusal(out, resume_hint:str="resume_from='latest'", flag:str='output_dir') -> Optional[str]:
+    """Why a new run cannot start in `out` (None if it can). A finished run (results.json) or one with checkpoints is never
+    overwritten; a run that stopped before its first checkpoint left nothing worth keeping, so its folder is reused."""
+    out = Path(out)
+    if not out.exists(): return None
+    check(out.is_dir(), f"--{flag} {out} is a file: pass a folder")
+    if list_checkpoints(out):
+        return f"--{flag} {out} already holds a run with checkpoints: pass {resume_hint} to continue it, or choose another folder"
+    if (out/'results.json').exists(): return f"--{flag} {out} already holds a run (results.json): choose another folder"
+    return None
+
+def clear_unfinished_run(out) -> list:
+    "Remove what a run that stopped before its first checkpoint left in `out` (log, config, plot, half-written checkpoints)."
+    out, gone = Path(out), []
+    for name in UNFINISHED_RUN_FILES:
+        p = out/name
+        if p.is_dir(): shutil.rmtree(p); gone.append(name)
+        elif p.exists(): p.unlink(); gone.append(name)
+    for p in (out/CHECKPOINTS).glob('.step-*.tmp') if (out/CHECKPOINTS).is_dir() else ():
+        shutil.rmtree(p, ignore_errors=True); gone.append(f"{CHECKPOINTS}/{p.name}")
+    return gone
+
 def load_strict(module:nn.Module, state:dict, what:str='model'):
     "`module.load_state_dict(state, strict=True)`, turning a key mismatch into one clear MemlabError."
     missing, unexpected = [], []
@@ -280,6 +305,9 @@ def load_strict(module:nn.Module, state:dict, what:str='model'):
         raise MemlabError(f"{what} state does not match: " + '; '.join(x for x in (
             f"missing {len(missing)} key(s): {_few(missing)}" if missing else '',
             f"unexpected {len(unexpected)} key(s): {_few(unexpected)}" if unexpected else '') if x))
+    wrong = next((k for k in own if tuple(state[k].shape) != tuple(own[k].shape)), None)
+    if wrong: raise MemlabError(f"{what} state does not match: {wrong} is {list(state[wrong].shape)} in the checkpoint, "
+                                f"{list(own[wrong].shape)} in the model (another model size?)")
     module.load_state_dict(state, strict=True)
 
 # %% ../nbs/05_training.ipynb
@@ -310,6 +338,25 @@ def _decode(obj, tensors:dict):
     if '__items__' in obj: return {_decode(k, tensors): _decode(v, tensors) for k, v in obj['__items__']}
     return {k: _decode(v, tensors) for k, v in obj.items()}
 
+DAMAGED = "resume from an earlier checkpoint (or start over)"
+
+def read_json(path, what:str='checkpoint file'):
+    "Read JSON file `path`; a missing or damaged file is one line naming it."
+    path = Path(path)
+    check(path.is_file(), f"{path} is missing: the {what} is incomplete; {DAMAGED}")
+    try: return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MemlabError(f"{path} is damaged (not valid JSON: {str(e).splitlines()[0]}); {DAMAGED}") from None
+
+def read_safetensors(path) -> dict:
+    "The tensors of safetensors file `path`; a missing, truncated or corrupt file is one line naming it."
+    from safetensors.torch import load_file
+    path = Path(path)
+    check(path.is_file(), f"{path} is missing; {DAMAGED}")
+    try: return load_file(str(path))
+    except Exception as e:                          # safetensors' own error type, or OSError for a truncated file
+        raise MemlabError(f"{path} is damaged or cut short ({' '.join(str(e).split())[:120]}); {DAMAGED}") from None
+
 def write_state(obj, stem):
     "Write state dict `obj` (tensors, arrays, numbers, strings, lists, tuples, dicts) as JSON + safetensors: no pickle."
     from safetensors.torch import save_file
@@ -323,9 +370,8 @@ def read_state(stem):
     stem = Path(stem)
     js, st, pt = (stem.with_name(stem.name + s) for s in ('.json', '.safetensors', '.pt'))
     if js.exists():
-        data = json.loads(js.read_text())
-        from safetensors.torch import load_file
-        return _decode(data, load_file(str(st)) if st.exists() else {})
+        data = read_json(js)
+        return _decode(data, read_safetensors(st) if st.exists() else {})
     check(pt.exists(), f"{stem.parent} is an incomplete checkpoint: it has no {js.name}")
     return load_pickled_data(pt)
 
@@ -445,6 +491,7 @@ class Trainer:
         self.accum = config.accumulation_steps(self.world_size)
         self._check_output_dir()
         self.accelerator.wait_for_everyone()   # no rank writes to output_dir before every rank has checked it
+        self._clear_unfinished_run()
         for name, data in (('train_data', train_data), ('eval_data', eval_data)):
             w = getattr(data, 'world_size', None)
             check(w is None or w == self.world_size, f"{name} was built for {w} process(es) but {self.world_size} are running: "
@@ -457,17 +504,25 @@ class Trainer:
         self._scheduler_fn = scheduler
         self._writer = None
         self._prepare(model)
-        if config.resume_from: self.load_checkpoint(find_checkpoint(config.resume_from, config.output_dir))
+        if self.config.resume_from: self.load_checkpoint(find_checkpoint(self.config.resume_from, self.config.output_dir))
 
     # ---- setup -------------------------------------------------------------------------------------------------
     def _check_output_dir(self):
-        "Refuse an output folder that holds another run, before anything is written."
+        "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
         c = self.config
-        if not c.output_dir or c.resume_from: return
-        out = Path(c.output_dir)
-        if out.exists() and ((out/CHECKPOINTS).exists() or (out/'log.jsonl').exists() or (out/'run_config.json').exists()):
-            raise MemlabError(f"{out} already holds a run: pass resume_from='latest' (--resume_from latest) to continue it, "
-                              f"or choose another output_dir")
+        if not c.output_dir: return
+        if str(c.resume_from) == 'latest' and not list_checkpoints(c.output_dir):
+            self.config = c = dataclasses.replace(c, resume_from=None)     # nothing to resume yet: a job script's first start
+        if c.resume_from: return
+        refusal = output_dir_refusal(c.output_dir, "resume_from='latest' (--resume_from latest)")
+        if refusal: raise MemlabError(refusal)
+
+    def _clear_unfinished_run(self):
+        "After every process has checked the folder: the main process removes what an unfinished run left there."
+        if self.is_main and self.config.output_dir and not self.config.resume_from:
+            gone = clear_unfinished_run(self.config.output_dir)
+            if gone: print(f"memlab: starting over in {self.config.output_dir}: it held a run that stopped before its first checkpoint "
+                           f"(removed {', '.join(gone)})")
 
     def _prepare(self, model):
         c, acc = self.config, self.accelerator
@@ -697,7 +752,7 @@ class Trainer:
     def load_checkpoint(self, path):
         "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
         path, acc = Path(path), self.accelerator
-        state = json.loads((path/'trainer_state.json').read_text())
+        state = read_json(path/'trainer_state.json')
         check(state['world_size'] == self.world_size,
               f"{path} was written by {state['world_size']} process(es); resume it with the same number (now {self.world_size})")
         check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
@@ -716,8 +771,7 @@ class Trainer:
             load_sharded(sd, path/'sharded')
             set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
         else:
-            from safetensors.torch import load_file
-            sd = load_file(str(path/'model.safetensors'))
+            sd = read_safetensors(path/'model.safetensors')
             # save_model stored tied weights once: restore the aliases before the strict check
             own = self.unwrapped_model.state_dict()
             for k in own:
@@ -725,7 +779,10 @@ class Trainer:
                     twin = next((k2 for k2 in sd if own[k2].data_ptr() == own[k].data_ptr()), None) if k in own else None
                     if twin is not None: sd[k] = sd[twin]
             load_strict(self.unwrapped_model, sd, 'model')
-            self.optimizer.load_state_dict(read_state(path/'optimizer'))
+            try: self.optimizer.load_state_dict(read_state(path/'optimizer'))
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters ({str(e).splitlines()[0]}): "
+                                  f"resume with the model and method options of the run that wrote it") from None
         self.scheduler.load_state_dict(sc['scheduler'])
         proc = read_state(path/f'process_{acc.process_index}')
         set_rng_state(proc['rng'])

@@ -171,7 +171,7 @@ def test_bad_input_is_one_line(data, tmp_path):
     AutoModelForCausalLM.from_config(GPTNeoXConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                                    intermediate_size=64)).save_pretrained(neox)
     AutoTokenizer.from_pretrained(data['model']).save_pretrained(neox)
-    held = tmp_path/'held'; held.mkdir(); (held/'log.jsonl').write_text('')
+    held = tmp_path/'held'; held.mkdir(); (held/'results.json').write_text('{}')
     bad = tmp_path/'bad'
     common = ['--model_name_or_path', data['model'], '--dataset_name', 'pydocs', '--output_dir', bad, '--sequence_length', 32,
               '--max_train_steps', 2, '--progress', 'false']

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb 2
 from __future__ import annotations
-import collections.abc, contextlib, functools, gzip, hashlib, json, os, socket, urllib.parse
+import collections.abc, contextlib, functools, gzip, hashlib, json, os, re, socket, urllib.parse
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -13,8 +13,8 @@ import memlab
 from .core import MemlabError, check
 
 # %% auto 0
-__all__ = ['SPLITS', 'SPLIT_ALIASES', 'EMBEDDED_CORPORA', 'HUB_TIMEOUT', 'TEXT_SUFFIXES', 'JSON_SUFFIXES', 'Document',
-           'canonical_split', 'split_of', 'ArrowDocuments', 'Corpus', 'corpus_from_records', 'data_dirs',
+__all__ = ['SPLITS', 'SPLIT_ALIASES', 'EMBEDDED_CORPORA', 'TEXT_PIECE_CHARS', 'HUB_TIMEOUT', 'TEXT_SUFFIXES', 'JSON_SUFFIXES',
+           'Document', 'canonical_split', 'split_of', 'ArrowDocuments', 'Corpus', 'corpus_from_records', 'data_dirs',
            'embedded_path', 'corpus_from_hf', 'hub_reachable', 'hub_offline_unless_reachable', 'load_hf_dataset',
            'load_corpus']
 
@@ -160,7 +160,9 @@ def _read_jsonl_cached(path:str, mtime:float) -> tuple: return tuple(_iter_json_
 
 # %% ../nbs/01_data.ipynb
 def _open_text(path:Path):
-    return gzip.open(path, 'rt', encoding='utf-8') if path.suffix == '.gz' else open(path, encoding='utf-8')
+    "Text of `path` (gzipped or not) as UTF-8; bytes that are not UTF-8 become U+FFFD, as in text files (never a crash mid-run)."
+    return (gzip.open(path, 'rt', encoding='utf-8', errors='replace') if path.suffix == '.gz'
+            else open(path, encoding='utf-8', errors='replace'))
 
 def _iter_json_records(path:Path):
     "Records of a JSON-lines file (or a JSON array), gzipped or not."
@@ -178,10 +180,35 @@ def _iter_json_records(path:Path):
             check(isinstance(r, dict), f"{path}: line {n} is not a JSON object (each line must be one record)")
             yield r
 
-def _text_records(path:Path, separator:str=None):
+TEXT_PIECE_CHARS = 20_000   # a single text file is cut into documents of about this many characters (~5K tokens), at paragraph breaks
+
+def _paragraph_pieces(text:str, target:int) -> list:
+    "`text` cut at blank lines into consecutive pieces of at least `target` characters (the last may be shorter)."
+    pieces, cur, n = [], [], 0
+    for para in re.split(r'\n[ \t]*\n', text):
+        if not para.strip(): continue
+        cur.append(para); n += len(para)
+        if n >= target: pieces.append('\n\n'.join(cur)); cur, n = [], 0
+    if cur: pieces.append('\n\n'.join(cur))
+    return pieces
+
+def _positional_splits(n:int, split_ratios) -> list:
+    "Split names for `n` consecutive pieces of one text: train first, then validation, then test (each non-empty when n >= 3)."
+    counts = [round(n * r) for r in split_ratios]
+    for i in (1, 2):
+        if split_ratios[i] > 0 and counts[i] == 0 and n >= 3: counts[i] = 1
+    counts[0] = n - counts[1] - counts[2]
+    return [name for name, c in zip(SPLITS, counts) for _ in range(c)]
+
+def _text_records(path:Path, separator:str=None, split_ratios=(0.9, 0.05, 0.05)):
+    """Documents of one text file: cut at `separator` (split by the hash rule, like any documents), else one text cut at paragraph
+    breaks into >= 20 consecutive pieces of up to ~TEXT_PIECE_CHARS characters, split by position (the end is held out)."""
     text = path.read_text(encoding='utf-8', errors='replace')
-    if separator is None: return [{'id': path.name, 'text': text}]
-    return [{'id': f"{path.name}#{k}", 'text': t.strip('\n')} for k, t in enumerate(text.split(separator)) if t.strip()]
+    if separator is not None:
+        return [{'id': f"{path.name}#{k}", 'text': t.strip('\n')} for k, t in enumerate(text.split(separator)) if t.strip()]
+    pieces = _paragraph_pieces(text, min(TEXT_PIECE_CHARS, max(1, len(text) // 20)))
+    return [{'id': f"{path.name}#{k}", 'text': t, 'split': sp}
+            for k, (t, sp) in enumerate(zip(pieces, _positional_splits(len(pieces), split_ratios)))]
 
 def _is_saved_dataset(p:Path) -> bool:
     return p.is_dir() and ((p/'dataset_dict.json').exists() or ((p/'state.json').exists() and (p/'dataset_info.json').exists()))
@@ -319,5 +346,5 @@ def _load_local(p:Path, text_field, split_ratios, separator, pattern, id_field) 
         except Exception as e: raise MemlabError(f"{p} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
         return corpus_from_records(tbl.to_pylist(), p.name, **kw)
     if suf in TEXT_SUFFIXES or suf == '':
-        return corpus_from_records(_text_records(p, separator), p.name, **kw)
+        return corpus_from_records(_text_records(p, separator, split_ratios), p.name, **kw)
     raise MemlabError(f"{p}: unknown file type {suf!r}; use .txt, .jsonl, .json(l).gz, .parquet, a folder, or a save_to_disk folder")

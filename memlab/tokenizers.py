@@ -109,7 +109,7 @@ def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, s
 @dataclass
 class TrainTokenizerConfig(Config):
     "Train a byte-level BPE tokenizer on a corpus's train split and save it as a Hugging Face tokenizer folder."
-    dataset: str                  # corpus: 'pydocs', a local file or folder, or a Hugging Face dataset name[:config]
+    dataset: str                  # corpus: 'pydocs', a local file/folder (one .txt: ~20K-char pieces at blank lines), or a hub name[:config]
     save_dir: str                 # folder to write the tokenizer to (must not exist or be empty)
     dataset_config: str = None    # Hugging Face dataset config (e.g. wikitext-2-v1)
     text_field: str = 'text'      # field holding the text in the dataset's records
@@ -313,7 +313,7 @@ def check_vocab(tokenizer, model):
 class PretokenizeConfig(Config):
     "Tokenize a corpus once into fixed-length rows (packed or padded) saved as a DatasetDict with train/validation splits and args.json."
     tokenizer: str                                 # tokenizer: a folder, a built-in name (smollm2-135m) or a Hugging Face id
-    dataset: str                                   # corpus: 'pydocs', a local file or folder, or a Hugging Face dataset name[:config]
+    dataset: str                                   # corpus: 'pydocs', a local file/folder (one .txt: ~20K-char pieces at blank lines), or a hub name[:config]
     dataset_config: str = None                     # Hugging Face dataset config (e.g. wikitext-2-v1)
     text_field: str = 'text'                       # field holding the text in the dataset's records
     sequence_length: int = 2048                    # tokens per row

@@ -29,7 +29,7 @@ class LMTaskConfig(Config):
     "What to train on what: model, tokenizer, corpus and adapters."
     model_name_or_path: str = arg('smollm2-135m', 'model')  # model: built-in name (smollm2-135m, llama_20m, tiny-llama), folder, GGUF file or hub id
     tokenizer_name: str = arg(None, 'tokenizer')          # tokenizer (default: the model's)
-    dataset_name: str = arg('pydocs', 'dataset')          # corpus: pydocs (embedded), a local file/folder, or a hub dataset name[:config]
+    dataset_name: str = arg('pydocs', 'dataset')          # corpus: pydocs (embedded), a local file/folder (one .txt: ~20K-char pieces cut at blank lines), or a hub name[:config]
     dataset_config: str = None                            # hub dataset configuration (e.g. wikitext-2-v1)
     text_field: str = 'text'                              # field holding the text in .jsonl/.parquet/hub datasets
     sequence_length: int = 256                            # tokens per training row (documents are packed, EOS between them)

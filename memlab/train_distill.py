@@ -112,7 +112,7 @@ class TeacherModelArguments(Config):
 @dataclass
 class DatasetArguments(Config):
     "The training text: a corpus, its split and column, packed into rows of fixed length."
-    dataset_uri: str = 'pydocs'  # training corpus: pydocs (embedded), a local .txt/.jsonl/.parquet file or folder, or a hub dataset name (needs the network)
+    dataset_uri: str = 'pydocs'  # training corpus: pydocs (embedded), a local .txt/.jsonl/.parquet file or folder (one .txt: ~20K-char pieces at blank lines), or a hub name
     dataset_subset: str = None  # the hub dataset's configuration (Distily's default 20231101.en of wikimedia/wikipedia)
     dataset_split: str = 'train'  # the split trained on
     dataset_column_name: str = 'text'  # the field holding the text

@@ -41,7 +41,7 @@ MIXED_PRECISION = ('no', 'bf16', 'fp16')
 class NeurocacheRunConfig(Config):
     "train_neurocache.py's flags: task, training, output, Neurocache and LoRA."
     model_name_or_path: str                # causal LM to extend: built-in name (smollm2-135m), folder or hub id; Llama, Mistral, OPT, GPT-2 or Phi
-    dataset_name: str                      # corpus of long documents: pydocs (embedded), a local file or folder, or a hub dataset name[:config]
+    dataset_name: str                      # long documents: pydocs (embedded), a local file/folder (one .txt: ~20K-char pieces cut at blank lines), a hub name[:config]
     output_dir: str                        # run folder: Neurocache weights + adapter + config, results.json, loss.png, log.jsonl, checkpoints/
     dataset_config: str = None             # hub dataset configuration (or give it as name:config)
     text_field: str = 'text'               # field holding the text in .jsonl/.parquet/hub datasets

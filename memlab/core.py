@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['MemlabError', 'check', 'environment_error', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config',
-           'atomic_write_text', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
-           'load_config_file', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory',
-           'fmt_bytes', 'count_parameters']
+__all__ = ['VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs',
+           'arg', 'Config', 'atomic_write_text', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser',
+           'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state',
+           'set_rng_state', 'peak_memory', 'fmt_bytes', 'count_parameters']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -258,6 +258,22 @@ def load_config_file(path) -> dict:
     check(isinstance(d, dict), f"config file {path} must hold a mapping of flag names to values")
     return d
 
+_POSITIVE = ('lr', 'learning_rate', 'adam_eps', 'adam_epsilon', 'max_train_steps', 'num_training_steps', 'total_steps',
+             'total_batch_size', 'per_device_batch_size', 'per_device_train_batch_size', 'per_device_eval_batch_size', 'batch_size',
+             'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints')
+_NON_NEGATIVE = ('weight_decay', 'warmup_steps', 'num_warmup_steps', 'save_every', 'eval_every', 'evaluate_every_steps',
+                 'checkpointing_steps', 'save_steps', 'eval_steps', 'logging_steps', 'log_every', 'max_grad_norm', 'lora_dropout')
+VALUE_RULES = {**{k: ('positive', lambda v: v > 0) for k in _POSITIVE},
+               **{k: ('zero or more', lambda v: v >= 0) for k in _NON_NEGATIVE},
+               **{k: ('in [0, 1)', lambda v: 0 <= v < 1) for k in ('adam_beta1', 'adam_beta2', 'warmup_ratio')}}
+
+def check_ranges(cfg, prefix:str=''):
+    "Refuse a numeric flag outside its range (`VALUE_RULES`, by field name), naming the flag: before any model or data loads."
+    for f in dataclasses.fields(cfg):
+        rule, v = VALUE_RULES.get(f.name), getattr(cfg, f.name, None)
+        if rule and isinstance(v, (int, float)) and not isinstance(v, bool) and not rule[1](v):
+            raise MemlabError(f"--{prefix}{f.name} must be {rule[0]}, got {v}")
+
 def parse_configs(configs, argv=None, prog:str=None, description:str=None, config_file_flag:str=None, extra=None, defaults:dict=None,
                   skip:dict=None):
     """Parse `argv` into instances of the config dataclasses in `configs` (a class, a list of classes, or {prefix: class}).
@@ -298,6 +314,7 @@ def parse_configs(configs, argv=None, prog:str=None, description:str=None, confi
         pre = f"{key}." if prefixed and key else ''
         names = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith('_') and f.name not in skip.get(cls, ())]
         out[key] = cls(**{n: ns.pop(pre + n) for n in names})
+        check_ranges(out[key], prefix=pre)
     if config_file_flag: ns.pop(config_file_flag, None)
     res = out[''] if single else (out if prefixed else [out[k] for k in sorted(out, key=int)])
     return (res, types.SimpleNamespace(**ns)) if extra else res

@@ -19,8 +19,8 @@ from .data import Corpus, Document, canonical_split, hub_offline_unless_reachabl
 # %% auto 0
 __all__ = ['TOKENIZER_COMMANDS', 'get_tokenizer', 'tokenizer_label', 'eos_id', 'pad_id', 'encode_documents', 'train_tokenizer',
            'TrainTokenizerConfig', 'train_tokenizer_main', 'Packer', 'pad_rows', 'dataset_label', 'pretokenized_name',
-           'ROW_FEATURES', 'pretokenize', 'pretokenized_args', 'load_pretokenized', 'check_vocab', 'PretokenizeConfig',
-           'pretokenize_main', 'tokenizers_module_main']
+           'ROW_FEATURES', 'pretokenize', 'pretokenized_args', 'load_pretokenized', 'check_vocab',
+           'check_sequence_length', 'PretokenizeConfig', 'pretokenize_main', 'tokenizers_module_main']
 
 # %% ../nbs/02_tokenizers.ipynb
 def get_tokenizer(tokenizer):
@@ -307,6 +307,14 @@ def check_vocab(tokenizer, model):
     n_emb = model.get_input_embeddings().num_embeddings
     check(n_tok <= n_emb, f"the tokenizer has {n_tok} tokens but the model's input embedding has {n_emb} rows: use the "
           f"model's own tokenizer, or build the model with vocab_size >= {n_tok}")
+
+def check_sequence_length(model, length:int, flag:str='--sequence_length'):
+    "One-line error when `length` tokens exceed the positions `model` was built for (config `max_position_embeddings` / `n_positions`)."
+    cfg = getattr(model, 'config', None)
+    limit = getattr(cfg, 'max_position_embeddings', None) or getattr(cfg, 'n_positions', None)
+    check(not isinstance(limit, int) or length <= limit, f"{flag} {length} exceeds the {limit} positions the model was built for "
+          f"(max_position_embeddings): use {flag} {limit} or less")
+
 
 # %% ../nbs/02_tokenizers.ipynb
 @dataclass

@@ -15,7 +15,7 @@ from .data import load_corpus
 from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
                            state_names)
-from .tokenizers import check_vocab
+from .tokenizers import check_sequence_length, check_vocab
 from .training import Trainer, TrainConfig
 
 # %% auto 0
@@ -69,7 +69,7 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
     tok = load_tokenizer(task.tokenizer_name or task.model_name_or_path)
     corpus = load_corpus(task.dataset_name, text_field=task.text_field, config=task.dataset_config)
     model = load_model(task.model_name_or_path, quantization='nf4' if task.nf4 else None)
-    check_vocab(tok, model)
+    check_vocab(tok, model); check_sequence_length(model, task.sequence_length)
     if task.lora_r: model = add_lora(model, task)
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
     train_data = lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True, seed=train.seed)

@@ -20,7 +20,7 @@ from .models import load_model, load_tokenizer
 from .neurocache import (CACHE_FIELDS, NeurocacheConfig, add_ffn_lora, add_neurocache, cache_state_dict, has_neurocache,
                                load_cache_state_dict, load_neurocache, memory_per_token, neurocache_state_dict, reset_cache,
                                save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
-from .tokenizers import check_vocab
+from .tokenizers import check_sequence_length, check_vocab
 from .training import main_process_value, output_dir_refusal
 from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, causal_lm_loss, list_checkpoints,
                              make_accelerator)
@@ -173,6 +173,7 @@ def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
     cfg = as_base_and_neurocache(cfg)
     model = load_model(cfg.model_name_or_path, quantization='nf4' if cfg.nf4 else None)
     if tokenizer is not None: check_vocab(tokenizer, model)
+    check_sequence_length(model, cfg.sequence_length)
     if hasattr(model.config, 'use_cache'): model.config.use_cache = False    # no key/value cache of the base model: segments are independent
     nc = cfg.neurocache_config()
     if cfg.pretrained_neurocache:

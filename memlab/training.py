@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, arg, check, peak_memory, rng_state, set_rng_state
+from .core import Config, MemlabError, arg, check, check_ranges, peak_memory, rng_state, set_rng_state
 from .models import tiny_model, enable_activation_checkpointing, to_state_names
 
 # %% auto 0
@@ -104,6 +104,9 @@ class TrainConfig(Config):
 
     def __post_init__(self):
         check(self.max_steps > 0, f"max_steps must be positive, got {self.max_steps}")
+        check_ranges(self)                  # lr > 0, betas in [0, 1), weight decay >= 0, ... (by field name, see memlab.core)
+        check(self.max_eval_steps is None or self.max_eval_steps > 0,
+              f"max_eval_steps must be positive (or None for the whole evaluation split), got {self.max_eval_steps}")
         check(self.per_device_batch_size > 0, f"per_device_batch_size must be positive, got {self.per_device_batch_size}")
         check(self.total_batch_size is None or self.gradient_accumulation_steps is None,
               "give total_batch_size or gradient_accumulation_steps, not both")

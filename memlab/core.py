@@ -15,7 +15,7 @@ import torch
 __all__ = ['VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs',
            'arg', 'Config', 'atomic_write_text', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser',
            'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state',
-           'set_rng_state', 'peak_memory', 'fmt_bytes', 'count_parameters']
+           'set_rng_state', 'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -407,3 +407,13 @@ def count_parameters(model, trainable_only:bool=False) -> int:
         qs = getattr(p, 'quant_state', None)  # bitsandbytes 4-bit: packed storage, logical shape in quant_state
         n += qs.shape.numel() if qs is not None and hasattr(qs, 'shape') else p.numel()
     return n
+
+# %% ../nbs/00_core.ipynb
+def native_bf16(device=None) -> bool:
+    "Whether bf16 matrix products are native (fast) on `device` (default: CUDA if available, else the CPU)."
+    dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    if dev.type == 'cuda': return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if dev.type != 'cpu': return False
+    try: flags = Path('/proc/cpuinfo').read_text()
+    except OSError: return False                           # not Linux: no way to tell here, so no
+    return any(f in flags.split() for f in ('avx512_bf16', 'amx_bf16'))

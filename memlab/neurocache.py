@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, arg, atomic_write_text, check
+from .core import Config, MemlabError, arg, atomic_write_text, check, native_bf16
 from .models import TransparentWrapper, decoder_layers, keep_4bit_trainable, layer_parts, load_model, register_folder
 
 # %% auto 0
@@ -1088,8 +1088,8 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     for m in models.values(): m.to(device)
     ids = ids.to(device); batch = {k: v.to(device) for k, v in batch.items()}
-    # bf16 autocast on a GPU; fp32 on a CPU (without native bf16, as here, bf16 matrix products are several times slower)
-    autocast = (lambda: torch.autocast('cuda', dtype=torch.bfloat16)) if device == 'cuda' else contextlib.nullcontext
+    # bf16 autocast where bf16 is native (GPUs with bf16, CPUs with AVX512-BF16/AMX such as these), else fp32 (emulated bf16 is slower)
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if native_bf16(device) else contextlib.nullcontext
     def train_step(k):
         m = models[k]
         with autocast(): out = causal_lm_loss(m, batch)
@@ -1107,6 +1107,7 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
                 t = time.perf_counter(); step(k); times[k].append(time.perf_counter() - t)
         for k in models: res[f"{mode}_{k}"] = batch_size * seq_len / statistics.median(times[k])
         res[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(times['lora'], times['cache']))
+    res['precision'] = 'bf16 autocast' if native_bf16(device) else 'fp32'
     return res
 
 def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_size:int=16384, compression_factor:int=4,
@@ -1135,8 +1136,8 @@ def benchmark(quick:bool=False) -> tuple:
     for threads in ((1,) if quick else (1, torch.get_num_threads())):
         sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3, threads=threads)
         for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
-            rows.append({'config': f"{label}, {threads} thread(s): LoRA, no cache", 'tokens_per_s': sp[f'{mode}_lora']})
-            rows.append({'config': f"{label}, {threads} thread(s): 16K cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
+            rows.append({'config': f"{label}, {threads} thread(s), {sp['precision']}: LoRA, no cache", 'tokens_per_s': sp[f'{mode}_lora']})
+            rows.append({'config': f"{label}, {threads} thread(s), {sp['precision']}: 16K cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
                          'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
     mem = run_isolated('memlab.neurocache:_bench_memory')
     mt = mem['memorizing']['bytes_per_token']

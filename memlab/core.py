@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs',
-           'arg', 'Config', 'atomic_write_text', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser',
-           'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state',
-           'set_rng_state', 'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16']
+__all__ = ['VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'requested_processes', 'check_launch', 'cli_main',
+           'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text', 'str2bool',
+           'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges',
+           'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes',
+           'count_parameters', 'native_bf16']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -50,11 +51,48 @@ def _fail(message:str, code:int):
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)   # always exactly one line
     sys.exit(code)
 
+def _launcher_args(pid:int) -> Optional[list]:
+    "The arguments after `accelerate launch` in process `pid`'s command line, if that process is one (Linux /proc), else None."
+    try: argv = Path(f'/proc/{pid}/cmdline').read_bytes().decode(errors='replace').split('\0')
+    except OSError: return None
+    for k, a in enumerate(argv[:-1]):
+        if Path(a).name in ('accelerate', 'accelerate-launch') or a.endswith('accelerate.commands.accelerate_cli'):
+            rest = argv[k + 1:]
+            return rest[1:] if rest and rest[0] == 'launch' else (rest if Path(a).name == 'accelerate-launch' else None)
+    return None
+
+def requested_processes() -> Optional[int]:
+    "The process count `accelerate launch` was asked for (its --num_processes, or its --config_file's num_processes), if it launched us."
+    args = _launcher_args(os.getppid())
+    if args is None: return None
+    for k, a in enumerate(args):
+        if a == '--' or not a.startswith('-'): break                     # the script and its own flags follow
+        if a.startswith('--num_processes'):
+            v = a.split('=', 1)[1] if '=' in a else (args[k + 1] if k + 1 < len(args) else '')
+            return int(v) if v.lstrip('-').isdigit() else None
+    cfg = next((args[k + 1] for k, a in enumerate(args[:-1]) if a == '--config_file'), None)
+    if cfg:
+        try:
+            import yaml; n = (yaml.safe_load(Path(cfg).read_text()) or {}).get('num_processes')
+            return int(n) if isinstance(n, int) else None
+        except Exception: return None
+    return None
+
+def check_launch():
+    "Refuse a launch that started fewer processes than it was asked for (`accelerate launch --num_processes N` on CPUs without --multi_gpu)."
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1: return
+    asked = requested_processes()
+    check(not asked or asked <= 1, f"accelerate launch was asked for {asked} processes but started 1 (without GPUs it starts "
+          f"several CPU processes only with --multi_gpu): add --multi_gpu, or use torchrun --nproc_per_node {asked}; one process "
+          f"would silently train with 1/{asked} of the global batch")
+
 def cli_main(fn):
     "Wrap a command-line entry point: a `MemlabError` or an `environment_error` becomes one line on stderr; success returns None."
     @functools.wraps(fn)
     def _main(*args, **kwargs):
-        try: fn(*args, **kwargs)  # a console script does sys.exit(main()): a returned value would become exit status 1
+        try:
+            check_launch()
+            fn(*args, **kwargs)  # a console script does sys.exit(main()): a returned value would become exit status 1
         except MemlabError as e: _fail(str(e), e.exit_code)
         except KeyboardInterrupt:
             if os.environ.get('MEMLAB_TRACEBACK'): raise

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, arg, check, check_ranges, peak_memory, rng_state, set_rng_state
+from .core import Config, MemlabError, arg, check, check_launch, check_ranges, peak_memory, rng_state, set_rng_state
 from .models import tiny_model, enable_activation_checkpointing, to_state_names
 
 # %% auto 0
@@ -195,6 +195,7 @@ def make_accelerator(mixed_precision:str='no'):
         # accelerate keeps one precision per process; runs in sequence (a notebook, the demo) may each choose their own.
         # Only the precision settings are reset: the process group (PartialState) stays.
         AcceleratorState._reset_state()
+    check_launch()
     acc = Accelerator(mixed_precision=mixed_precision)
     check(acc.num_processes == launched_processes(),
           f"launched as {launched_processes()} processes but accelerate formed a group of {acc.num_processes}: "

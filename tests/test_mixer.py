@@ -67,14 +67,13 @@ def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
     for k in ('one', 'ddp', 'fsdp'):
         assert (tmp_path/k/'log.jsonl').exists() and (tmp_path/k/'loss.png').exists() and (tmp_path/k/'results.md').exists()
 
-def test_configs_take_the_process_count_from_the_launch(tmp_path):
-    "Neither shipped config holds num_processes; accelerate refuses to guess (its default is -1) instead of using a stale number."
-    for cfg in (FSDP_CONFIG, ZERO_CONFIG):
-        assert 'num_processes' not in {l.split(':')[0].strip() for l in cfg.read_text().splitlines() if not l.startswith('#')}
-    r = run([BIN/'accelerate', 'launch', '--config_file', FSDP_CONFIG, '-m', 'memlab.train_mixer', '--output_dir', tmp_path/'x'],
-            check=False)
-    assert r.returncode != 0 and 'You need to manually pass in `--num_processes` using this config yaml' in r.stderr
-    assert not (tmp_path/'x').exists()
+def test_seed_fsdp_command_as_written(rows, tmp_path):
+    "Seed 003's FSDP form without --num_processes: the shipped config's count (2) starts 2 FSDP processes, and --num_processes overrides it."
+    for cfg in (FSDP_CONFIG, ZERO_CONFIG): assert 'num_processes: 2' in cfg.read_text()
+    r = run([BIN/'accelerate', 'launch', '--config_file', FSDP_CONFIG, '--main_process_port', free_port(), '-m', 'memlab.train_mixer',
+             *args(rows, tmp_path/'seed')])
+    res, l, e = losses(tmp_path/'seed')
+    assert (res['processes'], res['fsdp']) == (2, True) and l[-1] < l[0]
 
 def test_zero3_is_refused_in_one_line(rows, tmp_path):
     # Here deepspeed is not installed, and accelerate's launcher stops before memlab runs:

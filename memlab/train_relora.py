@@ -4,7 +4,7 @@
 
 # %% ../nbs/31_train_relora.ipynb 2
 from __future__ import annotations
-import json, math, os, time
+import dataclasses, json, math, os, shutil, time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,19 +14,19 @@ from torch import nn
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
                          parse_count, seed_everything)
 from .loaders import TokenBatches
-from .models import llama_config, load_model
+from .models import llama_config, load_model, memlab_home
 from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model, relora_layers,
                            reset_mode_from_flags)
-from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenized_args
+from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args, pretokenized_name
 from .training import main_process_value, output_dir_refusal
 from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
-                             load_sharded, load_strict, make_accelerator, read_state, sharded_metadata)
+                             load_sharded, load_strict, make_accelerator, read_json, read_state, sharded_metadata)
 
 # %% auto 0
-__all__ = ['DTYPES', 'OPTIMIZERS', 'ReLoRARunConfig', 'build_model', 'find_warm_start', 'warm_start_step', 'load_warm_start',
-           'accumulation_steps', 'training_steps', 'load_data', 'load_data_tokenizer', 'SkipUpdates',
-           'optimizer_factory', 'ConsolidateZeroState', 'ProfileCallback', 'default_save_dir', 'fingerprint',
-           'train_relora', 'main']
+__all__ = ['DTYPES', 'OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'build_model', 'find_warm_start',
+           'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps', 'training_steps',
+           'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
+           'ConsolidateZeroState', 'ProfileCallback', 'default_save_dir', 'fingerprint', 'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 DTYPES = {'bf16': 'bf16', 'bfloat16': 'bf16', 'fp32': 'no', 'float32': 'no', 'fp16': 'fp16', 'float16': 'fp16'}
@@ -40,7 +40,7 @@ class ReLoRARunConfig(Config):
     warmed_up_model: str = arg(None, 'continue_from')  # warm start: weights, step, token count and data position of a memlab checkpoint (or run folder), or a Hugging Face model folder; not the optimizer
     resume_from: str = None                # continue a run exactly from one of its checkpoints (a checkpoints/step-* folder, or 'latest' in --save_dir)
     autoresume: bool = False               # when --save_dir already holds checkpoints, resume from the latest one
-    dataset_path: str = None               # pretokenized DatasetDict (train and validation splits, args.json) written by memlab_pretokenize (required)
+    dataset_path: str = None               # pretokenized DatasetDict (train/validation, args.json) from memlab_pretokenize; default: the embedded pydocs corpus
     tokenizer: str = None                  # tokenizer (default: the one args.json names); its vocabulary must be the data's
     max_length: int = 512                  # tokens per row: must equal the pretokenized sequence length
     workers: int = 8                       # accepted for compatibility: rows are read from the memory-mapped dataset in the training process
@@ -90,7 +90,6 @@ class ReLoRARunConfig(Config):
     def __post_init__(self):
         check((self.model_config is None) != (self.model_name_or_path is None),
               "give one of --model_config (a Llama config) and --model_name_or_path (a model to start from)")
-        check(self.dataset_path, "--dataset_path is required: a folder written by memlab_pretokenize")
         check(self.batch_size is not None and self.batch_size >= 1, f"--batch_size is required and must be positive, got {self.batch_size}")
         check(self.max_length >= 2, f"--max_length must be at least 2, got {self.max_length}")
         check(self.num_training_steps >= 1, f"--num_training_steps must be positive, got {self.num_training_steps}")
@@ -187,10 +186,18 @@ def _hf_weights(p:Path) -> dict:
         return {k: v for f in files for k, v in load_file(str(p/f)).items()}
     return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
 
+def original_training_state(p:Path) -> dict:
+    "`step` and `tokens_seen` of a checkpoint in the original ReLoRA's format (a model folder with training_state.json), else zeros."
+    f = Path(p)/'training_state.json'
+    if not f.exists(): return {'step': 0, 'tokens_seen': 0}
+    st = read_json(f, 'warm start')
+    check(isinstance(st.get('update_step'), int), f"{f} has no integer update_step: not a checkpoint of the original ReLoRA")
+    return {'step': st['update_step'], 'tokens_seen': int(st.get('tokens_seen') or 0)}
+
 def warm_start_step(path) -> int:
-    "The update count a warm start continues from (0 for a Hugging Face folder)."
+    "The update count a warm start continues from (an original-format folder's training_state.json update_step; else 0 for a Hugging Face folder)."
     kind, p = find_warm_start(path)
-    return json.loads((p/'trainer_state.json').read_text())['step'] if kind == 'memlab' else 0
+    return read_json(p/'trainer_state.json')['step'] if kind == 'memlab' else original_training_state(p)['step']
 
 def load_warm_start(model:nn.Module, path) -> dict:
     "Load warm-start `path`'s weights into `model` (strictly); return its `step`, `tokens_seen`, data position and folder."
@@ -208,7 +215,7 @@ def load_warm_start(model:nn.Module, path) -> dict:
     try: load_strict(model, {k: v.to(own[k].dtype) for k, v in sd.items() if k in own} | {k: v for k, v in sd.items() if k not in own},
                      f"--continue_from {p}: model")
     except MemlabError as e: raise MemlabError(f"{e} (is it a checkpoint of the same --model_config?)") from None
-    info = {'path': str(p), 'kind': kind, 'step': 0, 'tokens_seen': 0, 'data': None}
+    info = {'path': str(p), 'kind': kind, **original_training_state(p), 'data': None}
     if kind == 'memlab':
         st = json.loads((p/'trainer_state.json').read_text())
         info.update(step=st['step'], tokens_seen=st['tokens_seen'])
@@ -235,6 +242,17 @@ def training_steps(cfg:ReLoRARunConfig, world_size:int) -> int:
     n = cfg.max_train_tokens // per_update
     check(n >= 1, f"--max_train_tokens {cfg.max_train_tokens:,} is less than one update ({per_update:,} tokens)")
     return n
+
+DEFAULT_CORPUS, DEFAULT_TOKENIZER = 'pydocs', 'smollm2-135m'   # without --dataset_path (the original streams C4 then)
+
+def default_dataset(cfg:ReLoRARunConfig, progress:bool=True) -> Path:
+    "The embedded corpus pretokenized with --tokenizer (default SmolLM2's) at --max_length, made once and cached in memlab's home."
+    tok, root = cfg.tokenizer or DEFAULT_TOKENIZER, memlab_home()/'pretokenized'
+    out = root/pretokenized_name(DEFAULT_CORPUS, tok, cfg.max_length)
+    if not (out/'args.json').exists():            # written last: a folder without it is an interrupted pretokenization
+        if out.exists(): shutil.rmtree(out)
+        pretokenize(DEFAULT_CORPUS, tok, save_dir=root, sequence_length=cfg.max_length, show_progress=progress)
+    return out
 
 def load_data(cfg:ReLoRARunConfig) -> tuple:
     "(pretokenized DatasetDict, its args.json), with --max_length checked against the pretokenized length."
@@ -343,6 +361,11 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     world = acc.num_processes
     save_dir, resume, refusal = main_process_value(_prepare_save_dir(cfg) if acc.is_main_process else None, acc)
     check(refusal is None, refusal)                                   # every process stops on the main one's verdict
+    if cfg.dataset_path is None:                                      # the seed's commands 2-5 give no dataset: the original streams C4
+        path = main_process_value(str(default_dataset(cfg, cfg.progress)) if acc.is_main_process else None, acc)
+        acc.print(f"memlab_relora: no --dataset_path: training on the embedded {DEFAULT_CORPUS} corpus, pretokenized with "
+                  f"{cfg.tokenizer or DEFAULT_TOKENIZER} at {cfg.max_length} tokens in {path} (the original streams C4 when none is given)")
+        cfg = dataclasses.replace(cfg, dataset_path=path)
     dd, data_args = load_data(cfg)
     tok = load_data_tokenizer(cfg, data_args)
     accum, steps = accumulation_steps(cfg, world), training_steps(cfg, world)

@@ -99,6 +99,27 @@ def test_seed_2_fsdp_and_3_accelerate_launch(data):
     assert losses(r3) == pytest.approx(losses(r2), rel=1e-6)               # the same command under the other launcher
     assert r3['fingerprint'] == pytest.approx(r2['fingerprint'], rel=1e-6)
 
+def test_seed_2_as_written_trains_on_the_embedded_corpus(data, tmp_path):
+    "Seed command 2 gives no --dataset_path (the original streams C4): pydocs, pretokenized once with SmolLM2's tokenizer, one line says so."
+    out = tmp_path/'cmd2'
+    r = torchrun('-m', 'memlab.train_relora', *command(2, data, out, **{'--dataset_path': None, '--tokenizer': None,
+                 '--num_training_steps': '2', '--max_length': '64'}), MEMLAB_HOME=tmp_path/'home')
+    assert r.stdout.count('no --dataset_path: training on the embedded pydocs corpus') == 1, r.stdout[-2000:]
+    res = results(out)
+    assert res['steps'] == 2 and res['world_size'] == 2 and res['replicas_agree']
+    assert (tmp_path/'home'/'pretokenized'/'pydocs_smollm2-135m_64'/'args.json').exists()
+
+def test_original_format_checkpoint_continues_from_its_update_step(data, warm, tmp_path):
+    "A warm start in the original's format (a model folder + training_state.json with update_step) continues from that update."
+    import shutil
+    orig = tmp_path/'model_10'; shutil.copytree(warm/'model', orig)
+    (orig/'training_state.json').write_text(json.dumps({'global_step': 20, 'update_step': 10, 'tokens_seen': 20440}))
+    out = tmp_path/'cmd4'
+    torchrun('-m', 'memlab.train_relora', *command(4, data, out, RELORA_SMALL, {
+        '--continue_from': str(orig), '--num_training_steps': '14', '--dtype': 'float32', '--save_every': '0', '--eval_every': '0'}))
+    r = results(out)
+    assert r['history'][0]['step'] == 11 and r['steps'] == 14 and r['tokens_seen'] > 20440
+
 @pytest.fixture(scope='module')
 def relora_fsdp(data, warm):
     "Seed command 4: FSDP ReLoRA from command 1's checkpoint at update 10, to update 22 (merges after 15 and 19), float32."

@@ -237,6 +237,11 @@ def _tokenize_split(docs, tok, sequence_length, mode, padding_side, num_cpu, add
     counts.update(rows=len(ids), tokens_kept=int(mask.sum()), padding=int(mask.size - mask.sum()))
     return ids, mask, counts
 
+def _tokenizer_ref(tokenizer) -> str:
+    "A tokenizer name as args.json records it: a local folder as its absolute path (readable from any working directory)."
+    p = Path(str(tokenizer)).expanduser()
+    return str(p.resolve()) if p.exists() else str(tokenizer)
+
 def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode:str='packed', padding_side:str='right',
                 dataset_config:str=None, text_field:str='text', take:int=None, num_cpu:int=1, output_name:str=None,
                 splits=('train', 'validation'), add_special_tokens:bool=False, show_progress:bool=True) -> Path:
@@ -261,7 +266,7 @@ def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode
             dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask}, features=ROW_FEATURES())
         check(counts[splits[0]]['rows'] > 0, f"the {splits[0]} split of {corpus.name} is empty: nothing to pretokenize")
         datasets.DatasetDict(dd).save_to_disk(str(tmp))
-        args = dict(tokenizer=str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer_label(tok),
+        args = dict(tokenizer=_tokenizer_ref(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer_label(tok),
                     tokenizer_name_or_path=str(getattr(tok, 'name_or_path', '')), vocab_size=len(tok),
                     eos_token_id=eos_id(tok), pad_token_id=pad_id(tok),
                     dataset=corpus.name if isinstance(dataset, Corpus) else str(dataset), dataset_config=dataset_config,

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_train.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, time, warnings
+import dataclasses, json, math, os, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,7 +201,7 @@ def main(argv=None):
                                 defaults={TrainConfig: TRAIN_DEFAULTS})
     if train.output_dir is None: train.output_dir = default_output_dir('train')
     res = train_lm(task, train)
-    if res.get('after') is not None:
+    if res.get('after') is not None and int(os.environ.get('RANK', '0')) == 0:   # one report, not one per process
         saved = ', '.join(res.get('saved') or {})
         print('\n' + results_table(res) + f"\nresults, loss.png, checkpoints, model ({saved}) in {train.output_dir}")
 

@@ -142,3 +142,13 @@ def test_fsdp_checkpoint_of_wrapped_layers_resumes_exactly(tmp_path):
     full, resumed = (json.loads((tmp_path/f).read_text()) for f in ('full/full_rank0.json', 'cut/resume_rank0.json'))
     assert len(resumed['losses']) == 4 and resumed['losses'] == pytest.approx(full['losses'], rel=1e-6)
     assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
+
+def test_memlab_train_under_torchrun_reports_once(tmp_path):
+    "Two processes train one run: the results table is printed once (by rank 0), not once per process."
+    run([sys.executable, '-c', "import sys; from memlab.models import save_tiny_model, load_tokenizer; "
+         "save_tiny_model('llama', sys.argv[1], vocab_size=49152); load_tokenizer('smollm2-135m').save_pretrained(sys.argv[1])",
+         tmp_path/'tiny'])
+    r = torchrun('-m', 'memlab.train', '--model', tmp_path/'tiny', '--dataset', 'pydocs', '--max_steps', '2', '--per_device_batch_size', '1',
+                 '--max_eval_steps', '1', '--sequence_length', '32', '--output_dir', tmp_path/'run', '--report_to', 'none',
+                 '--progress', 'false', '--mixed_precision', 'no')
+    assert r.stdout.count('after training') == 1, r.stdout[-3000:]

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb 2
 from __future__ import annotations
-import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, time, types, typing
+import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, time, types, typing, warnings
 from pathlib import Path
 from typing import Optional
 
@@ -13,9 +13,9 @@ import torch
 
 # %% auto 0
 __all__ = ['VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'requested_processes', 'check_launch', 'cli_main',
-           'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text', 'str2bool',
-           'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges',
-           'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes',
+           'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text', 'check_writable',
+           'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file',
+           'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes',
            'count_parameters', 'native_bf16']
 
 # %% ../nbs/00_core.ipynb
@@ -124,6 +124,7 @@ class DropLogMessages(logging.Filter):
 _BNB_KERNEL_NOTICE = DropLogMessages('from kernels-community')
 if _BNB_KERNEL_NOTICE not in logging.getLogger('bitsandbytes.backends.cpu.ops').filters:
     logging.getLogger('bitsandbytes.backends.cpu.ops').addFilter(_BNB_KERNEL_NOTICE)
+warnings.filterwarnings('ignore', message='`is_gradient_checkpointing` is deprecated', category=FutureWarning)
 
 # %% ../nbs/00_core.ipynb
 _FIELD_RE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$")
@@ -202,6 +203,16 @@ def atomic_write_text(path, text:str):
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True); raise
+
+# %% ../nbs/00_core.ipynb
+def check_writable(path, what:str='output folder'):
+    "One line now, before any work, if folder `path` could not be created and written (a file in the way, no permission, read-only)."
+    p = Path(path).expanduser().absolute()
+    a = p
+    while not a.exists() and a != a.parent: a = a.parent
+    check(a.is_dir(), f"cannot write {p} ({what}): {a} is a file, not a folder")
+    try: tempfile.TemporaryDirectory(dir=a).cleanup()          # a real write: access() says yes to root on read-only mounts
+    except OSError as e: raise MemlabError(f"cannot write {p} ({what}): {e.strerror or e}") from None
 
 # %% ../nbs/00_core.ipynb
 def str2bool(s) -> bool:

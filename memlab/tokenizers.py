@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 import memlab
-from .core import Config, MemlabError, arg, atomic_write_text, check, cli_main, parse_configs
+from .core import Config, MemlabError, arg, atomic_write_text, check, check_writable, cli_main, parse_configs
 from .data import Corpus, Document, canonical_split, hub_offline_unless_reachable, load_corpus
 
 # %% auto 0
@@ -72,6 +72,7 @@ def _corpus_texts(corpus_or_texts, split:str='train', take:int=None, text_field:
 def _refuse_nonempty(path:Path, what:str):
     check(not (path.exists() and (not path.is_dir() or any(path.iterdir()))),
           f"{path} already exists and is not empty: refusing to overwrite it; remove it or choose another {what}")
+    check_writable(path, what)
 
 def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, save_dir=None, split:str='train', take:int=None,
                     min_frequency:int=0, eos_token:str='<|endoftext|>', text_field:str='text', dataset_config:str=None,

@@ -780,7 +780,7 @@ class Trainer:
             own = self.unwrapped_model.state_dict()
             for k in own:
                 if k not in sd:
-                    twin = next((k2 for k2 in sd if own[k2].data_ptr() == own[k].data_ptr()), None) if k in own else None
+                    twin = next((k2 for k2 in sd if k2 in own and own[k2].data_ptr() == own[k].data_ptr()), None)
                     if twin is not None: sd[k] = sd[twin]
             load_strict(self.unwrapped_model, sd, 'model')
             try: self.optimizer.load_state_dict(read_state(path/'optimizer'))

@@ -116,3 +116,32 @@ def test_environment_errors_are_one_line(world, tmp_path, prog):
         if where: assert where in lines[0], (prog, name, lines[0])
     assert (world/'a_file').read_text() == 'keep me\n' and not Path('/sys/memlab_out').exists()
     assert not (tmp_path/'c').exists() and not (tmp_path/'w').exists()
+
+def test_damaged_or_mismatched_checkpoints_are_one_line(world, tmp_path):
+    "memlab_train resumed into another model, from a full fine-tune with LoRA on, and from damaged checkpoint files: one line each."
+    module, out_flag, _, _, base = commands(world)['memlab_train']
+    out = tmp_path/'run'
+    argv = lambda *extra: [str(a) for a in [*base, '--output_dir', out, '--lora_r', 0, *extra]]
+    r = run([sys.executable, '-c', runner(module, 'memlab_train'), json.dumps([argv('--max_steps', 2, '--save_every', 1)])])
+    assert json.loads(r.stdout.strip().splitlines()[-1])[0][0] == 0
+    ck = out/'checkpoints'/'step-00000002'
+    other = tmp_path/'other'
+    from memlab.models import tiny_model
+    tiny_model('llama', vocab_size=512, num_layers=2, seed=1).save_pretrained(other)
+    for f in ('tokenizer.json', 'tokenizer_config.json'): (other/f).write_bytes((world/'tok'/f).read_bytes())
+    resume = ['--max_steps', 3, '--resume_from', 'latest']
+    cases = [(argv(*resume, '--model', other), 'model state does not match'),
+             (argv(*resume, '--lora_r', 4), 'does not match'),
+             ('trainer_state.json', 'is damaged (not valid JSON'), ('model.safetensors', 'is damaged or cut short'),
+             ('optimizer.safetensors', 'is damaged or cut short')]
+    for what, msg in cases:
+        saved = {p.name: p.read_bytes() for p in ck.iterdir()}
+        if isinstance(what, str):                                # damage one file of the checkpoint
+            (ck/what).write_bytes(b'{bad' if what.endswith('.json') else saved[what][:len(saved[what]) // 3])
+            what = argv(*resume)
+        r = run([sys.executable, '-c', runner(module, 'memlab_train'), json.dumps([what])])
+        code, err = json.loads(r.stdout.strip().splitlines()[-1])[0]
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert code != 0 and len(lines) == 1 and msg in lines[0] and 'Traceback' not in err, (what, err[-2000:])
+        for name, b in saved.items(): (ck/name).write_bytes(b)   # restore for the next case
+        assert sorted(p.name for p in (out/'checkpoints').glob('step-*')) == ['step-00000001', 'step-00000002']

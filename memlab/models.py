@@ -533,12 +533,16 @@ def _load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     check(kind != 'config', f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
     if kind == 'path' and not gguf_file and Path(value).is_dir():
         value = model_folder(value)                                      # a run folder's model
-        if not any((Path(value)/f).exists() for f in TOKENIZER_FILES) and (base := folder_base(value)):
-            return _load_tokenizer(base, **kwargs)                       # a saved method without a tokenizer: its base model's
+        if not any((Path(value)/f).exists() for f in TOKENIZER_FILES):
+            if (base := folder_base(value)): return _load_tokenizer(base, **kwargs)   # a saved method: its base model's tokenizer
+            raise MemlabError(f"{value} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass --tokenizer, or save the "
+                              f"tokenizer into the folder")
     try:
         with hub_offline_unless_reachable():
             tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
     except (OSError, ValueError) as e:
+        if kind == 'path':                                                # a local folder or file: say what is wrong with it
+            raise MemlabError(f"cannot load the tokenizer in {value}: {' '.join(str(e).split())[:200]}") from None
         raise MemlabError(f"cannot load tokenizer {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
                           f"or has no such tokenizer; pass a local folder") from None
     if tok.pad_token is None and tok.eos_token is not None: tok.pad_token = tok.eos_token

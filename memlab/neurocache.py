@@ -19,12 +19,12 @@ from .models import TransparentWrapper, decoder_layers, keep_4bit_trainable, lay
 __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME',
            'NEUROCACHE_WEIGHTS_NAME', 'CACHE_BOOKKEEPING_BYTES', 'parse_layers', 'parse_retrieval_map',
            'format_retrieval_map', 'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache',
-           'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'retrieval_scores',
-           'naive_cache_attention', 'CacheProjection', 'Neurocache', 'NeurocacheAttention', 'resolve_config',
-           'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache',
-           'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache',
-           'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache',
-           'load_saved_neurocache', 'memory_per_token', 'benchmark']
+           'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'context_window',
+           'retrieval_scores', 'naive_cache_attention', 'CacheProjection', 'Neurocache', 'NeurocacheAttention',
+           'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache',
+           'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache',
+           'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info',
+           'load_neurocache', 'load_saved_neurocache', 'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -385,34 +385,40 @@ class CacheAttention(nn.Module):
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
         """x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens; valid (B, P+T, M);
         bias (B, P+T, M): the retrieval score of each state, weighted per head by `retrieval_scale` and added to the logits."""
+        return self.attend(x, *context_window(ctx, valid, bias, context_size, prefix))
+
+    def attend(self, x, ctx, ok, bias=None):
+        "x (B, T, C) attends to each token's window of states ctx (B, T, W, d) where ok (B, T, W) (`context_window` makes them)."
         B, T, _ = x.shape
-        P, M, d = prefix, ctx.shape[2], ctx.shape[3]
-        nkv, hs = self.num_kv_heads, self.head_dim
+        nkv, hs, d = self.num_kv_heads, self.head_dim, ctx.shape[-1]
         g = self.num_heads // nkv
         q = (self.q_proj(x) * hs**-0.5).view(B, T, nkv, g, hs)              # (B, T, nkv, g, hs)
         # K = C W_kᵀ and V = C W_vᵀ are linear in the retrieved states C, so W_k moves onto the query (q·W_k c = (W_kᵀq)·c) and
-        # W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, M, heads, hs) keys or values are ever made
+        # W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, W, heads, hs) keys or values are ever made
         qc = torch.einsum('btngh,nhd->btngd', q, self.k_proj.weight.view(nkv, hs, d))   # (B, T, nkv, g, d)
-        scores, oks, starts = [], [], []
-        for o in range(context_size):                                       # token t reads the retrievals of token t-o
-            lo = min(T, max(0, o - P))                                      # tokens t < lo have no token t-o: masked
-            s = torch.einsum('btngd,btmd->btngm', qc[:, lo:], ctx[:, P + lo - o:P + T - o]).float()   # (B, T-lo, nkv, g, M)
-            if self.retrieval_scale is not None:
-                check(bias is not None, "this cache attention weighs retrieval scores: pass bias")
-                w = self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None]
-                s = s + w * bias[:, P + lo - o:P + T - o, None, None, :].float()
-            scores.append(F.pad(s, (0, 0, 0, 0, 0, 0, lo, 0)))
-            oks.append(torch.cat([valid.new_zeros(B, lo, M), valid[:, P + lo - o:P + T - o]], 1))  # (B, T, M)
-            starts.append(lo)
-        s, ok = torch.cat(scores, -1), torch.cat(oks, -1)                   # (B, T, nkv, g, c·M), (B, T, c·M)
+        s = torch.einsum('btngd,btmd->btngm', qc, ctx).float()             # (B, T, nkv, g, W)
+        if self.retrieval_scale is not None:
+            check(bias is not None, "this cache attention weighs retrieval scores: pass bias")
+            s = s + self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None] * bias[:, :, None, None, :].float()
         s = s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min)
         p = torch.softmax(s, dim=-1) * ok.any(-1)[:, :, None, None, None]   # nothing valid -> exactly zero output
-        out = 0
-        for o, (p_o, lo) in enumerate(zip(p.to(ctx.dtype).split(M, dim=-1), starts)):
-            y = torch.einsum('btngm,btmd->btngd', p_o[:, lo:], ctx[:, P + lo - o:P + T - o])    # (B, T-lo, nkv, g, d)
-            out = out + F.pad(y, (0, 0, 0, 0, 0, 0, lo, 0))
+        out = torch.einsum('btngm,btmd->btngd', p.to(ctx.dtype), ctx)       # (B, T, nkv, g, d)
         out = torch.einsum('btngd,nhd->btngh', out, self.v_proj.weight.view(nkv, hs, d))    # (B, T, nkv, g, hs)
         return self.o_proj(out.reshape(B, T, self.num_heads * hs))           # (B, T, C)
+
+def context_window(ctx, valid, bias, context_size:int=1, prefix:int=0) -> tuple:
+    """Each of the T tokens' window: the M states retrieved for it and for each of the c−1 tokens before it, (B, T, c·M, d), with
+    its validity (B, T, c·M) and retrieval scores (or None); positions before the first token are invalid zeros."""
+    B, PT, M, d = ctx.shape
+    T = PT - prefix
+    if context_size == 1 and prefix == 0: return ctx, valid, bias         # the retrievals themselves: nothing to copy
+    cs, vs, bs = [], [], []
+    for o in range(context_size):                                       # offset o: token t reads the retrievals of token t-o
+        lo = min(T, max(0, o - prefix))                                  # tokens t < lo have no token t-o
+        cs.append(F.pad(ctx[:, prefix + lo - o:prefix + T - o], (0, 0, 0, 0, lo, 0)))
+        vs.append(torch.cat([valid.new_zeros(B, lo, M), valid[:, prefix + lo - o:prefix + T - o]], 1))
+        if bias is not None: bs.append(F.pad(bias[:, prefix + lo - o:prefix + T - o], (0, 0, lo, 0)))
+    return torch.cat(cs, 2), torch.cat(vs, 2), torch.cat(bs, 2) if bias is not None else None
 
 # %% ../nbs/20_neurocache.ipynb
 def retrieval_scores(query, states, neighborhood_size:int, similarity_fn:str='l2'):
@@ -561,27 +567,27 @@ class Neurocache(nn.Module):
         r = self.source.get(layer)
         if r is None: return None
         check(r in self._retrieved, f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
-        ret = self._retrieved[r]
-        ctx = self._context(r, layer)
-        return self.attentions[str(layer)](x, ctx, ret['valid'], self.config.context_size, ret['prefix'], ret.get('bias'))
+        return self.attentions[str(layer)].attend(x, *self._context(r, layer))
 
-    def _context(self, r:int, layer:int) -> torch.Tensor:
-        "The retrieved states of cache `r` as the attention layers read them (re-projected through W_p in training), made once per forward."
+    def _context(self, r:int, layer:int) -> tuple:
+        """The window of retrieved states of cache `r` as the attention layers read them (re-projected through W_p in training):
+        (states (B, T, W, d), valid (B, T, W), retrieval scores or None), made once per forward."""
         ret = self._retrieved[r]
         proj = self.projections[str(r)]
         need_grad = self.reencode and torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters())
-        ctx = ret.get('ctx')
+        win = ret.get('window')
         # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what it did
         # (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused when they are needed
-        if ctx is not None and ret['maker'] != layer and (ctx.requires_grad or not need_grad): return ctx
+        if win is not None and ret['maker'] != layer and (win[0].requires_grad or not need_grad): return win
         if self.reencode:
             ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]   # (B, T, M, d): W_p learns through this
             if self.config.retrieval_bias:                                         # and through the retrieval scores
                 cfg = self.config
                 ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size, cfg.similarity_fn)
         else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
-        if 'ctx' not in ret: ret['ctx'], ret['maker'] = ctx, layer
-        return ctx
+        win = context_window(ctx, ret['valid'], ret['bias'], self.config.context_size, ret['prefix'])
+        if 'window' not in ret: ret['window'], ret['maker'] = win, layer
+        return win
 
     def commit(self, keep_retrieved:bool=False):
         "End a forward: write the stashed states to the caches (unless frozen)."

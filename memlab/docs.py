@@ -6,12 +6,13 @@
 from __future__ import annotations
 import json, re, sys
 from pathlib import Path
+from typing import Optional
 
 from .core import cli_main, atomic_write_text, check
 
 # %% auto 0
-__all__ = ['SECTIONS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown', 'write_readme', 'api_html',
-           'api_hook_for', 'site_pages', 'build_site', 'docs_main']
+__all__ = ['SECTIONS', 'FILE_WORKER_JS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown',
+           'write_readme', 'source_url', 'api_html', 'api_hook_for', 'site_pages', 'build_site', 'docs_main']
 
 # %% ../nbs/99_docs.ipynb
 _DIRECTIVE = re.compile(r"^\s*#\s*\|\s*([\w-]+):?\s*(.*)$")
@@ -68,7 +69,8 @@ def notebook_markdown(path, skip_title:bool=False, link_base:str='', ext:str='.i
         if 'hide_output' not in d and d.get('output') != 'false':
             for o in cell.get('outputs', []):
                 png = o.get('data', {}).get('image/png')
-                parts.append(f"![]({image_hook(''.join(png).strip())})" if png and image_hook else _output_md(o))
+                parts.append(f"[![]({u})]({u})" if png and image_hook and (u := image_hook(''.join(png).strip()))
+                             else _output_md(o))                      # click to see it full size
     return '\n\n'.join(p for p in parts if p) + '\n'
 
 # %% ../nbs/99_docs.ipynb
@@ -130,21 +132,51 @@ def _param_rows(obj) -> list:
         rows.append((name, str(ann), default, d.get('docment') or ''))
     return rows
 
+def _markdown(text:str, inline:bool=False) -> str:
+    "Docstring Markdown (`code`, *emphasis*, lists) as HTML; `inline` drops the enclosing paragraph."
+    import markdown
+    out = markdown.markdown(text, extensions=['fenced_code', 'tables'])
+    return out[3:-4] if inline and out.startswith('<p>') and out.endswith('</p>') and out.count('<p>') == 1 else out
+
+def _python_html(code:str) -> str:
+    "Python source as highlighted HTML (Pygments, the classes the site's theme colours)."
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+    return f'<div class="highlight"><pre><code>{highlight(code, PythonLexer(), HtmlFormatter(nowrap=True))}</code></pre></div>'
+
+def source_url(obj) -> Optional[str]:
+    "The line defining `obj` in the project's repository (settings.ini's git_url and branch), or None."
+    try:
+        path, line = Path(inspect.getsourcefile(obj)).resolve(), inspect.getsourcelines(obj)[1]
+        import memlab
+        rel = path.relative_to(Path(memlab.__file__).resolve().parent.parent)
+    except (TypeError, OSError, ValueError): return None
+    cfg = _settings()
+    return f"{cfg['git_url']}/blob/{cfg.get('branch', 'main')}/{rel.as_posix()}#L{line}" if cfg.get('git_url') else None
+
+def _settings() -> dict:
+    import configparser, memlab
+    p = configparser.ConfigParser(); p.read(Path(memlab.__file__).resolve().parent.parent/'settings.ini')
+    return dict(p.defaults())
+
 def api_html(obj, name:str, level:int=4) -> str:
-    "HTML documentation block of one object: signature, docstring, parameter table (and methods of a class)."
+    "HTML documentation block of one object: signature, docstring (Markdown), parameter table, source link (and a class's methods)."
     kind = 'class' if inspect.isclass(obj) else ('function' if callable(obj) else 'value')
     try: sig = str(_signature(obj)) if callable(obj) else ''
     except (TypeError, ValueError): sig = '(...)'
     doc = inspect.getdoc(obj) or ''
-    if kind == 'value': doc = f"= {html.escape(repr(obj)[:300])}"
+    src = source_url(obj) if kind != 'value' else None
+    link = f' <a class="memlab-source" href="{html.escape(src)}">source</a>' if src else ''
     out = [f'<div class="memlab-api" id="api-{html.escape(name)}">',
-           f'<h{level}><code>{html.escape(name)}</code> <small>{kind}</small></h{level}>']
-    if sig: out.append(f'<pre class="memlab-sig"><code>{html.escape(name + sig)}</code></pre>')
-    if doc: out.append(f'<p>{html.escape(doc) if kind != "value" else doc}</p>')
+           f'<h{level}><code>{html.escape(name)}</code> <small>{kind}</small>{link}</h{level}>']
+    if sig: out.append(_python_html(name + sig))
+    if kind == 'value': out.append(_python_html(f"{name} = {repr(obj)[:300]}"))
+    elif doc: out.append(_markdown(doc))
     rows = _param_rows(obj) if callable(obj) else []
     if rows and any(r[3] for r in rows):
         out.append('<table><thead><tr><th>parameter</th><th>type</th><th>default</th><th></th></tr></thead><tbody>')
-        out += [f'<tr><td><code>{html.escape(a)}</code></td><td>{html.escape(b)}</td><td><code>{html.escape(c)}</code></td><td>{html.escape(d)}</td></tr>'
+        out += [f'<tr><td><code>{html.escape(a)}</code></td><td>{html.escape(b)}</td><td><code>{html.escape(c)}</code></td><td>{_markdown(d, inline=True)}</td></tr>'
                 for a, b, c, d in rows]
         out.append('</tbody></table>')
     if kind == 'class':
@@ -152,7 +184,8 @@ def api_html(obj, name:str, level:int=4) -> str:
             if mname.startswith('_') or mname not in obj.__dict__ or not callable(m) or not getattr(m, '__doc__', None): continue
             try: msig = str(_signature(m))
             except (TypeError, ValueError): msig = '(...)'
-            out.append(f'<p class="memlab-method"><code>{html.escape(name + "." + mname + msig)}</code>: {html.escape((inspect.getdoc(m) or "").splitlines()[0])}</p>')
+            first = (inspect.getdoc(m) or '').split('\n\n')[0]
+            out.append(f'<p class="memlab-method"><code>{html.escape(name + "." + mname + msig)}</code>: {_markdown(first, inline=True)}</p>')
     out.append('</div>')
     return '\n'.join(out)
 
@@ -168,6 +201,45 @@ def api_hook_for(module_name:str):
 import base64, hashlib, shutil, subprocess
 
 SECTIONS = (('Foundations', '0'), ('Methods', '1-5'), ('Project', '9'))
+
+FILE_WORKER_JS = r'''// memlab: lets the site's search run when the site is opened from the file system (file://), where browsers refuse to start
+// a Web Worker from a file. It stands in for `Worker` there: the worker's script runs in a hidden same-origin iframe, and
+// messages pass between the page and that frame as they would between a page and a worker. Served over http it does nothing.
+(function () {
+  if (location.protocol !== 'file:') return;
+  class FileWorker extends EventTarget {
+    constructor(url) {
+      super();
+      this.onmessage = null; this.onerror = null; this._ready = false; this._queue = [];
+      const frame = document.createElement('iframe');
+      frame.style.display = 'none';
+      (document.body || document.documentElement).appendChild(frame);
+      const w = this._frame = frame.contentWindow;
+      w.postMessage = (data) => this._emit(data);             // the worker's postMessage: back to the page
+      w.importScripts = () => { throw new Error('importScripts is not available to a file:// worker'); };
+      const script = w.document.createElement('script');
+      script.src = new URL(url, location.href).href;
+      script.onload = () => { this._ready = true; this._queue.splice(0).forEach((d) => this.postMessage(d)); };
+      script.onerror = (e) => { const ev = new Event('error'); this.dispatchEvent(ev); if (this.onerror) this.onerror(ev); };
+      w.document.head.appendChild(script);
+      this._element = frame;
+    }
+    _emit(data) {
+      const ev = new MessageEvent('message', { data });
+      this.dispatchEvent(ev);
+      if (this.onmessage) this.onmessage(ev);
+    }
+    postMessage(data) {
+      if (!this._ready) { this._queue.push(data); return; }
+      const w = this._frame, ev = new w.MessageEvent('message', { data });
+      w.dispatchEvent(ev);
+      if (w.onmessage) w.onmessage(ev);
+    }
+    terminate() { this._element.remove(); }
+  }
+  window.Worker = FileWorker;
+})();
+'''
 
 def _title(path) -> str:
     nb = json.loads(Path(path).read_text())
@@ -198,8 +270,13 @@ def site_pages(root='.') -> list:
 def build_site(root='.', out='_site', strict:bool=True) -> Path:
     "Render the documentation site from the notebooks into `out` (static HTML, viewable offline)."
     root, out = Path(root).resolve(), Path(out).resolve()
-    src = out.with_name(out.name + '_src')
-    shutil.rmtree(src, ignore_errors=True); (src/'img').mkdir(parents=True)
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix='memlab-site-') as tmp:     # the Markdown sources and MkDocs config: nowhere in the project
+        return _build_site(root, out, Path(tmp), strict)
+
+def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
+    src = tmp/'src'
+    (src/'img').mkdir(parents=True)
     nav = {}
     for section, nb, page in site_pages(root):
         depth = page.count('/')
@@ -217,20 +294,27 @@ def build_site(root='.', out='_site', strict:bool=True) -> Path:
         (src/page).parent.mkdir(parents=True, exist_ok=True)
         (src/page).write_text(md)
         nav.setdefault(section, []).append({_title(nb): page})
+    (src/'js').mkdir(exist_ok=True); (src/'js'/'file-worker.js').write_text(FILE_WORKER_JS)
     (src/'css').mkdir(exist_ok=True)
     (src/'css'/'memlab.css').write_text(".memlab-api{border-left:3px solid #7c4dff;padding:.2em .8em;margin:1em 0;background:#f7f5ff}"
-                                        ".memlab-api h4{margin-top:.3em}.memlab-sig code{white-space:pre-wrap}")
+                                        ".memlab-api h4{margin-top:.3em}.memlab-api .highlight code{white-space:pre-wrap}"
+                                        ".memlab-source{font-size:.7em;margin-left:.6em}"
+                                        "article img{max-width:100%;height:auto}")
     cfg = {'site_name': 'memlab', 'docs_dir': str(src), 'site_dir': str(out), 'use_directory_urls': False,
            'theme': {'name': 'material', 'font': False, 'features': ['navigation.sections', 'content.code.copy']},
-           'extra_css': ['css/memlab.css'], 'markdown_extensions': ['tables', 'fenced_code', 'toc', 'admonition'],
+           'extra_css': ['css/memlab.css'],
+           'markdown_extensions': ['tables', 'toc', 'admonition', {'pymdownx.highlight': {'use_pygments': True}},
+                                   'pymdownx.superfences', 'pymdownx.inlinehilite'],
            'nav': [{k: v if k != 'Home' else v[0][next(iter(v[0]))]} if k == 'Home' else {k: v} for k, v in nav.items()],
-           'plugins': ['search']}
+           'plugins': ['search'], 'extra': {'polyfills': ['js/file-worker.js']}}
     import yaml
-    cfg_path = out.with_name(out.name + '_mkdocs.yml')
+    cfg_path = tmp/'mkdocs.yml'
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '-q', '-f', str(cfg_path)] + (['--strict'] if strict else []),
                        capture_output=True, text=True)
     check(r.returncode == 0, f"mkdocs build failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    index = out/'search'/'search_index.json'                  # the theme reads the index from this script when opened as a file
+    if index.exists(): (out/'search'/'search_index.js').write_text('var __index = ' + index.read_text())
     return out
 
 def _site_links(md:str, page:str) -> str:
@@ -252,11 +336,12 @@ def _site_links(md:str, page:str) -> str:
 def docs_main():
     "memlab_docs: write README.md from nbs/index.ipynb and, with --site, the documentation site (no Quarto needed)."
     import argparse
-    p = argparse.ArgumentParser(prog='memlab_docs', description=docs_main.__doc__)
+    p = argparse.ArgumentParser(prog='memlab_docs', description=docs_main.__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--root', default='.', help='project root (holds nbs/)')
     p.add_argument('--readme', action='store_true', help='write README.md only')
     p.add_argument('--site', action='store_true', help='also build the documentation site (MkDocs, offline)')
-    p.add_argument('--out', default='_site', help='where the site goes')
+    p.add_argument('--out', default='_site', help='where the site goes (only this folder is written; open <out>/index.html)')
     args = p.parse_args()
     print(write_readme(args.root))
     if args.site: print(build_site(args.root, args.out))

@@ -14,11 +14,22 @@ CHROMIUM = shutil.which('chromium') or shutil.which('chromium-browser')
 ARGS = ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
         '--disable-component-update', '--disable-sync']
 
+def git_status() -> str:
+    return subprocess.run(['git', 'status', '--porcelain', '--ignored'], cwd=ROOT, capture_output=True, text=True).stdout
+
 @pytest.fixture(scope='module')
 def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp('site')/'site'
+    out, before = tmp_path_factory.mktemp('site')/'site', git_status()
     run([Path(sys.executable).parent/'memlab_docs', '--site', '--out', out, '--root', ROOT], timeout=900)
+    assert git_status() == before, 'the build wrote into the repository'     # only --out is written (README.md is regenerated as it was)
     return out
+
+def test_code_is_highlighted_and_docstrings_rendered(site):
+    page = (site/'20_neurocache.html').read_text()
+    assert page.count('<span class="k">') > 50                               # Python keywords in notebook code, coloured by Pygments
+    api = page[page.index('id="api-add_neurocache"'):][:4000]
+    assert 'class="highlight"' in api and 'class="memlab-source"' in api     # highlighted signature, a link to its source
+    assert '`' not in api.split('</pre>', 1)[1].split('</div>', 1)[0]         # docstrings as Markdown, not raw backticks
 
 class Links(HTMLParser):
     def __init__(self): super().__init__(); self.links = []
@@ -60,8 +71,16 @@ def test_pages_in_headless_chromium(site):
             assert page.locator('h1').count() >= 1, p.name
             if p.name not in NO_API:
                 assert page.locator('.memlab-api').count() > 0, f"{p.name} shows no API documentation"
+        page.goto((site/'index.html').as_uri())                                # search from file:// (the offline plugin)
+        page.locator('input.md-search__input').fill('Neurocache')           # the header's search box, shown when search can work
+        page.wait_for_selector('.md-search-result__item', timeout=15000)
+        assert page.locator('.md-search-result__item').count() > 0, 'search for Neurocache found nothing'
+        page.set_viewport_size({'width': 1280, 'height': 900})
         for p in exp_pages:
             page.goto(p.as_uri())
+            widths = page.evaluate("() => { const a = document.querySelector('article').getBoundingClientRect().width;"
+                                   " return [...document.querySelectorAll('article img')].map(i => i.getBoundingClientRect().width - a); }")
+            assert all(w <= 1 for w in widths), f"{p.name}: an image is wider than the text column"
             imgs = page.locator('article img')
             n = imgs.count()
             assert n > 0, f"{p.name} shows no plot"

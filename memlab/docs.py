@@ -32,8 +32,11 @@ def _strip_directives(src:str) -> str:
     return '\n'.join(lines).strip('\n')
 
 def _output_md(o:dict) -> str:
-    if o.get('output_type') == 'stream': return '```\n' + ''.join(o.get('text', '')).rstrip() + '\n```'
+    "A cell output as Markdown: printed text, Markdown/HTML displays, images; not stderr (warnings, progress bars) nor widgets."
+    if o.get('output_type') == 'stream':
+        return '' if o.get('name') == 'stderr' else '```\n' + ''.join(o.get('text', '')).rstrip() + '\n```'
     data = o.get('data', {})
+    if 'application/vnd.jupyter.widget-view+json' in data: return ''   # a live widget (a progress bar): nothing to show on a page
     if 'text/markdown' in data: return ''.join(data['text/markdown'])
     if 'image/png' in data: return f"![](data:image/png;base64,{''.join(data['image/png']).strip()})"
     if 'text/plain' in data: return '```\n' + ''.join(data['text/plain']).rstrip() + '\n```'

@@ -4,12 +4,11 @@
 
 # %% ../nbs/06_bench.ipynb 2
 from __future__ import annotations
-import importlib, json, math, multiprocessing as mp, os, queue, statistics, sys, time
-from pathlib import Path
+import importlib, json, multiprocessing as mp, queue, statistics, time
 
 import torch
 
-from .core import MemlabError, check, cli_main, fmt_bytes, peak_memory, atomic_write_text
+from .core import MemlabError, cli_main, peak_memory, atomic_write_text
 from .models import enable_activation_checkpointing
 
 # %% auto 0

@@ -19,7 +19,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import slice_logits_to_keep
 
-from .core import Config, MemlabError, check
+from .core import Config, check
 from .models import MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method, register_method
 from .training import LossOutput, model_inputs
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb 2
 from __future__ import annotations
-import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, time, types, typing, warnings
+import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, types, typing, warnings
 from pathlib import Path
 from typing import Optional
 

@@ -4,10 +4,10 @@
 
 # %% ../nbs/90_demo.ipynb 2
 from __future__ import annotations
-import json, os, time
+import json, time
 from pathlib import Path
 
-from .core import MemlabError, check, cli_main, atomic_write_text
+from .core import check, cli_main, atomic_write_text
 from .training import TrainConfig
 
 # %% auto 0

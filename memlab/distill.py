@@ -4,7 +4,7 @@
 
 # %% ../nbs/41_distill.ipynb 2
 from __future__ import annotations
-import copy, dataclasses, hashlib, json, math, platform, re, sys
+import copy, hashlib, json, math, platform, re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional

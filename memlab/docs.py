@@ -201,7 +201,7 @@ def api_hook_for(module_name:str):
     return hook
 
 # %% ../nbs/99_docs.ipynb
-import base64, hashlib, shutil, subprocess
+import base64, hashlib, subprocess
 
 SECTIONS = (('Foundations', '0'), ('Methods', '1-5'), ('Project', '9'))
 

@@ -20,7 +20,7 @@ from transformers.utils import ModelOutput
 
 from .core import MemlabError, atomic_write_text, check, count_parameters
 from .models import register_folder
-from .training import LossOutput, causal_lm_loss, model_inputs
+from .training import LossOutput, model_inputs
 
 # %% auto 0
 __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', 'MEMORY_MODES', 'MEMORY_FORMATS', 'OBJECTIVES',

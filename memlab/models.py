@@ -13,7 +13,7 @@ from torch import nn
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .core import MemlabError, check, cli_main, count_parameters, atomic_write_text
+from .core import MemlabError, check, cli_main, atomic_write_text
 from .data import hub_offline_unless_reachable
 
 # %% auto 0

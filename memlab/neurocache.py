@@ -4,7 +4,7 @@
 
 # %% ../nbs/20_neurocache.ipynb 2
 from __future__ import annotations
-import contextlib, dataclasses, json, re
+import contextlib, dataclasses, re
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/30_relora.ipynb 2
 from __future__ import annotations
-import copy, dataclasses, inspect, logging, math, warnings
+import dataclasses, inspect, logging, math, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional

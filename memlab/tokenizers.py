@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 import memlab
-from .core import Config, MemlabError, arg, atomic_write_text, check, check_writable, cli_main, parse_configs
+from .core import Config, MemlabError, atomic_write_text, check, check_writable, cli_main, parse_configs
 from .data import Corpus, Document, canonical_split, hub_offline_unless_reachable, load_corpus
 
 # %% auto 0

@@ -4,13 +4,13 @@
 
 # %% ../nbs/07_train.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, time, warnings
+import json, os, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .core import Config, MemlabError, arg, check, cli_main, count_parameters, parse_configs, atomic_write_text, fmt_bytes
+from .core import Config, MemlabError, arg, check, cli_main, count_parameters, parse_configs, atomic_write_text
 from .data import load_corpus
 from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,

@@ -4,14 +4,14 @@
 
 # %% ../nbs/11_train_bpt.ipynb 2
 from __future__ import annotations
-import json, math, os, shutil, time
+import json, math, os, shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, remove_bpt, set_mmap_threshold
+from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
                          seed_everything)
 from .data import Document, _iter_json_records
@@ -19,7 +19,7 @@ from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
 from .tokenizers import _tokenize_split, check_vocab, get_tokenizer, pad_id
 from .training import load_sharded, main_process_value, output_dir_refusal, sharded_metadata, write_state
-from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
+from .training import (Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
                              make_accelerator)
 
 # %% auto 0

@@ -4,7 +4,7 @@
 
 # %% ../nbs/42_train_distill.ipynb 2
 from __future__ import annotations
-import dataclasses, hashlib, json, math, os, time, typing
+import dataclasses, hashlib, json, math, os, time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +18,9 @@ from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .training import CHECKPOINTS, Callback, TrainConfig, Trainer, make_accelerator, output_dir_refusal
+from .training import Callback, TrainConfig, Trainer, make_accelerator, output_dir_refusal
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, _copy_plan, _param_groups, _reinitialize,
-                            dataset_fingerprint, generate_teacher_topk, model_card, output_vocab_size, remove_distill_heads,
+                            dataset_fingerprint, generate_teacher_topk, model_card, remove_distill_heads,
                             save_distill_heads, student_config, tokenizer_fingerprint)
 from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, save_packed
 

@@ -17,8 +17,8 @@ from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main,
                          seed_everything, str2bool)
 from .data import load_corpus
 from .loaders import TokenBatches
-from .mixer import (MaskedMixerConfig, MixerPreTrainedModel, autoencoder_loss, load_mixer, memory_bits, normalized_loss,
-                          information, objective_loss)
+from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits, normalized_loss, information,
+                          objective_loss)
 from .models import load_model, load_tokenizer
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
 from .train import default_output_dir, plot_history

@@ -4,7 +4,7 @@
 
 # %% ../nbs/21_train_neurocache.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, time
+import dataclasses, json, os, time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +17,12 @@ from .core import Config, MemlabError, arg, atomic_write_text, check, cli_main, 
 from .data import load_corpus
 from .loaders import DocumentStream
 from .models import load_model, load_tokenizer
-from .neurocache import (CACHE_FIELDS, NeurocacheConfig, add_ffn_lora, add_neurocache, cache_state_dict, has_neurocache,
-                               load_cache_state_dict, load_neurocache, memory_per_token, neurocache_state_dict, reset_cache,
-                               save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
+from .neurocache import (CACHE_FIELDS, NeurocacheConfig, add_ffn_lora, add_neurocache, cache_state_dict,
+                               has_neurocache, load_cache_state_dict, load_neurocache, memory_per_token,
+                               neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
 from .training import main_process_value, output_dir_refusal
-from .training import (CHECKPOINTS, Callback, LossOutput, TrainConfig, Trainer, causal_lm_loss, list_checkpoints,
-                             make_accelerator)
+from .training import Callback, LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',

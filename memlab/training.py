@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_training.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, pickle, shutil, signal, sys, threading, time, typing, warnings
+import dataclasses, json, math, os, pickle, shutil, signal, threading, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, arg, check, check_launch, check_ranges, peak_memory, rng_state, set_rng_state
-from .models import tiny_model, enable_activation_checkpointing, to_state_names
+from .core import Config, MemlabError, check, check_launch, check_ranges, peak_memory, rng_state, set_rng_state
+from .models import enable_activation_checkpointing, to_state_names
 
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'LossOutput', 'model_inputs', 'causal_lm_loss',

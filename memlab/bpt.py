@@ -366,7 +366,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     "LM head + cross-entropy by chunks of rows; gradients computed chunk by chunk during forward."
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, reduction, need_grad):
-        N, V = hidden.shape[0], weight.shape[0]
+        N = hidden.shape[0]
         acc = _stat_dtype(hidden.dtype)
         valid = targets != ignore_index                                        # (N,)
         safe_t = torch.where(valid, targets, torch.zeros_like(targets))        # (N,) any index for ignored rows

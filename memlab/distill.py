@@ -825,7 +825,7 @@ def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embe
         p = next(teacher.parameters())
         student = AutoModelForCausalLM.from_config(cfg, dtype=p.dtype).to(p.device)
         if reinitialize: _reinitialize(student)
-        gs, gt = _param_groups(student), _param_groups(teacher)
+        gt = _param_groups(teacher)
         if copy_layers is not None:
             plan = _copy_plan(copy_layers, len(decoder_layers(student)), len(decoder_layers(teacher)))
             for j, i in enumerate(plan):

@@ -289,9 +289,8 @@ def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
             return '../' * _depth + 'img/' + name
         mod = _module_of(nb)
         hook = api_hook_for(mod) if mod else None
-        base = '' if depth == 0 else '../'
         md = notebook_markdown(nb, api_hook=hook, image_hook=image_hook, ext='.md',
-                               link_base='experiments/' if page == 'index.md' and False else '')
+                               link_base='')
         if page == 'index.md': md = md.replace('<!-- memlab:results -->', results_markdown(root)).replace('](nbs/', '](')
         md = _site_links(md, page)
         (src/page).parent.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,7 @@ def fetch_smollm2(quiet:bool=False) -> Path:
     # A model loaded from GGUF is flagged as quantized and refuses save_pretrained: rebuild it from its plain config.
     cfg = model.config.to_dict(); cfg.pop('quantization_config', None)
     plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
-    res = plain.load_state_dict(model.state_dict(), strict=True)
+    plain.load_state_dict(model.state_dict(), strict=True)
     tmp = out.with_name(out.name + '.tmp'); shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp); tok.save_pretrained(tmp)
     atomic_write_text(tmp/'memlab_source.json', json.dumps({'wheel': SMOLLM2_WHEEL, 'gguf': SMOLLM2_GGUF,

@@ -526,7 +526,7 @@ def demo(out:Path, quick:bool=False) -> tuple:
                                          f"(glibc mmap threshold 1 MiB)",
              'metric': 'peak memory growth', 'value': f"SDPA + checkpointing {a['peak_mib']:.0f} MiB, BPT {b['peak_mib']:.0f} MiB "
                                                     f"({a['peak_mib'] / max(b['peak_mib'], 1):.1f}x less)"},
-            {'method': 'BPT', 'setting': f"the same step", 'metric': 'loss (exact reorganisation)',
+            {'method': 'BPT', 'setting': "the same step", 'metric': 'loss (exact reorganisation)',
              'value': f"SDPA {a['loss']:.5f}, BPT {b['loss']:.5f}"}]
     series = {'BPT: peak memory (MiB) of a training step vs tokens': {
         name: [(r['seq_len'], r['peak_mib']) for r in res[c]] for name, c in (('SDPA + ckpt', 'sdpa + ckpt'), ('BPT', 'bpt'))}}

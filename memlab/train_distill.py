@@ -356,7 +356,7 @@ def _is_quantized(model) -> bool:
 def _copy_modules(student, teacher, copies, layer_selection) -> list:
     "Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); return a description of each copy."
     done = []
-    gs, gt = _param_groups(student), _param_groups(teacher)
+    gt = _param_groups(teacher)
     for name, freeze in copies:
         if name == 'layers':
             check(not _is_quantized(teacher), "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "

@@ -60,7 +60,7 @@ def main():
     if a.reload:  # save-then-load in one process (sharded checkpoints that could not be read back right after saving shipped elsewhere)
         import dataclasses
         t2 = Trainer(tiny_model('llama', seed=7), dataclasses.replace(cfg, resume_from='latest'), BatchList(make_batches(6, seed=100 + rank)),
-                     callbacks=[Die()], loss_fn=loss_fn)
+                     callbacks=[Die(), SendSignal()], loss_fn=loss_fn)
         reloaded = fingerprint(t2.model)
     Path(a.out, f'result_rank{t.accelerator.process_index}.json').write_text(json.dumps(
         {'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fp, 'world': t.world_size,

@@ -23,13 +23,15 @@ def run(cmd, timeout=600, check=True, **envkw) -> subprocess.CompletedProcess:
     return r
 
 def cli_runner(module:str, prog:str) -> str:
-    """A `python -c` script that runs `module`'s CLI once per argv of the JSON list in argv[1], in one process (accelerate's state
-    reset between runs), and prints [[exit code, stderr], ...] as JSON: many short CLI runs for the price of one interpreter start."""
+    """A `python -c` script that runs `module`'s CLI (`module:function`, default `main`) once per argv of the JSON list in argv[1], in
+    one process (accelerate's state reset between runs), and prints [[exit code, stderr], ...] as JSON: many short CLI runs for the
+    price of one interpreter start."""
+    module, _, fn = module.partition(':')
     return f'''
 import json, sys
 from accelerate.state import AcceleratorState
 from memlab.core import run_cli
-from {module} import main
+from {module} import {fn or 'main'} as main
 out = []
 for argv in json.loads(sys.argv[1]):
     AcceleratorState._reset_state(True)

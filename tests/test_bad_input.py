@@ -85,10 +85,6 @@ def commands(w):
             '--dataset', 'pydocs', '--take', 5, '--vocab_size', 300]),
     }
 
-def runner(module:str, prog:str) -> str:
-    mod, _, fn = module.partition(':')
-    return cli_runner(mod, prog).replace(f'from {mod} import main', f'from {mod} import {fn or "main"} as main')
-
 @pytest.mark.parametrize('prog', ['memlab_train', 'memlab_neurocache', 'memlab_relora', 'memlab_distill', 'memlab_mixer', 'memlab_bpt',
                                   'memlab_pretokenize', 'memlab_train_tokenizer'])
 def test_environment_errors_are_one_line(world, tmp_path, prog):
@@ -107,7 +103,7 @@ def test_environment_errors_are_one_line(world, tmp_path, prog):
              'output cannot be written': (with_(**{out_flag: '/sys/memlab_out'}), '/sys/memlab_out')}
     if config_flag: cases['config file is a folder'] = (with_(**{out_flag: tmp_path/'c', config_flag: world/'a_folder'}), 'a_folder')
     if model_flag: cases['weights cut short'] = (with_(**{out_flag: tmp_path/'w', model_flag: world/'cut_model'}), None)
-    r = run([sys.executable, '-c', runner(module, prog), json.dumps([a for a, _ in cases.values()])], timeout=900)
+    r = run([sys.executable, '-c', cli_runner(module, prog), json.dumps([a for a, _ in cases.values()])], timeout=900)
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for (name, (argv, where)), (code, err) in zip(cases.items(), res):
         if name == 'valid run': assert code == 0, (prog, err[-3000:]); continue
@@ -122,7 +118,7 @@ def test_damaged_or_mismatched_checkpoints_are_one_line(world, tmp_path):
     module, out_flag, _, _, base = commands(world)['memlab_train']
     out = tmp_path/'run'
     argv = lambda *extra: [str(a) for a in [*base, '--output_dir', out, '--lora_r', 0, *extra]]
-    r = run([sys.executable, '-c', runner(module, 'memlab_train'), json.dumps([argv('--max_steps', 2, '--save_every', 1)])])
+    r = run([sys.executable, '-c', cli_runner(module, 'memlab_train'), json.dumps([argv('--max_steps', 2, '--save_every', 1)])])
     assert json.loads(r.stdout.strip().splitlines()[-1])[0][0] == 0
     ck = out/'checkpoints'/'step-00000002'
     other = tmp_path/'other'
@@ -139,7 +135,7 @@ def test_damaged_or_mismatched_checkpoints_are_one_line(world, tmp_path):
         if isinstance(what, str):                                # damage one file of the checkpoint
             (ck/what).write_bytes(b'{bad' if what.endswith('.json') else saved[what][:len(saved[what]) // 3])
             what = argv(*resume)
-        r = run([sys.executable, '-c', runner(module, 'memlab_train'), json.dumps([what])])
+        r = run([sys.executable, '-c', cli_runner(module, 'memlab_train'), json.dumps([what])])
         code, err = json.loads(r.stdout.strip().splitlines()[-1])[0]
         lines = [l for l in err.splitlines() if l.strip()]
         assert code != 0 and len(lines) == 1 and msg in lines[0] and 'Traceback' not in err, (what, err[-2000:])

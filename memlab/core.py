@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'requested_processes', 'check_launch', 'cli_main',
-           'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text', 'check_writable',
-           'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file',
-           'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes',
-           'count_parameters', 'native_bf16']
+__all__ = ['VALUE_RULES', 'PRECISIONS', 'MemlabError', 'check', 'environment_error', 'requested_processes', 'check_launch',
+           'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
+           'check_writable', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
+           'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
+           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -466,3 +466,18 @@ def native_bf16(device=None) -> bool:
     try: flags = Path('/proc/cpuinfo').read_text()
     except OSError: return False                           # not Linux: no way to tell here, so no
     return any(f in flags.split() for f in ('avx512_bf16', 'amx_bf16'))
+
+# %% ../nbs/00_core.ipynb
+PRECISIONS = ('auto', 'no', 'bf16', 'fp16')
+
+def resolve_precision(precision:str='auto', device=None) -> str:
+    "'no', 'bf16' or 'fp16' from a setting: explicit values stay; 'auto'/None = accelerate launch's choice, else bf16 where native."
+    p = 'auto' if precision is None else str(precision)
+    check(p in PRECISIONS, f"mixed precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if p == 'auto': p = os.environ.get('ACCELERATE_MIXED_PRECISION') or ('bf16' if native_bf16(device) else 'no')
+    check(p in PRECISIONS[1:], f"mixed precision {p!r} (from accelerate launch) is not one of no, bf16, fp16")
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')
+    check(p != 'fp16' or on_gpu, "fp16 mixed precision needs a GPU: on a CPU the autocast would silently compute in fp32; "
+                                 "use bf16 (or no)")
+    return p
+

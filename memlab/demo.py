@@ -11,21 +11,16 @@ from .core import check, cli_main, atomic_write_text
 from .training import TrainConfig
 
 # %% auto 0
-__all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'fast_bf16', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora',
-           'demo_mixer', 'demo_neurocache', 'demo_distill', 'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main']
+__all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora', 'demo_mixer',
+           'demo_neurocache', 'demo_distill', 'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main']
 
 # %% ../nbs/90_demo.ipynb
-def fast_bf16() -> bool:
-    "bf16 autocast where it is fast: a GPU with bf16. CPUs without AMX/AVX512-BF16 (this project's machines) emulate bf16 matmuls, ~70x slower."
-    import torch
-    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-
 def demo_lm(out:Path, quick:bool=False) -> tuple:
     "Causal-LM fine-tuning: SmolLM2-135M + LoRA on pydocs through the shared loop; validation perplexity before and after."
     from memlab.train import LMTaskConfig, train_lm
     task = LMTaskConfig(sequence_length=128, plot=False)
     train = TrainConfig(output_dir=str(out/'lm'), max_steps=6 if quick else 24, per_device_batch_size=4, lr=1e-3, warmup_steps=2,
-                        log_every=2, max_eval_steps=4 if quick else 12, eval_at_start=True, mixed_precision='bf16' if fast_bf16() else 'no', report_to='none',
+                        log_every=2, max_eval_steps=4 if quick else 12, eval_at_start=True, report_to='none',
                         save_final=False)
     res = train_lm(task, train)
     rows = [{'method': 'LM fine-tuning (LoRA)', 'setting': f"SmolLM2-135M, {res['steps']} updates", 'metric': 'validation perplexity',
@@ -60,7 +55,7 @@ def demo_relora(out:Path, quick:bool=False) -> tuple:
     from memlab.train_relora import ReLoRARunConfig, train_relora
     n, k = (20, 10) if quick else (80, 20)
     common = dict(model_config='llama_9m', dataset_path=str(demo_rows(out, 128)), max_length=128, batch_size=8, num_training_steps=n,
-                  dtype='bf16' if fast_bf16() else 'float32', eval_every=n, max_eval_tokens='16K', report_to='none', seed=0, export_model=False)
+                  dtype='auto', eval_every=n, max_eval_tokens='16K', report_to='none', seed=0, export_model=False)
     full = train_relora(ReLoRARunConfig(**common, lr=2e-3, warmup_steps=k // 2, save_every=k, save_dir=str(out/'relora'/'full-rank')))
     warm = out/'relora'/'full-rank'/'checkpoints'/f'step-{k:08d}'
     rel = train_relora(ReLoRARunConfig(**common, use_peft=True, lora_r=32, lr=4e-3, warmup_steps=5, relora=k,

@@ -14,6 +14,7 @@ from torch import nn
 
 from .core import Config, MemlabError, arg, atomic_write_text, check, native_bf16
 from .models import TransparentWrapper, decoder_layers, keep_4bit_trainable, layer_parts, load_model, register_folder
+from .training import Callback
 
 # %% auto 0
 __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME',
@@ -24,7 +25,7 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS',
            'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache',
            'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache',
            'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info',
-           'load_neurocache', 'load_saved_neurocache', 'memory_per_token', 'benchmark']
+           'load_neurocache', 'load_saved_neurocache', 'NeurocacheCallback', 'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -1044,6 +1045,38 @@ def _is_saved_neurocache(folder) -> bool:
 
 register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_saved_neurocache(folder, **kw),
                 base=lambda folder: saved_neurocache_info(folder)['base_model'])
+
+# %% ../nbs/20_neurocache.ipynb
+def _caches_file(rank:int) -> str: return f"neurocache_caches_rank{rank}.safetensors"
+
+class NeurocacheCallback(Callback):
+    "Empty evaluation caches around each evaluation; save and restore each process's training caches with the checkpoints."
+    def _nc(self, trainer): return trainer.unwrapped_model if has_neurocache(trainer.unwrapped_model) else None
+    def on_evaluate_begin(self, trainer):
+        m = self._nc(trainer)
+        if m is not None: m.neurocache.reset(training=False)
+    def on_evaluate_end(self, trainer, metrics:dict):
+        m = self._nc(trainer)
+        if m is not None: m.neurocache.reset(training=False)
+    def on_save(self, trainer, checkpoint_dir:Path):
+        m = self._nc(trainer)
+        if m is None: return
+        from safetensors.torch import save_file
+        state = {k: v.detach().contiguous().cpu() for k, v in cache_state_dict(m).items() if k.startswith('train.')}
+        save_file(state, str(Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)))
+    def on_load(self, trainer, checkpoint_dir:Path):
+        m = self._nc(trainer)
+        if m is None: return
+        from safetensors.torch import load_file
+        f = Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)
+        check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches for process {trainer.accelerator.process_index} ({f.name})")
+        load_cache_state_dict(m, load_file(str(f)))
+
+def _training_callbacks(self) -> list:
+    "What a Neurocache needs from memlab's loop (`Trainer` asks each module of the model it trains)."
+    return [NeurocacheCallback()]
+NeurocacheModel.training_callbacks = _training_callbacks
+
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (bool), write time and last use (int64)

@@ -48,7 +48,7 @@ class LMTaskConfig(Config):
 
 # %% ../nbs/07_train.ipynb
 TRAIN_DEFAULTS = dict(max_steps=40, per_device_batch_size=4, lr=5e-4, warmup_steps=4, log_every=5, max_eval_steps=25,
-                      eval_at_start=True, mixed_precision='bf16', save_every=0, report_to='tensorboard')
+                      eval_at_start=True, mixed_precision='auto', save_every=0, report_to='tensorboard')
 
 def default_output_dir(prefix:str='train') -> str:
     "A fresh run folder under ./runs named by the time."

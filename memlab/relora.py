@@ -15,8 +15,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .core import Config, MemlabError, arg, check
-from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method, layer_parts,
-                           plain_config, register_method, state_names, _MLP_NAMES)
+from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
+                           is_latent_weight_layer, layer_parts, plain_config, register_method, state_names, _MLP_NAMES)
 from .training import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
@@ -105,6 +105,8 @@ class ReLoRALinear(TransparentWrapper):
     def weight(self): return self.base_layer.weight   # for code that reads `.weight` of a projection
     @property
     def bias(self): return self.base_layer.bias
+    @property
+    def input_dropout(self) -> float: return self.relora_dropout.p   # the weight-delta layer protocol (memlab.models)
 
     def scale(self):
         "The adapter's scale s: alpha / r, or tanh(p) when trainable."
@@ -206,8 +208,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
     else:
         unused = [p for p in pats if not any(p in n for n in targets)]
         check(not unused, f"add_relora: target_modules {unused} match no nn.Linear layer of {type(model).__name__}")
-    from memlab.bitnet import BitLinear                  # imported here: memlab.bitnet imports this module
-    in_bitnet = [n for n in targets if isinstance(model.get_submodule(n.rpartition('.')[0]), BitLinear)]
+    in_bitnet = [n for n in targets if is_latent_weight_layer(model.get_submodule(n.rpartition('.')[0]))]   # BitNet's layers
     if in_bitnet:   # the update lives in the latent weight: forward weight = quant(W + s·B·A)
         check(config.lora_dropout == 0, f"add_relora: {len(in_bitnet)} targets are latent weights of BitNet layers (e.g. {in_bitnet[0]}), "
               f"where the update is added to the weight before quantization and an input dropout has no meaning: pass lora_dropout=0")
@@ -329,8 +330,7 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
 def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
     "A new plain Hugging Face model (no ReLoRA layers, no quantization) whose weights are `model`'s with every update merged."
     from transformers import AutoModelForCausalLM
-    from memlab.bitnet import bitnet_modules
-    check(not bitnet_modules(model), "merged_model: a BitNet model is not a plain Hugging Face model; merge its ReLoRA updates into "
+    check(not any(is_latent_weight_layer(m) for m in model.modules()), "merged_model: a BitNet model is not a plain Hugging Face model; merge its ReLoRA updates into "
           "the latent weights with remove_relora(model), then export it with memlab.bitnet.save_packed")
     plain = AutoModelForCausalLM.from_config(plain_config(model.config), dtype=dtype)
     sd, done, keys, names = {}, [], [], state_names(model)

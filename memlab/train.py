@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_train.ipynb 2
 from __future__ import annotations
-import json, os, time, warnings
+import json, os, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,12 +16,11 @@ from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
                            state_names)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import Trainer, TrainConfig
+from .training import Trainer, TrainConfig, default_output_dir, plot_history
 
 # %% auto 0
-__all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_INFO', 'LMTaskConfig', 'default_output_dir',
-           'add_lora', 'train_lm', 'plain_lora_model', 'save_run_model', 'load_adapter_folder', 'results_table',
-           'plot_history', 'main']
+__all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_INFO', 'LMTaskConfig', 'add_lora', 'train_lm',
+           'plain_lora_model', 'save_run_model', 'load_adapter_folder', 'results_table', 'main']
 
 # %% ../nbs/07_train.ipynb
 @dataclass
@@ -49,10 +48,6 @@ class LMTaskConfig(Config):
 # %% ../nbs/07_train.ipynb
 TRAIN_DEFAULTS = dict(max_steps=40, per_device_batch_size=4, lr=5e-4, warmup_steps=4, log_every=5, max_eval_steps=25,
                       eval_at_start=True, mixed_precision='auto', save_every=0, report_to='tensorboard')
-
-def default_output_dir(prefix:str='train') -> str:
-    "A fresh run folder under ./runs named by the time."
-    return str(Path('runs')/f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 # %% ../nbs/07_train.ipynb
 def add_lora(model, task:LMTaskConfig):
@@ -179,19 +174,6 @@ def results_table(res:dict) -> str:
     lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s, "
               f"peak memory {res['peak_memory_mib']:.0f} MiB, {res['trainable_parameters']:,} trainable of {res['parameters']:,} parameters."]
     return '\n'.join(lines) + '\n'
-
-def plot_history(history:list, path, title:str=''):
-    "Plot training loss (and evaluation loss) against updates to `path`."
-    import matplotlib; matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    tr = [(h['step'], h['loss']) for h in history if 'loss' in h]
-    ev = [(h['step'], h['eval_loss']) for h in history if 'eval_loss' in h]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    if tr: ax.plot(*zip(*tr), label='train loss')
-    if ev: ax.plot(*zip(*ev), 'o--', label='validation loss')
-    ax.set_xlabel('update'); ax.set_ylabel('cross-entropy (nats/token)'); ax.set_title(title); ax.legend(); ax.grid(alpha=0.3)
-    fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
-    return path
 
 # %% ../nbs/07_train.ipynb
 @cli_main

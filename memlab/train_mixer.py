@@ -21,8 +21,7 @@ from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits
                           objective_loss)
 from .models import load_model, load_tokenizer
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
-from .train import default_output_dir, plot_history
-from .training import Trainer, TrainConfig, make_accelerator
+from .training import Trainer, TrainConfig, default_output_dir, make_accelerator, plot_history
 
 # %% auto 0
 __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',

@@ -23,7 +23,7 @@ from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add
                                neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
 from .training import main_process_value, output_dir_refusal
-from .training import LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator
+from .training import LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator, plot_history
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
@@ -364,7 +364,6 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     if acc.is_main_process:
         atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
         if training and history:
-            from memlab.train import plot_history
             plot_history(history, out/'loss.png', title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}")
     acc.wait_for_everyone()
     return res

@@ -24,7 +24,8 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'Loss
            'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
            'main_process_value', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'clear_unfinished_run',
            'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
-           'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer']
+           'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer', 'default_output_dir',
+           'plot_history']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -900,3 +901,21 @@ class Trainer:
         why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
         raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); the trained state is saved "
                           f"in {saved}: fix the evaluation settings and continue with resume_from='latest'") from e
+
+# %% ../nbs/05_training.ipynb
+def default_output_dir(prefix:str='train') -> str:
+    "A fresh run folder under ./runs named by the time."
+    return str(Path('runs')/f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+def plot_history(history:list, path, title:str=''):
+    "Plot training loss (and evaluation loss) against updates to `path`."
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    tr = [(h['step'], h['loss']) for h in history if 'loss' in h]
+    ev = [(h['step'], h['eval_loss']) for h in history if 'eval_loss' in h]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if tr: ax.plot(*zip(*tr), label='train loss')
+    if ev: ax.plot(*zip(*ev), 'o--', label='validation loss')
+    ax.set_xlabel('update'); ax.set_ylabel('cross-entropy (nats/token)'); ax.set_title(title); ax.legend(); ax.grid(alpha=0.3)
+    fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
+    return path

@@ -1,0 +1,47 @@
+"The package's layering (README / nbs/index.ipynb, 'Where a new piece goes'): a module imports only from lower layers."
+import ast, json, re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+def declared_layers() -> dict:
+    "{module: layer} from the table in nbs/index.ipynb."
+    text = ''.join(''.join(c['source']) for c in json.loads((ROOT/'nbs'/'index.ipynb').read_text())['cells'])
+    section = text[text.index('### Where a new piece goes'):]
+    out = {}
+    for line in section.splitlines():
+        m = re.match(r'\|\s*(\d+)\s*\|([^|]*)\|', line)
+        if m:
+            for mod in re.findall(r'`(\w+)`', m.group(2)): out[mod] = int(m.group(1))
+    return out
+
+def memlab_imports(path:Path) -> set:
+    "The memlab modules `path` imports anywhere (module level and inside functions)."
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module: found.add(node.module.split('.')[0])
+            elif node.level == 1: found.update(a.name for a in node.names)
+            elif node.module and node.module.startswith('memlab.'): found.add(node.module.split('.')[1])
+            elif node.module == 'memlab': found.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split('.')[1] for a in node.names if a.name.startswith('memlab.'))
+    return found
+
+def test_every_module_has_a_layer():
+    layers = declared_layers()
+    modules = {p.stem for p in (ROOT/'memlab').glob('*.py') if not p.stem.startswith('_')}
+    assert modules - set(layers) == set(), f"modules missing from the layer table: {sorted(modules - set(layers))}"
+    assert set(layers) - modules == set(), f"the layer table names modules that do not exist: {sorted(set(layers) - modules)}"
+
+def test_imports_go_down():
+    layers = declared_layers()
+    bad = [f"{p.stem} (layer {layers[p.stem]}) imports {m} (layer {layers[m]})"
+           for p in sorted((ROOT/'memlab').glob('*.py')) if p.stem in layers
+           for m in sorted(memlab_imports(p)) if m in layers and m != p.stem and layers[m] >= layers[p.stem]]
+    assert not bad, 'imports against the layering:\n' + '\n'.join(bad)
+
+def test_the_check_sees_function_level_imports(tmp_path):
+    f = tmp_path/'x.py'
+    f.write_text("from .core import check\ndef g():\n    from memlab.relora import add_relora\n    import memlab.bitnet\n")
+    assert memlab_imports(f) == {'core', 'relora', 'bitnet'}

@@ -109,6 +109,7 @@ def hf_train_step_benchmark(seq_lens=(2048, 8192), configs=(('eager', False), ('
 # %% ../nbs/06_bench.ipynb
 BENCHMARKS = {
     'hf': ('memlab.bench:hf_benchmark', 'plain Hugging Face training step: eager / SDPA / checkpointing (the reference figures)'),
+    'loop': ('memlab.training:benchmark', "memlab's training loop vs a bare PyTorch loop: same model, batches and precision"),
     'bpt': ('memlab.bpt:benchmark', 'BPT vs HF attention: peak memory and tokens/s vs sequence length, longest sequence in a budget'),
     'neurocache': ('memlab.neurocache:benchmark', 'tokens/s with and without a 16K cache; memory per cached token vs Memorizing Transformers'),
     'relora': ('memlab.relora:benchmark', 'ReLoRA vs full-rank: trainable parameters, optimizer memory, peak memory, tokens/s'),

@@ -15,8 +15,8 @@ from .core import MemlabError, check
 # %% auto 0
 __all__ = ['SPLITS', 'SPLIT_ALIASES', 'EMBEDDED_CORPORA', 'TEXT_PIECE_CHARS', 'HUB_TIMEOUT', 'TEXT_SUFFIXES', 'JSON_SUFFIXES',
            'Document', 'canonical_split', 'split_of', 'ArrowDocuments', 'Corpus', 'corpus_from_records', 'data_dirs',
-           'embedded_path', 'corpus_from_hf', 'hub_reachable', 'hub_offline_unless_reachable', 'load_hf_dataset',
-           'load_corpus']
+           'embedded_path', 'iter_json_records', 'corpus_from_hf', 'hub_reachable', 'hub_offline_unless_reachable',
+           'load_hf_dataset', 'load_corpus']
 
 # %% ../nbs/01_data.ipynb
 class Document(NamedTuple):
@@ -156,7 +156,7 @@ def embedded_path(name:str) -> Path:
                       f"set MEMLAB_DATA to the data/ folder of a memlab checkout (or rebuild it with data/pydocs/build.py)")
 
 @functools.lru_cache(maxsize=4)
-def _read_jsonl_cached(path:str, mtime:float) -> tuple: return tuple(_iter_json_records(Path(path)))
+def _read_jsonl_cached(path:str, mtime:float) -> tuple: return tuple(iter_json_records(Path(path)))
 
 # %% ../nbs/01_data.ipynb
 def _open_text(path:Path):
@@ -164,7 +164,7 @@ def _open_text(path:Path):
     return (gzip.open(path, 'rt', encoding='utf-8', errors='replace') if path.suffix == '.gz'
             else open(path, encoding='utf-8', errors='replace'))
 
-def _iter_json_records(path:Path):
+def iter_json_records(path:Path):
     "Records of a JSON-lines file (or a JSON array), gzipped or not."
     with _open_text(path) as f:
         first = f.read(1)
@@ -339,7 +339,7 @@ def _load_local(p:Path, text_field, split_ratios, separator, pattern, id_field) 
         recs = ({'id': f.relative_to(p).as_posix(), 'text': f.read_text(encoding='utf-8', errors='replace')} for f in files)
         return corpus_from_records(recs, p.name, **kw)
     suf = _suffix(p)
-    if suf in JSON_SUFFIXES: return corpus_from_records(_iter_json_records(p), p.name, **kw)
+    if suf in JSON_SUFFIXES: return corpus_from_records(iter_json_records(p), p.name, **kw)
     if suf == '.parquet':
         import pyarrow.parquet as pq
         try: tbl = pq.read_table(p)

@@ -30,7 +30,8 @@ __all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'PROJECTORS', 'NORMS', 'FEAT
            'feature_loss', 'hidden_state_loss', 'attention_loss', 'tokenizer_fingerprint', 'dataset_fingerprint',
            'TopKTeacher', 'generate_teacher_topk', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads',
            'save_distill_heads', 'load_distill_heads', 'output_vocab_size', 'DistillLoss', 'student_config',
-           'build_student', 'describe_objective', 'model_card', 'benchmark']
+           'copy_plan', 'weight_groups', 'xavier_reinitialize', 'build_student', 'describe_objective', 'model_card',
+           'benchmark']
 
 # %% ../nbs/41_distill.ipynb
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -773,7 +774,7 @@ def student_config(teacher_config, overrides:dict=None):
         cfg.layer_types = cfg.layer_types[:1] * cfg.num_hidden_layers
     return cfg
 
-def _copy_plan(copy_layers, n_student:int, n_teacher:int) -> list:
+def copy_plan(copy_layers, n_student:int, n_teacher:int) -> list:
     "Teacher layer index for each student layer."
     if copy_layers == 'uniform': return [round(j * (n_teacher - 1) / max(n_student - 1, 1)) for j in range(n_student)]
     if copy_layers == 'first': return list(range(min(n_student, n_teacher))) + [n_teacher - 1] * max(n_student - n_teacher, 0)
@@ -782,7 +783,7 @@ def _copy_plan(copy_layers, n_student:int, n_teacher:int) -> list:
     check(len(copy_layers) == n_student, f"copy_layers lists {len(copy_layers)} teacher layers for {n_student} student layers")
     return [_layer_index(int(i), n_teacher, 'teacher') for i in copy_layers]
 
-def _param_groups(model) -> dict:
+def weight_groups(model) -> dict:
     "State-dict keys of a causal LM grouped as 'layers', 'embeddings', 'lm_head' and 'trunk' (final norm, projections)."
     names = {id(m): n for n, m in model.named_modules()}
     layers_prefix = names[id(decoder_layers(model))] + '.'
@@ -803,7 +804,7 @@ def _copy_keys(dst, src, keys, what):
     with torch.no_grad():
         for k in keys: sd_d[k].copy_(sd_s[k])
 
-def _reinitialize(model):
+def xavier_reinitialize(model):
     "Xavier-uniform weights and zero biases for every linear and embedding; norms keep their defaults."
     with torch.no_grad():
         for m in model.modules():
@@ -824,10 +825,10 @@ def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embe
         cfg = student_config(teacher.config, overrides)
         p = next(teacher.parameters())
         student = AutoModelForCausalLM.from_config(cfg, dtype=p.dtype).to(p.device)
-        if reinitialize: _reinitialize(student)
-        gt = _param_groups(teacher)
+        if reinitialize: xavier_reinitialize(student)
+        gt = weight_groups(teacher)
         if copy_layers is not None:
-            plan = _copy_plan(copy_layers, len(decoder_layers(student)), len(decoder_layers(teacher)))
+            plan = copy_plan(copy_layers, len(decoder_layers(student)), len(decoder_layers(teacher)))
             for j, i in enumerate(plan):
                 src, dst = decoder_layers(teacher)[i].state_dict(), decoder_layers(student)[j].state_dict()
                 bad = [k for k in dst if k not in src or src[k].shape != dst[k].shape]

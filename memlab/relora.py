@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from .core import Config, MemlabError, arg, check
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
-                           is_latent_weight_layer, layer_parts, plain_config, register_method, state_names, _MLP_NAMES)
+                           is_latent_weight_layer, layer_parts, plain_config, register_method, state_names, MLP_NAMES)
 from .training import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
@@ -25,11 +25,11 @@ except ImportError: DTensor = distribute_tensor = None  # a torch build without 
 _log = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'ReLoRALinear', 'relora_layers', 'relora_parameters',
-           'add_relora', 'merge_layer_', 'merge_and_reinit', 'remove_relora', 'merged_model', 'save_merged',
-           'CosineRestarts', 'get_cosine_schedule_with_restarts', 'LinearWarmupDecay', 'CyclicCosine',
-           'get_linear_schedule', 'get_cosine_schedule', 'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer',
-           'rebuild_optimizer', 'ReLoRACallback', 'WarmStartCallback', 'benchmark']
+__all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'quant_kind', 'ReLoRALinear', 'relora_layers',
+           'relora_parameters', 'add_relora', 'base_weight_fp32', 'merge_layer_', 'merge_and_reinit', 'remove_relora',
+           'merged_model', 'save_merged', 'CosineRestarts', 'get_cosine_schedule_with_restarts', 'LinearWarmupDecay',
+           'CyclicCosine', 'get_linear_schedule', 'get_cosine_schedule', 'get_scheduler', 'reset_mode_from_flags',
+           'reset_optimizer', 'rebuild_optimizer', 'ReLoRACallback', 'WarmStartCallback', 'benchmark']
 
 # %% ../nbs/30_relora.ipynb
 DEFAULT_TARGETS = ('attn', 'attention', 'mlp')
@@ -63,7 +63,7 @@ def _is_dtensor(t) -> bool: return DTensor is not None and isinstance(t, DTensor
 def _local(t): return t.to_local() if _is_dtensor(t) else t          # this rank's shard (FSDP2) or the tensor itself
 def _full(t): return t.full_tensor() if _is_dtensor(t) else t        # the whole tensor (a collective under FSDP2)
 
-def _quant_kind(layer) -> Optional[str]:
+def quant_kind(layer) -> Optional[str]:
     "'4bit' or '8bit' for a bitsandbytes linear layer, None for a plain one."
     name = type(getattr(layer, 'weight', None)).__name__
     return {'Params4bit': '4bit', 'Int8Params': '8bit'}.get(name)
@@ -149,7 +149,7 @@ def _expected_targets(model) -> dict:
     for layer in layers:
         parts = layer_parts(layer)
         mods = [m for m in getattr(layer, parts['attn']).modules() if _is_linear(m)]
-        mlp = next((getattr(layer, n) for n in _MLP_NAMES if hasattr(layer, n)), None)
+        mlp = next((getattr(layer, n) for n in MLP_NAMES if hasattr(layer, n)), None)
         ffn = [mlp] if mlp is not None else [layer.get_submodule(n) for n in parts['ffn']]
         mods += [m for f in ffn for m in f.modules() if _is_linear(m)]   # wrapped linears too (a BitLinear's base_layer)
         out.update({id(m): names.get(id(m), '?') for m in mods})
@@ -221,9 +221,9 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
         base = getattr(parent, child)
         training = base.training
         if not config.keep_original_weights:
-            check(_quant_kind(base) is None, "add_relora: keep_original_weights=False needs a float (not pre-quantized) model")
+            check(quant_kind(base) is None, "add_relora: keep_original_weights=False needs a float (not pre-quantized) model")
             with torch.no_grad(): base.weight.zero_()
-        if config.quantize and _quant_kind(base) is None: base = _quantize_linear(base, config.quantize)
+        if config.quantize and quant_kind(base) is None: base = _quantize_linear(base, config.quantize)
         layer = ReLoRALinear(base, config.r, config.lora_alpha, config.lora_dropout, config.trainable_scaling, generator=g)
         if not config.keep_original_weights: _kaiming_(layer.relora_B.data, g)   # W = 0 and B = 0 would be a dead network
         layer.train(training)                                                      # an eval-mode model stays in eval mode
@@ -234,9 +234,9 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
 # %% ../nbs/30_relora.ipynb
 _EPS = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float64: 2**-53}
 
-def _base_weight_fp32(layer) -> torch.Tensor:
+def base_weight_fp32(layer) -> torch.Tensor:
     "The (local) base weight of `layer` as an fp32 tensor (dequantized for bitsandbytes layers)."
-    kind, w = _quant_kind(layer), layer.weight
+    kind, w = quant_kind(layer), layer.weight
     if kind is None: return _local(w).float()
     import bitsandbytes.functional as bnbF
     if kind == '4bit':
@@ -250,10 +250,10 @@ def _base_weight_fp32(layer) -> torch.Tensor:
 
 def _write_base_(layer, delta:torch.Tensor):
     "Add fp32 `delta` (local rows) to the base weight of `layer`, in the base's own storage."
-    kind, w = _quant_kind(layer), layer.weight
+    kind, w = quant_kind(layer), layer.weight
     if kind is None: _local(w).add_(delta); return     # fp32 add, one rounding into w's dtype
     import bitsandbytes.functional as bnbF
-    new = _base_weight_fp32(layer) + delta
+    new = base_weight_fp32(layer) + delta
     if kind == '4bit':
         qs = w.quant_state
         q, nqs = bnbF.quantize_4bit(new, blocksize=qs.blocksize, compress_statistics=w.compress_statistics,
@@ -281,13 +281,13 @@ def merge_layer_(layer:ReLoRALinear, generator:torch.Generator=None, reinit:bool
     if not bool(torch.isfinite(delta).all()):
         raise RuntimeError(f"ReLoRA merge of {name or 'a layer'}: the adapter's update is not finite (training diverged)")
     P = torch.randn(layer.in_features, 4, generator=torch.Generator().manual_seed(0)).to(delta.device)  # (in, 4) probe
-    W = _base_weight_fp32(layer.base_layer)
+    W = base_weight_fp32(layer.base_layer)
     y_old, dy = W @ P, delta @ P                                              # (out_local, 4)
     bound = W.abs() @ P.abs() + delta.abs() @ P.abs()
     del W
     _write_base_(layer.base_layer, delta)
-    err = _base_weight_fp32(layer.base_layer) @ P - y_old - dy
-    kind = _quant_kind(layer.base_layer)
+    err = base_weight_fp32(layer.base_layer) @ P - y_old - dy
+    kind = quant_kind(layer.base_layer)
     if kind is None:
         tol = _EPS.get(layer.base_layer.weight.dtype, 2**-8) + 3 * layer.in_features * 2**-24
         if not bool((err.abs() <= tol * bound + 1e-30).all()):
@@ -323,7 +323,7 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
         if merge: merge_layer_(m, reinit=False, name=name)
         parent_name, _, child = name.rpartition('.')
         setattr(model.get_submodule(parent_name), child, m.base_layer)
-        if _quant_kind(m.base_layer) is None: m.base_layer.weight.requires_grad_(True)
+        if quant_kind(m.base_layer) is None: m.base_layer.weight.requires_grad_(True)
     return detach_method(model, 'relora')
 
 @torch.no_grad()
@@ -339,10 +339,10 @@ def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
         key = names[name]                                            # its name in state dicts
         if isinstance(m, ReLoRALinear):
             base = m.base_layer
-            W = (_full(base.weight).float() if _quant_kind(base) is None else _base_weight_fp32(base))
+            W = (_full(base.weight).float() if quant_kind(base) is None else base_weight_fp32(base))
             s = _full(m.relora_scaling).float().tanh() if m.trainable_scaling else m.scaling
             sd[f"{key}.weight"] = W + (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s
-        elif _is_linear(m) and _quant_kind(m) is not None: sd[f"{key}.weight"] = _base_weight_fp32(m)
+        elif _is_linear(m) and quant_kind(m) is not None: sd[f"{key}.weight"] = base_weight_fp32(m)
         else: continue
         if m.bias is not None: sd[f"{key}.bias"] = _full(m.bias).float()
         done.append(name + '.'); keys.append(key + '.')
@@ -372,8 +372,8 @@ def _relora_to_plain(model:nn.Module, sd:dict) -> tuple:
         p = names[name] + '.'
         mine = {k: sd.pop(k) for k in [k for k in sd if k.startswith(p)]}
         base = m.base_layer
-        quantized = _quant_kind(base) is not None
-        W = _base_weight_fp32(base) if quantized else _full(base.weight).float()
+        quantized = quant_kind(base) is not None
+        W = base_weight_fp32(base) if quantized else _full(base.weight).float()
         s = _full(m.relora_scaling).float().tanh() if m.trainable_scaling else m.scaling
         delta = (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s      # (out, in), as a merge computes it
         sd[p + 'weight'] = (W + delta).to(m.relora_A.dtype if quantized else base.weight.dtype)

@@ -19,7 +19,7 @@ from .data import Corpus, Document, canonical_split, hub_offline_unless_reachabl
 # %% auto 0
 __all__ = ['TOKENIZER_COMMANDS', 'get_tokenizer', 'tokenizer_label', 'eos_id', 'pad_id', 'encode_documents', 'train_tokenizer',
            'TrainTokenizerConfig', 'train_tokenizer_main', 'Packer', 'pad_rows', 'dataset_label', 'pretokenized_name',
-           'ROW_FEATURES', 'pretokenize', 'pretokenized_args', 'load_pretokenized', 'check_vocab',
+           'ROW_FEATURES', 'tokenize_split', 'pretokenize', 'pretokenized_args', 'load_pretokenized', 'check_vocab',
            'check_sequence_length', 'PretokenizeConfig', 'pretokenize_main', 'tokenizers_module_main']
 
 # %% ../nbs/02_tokenizers.ipynb
@@ -219,7 +219,7 @@ def ROW_FEATURES():
     return datasets.Features({'input_ids': datasets.Sequence(datasets.Value('int32')),
                               'attention_mask': datasets.Sequence(datasets.Value('int8'))})
 
-def _tokenize_split(docs, tok, sequence_length, mode, padding_side, num_cpu, add_special_tokens, desc, show_progress) -> tuple:
+def tokenize_split(docs, tok, sequence_length, mode, padding_side, num_cpu, add_special_tokens, desc, show_progress) -> tuple:
     "Rows, attention masks and counts for one split."
     P = pad_id(tok)
     counts = dict(documents=len(docs), tokens=0, rows=0, tokens_kept=0, padding=0, truncated=0)
@@ -262,7 +262,7 @@ def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode
     try:
         dd, counts = {}, {}
         for s in splits:
-            ids, mask, counts[s] = _tokenize_split(corpus.split(s), tok, sequence_length, mode, padding_side, num_cpu,
+            ids, mask, counts[s] = tokenize_split(corpus.split(s), tok, sequence_length, mode, padding_side, num_cpu,
                                                    add_special_tokens, f"tokenizing {s}", show_progress)
             dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask}, features=ROW_FEATURES())
         check(counts[splits[0]]['rows'] > 0, f"the {splits[0]} split of {corpus.name} is empty: nothing to pretokenize")

@@ -14,10 +14,10 @@ from torch import nn
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
                          resolve_precision, seed_everything)
-from .data import Document, _iter_json_records
+from .data import Document, iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
-from .tokenizers import _tokenize_split, check_vocab, get_tokenizer, pad_id
+from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .training import load_sharded, main_process_value, output_dir_refusal, sharded_metadata, write_state
 from .training import (Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
                              make_accelerator)
@@ -350,13 +350,13 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
     p = Path(ds.path).expanduser()
     check(p.is_file(), f"--train_dataset.json_dataset.path {p}: no such file")
     docs = []
-    for n, r in enumerate(_iter_json_records(p), 1):
+    for n, r in enumerate(iter_json_records(p), 1):
         missing = [f for f in text.names if f not in r]
         if missing: raise MemlabError(f"{p}: record {n} has no field {missing[0]!r} (its fields: {', '.join(map(str, r))}); "
                                       f"set --train_dataset.text_processor.fields")
         docs.append(Document(str(n), text.prepend_text + text.subfield_separator.join(str(r[f]) for f in text.names)))
     check(docs, f"{p} holds no records")
-    ids, mask, counts = _tokenize_split(docs, tok, ds.seq_length, 'packed', 'right', ds.tokenizer_processes, False,
+    ids, mask, counts = tokenize_split(docs, tok, ds.seq_length, 'packed', 'right', ds.tokenizer_processes, False,
                                         f"tokenizing {p.name}", show_progress)
     check(len(ids) > 0, f"{p} holds no tokens")
     return {'input_ids': ids, 'attention_mask': mask, 'counts': counts}

@@ -19,7 +19,7 @@ from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
 from .training import Callback, TrainConfig, Trainer, make_accelerator, output_dir_refusal
-from .distill import (DistillationObjective, DistillLoss, TopKTeacher, _copy_plan, _param_groups, _reinitialize,
+from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups, xavier_reinitialize,
                             dataset_fingerprint, generate_teacher_topk, model_card, remove_distill_heads,
                             save_distill_heads, student_config, tokenizer_fingerprint)
 from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, save_packed
@@ -358,13 +358,13 @@ def _is_quantized(model) -> bool:
 def _copy_modules(student, teacher, copies, layer_selection) -> list:
     "Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); return a description of each copy."
     done = []
-    gt = _param_groups(teacher)
+    gt = weight_groups(teacher)
     for name, freeze in copies:
         if name == 'layers':
             check(not _is_quantized(teacher), "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "
                   "in float32 or bfloat16 to build the student, or drop 'layers' from --copy_teacher_modules")
             sel = layer_selection if layer_selection in ('uniform', 'first', 'last') else [int(x) for x in str(layer_selection).split(',')]
-            plan = _copy_plan(sel, len(decoder_layers(student)), len(decoder_layers(teacher)))
+            plan = copy_plan(sel, len(decoder_layers(student)), len(decoder_layers(teacher)))
             for j, i in enumerate(plan):
                 src, dst = decoder_layers(teacher)[i], decoder_layers(student)[j]
                 bad = [k for k, v in dst.state_dict().items() if k not in src.state_dict() or src.state_dict()[k].shape != v.shape]
@@ -419,7 +419,7 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
         student = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         what = 'the teacher\'s config' if args.student_config_name_or_path is None else f"the config `{args.student_config_name_or_path}`"
         how = [f"built from {what}" + (f" with {json.dumps(args.student_model_config)}" if args.student_model_config else '')]
-    if args.reinitialize_weights: _reinitialize(student); how.append('re-initialised (Xavier-uniform)')
+    if args.reinitialize_weights: xavier_reinitialize(student); how.append('re-initialised (Xavier-uniform)')
     copied = _copy_modules(student, teacher, parse_copy_modules(args.copy_teacher_modules), args.student_layer_selection)
     if copied: how.append('copied from the teacher: ' + ', '.join(copied))
     elif not args.student_model_name_or_path: how.append('random weights (nothing copied from the teacher)')

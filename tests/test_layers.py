@@ -45,3 +45,13 @@ def test_the_check_sees_function_level_imports(tmp_path):
     f = tmp_path/'x.py'
     f.write_text("from .core import check\ndef g():\n    from memlab.relora import add_relora\n    import memlab.bitnet\n")
     assert memlab_imports(f) == {'core', 'relora', 'bitnet'}
+
+def test_no_private_name_crosses_modules():
+    "A name a module keeps private (leading underscore) is not imported by another memlab module: what is shared is public."
+    bad = []
+    for p in sorted((ROOT/'memlab').glob('*.py')):
+        if p.stem.startswith('_'): continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or '').startswith('memlab')):
+                bad += [f"{p.stem} imports {a.name} from {node.module}" for a in node.names if a.name.startswith('_')]
+    assert not bad, '\n'.join(bad)

@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from .core import Config, MemlabError, arg, check
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
                            is_latent_weight_layer, layer_parts, plain_config, register_method, state_names, MLP_NAMES)
+from .schedules import Cosine, CosineRestarts, Linear, lambda_scheduler
 from .training import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
@@ -27,9 +28,9 @@ _log = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'quant_kind', 'ReLoRALinear', 'relora_layers',
            'relora_parameters', 'add_relora', 'base_weight_fp32', 'merge_layer_', 'merge_and_reinit', 'remove_relora',
-           'merged_model', 'save_merged', 'CosineRestarts', 'get_cosine_schedule_with_restarts', 'LinearWarmupDecay',
-           'CyclicCosine', 'get_linear_schedule', 'get_cosine_schedule', 'get_scheduler', 'reset_mode_from_flags',
-           'reset_optimizer', 'rebuild_optimizer', 'ReLoRACallback', 'WarmStartCallback', 'benchmark']
+           'merged_model', 'save_merged', 'get_cosine_schedule_with_restarts', 'get_linear_schedule',
+           'get_cosine_schedule', 'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer', 'rebuild_optimizer',
+           'ReLoRACallback', 'WarmStartCallback', 'benchmark']
 
 # %% ../nbs/30_relora.ipynb
 DEFAULT_TARGETS = ('attn', 'attention', 'mlp')
@@ -386,73 +387,20 @@ def _relora_to_plain(model:nn.Module, sd:dict) -> tuple:
 register_method(MethodSpec('relora', rebuild=_rebuild_relora, to_plain=_relora_to_plain))
 
 # %% ../nbs/30_relora.ipynb
-def _envelope(t:float, N:int, W:int, m:float) -> float:
-    return m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (t - W) / max(1, N - W)))
-
-class CosineRestarts:
-    "ReLoRA's jagged cosine as a multiplier of the base learning rate at scheduler step s (a LambdaLR lambda; its settings are checkpointed)."
-    def __init__(self, num_training_steps:int, warmup_steps:int, cycle_length:int, restart_warmup_steps:int,
-                 min_lr_ratio:float=0.1, adjust_step:int=0):
-        N, W, R, w, m, a = num_training_steps, warmup_steps, cycle_length, restart_warmup_steps, min_lr_ratio, adjust_step
-        check(R is not None and R >= 1, f"cosine_restarts needs a cycle_length of at least 1, got {R}")
-        check(w is not None and 0 <= w <= R, f"restart_warmup_steps must be in [0, cycle_length={R}], got {w}")
-        check(N >= 1 and N % R == 0, f"num_training_steps ({N}) must be a multiple of cycle_length ({R})")
-        check(0 < m <= 1, f"min_lr_ratio must be in (0, 1], got {m}")
-        check(W >= 0 and a >= 0, f"warmup_steps and adjust_step must be non-negative, got {W} and {a}")
-        check(a + W <= R, f"adjust_step + warmup_steps ({a} + {W}) must not exceed cycle_length ({R}): the first restart would come before the warm-up ends")
-        check(a + W <= N, f"adjust_step + warmup_steps ({a} + {W}) exceeds num_training_steps ({N})")
-        self.num_training_steps, self.warmup_steps, self.cycle_length = N, W, R
-        self.restart_warmup_steps, self.min_lr_ratio, self.adjust_step = w, m, a
-
-    def __call__(self, s:int) -> float:
-        N, W, R, w, m = self.num_training_steps, self.warmup_steps, self.cycle_length, self.restart_warmup_steps, self.min_lr_ratio
-        if s < W: return s / max(1, W)
-        t = s + self.adjust_step
-        k, n = t % R, t // R
-        if k < w and s >= R: return k / max(1, w) * _envelope(n * R + w, N, W, m)
-        return _envelope(t, N, W, m)
-
 def get_cosine_schedule_with_restarts(optimizer, num_training_steps:int, warmup_steps:int, cycle_length:int,
                                       restart_warmup_steps:int, min_lr_ratio:float=0.1, adjust_step:int=0) -> LambdaLR:
-    "ReLoRA's jagged cosine schedule (`--scheduler cosine_restarts`) as a torch LambdaLR."
-    return LambdaLR(optimizer, CosineRestarts(num_training_steps, warmup_steps, cycle_length, restart_warmup_steps,
-                                              min_lr_ratio, adjust_step))
+    "ReLoRA's jagged cosine schedule (`--scheduler cosine_restarts`; `memlab.schedules.CosineRestarts`) as a torch LambdaLR."
+    return lambda_scheduler(optimizer, CosineRestarts(num_training_steps, warmup_steps, cycle_length, restart_warmup_steps,
+                                                      min_lr_ratio, adjust_step))
 
 # %% ../nbs/30_relora.ipynb
-class LinearWarmupDecay:
-    "Linear warm-up over `warmup_steps`, then linear decay to `min_lr_ratio` at `num_training_steps`."
-    def __init__(self, num_training_steps:int, warmup_steps:int, min_lr_ratio:float=0.0):
-        check(num_training_steps >= 1 and warmup_steps >= 0, f"need num_training_steps ≥ 1 and warmup_steps ≥ 0, got {num_training_steps}, {warmup_steps}")
-        check(0 <= min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-        self.num_training_steps, self.warmup_steps, self.min_lr_ratio = num_training_steps, warmup_steps, min_lr_ratio
-    def __call__(self, s:int) -> float:
-        N, W, m = self.num_training_steps, self.warmup_steps, self.min_lr_ratio
-        if s < W: return s / max(1, W)
-        return m + (1 - m) * max(0.0, (N - s) / max(1, N - W))
-
-class CyclicCosine:
-    "Linear warm-up then cosine decay to `min_lr_ratio`, repeated every `cycle_length` steps (the reference's `cosine`)."
-    def __init__(self, num_training_steps:int, warmup_steps:int, min_lr_ratio:float=0.1, cycle_length:int=None):
-        C = cycle_length or num_training_steps
-        check(C >= 1 and num_training_steps % C == 0, f"num_training_steps ({num_training_steps}) must be a multiple of cycle_length ({C})")
-        check(0 < min_lr_ratio <= 1, f"min_lr_ratio must be in (0, 1], got {min_lr_ratio}")
-        check(warmup_steps >= 0, f"warmup_steps must be non-negative, got {warmup_steps}")
-        self.warmup_steps, self.min_lr_ratio, self.cycle_length = warmup_steps, min_lr_ratio, C
-    def __call__(self, s:int) -> float:
-        W, m, C = self.warmup_steps, self.min_lr_ratio, self.cycle_length
-        k = s % C
-        if k < W:
-            if s != k and k < 2: return 1e-7                 # as the reference: the first two steps of a later cycle
-            return k / max(1, W)
-        return m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (k - W) / max(1, C - W)))
-
 def get_linear_schedule(optimizer, num_training_steps:int, warmup_steps:int, min_lr_ratio:float=0.0) -> LambdaLR:
     "Linear warm-up then linear decay (`--scheduler linear`; min_lr_ratio=0 is the reference's, transformers' schedule)."
-    return LambdaLR(optimizer, LinearWarmupDecay(num_training_steps, warmup_steps, min_lr_ratio))
+    return lambda_scheduler(optimizer, Linear(num_training_steps, warmup_steps, min_lr_ratio))
 
 def get_cosine_schedule(optimizer, num_training_steps:int, warmup_steps:int, min_lr_ratio:float=0.1, cycle_length:int=None) -> LambdaLR:
     "Linear warm-up then cosine decay to `min_lr_ratio` (`--scheduler cosine`), optionally repeated every `cycle_length` steps."
-    return LambdaLR(optimizer, CyclicCosine(num_training_steps, warmup_steps, min_lr_ratio, cycle_length))
+    return lambda_scheduler(optimizer, Cosine(num_training_steps, warmup_steps, min_lr_ratio, cycle_length))
 
 SCHEDULERS = ('linear', 'cosine', 'cosine_restarts')
 
@@ -580,11 +528,7 @@ def _rewrap_scheduler(scheduler, optimizer, n_new_groups:int):
     sched = getattr(scheduler, 'scheduler', scheduler)          # accelerate's AcceleratedScheduler
     check(isinstance(sched, LambdaLR), f"WarmStartCallback can only continue a LambdaLR, not {type(sched).__name__}: pass scheduler_fn")
     lambdas = list(sched.lr_lambdas) + [sched.lr_lambdas[0]] * n_new_groups
-    new = LambdaLR(optimizer, lambdas)
-    new.last_epoch, new._step_count = sched.last_epoch, sched._step_count
-    for g, lam, base in zip(optimizer.param_groups, new.lr_lambdas, new.base_lrs): g['lr'] = base * lam(new.last_epoch)
-    new._last_lr = [g['lr'] for g in optimizer.param_groups]
-    return new
+    return lambda_scheduler(optimizer, lambdas, start_step=sched.last_epoch)
 
 def rebuild_optimizer(optimizer, model:nn.Module, scheduler=None, scheduler_fn=None) -> tuple:
     "A new optimizer of the same class over `model`'s trainable parameters, keeping the state of those it already held; and its scheduler."

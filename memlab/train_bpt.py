@@ -18,6 +18,7 @@ from .data import Document, iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
+from .schedules import Cosine, lambda_scheduler
 from .training import load_sharded, main_process_value, output_dir_refusal, sharded_metadata, write_state
 from .training import (Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
                              make_accelerator)
@@ -166,12 +167,16 @@ class AdamWArgs(Config):
               "--optimizer.adamw_optimizer.init_lr, end_lr, weight_decay and clip_gradient must be non-negative")
         check(0 <= self.lr_warmup_steps <= self.lr_decay_steps, f"--optimizer.adamw_optimizer.lr_warmup_steps ({self.lr_warmup_steps}) "
               f"must be between 0 and lr_decay_steps ({self.lr_decay_steps})")
+        check(self.init_lr <= self.lr and self.end_lr <= self.lr, f"--optimizer.adamw_optimizer.init_lr ({self.init_lr}) and end_lr "
+              f"({self.end_lr}) must not exceed lr ({self.lr}), the peak")
+
+    def schedule(self) -> Cosine:
+        "optax's warmup_cosine_decay_schedule as a multiplier of the peak `lr` (`memlab.schedules.Cosine`)."
+        return Cosine(max(1, self.lr_decay_steps), self.lr_warmup_steps, self.end_lr / self.lr, init_ratio=self.init_lr / self.lr)
 
     def lr_at(self, step:int) -> float:
         "The learning rate after `step` updates."
-        if step < self.lr_warmup_steps: return self.init_lr + (self.lr - self.init_lr) * step / self.lr_warmup_steps
-        t = min(1.0, (step - self.lr_warmup_steps) / max(1, self.lr_decay_steps - self.lr_warmup_steps))
-        return self.end_lr + (self.lr - self.end_lr) * 0.5 * (1 + math.cos(math.pi * t))
+        return self.lr * self.schedule()(step)
 
 @dataclass
 class DatasetArgs(Config):
@@ -464,7 +469,7 @@ def train_bpt(args:dict) -> dict:
                      keep_checkpoints=10**9, save_final=True, log_every=run.log_freq, mixed_precision=run.mixed_precision,
                      distributed_type='fsdp' if fsdp > 1 else 'ddp', fsdp_layer_cls=['BPTDecoderLayer'] if llama.fused else None,
                      seed=run.seed, resume_from=resume, report_to=run.report_to, progress=run.progress)
-    sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: adamw.lr_at(s) / adamw.lr)
+    sched = lambda o: lambda_scheduler(o, adamw.schedule())
     run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(), 'world_size': world,
                   'mesh': {'dp': dp, 'fsdp': fsdp}, 'data': rows['counts'], 'parameters': n_params, 'model': model.config.to_dict()}
     acc.wait_for_everyone()    # every process has checked the run folder before any writes to it

@@ -17,10 +17,11 @@ from torch import nn
 from .core import (Config, MemlabError, check, check_launch, check_ranges, peak_memory, resolve_precision, rng_state,
                          set_rng_state)
 from .models import enable_activation_checkpointing, to_state_names
+from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
 # %% auto 0
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'LossOutput', 'model_inputs', 'causal_lm_loss',
-           'Callback', 'model_callbacks', 'TrainConfig', 'lr_multiplier', 'get_scheduler', 'BatchList', 'count_targets',
+           'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of', 'get_scheduler', 'BatchList', 'count_targets',
            'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
            'main_process_value', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'clear_unfinished_run',
            'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
@@ -141,23 +142,18 @@ class TrainConfig(Config):
         return self.total_batch_size // per_step
 
 # %% ../nbs/05_training.ipynb
-def lr_multiplier(step:int, kind:str, total:int, warmup:int=0, min_ratio:float=0.0, end_ratio:float=None, power:float=1.0) -> float:
-    "Learning-rate multiplier at `step` for schedule `kind`."
-    if step < warmup: return step / max(1, warmup)
-    if kind == 'constant': return 1.0
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    if kind == 'linear': return min_ratio + (1 - min_ratio) * (1 - t)
-    if kind == 'cosine': return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-    if kind == 'polynomial':
-        end = min_ratio if end_ratio is None else end_ratio
-        return end + (1 - end) * (1 - t) ** power
-    raise MemlabError(f"unknown scheduler {kind!r}")
+def schedule_of(config:TrainConfig):
+    "The multiplier of the peak learning rate that `config.scheduler` names, with the config's settings."
+    N, W, kind = config.max_steps, config.warmup_steps, config.scheduler
+    if kind == 'constant': return Constant(W)
+    if kind == 'linear': return Linear(N, W, config.min_lr_ratio)
+    if kind == 'cosine': return Cosine(N, W, config.min_lr_ratio)
+    end = config.min_lr_ratio if config.lr_end is None else config.lr_end / config.lr
+    return Polynomial(N, W, end, config.power)
 
-def get_scheduler(optimizer, config:TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    "The `LambdaLR` that `config.scheduler` names."
-    end = None if config.lr_end is None else config.lr_end / config.lr
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
-        s, config.scheduler, config.max_steps, config.warmup_steps, config.min_lr_ratio, end, config.power))
+def get_scheduler(optimizer, config:TrainConfig, start_step:int=0) -> torch.optim.lr_scheduler.LambdaLR:
+    "The `LambdaLR` that `config.scheduler` names, at update `start_step`."
+    return lambda_scheduler(optimizer, schedule_of(config), start_step)
 
 # %% ../nbs/05_training.ipynb
 class BatchList:
@@ -565,10 +561,10 @@ class Trainer:
         for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
         self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
         self.optimizer = opt
-        sched = self._scheduler_fn(opt) if self._scheduler_fn is not None else get_scheduler(opt, c)
-        if keep_step is not None:  # continue the schedule where it was
-            sched.last_epoch = keep_step; sched._step_count = keep_step + 1
-            for g, lr in zip(opt.param_groups, sched.get_lr() if hasattr(sched, 'get_lr') else [g['lr'] for g in opt.param_groups]): g['lr'] = lr
+        if self._scheduler_fn is None: sched = get_scheduler(opt, c, start_step=keep_step or 0)
+        else:
+            sched = self._scheduler_fn(opt)
+            if keep_step: continue_at(sched, keep_step)               # continue the schedule where it was
         self.scheduler = sched
 
     def reconfigure(self, modify):
@@ -591,9 +587,8 @@ class Trainer:
         self._acc_optimizer = self.accelerator.prepare_optimizer(optimizer)
         self.optimizer = optimizer
         if scheduler is None:
-            scheduler = self._scheduler_fn(optimizer) if self._scheduler_fn is not None else get_scheduler(optimizer, self.config)
-            scheduler.last_epoch = self.step; scheduler._step_count = self.step + 1
-            for g, lr in zip(optimizer.param_groups, scheduler.get_lr()): g['lr'] = lr
+            if self._scheduler_fn is None: scheduler = get_scheduler(optimizer, self.config, start_step=self.step)
+            else: scheduler = continue_at(self._scheduler_fn(optimizer), self.step)
         self.scheduler = scheduler
 
     # ---- events ------------------------------------------------------------------------------------------------

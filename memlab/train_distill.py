@@ -18,7 +18,7 @@ from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .training import Callback, TrainConfig, Trainer, make_accelerator, output_dir_refusal
+from .training import Callback, TrainConfig, Trainer, check_replicas, fingerprint, make_accelerator, output_dir_refusal
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups, xavier_reinitialize,
                             dataset_fingerprint, generate_teacher_topk, model_card, remove_distill_heads,
                             save_distill_heads, student_config, tokenizer_fingerprint)
@@ -28,8 +28,8 @@ from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, sav
 __all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'parse_copy_modules',
            'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments',
            'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'perplexity',
-           'build_distill_student', 'PerplexityEvaluation', 'GradientStats', 'fingerprint', 'distill', 'distill_card',
-           'plot_distill', 'results_table', 'parse_args', 'main', 'demo']
+           'build_distill_student', 'PerplexityEvaluation', 'GradientStats', 'distill', 'distill_card', 'plot_distill',
+           'results_table', 'parse_args', 'main', 'demo']
 
 # %% ../nbs/42_train_distill.ipynb
 _BOOL_WORDS = {'true': True, 'false': False, '1': True, '0': False, 'yes': True, 'no': False}
@@ -457,13 +457,6 @@ class GradientStats(Callback):
         if 'loss' in logs and self.norms:
             x = np.asarray(self.norms); logs['grad_norm_mean'], logs['grad_norm_var'] = float(x.mean()), float(x.var()); self.norms = []
 
-def fingerprint(model) -> list:
-    "Two float64 sums over every floating tensor of `model` (sum and sum of squares): equal models give equal fingerprints."
-    s = torch.zeros(2, dtype=torch.float64)
-    for v in model.state_dict().values():
-        if v.is_floating_point(): v = v.detach().double().cpu(); s += torch.stack([v.sum(), (v * v).sum()])
-    return s.tolist()
-
 # %% ../nbs/42_train_distill.ipynb
 BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}  # what memlab's built-in names are (for the card's base_model)
 
@@ -574,9 +567,8 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     history = trainer.fit()
     # results
     model = trainer.unwrapped_model
-    fp = fingerprint(model); fps = [fp] * world
-    if world > 1: torch.distributed.all_gather_object(fps, fp)
-    check(all(f == fps[0] for f in fps), f"the {world} processes ended with different students (fingerprints {fps}): a replica diverged")
+    fp = fingerprint(model)
+    check_replicas(fp, world, 'students')
     logs, evals = [h for h in history if 'loss' in h], [h for h in history if any(k in h for k in data.evaluators)]
     obj_evals = [h for h in history if 'eval_loss' in h]
     metrics = {}

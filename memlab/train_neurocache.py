@@ -22,13 +22,13 @@ from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add
                                has_neurocache, load_neurocache, memory_per_token,
                                neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import main_process_value, output_dir_refusal
+from .training import check_replicas, fingerprint, main_process_value, output_dir_refusal
 from .training import LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator, plot_history
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
            'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'fingerprint', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
+           'stream_loss', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
            'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall',
            'RecallProbe', 'answer_nll', 'demo']
 
@@ -245,15 +245,6 @@ def _output_refusal(cfg:NeurocacheRunConfig):
         return f"--output_dir {out} already holds results.json: choose another folder" if (out/'results.json').exists() else None
     return output_dir_refusal(out, '--resume_from_checkpoint latest')
 
-def fingerprint(model) -> list:
-    "Sum and sum of squares (float64) of the trainable weights: equal replicas give equal fingerprints."
-    s = torch.zeros(2, dtype=torch.float64)
-    for p in model.parameters():
-        if p.requires_grad:
-            v = (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().double()
-            s += torch.stack([v.sum(), (v * v).sum()])
-    return s.tolist()
-
 def _full_state(trainer) -> dict:
     "The unwrapped model's state dict with full tensors (gathered under FSDP; a collective there)."
     if trainer.fsdp:
@@ -338,10 +329,8 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     evals = [h for h in history if 'eval_loss' in h]
     final = evals[-1] if evals and evals[-1]['step'] == trainer.step else trainer.evaluate(eval_data)
     test = trainer.evaluate(test_data, prefix='test') if test_data is not None else None
-    fp = fingerprint(model)
-    fps = [None] * world
-    if world > 1: torch.distributed.all_gather_object(fps, fp)
-    else: fps = [fp]
+    fp = fingerprint(model, trainable_only=True)
+    check_replicas(fp, world)
     logs = [h for h in history if 'loss' in h]
     nc_cfg = model.neurocache_config if has_neurocache(model) else None
     res = {'mode': 'train' if training else 'evaluate', 'steps': trainer.step, 'tokens_seen': trainer.tokens_seen,
@@ -353,13 +342,12 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
            'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / len(logs) if logs else None,
            'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
            'world_size': world, 'mixed_precision': mp, 'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none',
-           'fingerprint': fp, 'replicas_agree': trainer.fsdp or all(f == fps[0] for f in fps), 'output_dir': str(out),
+           'fingerprint': fp, 'replicas_agree': True, 'output_dir': str(out),
            'history': history}
     if nc_cfg:
         c = model.config
         res['bytes_per_cached_token'] = memory_per_token(c.hidden_size, c.num_attention_heads, compression_factor=nc_cfg.compression_factor,
                                                          cache_dtype=nc_cfg.cache_dtype)
-    check(res['replicas_agree'], f"the {world} processes ended with different weights (fingerprints {fps}): a replica diverged")
     if training: save_run_neurocache(trainer, cfg, out)
     if acc.is_main_process:
         atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))

@@ -23,10 +23,10 @@ from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda
 __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'LossOutput', 'model_inputs', 'causal_lm_loss',
            'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of', 'get_scheduler', 'BatchList', 'count_targets',
            'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
-           'main_process_value', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'clear_unfinished_run',
-           'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
-           'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer', 'default_output_dir',
-           'plot_history', 'loop_step_times', 'benchmark']
+           'main_process_value', 'fingerprint', 'check_replicas', 'list_checkpoints', 'find_checkpoint',
+           'output_dir_refusal', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors', 'write_state',
+           'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals',
+           'Trainer', 'default_output_dir', 'plot_history', 'loop_step_times', 'benchmark']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -253,6 +253,26 @@ def main_process_value(value, accelerator):
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# %% ../nbs/05_training.ipynb
+def fingerprint(weights, trainable_only:bool=False) -> list:
+    "Sum and sum of squares (float64) of a model's floating tensors (its trainable ones) or of a state dict; a collective under FSDP."
+    if isinstance(weights, dict): tensors = list(weights.values())
+    elif trainable_only: tensors = [p for p in weights.parameters() if p.requires_grad]
+    else: tensors = list(weights.state_dict().values())
+    s = torch.zeros(2, dtype=torch.float64)
+    for v in tensors:
+        v = v.full_tensor() if hasattr(v, 'full_tensor') else v           # a DTensor shard: gathered (every process calls this)
+        if v.is_floating_point(): v = v.detach().double().cpu(); s += torch.stack([v.sum(), (v * v).sum()])
+    return s.tolist()
+
+def check_replicas(fp:list, world:int, what:str='weights') -> list:
+    "Every process's fingerprint `fp` (all-gathered when `world` > 1); one line, on every process, if they differ."
+    fps = [fp] * world
+    if world > 1: torch.distributed.all_gather_object(fps, fp)
+    check(all(f == fps[0] for f in fps), f"the {world} processes ended with different {what} (fingerprints {fps}): a replica diverged")
+    return fps
 
 
 # %% ../nbs/05_training.ipynb

@@ -170,7 +170,7 @@ from memlab.loaders import TokenBatches
 from memlab.models import tiny_model
 from memlab.relora import (ReLoRACallback, ReLoRAConfig, WarmStartCallback, get_cosine_schedule, get_cosine_schedule_with_restarts,
                            relora_layers)
-from memlab.train_relora import fingerprint
+from memlab.training import fingerprint
 from memlab.training import TrainConfig, Trainer, make_accelerator
 out = sys.argv[1]
 make_accelerator()          # the process group first: TokenBatches shards the rows by it

@@ -5,6 +5,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+BAD_INPUT = {'tried': 0, 'clean': 0}      # counted by tests/test_bad_input.py, reported at the end of the run
+
+def pytest_terminal_summary(terminalreporter):
+    if BAD_INPUT['tried']:
+        terminalreporter.write_line(f"bad input: {BAD_INPUT['clean']} of {BAD_INPUT['tried']} cases answered in one line "
+                                    "(exit status != 0, no traceback, nothing created or changed)")
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -1,8 +1,8 @@
 """Bad input, tried the way users meet it, against the command lines it applies to: each is one line on stderr, a non-zero exit,
 no traceback, and nothing written or overwritten."""
-import json, os, sys
+import json, sys
 from pathlib import Path
-from conftest import BIN, ROOT, run
+from conftest import BAD_INPUT, BIN, run
 import pytest
 
 def one_line(r, *fragments):
@@ -36,7 +36,6 @@ from conftest import cli_runner
 @pytest.fixture(scope='module')
 def world(tmp_path_factory):
     "A 512-token BPE, a tiny Llama saved with it, rows pretokenized at 64 tokens, a JSON-lines corpus, a file, a folder, cut weights."
-    from memlab.core import run_cli
     from memlab.models import tiny_model
     from memlab.tokenizers import pretokenize, train_tokenizer
     from memlab.data import load_corpus
@@ -107,9 +106,11 @@ def test_environment_errors_are_one_line(world, tmp_path, prog):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for (name, (argv, where)), (code, err) in zip(cases.items(), res):
         if name == 'valid run': assert code == 0, (prog, err[-3000:]); continue
+        BAD_INPUT['tried'] += 1
         lines = [l for l in err.splitlines() if l.strip()]
         assert code != 0 and len(lines) == 1 and 'Traceback' not in err, (prog, name, code, err[-3000:])
         if where: assert where in lines[0], (prog, name, lines[0])
+        BAD_INPUT['clean'] += 1
     assert (world/'a_file').read_text() == 'keep me\n' and not Path('/sys/memlab_out').exists()
     assert not (tmp_path/'c').exists() and not (tmp_path/'w').exists()
 
@@ -137,7 +138,9 @@ def test_damaged_or_mismatched_checkpoints_are_one_line(world, tmp_path):
             what = argv(*resume)
         r = run([sys.executable, '-c', cli_runner(module, 'memlab_train'), json.dumps([what])])
         code, err = json.loads(r.stdout.strip().splitlines()[-1])[0]
+        BAD_INPUT['tried'] += 1
         lines = [l for l in err.splitlines() if l.strip()]
         assert code != 0 and len(lines) == 1 and msg in lines[0] and 'Traceback' not in err, (what, err[-2000:])
+        BAD_INPUT['clean'] += 1
         for name, b in saved.items(): (ck/name).write_bytes(b)   # restore for the next case
         assert sorted(p.name for p in (out/'checkpoints').glob('step-*')) == ['step-00000001', 'step-00000002']

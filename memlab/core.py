@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['VALUE_RULES', 'PRECISIONS', 'MemlabError', 'check', 'environment_error', 'requested_processes', 'check_launch',
-           'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
+__all__ = ['VALUE_RULES', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check', 'environment_error', 'requested_processes',
+           'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
            'check_writable', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
            'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
            'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision']
@@ -469,11 +469,14 @@ def native_bf16(device=None) -> bool:
 
 # %% ../nbs/00_core.ipynb
 PRECISIONS = ('auto', 'no', 'bf16', 'fp16')
+PRECISION_NAMES = {'auto': 'auto', 'no': 'no', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16', 'fp16': 'fp16',
+                   'float16': 'fp16'}            # the seeds' names (--dtype fp32, bfloat16, ...) for the same settings
 
 def resolve_precision(precision:str='auto', device=None) -> str:
     "'no', 'bf16' or 'fp16' from a setting: explicit values stay; 'auto'/None = accelerate launch's choice, else bf16 where native."
     p = 'auto' if precision is None else str(precision)
-    check(p in PRECISIONS, f"mixed precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    check(p in PRECISION_NAMES, f"mixed precision must be one of {', '.join(PRECISION_NAMES)}, got {precision!r}")
+    p = PRECISION_NAMES[p]
     if p == 'auto': p = os.environ.get('ACCELERATE_MIXED_PRECISION') or ('bf16' if native_bf16(device) else 'no')
     check(p in PRECISIONS[1:], f"mixed precision {p!r} (from accelerate launch) is not one of no, bf16, fp16")
     on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')

@@ -13,7 +13,7 @@ from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         resolve_precision, seed_everything)
+                         PRECISION_NAMES, resolve_precision, seed_everything)
 from .data import Document, iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
@@ -25,7 +25,7 @@ from .training import (Callback, TrainConfig, Trainer, launched_processes, list_
                              make_accelerator)
 
 # %% auto 0
-__all__ = ['LLAMA_PRESETS', 'DTYPES', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig', 'parse_mesh', 'parse_load', 'mesh_processes',
+__all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig', 'parse_mesh', 'parse_load', 'mesh_processes',
            'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
            'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
            'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'CheckpointSchedule',
@@ -35,7 +35,6 @@ __all__ = ['LLAMA_PRESETS', 'DTYPES', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
     'debug': (128, 256, 2, 4, 1e-6), '3b': (3200, 8640, 26, 32, 1e-6), '7b': (4096, 11008, 32, 32, 1e-6),
     '13b': (5120, 13824, 40, 40, 1e-6), '30b': (6656, 17920, 60, 52, 1e-6), '65b': (8192, 22016, 80, 64, 1e-5)}
-DTYPES = {'auto': 'auto', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16', 'fp16': 'fp16', 'float16': 'fp16'}
 LOAD_KINDS = ('trainstate', 'trainstate_params', 'params')
 
 @dataclass
@@ -64,8 +63,8 @@ class BPTRunConfig(Config):
             check(getattr(self, name) >= 1, f"--{name} must be positive, got {getattr(self, name)}")
         for name in ('save_model_freq', 'save_milestone_freq'):
             check(getattr(self, name) >= 0, f"--{name} must be 0 (off) or positive, got {getattr(self, name)}")
-        check(self.dtype in DTYPES, f"--dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
-        check(DTYPES[self.dtype] != 'fp16' or torch.cuda.is_available(),
+        check(self.dtype in PRECISION_NAMES, f"--dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
+        check(PRECISION_NAMES[self.dtype] != 'fp16' or torch.cuda.is_available(),
               f"--dtype {self.dtype} needs a GPU (fp16 autocast with loss scaling); use bf16 or fp32 on a CPU")
         check(self.update_llama_config is None or isinstance(self.update_llama_config, dict),
               f"--update_llama_config must be a dict such as \"{{'hidden_size': 64}}\", got {self.update_llama_config!r}")
@@ -75,7 +74,7 @@ class BPTRunConfig(Config):
         check(self.malloc_mmap_threshold >= 0, f"--malloc_mmap_threshold must be 0 (glibc's default) or a size in bytes, got {self.malloc_mmap_threshold}")
 
     @property
-    def mixed_precision(self) -> str: return resolve_precision(DTYPES[self.dtype])
+    def mixed_precision(self) -> str: return resolve_precision(self.dtype)
 
 def parse_mesh(spec) -> tuple:
     "(dp, fsdp, tp) from the seed's `--mesh_dim` string; at most one -1."

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         parse_count, resolve_precision, seed_everything)
+                         parse_count, PRECISION_NAMES, resolve_precision, seed_everything)
 from .loaders import TokenBatches
 from .models import llama_config, load_model, memlab_home
 from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model, relora_layers,
@@ -23,13 +23,12 @@ from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpo
                              load_sharded, load_strict, make_accelerator, read_json, read_state, sharded_metadata)
 
 # %% auto 0
-__all__ = ['DTYPES', 'OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'build_model', 'find_warm_start',
+__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'build_model', 'find_warm_start',
            'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps', 'training_steps',
            'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
            'ConsolidateZeroState', 'ProfileCallback', 'default_save_dir', 'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
-DTYPES = {'auto': 'auto', 'bf16': 'bf16', 'bfloat16': 'bf16', 'fp32': 'no', 'float32': 'no', 'fp16': 'fp16', 'float16': 'fp16'}
 OPTIMIZERS = ('adam', 'adam_zero')
 
 @dataclass
@@ -112,8 +111,8 @@ class ReLoRARunConfig(Config):
         check(min(self.warmup_steps, self.adjust_step) >= 0, "--warmup_steps and --adjust_step must be non-negative")
         check(self.optimizer.lower() in OPTIMIZERS, f"--optimizer {self.optimizer}: memlab_relora does Adam (AdamW) and adam_zero "
               f"(ZeroRedundancyOptimizer over AdamW), not other optimizers")
-        check(self.dtype in DTYPES, f"--dtype must be auto, bf16, float32 or float16, got {self.dtype!r}")
-        check(DTYPES[self.dtype] != 'fp16' or torch.cuda.is_available(),
+        check(self.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {self.dtype!r}")
+        check(PRECISION_NAMES[self.dtype] != 'fp16' or torch.cuda.is_available(),
               "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
         check(self.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {self.quantize!r}")
         check(self.quantize is None or self.use_peft, "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
@@ -127,7 +126,7 @@ class ReLoRARunConfig(Config):
               "give --resume_from or --autoresume, not both")
 
     @property
-    def mixed_precision(self) -> str: return resolve_precision(DTYPES[self.dtype])
+    def mixed_precision(self) -> str: return resolve_precision(self.dtype)
 
 def _count(v, name:str):
     "A token count from the command line (int, or a string with a K/M/B suffix)."

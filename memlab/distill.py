@@ -19,7 +19,7 @@ from safetensors.torch import save_file, load_file
 
 import memlab
 from .core import Config, MemlabError, atomic_write_text, check, count_parameters, fmt_bytes
-from .models import decoder_layers, load_model
+from .models import decoder_layers, load_model, unwrap
 from .training import Callback, LossOutput, model_inputs
 
 # %% auto 0
@@ -491,7 +491,7 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
     vocab = output_vocab_size(teacher)
     check(1 <= k <= vocab, f"k must be between 1 and the vocabulary size {vocab}, got {k}")
     check(dtype in ('float16', 'float32', 'bfloat16'), f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
-    teacher_name = teacher_name or getattr(_unwrap(teacher).config, '_name_or_path', None) or type(_unwrap(teacher)).__name__
+    teacher_name = teacher_name or getattr(unwrap(teacher).config, '_name_or_path', None) or type(unwrap(teacher)).__name__
     meta = {'format': TOPK_FORMAT, 'version': 1, 'teacher': teacher_name, 'k': k, 'vocab_size': vocab, 'value_dtype': dtype,
             'tokenizer': tokenizer_fingerprint(tokenizer) if tokenizer is not None else {'name': None, 'vocab_size': vocab, 'vocab_hash': None},
             'dataset': dict(dataset_fingerprint(name=None), **(dataset or {}))}
@@ -622,27 +622,22 @@ def load_distill_heads(student, path):
     heads.load_state_dict(sd)
 
 # %% ../nbs/41_distill.ipynb
-def _unwrap(model):
-    "The underlying module of a DDP/FSDP-wrapped model."
-    while hasattr(model, 'module') and isinstance(model.module, nn.Module): model = model.module
-    return model
-
 def _device(model) -> torch.device:
-    return next(_unwrap(model).parameters()).device
+    return next(unwrap(model).parameters()).device
 
 def output_vocab_size(model) -> int:
     "Number of logits per token of a causal LM (rows of its output embedding)."
-    head = _unwrap(model).get_output_embeddings()
-    return head.weight.shape[0] if head is not None else _unwrap(model).config.vocab_size
+    head = unwrap(model).get_output_embeddings()
+    return head.weight.shape[0] if head is not None else unwrap(model).config.vocab_size
 
 def _check_fusable(model, who):
-    cfg = _unwrap(model).config
+    cfg = unwrap(model).config
     for attr in ('final_logit_softcapping', 'logit_scale', 'logits_scaling', 'output_multiplier_scale'):
         check(getattr(cfg, attr, None) in (None, 1, 1.0), f"fused=True assumes logits = lm_head(hidden), but the {who} ({cfg.model_type}) applies {attr}; use fused=False")
-    check(_unwrap(model).get_output_embeddings() is not None, f"fused=True needs the {who}'s output embedding (lm_head)")
+    check(unwrap(model).get_output_embeddings() is not None, f"fused=True needs the {who}'s output embedding (lm_head)")
 
 def _head(model) -> tuple:
-    head = _unwrap(model).get_output_embeddings()
+    head = unwrap(model).get_output_embeddings()
     return head.weight, getattr(head, 'bias', None)
 
 class DistillLoss:
@@ -674,19 +669,19 @@ class DistillLoss:
         self.hs_pairs = self.attn_pairs = None
         if obj.attn_weight > 0:
             for m, who in ((teacher, 'teacher'), (student, 'student')):
-                impl = getattr(_unwrap(m).config, '_attn_implementation', None)
+                impl = getattr(unwrap(m).config, '_attn_implementation', None)
                 check(impl == 'eager', f"attn_weight > 0 needs attention maps, which the {who} only returns with eager attention (it uses {impl!r}): "
                       "load it with attn_implementation='eager' or call model.set_attn_implementation('eager')")
             self.attn_pairs = map_layers(obj.attn_layer_mapper, len(decoder_layers(student)), len(decoder_layers(teacher)))
         self.heads = None
         if obj.hs_weight > 0:
             self.hs_pairs = map_layers(obj.hs_layer_mapper, len(decoder_layers(student)), len(decoder_layers(teacher)))
-            d_s, d_t = _unwrap(student).config.hidden_size, _unwrap(teacher).config.hidden_size
+            d_s, d_t = unwrap(student).config.hidden_size, unwrap(teacher).config.hidden_size
             try: self.heads = DistillHeads(obj, d_s, d_t)
             except MemlabError as e: raise MemlabError(f"hs_projector: {e}") from None
-            p = next(_unwrap(student).parameters())
+            p = next(unwrap(student).parameters())
             self.heads.to(device=p.device, dtype=p.dtype)
-            if any(True for _ in self.heads.parameters()): setattr(_unwrap(student), HEADS_ATTR, self.heads)
+            if any(True for _ in self.heads.parameters()): setattr(unwrap(student), HEADS_ATTR, self.heads)
         self.confidence = TeacherConfidence(obj.cakld_batches) if obj.logits_loss_fn == 'cakld' and obj.cakld_beta is None else None
 
     def _forward_kwargs(self, device) -> dict:
@@ -815,7 +810,7 @@ def xavier_reinitialize(model):
 def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embeddings:bool=True, copy_lm_head:bool=True,
                   freeze_embeddings:bool=False, reinitialize:bool=False, freeze_lm_head:bool=False, student=None):
     "A student for `teacher`: its config with `overrides`, layers/embeddings/head copied from the teacher (or an existing `student`)."
-    teacher = _unwrap(teacher)
+    teacher = unwrap(teacher)
     if student is not None:
         check(not overrides, "pass either overrides (to build a student) or student= (an existing one), not both")
         if isinstance(student, (str, Path)): student = load_model(student)
@@ -846,7 +841,7 @@ def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embe
 # %% ../nbs/41_distill.ipynb
 def _arch(model) -> dict:
     "A few comparable architecture facts of a causal LM."
-    m = _unwrap(model); c = m.config
+    m = unwrap(model); c = m.config
     ffn = next((getattr(c, a) for a in ('intermediate_size', 'n_inner', 'ffn_dim') if getattr(c, a, None)), None)
     return {'architecture': type(m).__name__, 'layers': len(decoder_layers(m)), 'hidden size': c.hidden_size,
             'attention heads': c.num_attention_heads, 'key/value heads': getattr(c, 'num_key_value_heads', None) or c.num_attention_heads,

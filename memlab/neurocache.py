@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Config, MemlabError, arg, atomic_write_text, check, native_bf16
-from .models import TransparentWrapper, decoder_layers, keep_4bit_trainable, layer_parts, load_model, register_folder
+from .models import (TransparentWrapper, decoder_layers, keep_4bit_trainable, layer_parts, load_model, register_folder,
+                           unwrap)
 from .training import Callback
 
 # %% auto 0
@@ -855,9 +856,8 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
 
 def _unwrap(model) -> NeurocacheModel:
     "The `NeurocacheModel` inside DDP / accelerate / torch.compile wrappers."
-    for _ in range(4):
-        if isinstance(model, NeurocacheModel): return model
-        model = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
+    model = unwrap(model)
+    if isinstance(model, NeurocacheModel): return model
     raise MemlabError("this model has no Neurocache: call add_neurocache(model, config) first")
 
 def remove_lora(model) -> nn.Module:

@@ -16,7 +16,7 @@ __all__ = ['VALUE_RULES', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check
            'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
            'check_writable', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
            'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
-           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision']
+           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision', 'patch_to']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -483,4 +483,12 @@ def resolve_precision(precision:str='auto', device=None) -> str:
     check(p != 'fp16' or on_gpu, "fp16 mixed precision needs a GPU: on a CPU the autocast would silently compute in fp32; "
                                  "use bf16 (or no)")
     return p
+
+
+# %% ../nbs/00_core.ipynb
+def patch_to(cls):
+    "Decorator: add the decorated function to `cls` as a method of the same name."
+    def add(f):
+        setattr(cls, f.__name__, f); return f
+    return add
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import (Config, MemlabError, check, check_launch, check_ranges, peak_memory, resolve_precision, rng_state,
-                         set_rng_state)
+from .core import (Config, MemlabError, check, check_launch, check_ranges, patch_to, peak_memory, resolve_precision,
+                         rng_state, set_rng_state)
 from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
@@ -540,7 +540,7 @@ class Trainer:
         self._prepare(model)
         if self.config.resume_from: self.load_checkpoint(find_checkpoint(self.config.resume_from, self.config.output_dir))
 
-    # ---- setup -------------------------------------------------------------------------------------------------
+    # ---- setup ---------------------------------------------------------------------------------------------
     def _check_output_dir(self):
         "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
         c = self.config
@@ -587,31 +587,7 @@ class Trainer:
             if keep_step: continue_at(sched, keep_step)               # continue the schedule where it was
         self.scheduler = sched
 
-    def reconfigure(self, modify):
-        """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in place;
-        the model is re-wrapped for DDP (its set of trainable parameters changed) and a fresh optimizer is built whose schedule
-        continues at the current step (`replace_optimizer` can then install a method's own)."""
-        check(not self.fsdp, "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
-        model = self.accelerator.unwrap_model(self.model)
-        self.accelerator._models.clear(); self.accelerator._optimizers.clear()
-        modify(model)
-        self.model = self.accelerator.prepare_model(model)
-        self.unwrapped_model = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
-        self._build_optimizer(keep_step=self.step)
-
-    def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
-        """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured schedule,
-        continuing at the current step)."""
-        self.accelerator._optimizers.clear()
-        for g in optimizer.param_groups: g.setdefault('initial_lr', g['lr'])
-        self._acc_optimizer = self.accelerator.prepare_optimizer(optimizer)
-        self.optimizer = optimizer
-        if scheduler is None:
-            if self._scheduler_fn is None: scheduler = get_scheduler(optimizer, self.config, start_step=self.step)
-            else: scheduler = continue_at(self._scheduler_fn(optimizer), self.step)
-        self.scheduler = scheduler
-
-    # ---- events ------------------------------------------------------------------------------------------------
+    # ---- events --------------------------------------------------------------------------------------------
     def _event(self, name, *args):
         for cb in self.callbacks: getattr(cb, name)(self, *args)
 
@@ -622,300 +598,341 @@ class Trainer:
         "Print on the main process only."
         if self.is_main: print(*a, flush=True)
 
-    # ---- one update ----------------------------------------------------------------------------------------------
-    def _sync_context(self, last:bool):
-        import contextlib
-        if last or self.world_size == 1: return contextlib.nullcontext()
-        if self.fsdp:
-            model = self.model
-            @contextlib.contextmanager
-            def _fsdp_no_sync():
-                model.set_requires_gradient_sync(False)
-                try: yield
-                finally: model.set_requires_gradient_sync(True)
-            return _fsdp_no_sync()
-        return self.accelerator.no_sync(self.model)
+# %% ../nbs/05_training.ipynb
+@patch_to(Trainer)
+def reconfigure(self, modify):
+    """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in place;
+    the model is re-wrapped for DDP (its set of trainable parameters changed) and a fresh optimizer is built whose schedule
+    continues at the current step (`replace_optimizer` can then install a method's own)."""
+    check(not self.fsdp, "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
+    model = self.accelerator.unwrap_model(self.model)
+    self.accelerator._models.clear(); self.accelerator._optimizers.clear()
+    modify(model)
+    self.model = self.accelerator.prepare_model(model)
+    self.unwrapped_model = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
+    self._build_optimizer(keep_step=self.step)
 
-    def _reduce(self, t:torch.Tensor) -> torch.Tensor:
-        t = t.detach().float().to(self.accelerator.device)
-        return self.accelerator.reduce(t, reduction='sum') if self.world_size > 1 else t
+@patch_to(Trainer)
+def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
+    """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured schedule,
+    continuing at the current step)."""
+    self.accelerator._optimizers.clear()
+    for g in optimizer.param_groups: g.setdefault('initial_lr', g['lr'])
+    self._acc_optimizer = self.accelerator.prepare_optimizer(optimizer)
+    self.optimizer = optimizer
+    if scheduler is None:
+        if self._scheduler_fn is None: scheduler = get_scheduler(optimizer, self.config, start_step=self.step)
+        else: scheduler = continue_at(self._scheduler_fn(optimizer), self.step)
+    self.scheduler = scheduler
 
-    def train_step(self, micro_batches:list) -> dict:
-        "One optimizer update over `micro_batches`; returns the update's token-mean loss and logged components."
-        count = getattr(self.loss_fn, 'count_tokens', count_targets)
-        n_global = self._reduce(sum(torch.as_tensor(count(b)) for b in micro_batches))
-        check(n_global.item() > 0, "an optimizer update had no target tokens (every label is -100)")
-        self.model.train()
-        loss_sum, log_sums = torch.zeros((), device=self.accelerator.device), {}
-        for i, batch in enumerate(micro_batches):
-            batch = _to_device(batch, self.accelerator.device)
-            # no_sync covers forward and backward: DDP decides in forward, FSDP2 in backward, whether to reduce gradients
-            with self._sync_context(last=i == len(micro_batches) - 1):
-                with self.accelerator.autocast():
-                    out = self.loss_fn(self.model, batch)
-                    loss = out.loss_sum * self.world_size / n_global
-                self.accelerator.backward(loss)
-            loss_sum += out.loss_sum.detach().float()
-            for k, v in out.logs.items(): log_sums[k] = log_sums.get(k, 0.0) + torch.as_tensor(v).detach().float().to(loss_sum.device)
-            del out, loss
-        self._event('on_before_optimizer_step')
-        grad_norm = self._clip()
-        self._acc_optimizer.step()
-        self.scheduler.step()
-        self._acc_optimizer.zero_grad(set_to_none=True)
-        n = n_global.item()
-        res = {'loss': (self._reduce(loss_sum) / n).item(), 'tokens': int(n)}
-        for k, v in log_sums.items(): res[k] = (self._reduce(v) / n).item()
-        if grad_norm is not None: res['grad_norm'] = grad_norm
-        return res
+# %% ../nbs/05_training.ipynb
+@patch_to(Trainer)
+def _sync_context(self, last:bool):
+    import contextlib
+    if last or self.world_size == 1: return contextlib.nullcontext()
+    if self.fsdp:
+        model = self.model
+        @contextlib.contextmanager
+        def _fsdp_no_sync():
+            model.set_requires_gradient_sync(False)
+            try: yield
+            finally: model.set_requires_gradient_sync(True)
+        return _fsdp_no_sync()
+    return self.accelerator.no_sync(self.model)
 
-    def _clip(self):
-        c = self.config
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params: return None
-        self.accelerator.unscale_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
-        if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()
-        return float(norm)
+@patch_to(Trainer)
+def _reduce(self, t:torch.Tensor) -> torch.Tensor:
+    t = t.detach().float().to(self.accelerator.device)
+    return self.accelerator.reduce(t, reduction='sum') if self.world_size > 1 else t
 
-    # ---- evaluation ------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
-        "Token-weighted loss, perplexity and bits per token over `data` (default: the evaluation data), across processes."
-        data = self.eval_data if data is None else data
-        check(data is not None, "no evaluation data")
-        max_steps = self.config.max_eval_steps if max_steps is None else max_steps
-        self._event('on_evaluate_begin')
-        model = self.model if self.fsdp else self.unwrapped_model  # DDP's wrapper syncs buffers per forward: not needed here
-        was_training = model.training; model.eval()
-        loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
-        logs = {}
-        from tqdm.auto import tqdm
-        total = min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
-            len(data) if hasattr(data, '__len__') else max_steps)
-        bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main), dynamic_ncols=True)
-        for i, batch in enumerate(data):
-            if max_steps is not None and i >= max_steps: break
-            bar.update(1)
-            batch = _to_device(batch, self.accelerator.device)
+@patch_to(Trainer)
+def train_step(self, micro_batches:list) -> dict:
+    "One optimizer update over `micro_batches`; returns the update's token-mean loss and logged components."
+    count = getattr(self.loss_fn, 'count_tokens', count_targets)
+    n_global = self._reduce(sum(torch.as_tensor(count(b)) for b in micro_batches))
+    check(n_global.item() > 0, "an optimizer update had no target tokens (every label is -100)")
+    self.model.train()
+    loss_sum, log_sums = torch.zeros((), device=self.accelerator.device), {}
+    for i, batch in enumerate(micro_batches):
+        batch = _to_device(batch, self.accelerator.device)
+        # no_sync covers forward and backward: DDP decides in forward, FSDP2 in backward, whether to reduce gradients
+        with self._sync_context(last=i == len(micro_batches) - 1):
             with self.accelerator.autocast():
-                out = self.loss_fn(model, batch)
-            loss_sum += out.loss_sum.float(); n += torch.as_tensor(out.n_tokens, device=n.device).float()
-            for k, v in out.logs.items(): logs[k] = logs.get(k, 0.0) + torch.as_tensor(v).float().to(n.device)
-        bar.close()
-        loss_sum, n = self._reduce(loss_sum), self._reduce(n)
-        model.train(was_training)
-        check(n.item() > 0, "evaluation saw no target tokens")
-        loss = (loss_sum / n).item()
-        metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)), f'{prefix}_bits_per_token': loss / math.log(2),
-                   f'{prefix}_tokens': int(n.item())}
-        for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
-        self._event('on_evaluate_end', metrics)
-        return metrics
+                out = self.loss_fn(self.model, batch)
+                loss = out.loss_sum * self.world_size / n_global
+            self.accelerator.backward(loss)
+        loss_sum += out.loss_sum.detach().float()
+        for k, v in out.logs.items(): log_sums[k] = log_sums.get(k, 0.0) + torch.as_tensor(v).detach().float().to(loss_sum.device)
+        del out, loss
+    self._event('on_before_optimizer_step')
+    grad_norm = self._clip()
+    self._acc_optimizer.step()
+    self.scheduler.step()
+    self._acc_optimizer.zero_grad(set_to_none=True)
+    n = n_global.item()
+    res = {'loss': (self._reduce(loss_sum) / n).item(), 'tokens': int(n)}
+    for k, v in log_sums.items(): res[k] = (self._reduce(v) / n).item()
+    if grad_norm is not None: res['grad_norm'] = grad_norm
+    return res
 
-    # ---- logging ---------------------------------------------------------------------------------------------------
-    def log(self, logs:dict):
-        "Record `logs` (with the step) in the history, the JSON log and TensorBoard/wandb; runs `on_log` callbacks first."
-        logs = {'step': self.step, **logs}
-        self._event('on_log', logs)
-        self.history.append(logs)
-        if not self.is_main or not self.config.output_dir: return
-        out = Path(self.config.output_dir); out.mkdir(parents=True, exist_ok=True)
-        with open(out/'log.jsonl', 'a') as f: f.write(json.dumps(logs) + '\n')
-        w = self._get_writer()
-        if w is not None:
-            for k, v in logs.items():
-                if k != 'step' and isinstance(v, (int, float)): w.add_scalar(k, v, self.step)
-            w.flush() if hasattr(w, 'flush') else None
+@patch_to(Trainer)
+def _clip(self):
+    c = self.config
+    params = [p for p in self.model.parameters() if p.grad is not None]
+    if not params: return None
+    self.accelerator.unscale_gradients()
+    norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
+    if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()
+    return float(norm)
 
-    def _get_writer(self):
-        c = self.config
-        if self._writer is not None or c.report_to == 'none': return self._writer
-        if c.report_to == 'tensorboard':
-            from torch.utils.tensorboard import SummaryWriter
-            self._writer = SummaryWriter(str(Path(c.output_dir)/'tensorboard'))
-        else:
-            try: import wandb
-            except ImportError: raise MemlabError("report_to='wandb' needs wandb: pip install wandb (or use tensorboard)") from None
-            run = wandb.init(dir=c.output_dir, config={**c.to_dict(), **self.run_config}, mode=os.environ.get('WANDB_MODE', 'offline'))
-            class _W:
-                def add_scalar(self, k, v, step): run.log({k: v}, step=step)
-            self._writer = _W()
-        return self._writer
+# %% ../nbs/05_training.ipynb
+@patch_to(Trainer)
+@torch.no_grad()
+def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
+    "Token-weighted loss, perplexity and bits per token over `data` (default: the evaluation data), across processes."
+    data = self.eval_data if data is None else data
+    check(data is not None, "no evaluation data")
+    max_steps = self.config.max_eval_steps if max_steps is None else max_steps
+    self._event('on_evaluate_begin')
+    model = self.model if self.fsdp else self.unwrapped_model  # DDP's wrapper syncs buffers per forward: not needed here
+    was_training = model.training; model.eval()
+    loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
+    logs = {}
+    from tqdm.auto import tqdm
+    total = min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
+        len(data) if hasattr(data, '__len__') else max_steps)
+    bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main), dynamic_ncols=True)
+    for i, batch in enumerate(data):
+        if max_steps is not None and i >= max_steps: break
+        bar.update(1)
+        batch = _to_device(batch, self.accelerator.device)
+        with self.accelerator.autocast():
+            out = self.loss_fn(model, batch)
+        loss_sum += out.loss_sum.float(); n += torch.as_tensor(out.n_tokens, device=n.device).float()
+        for k, v in out.logs.items(): logs[k] = logs.get(k, 0.0) + torch.as_tensor(v).float().to(n.device)
+    bar.close()
+    loss_sum, n = self._reduce(loss_sum), self._reduce(n)
+    model.train(was_training)
+    check(n.item() > 0, "evaluation saw no target tokens")
+    loss = (loss_sum / n).item()
+    metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)), f'{prefix}_bits_per_token': loss / math.log(2),
+               f'{prefix}_tokens': int(n.item())}
+    for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
+    self._event('on_evaluate_end', metrics)
+    return metrics
 
-    # ---- checkpoints -----------------------------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        "Write a complete checkpoint of the run atomically; return its folder."
-        c, acc = self.config, self.accelerator
-        check(c.output_dir, "save_checkpoint needs an output_dir")
-        root = Path(c.output_dir)/CHECKPOINTS
-        final, tmp = root/_step_dir(self.step), root/f".{_step_dir(self.step)}.tmp"
-        if self.is_main:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        r = acc.process_index
-        if self.fsdp:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
-        elif self.is_main:
-            from safetensors.torch import save_model
-            save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
-            write_state(self.optimizer.state_dict(), tmp/'optimizer')
-        data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
-        write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
-        if self.is_main:
-            callbacks = [cb.state_dict() for cb in self.callbacks]
-            write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
-        self._event('on_save', tmp)
-        acc.wait_for_everyone()
-        if self.is_main:
-            from memlab.core import atomic_write_text
-            state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
-                     'distributed_type': 'fsdp' if self.fsdp else 'ddp', 'history': self.history, 'config': c.to_dict()}
-            atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
-            import shutil
-            if final.exists(): shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_text(root/'latest', final.name)
-            for old in list_checkpoints(c.output_dir)[:-max(1, c.keep_checkpoints)]: shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-        return final
+# %% ../nbs/05_training.ipynb
+@patch_to(Trainer)
+def log(self, logs:dict):
+    "Record `logs` (with the step) in the history, the JSON log and TensorBoard/wandb; runs `on_log` callbacks first."
+    logs = {'step': self.step, **logs}
+    self._event('on_log', logs)
+    self.history.append(logs)
+    if not self.is_main or not self.config.output_dir: return
+    out = Path(self.config.output_dir); out.mkdir(parents=True, exist_ok=True)
+    with open(out/'log.jsonl', 'a') as f: f.write(json.dumps(logs) + '\n')
+    w = self._get_writer()
+    if w is not None:
+        for k, v in logs.items():
+            if k != 'step' and isinstance(v, (int, float)): w.add_scalar(k, v, self.step)
+        w.flush() if hasattr(w, 'flush') else None
 
-    def load_checkpoint(self, path):
-        "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
-        path, acc = Path(path), self.accelerator
-        state = read_json(path/'trainer_state.json')
-        check(state['world_size'] == self.world_size,
-              f"{path} was written by {state['world_size']} process(es); resume it with the same number (now {self.world_size})")
-        check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
-              f"{path} was written under {state['distributed_type']}; resume it the same way")
-        # Callbacks first: one may need to change the model (say, add adapters the run had switched to) before its state loads.
-        sc = read_state(path/'scheduler_callbacks')
-        check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
-              f"this run has {len(self.callbacks)}: resume with the same method options")
-        for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
-        self.step = state['step']
-        self._event('on_load_begin', path)
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            sd = {'model': msd, 'optimizer': osd}
-            load_sharded(sd, path/'sharded')
-            set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
-        else:
-            sd = read_safetensors(path/'model.safetensors')
-            # save_model stored tied weights once: restore the aliases before the strict check
-            own = self.unwrapped_model.state_dict()
-            for k in own:
-                if k not in sd:
-                    twin = next((k2 for k2 in sd if k2 in own and own[k2].data_ptr() == own[k].data_ptr()), None)
-                    if twin is not None: sd[k] = sd[twin]
-            load_strict(self.unwrapped_model, sd, 'model')
-            try: self.optimizer.load_state_dict(read_state(path/'optimizer'))
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters ({str(e).splitlines()[0]}): "
-                                  f"resume with the model and method options of the run that wrote it") from None
-        self.scheduler.load_state_dict(sc['scheduler'])
-        proc = read_state(path/f'process_{acc.process_index}')
-        set_rng_state(proc['rng'])
-        if proc['data'] is not None:
-            check(hasattr(self.train_data, 'load_state_dict'), "the checkpoint holds a data position but the training data cannot restore one")
-            self.train_data.load_state_dict(proc['data'])
-        self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
-        if self.is_main and self.config.output_dir:  # the log restarts from the checkpoint: drop what a killed run logged after it
-            from memlab.core import atomic_write_text
-            atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
-        self._event('on_load', path)
+@patch_to(Trainer)
+def _get_writer(self):
+    c = self.config
+    if self._writer is not None or c.report_to == 'none': return self._writer
+    if c.report_to == 'tensorboard':
+        from torch.utils.tensorboard import SummaryWriter
+        self._writer = SummaryWriter(str(Path(c.output_dir)/'tensorboard'))
+    else:
+        try: import wandb
+        except ImportError: raise MemlabError("report_to='wandb' needs wandb: pip install wandb (or use tensorboard)") from None
+        run = wandb.init(dir=c.output_dir, config={**c.to_dict(), **self.run_config}, mode=os.environ.get('WANDB_MODE', 'offline'))
+        class _W:
+            def add_scalar(self, k, v, step): run.log({k: v}, step=step)
+        self._writer = _W()
+    return self._writer
 
-    # ---- fit -------------------------------------------------------------------------------------------------------
-    def fit(self) -> list:
-        "Train until `max_steps` updates (or `max_train_tokens`); returns the history of logged dicts."
-        c = self.config
-        check(self.train_data is not None, "no training data")
-        if self.is_main and c.output_dir:
-            from memlab.core import atomic_write_text
-            Path(c.output_dir).mkdir(parents=True, exist_ok=True)
-            atomic_write_text(Path(c.output_dir)/'run_config.json', json.dumps({'train': c.to_dict(), **self.run_config}, indent=2, default=str))
-        self._event('on_train_begin')
-        if c.eval_at_start and self.eval_data is not None and self.step == 0: self.log(self.evaluate())
-        from tqdm.auto import tqdm
-        bar = tqdm(total=c.max_steps, initial=self.step, desc='train', disable=not (c.progress and self.is_main), dynamic_ncols=True)
-        it = iter(self.train_data)
-        with StopSignals() as signals:
-            try: self._fit_loop(it, bar, signals)
-            finally: bar.close()
-        self._event('on_train_end')
-        return self.history
+# %% ../nbs/05_training.ipynb
+@patch_to(Trainer)
+def save_checkpoint(self) -> Path:
+    "Write a complete checkpoint of the run atomically; return its folder."
+    c, acc = self.config, self.accelerator
+    check(c.output_dir, "save_checkpoint needs an output_dir")
+    root = Path(c.output_dir)/CHECKPOINTS
+    final, tmp = root/_step_dir(self.step), root/f".{_step_dir(self.step)}.tmp"
+    if self.is_main:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    r = acc.process_index
+    if self.fsdp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
+    elif self.is_main:
+        from safetensors.torch import save_model
+        save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
+        write_state(self.optimizer.state_dict(), tmp/'optimizer')
+    data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
+    write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
+    if self.is_main:
+        callbacks = [cb.state_dict() for cb in self.callbacks]
+        write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
+    self._event('on_save', tmp)
+    acc.wait_for_everyone()
+    if self.is_main:
+        from memlab.core import atomic_write_text
+        state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
+                 'distributed_type': 'fsdp' if self.fsdp else 'ddp', 'history': self.history, 'config': c.to_dict()}
+        atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
+        import shutil
+        if final.exists(): shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(root/'latest', final.name)
+        for old in list_checkpoints(c.output_dir)[:-max(1, c.keep_checkpoints)]: shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    return final
 
-    def _stop_requested(self, signals:StopSignals) -> bool:
-        "Whether any process received a stop signal (all processes get the same answer, at the same update)."
-        if self.world_size == 1: return signals.received is not None
-        flag = torch.tensor([float(signals.signum or 0)], device=self.accelerator.device)
-        signum = int(self.accelerator.reduce(flag, reduction='max').item())
-        if signum and signals.signum is None: signals.received, signals.signum = signal.Signals(signum).name, signum
-        return bool(signum)
+@patch_to(Trainer)
+def load_checkpoint(self, path):
+    "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
+    path, acc = Path(path), self.accelerator
+    state = read_json(path/'trainer_state.json')
+    check(state['world_size'] == self.world_size,
+          f"{path} was written by {state['world_size']} process(es); resume it with the same number (now {self.world_size})")
+    check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
+          f"{path} was written under {state['distributed_type']}; resume it the same way")
+    # Callbacks first: one may need to change the model (say, add adapters the run had switched to) before its state loads.
+    sc = read_state(path/'scheduler_callbacks')
+    check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
+          f"this run has {len(self.callbacks)}: resume with the same method options")
+    for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
+    self.step = state['step']
+    self._event('on_load_begin', path)
+    if self.fsdp:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        sd = {'model': msd, 'optimizer': osd}
+        load_sharded(sd, path/'sharded')
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
+    else:
+        sd = read_safetensors(path/'model.safetensors')
+        # save_model stored tied weights once: restore the aliases before the strict check
+        own = self.unwrapped_model.state_dict()
+        for k in own:
+            if k not in sd:
+                twin = next((k2 for k2 in sd if k2 in own and own[k2].data_ptr() == own[k].data_ptr()), None)
+                if twin is not None: sd[k] = sd[twin]
+        load_strict(self.unwrapped_model, sd, 'model')
+        try: self.optimizer.load_state_dict(read_state(path/'optimizer'))
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters ({str(e).splitlines()[0]}): "
+                              f"resume with the model and method options of the run that wrote it") from None
+    self.scheduler.load_state_dict(sc['scheduler'])
+    proc = read_state(path/f'process_{acc.process_index}')
+    set_rng_state(proc['rng'])
+    if proc['data'] is not None:
+        check(hasattr(self.train_data, 'load_state_dict'), "the checkpoint holds a data position but the training data cannot restore one")
+        self.train_data.load_state_dict(proc['data'])
+    self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
+    if self.is_main and self.config.output_dir:  # the log restarts from the checkpoint: drop what a killed run logged after it
+        from memlab.core import atomic_write_text
+        atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
+    self._event('on_load', path)
 
-    def _stop(self, signals:StopSignals, saved:Path=None):
-        "Save a checkpoint (unless this update was just saved) and raise `Interrupted`."
-        c = self.config
-        if c.output_dir and saved is None: saved = self.save_checkpoint()
-        where = (f"checkpoint {saved} saved: continue with resume_from='latest' (--resume_from latest or the command's resume flag)"
-                 if saved else "no output_dir, nothing saved")
-        raise Interrupted(f"stopped by {signals.received} after update {self.step}; {where}", signals.signum)
+# %% ../nbs/05_training.ipynb
+@patch_to(Trainer)
+def fit(self) -> list:
+    "Train until `max_steps` updates (or `max_train_tokens`); returns the history of logged dicts."
+    c = self.config
+    check(self.train_data is not None, "no training data")
+    if self.is_main and c.output_dir:
+        from memlab.core import atomic_write_text
+        Path(c.output_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(c.output_dir)/'run_config.json', json.dumps({'train': c.to_dict(), **self.run_config}, indent=2, default=str))
+    self._event('on_train_begin')
+    if c.eval_at_start and self.eval_data is not None and self.step == 0: self.log(self.evaluate())
+    from tqdm.auto import tqdm
+    bar = tqdm(total=c.max_steps, initial=self.step, desc='train', disable=not (c.progress and self.is_main), dynamic_ncols=True)
+    it = iter(self.train_data)
+    with StopSignals() as signals:
+        try: self._fit_loop(it, bar, signals)
+        finally: bar.close()
+    self._event('on_train_end')
+    return self.history
 
-    def _fit_loop(self, it, bar, signals:StopSignals):
-        c = self.config
-        pm = peak_memory(self.accelerator.device, collect=False).__enter__()
-        t0, tok0, window = time.perf_counter(), 0, []
-        self.should_stop = False
-        while self.step < c.max_steps and not self.should_stop:
-            if c.max_train_tokens and self.tokens_seen >= c.max_train_tokens: break
-            self._event('on_step_begin')
-            micro = []
-            for _ in range(self.accum):
-                try: micro.append(next(it))
-                except StopIteration: break
-            if len(micro) < self.accum: break  # finite training data ran out
-            res = self.train_step(micro)
-            self.step += 1; self.tokens_seen += res['tokens']; tok0 += res['tokens']
-            window.append(res)
-            self._event('on_step_end')
-            bar.update(1); bar.set_postfix(loss=f"{res['loss']:.3f}")
-            last = self.step >= c.max_steps or bool(c.max_train_tokens and self.tokens_seen >= c.max_train_tokens)
-            if self.step % max(1, c.log_every) == 0 or last:
-                pm.__exit__(None, None, None)
-                dt = time.perf_counter() - t0
-                n = sum(r['tokens'] for r in window)
-                logs = {k: sum(r[k] * r['tokens'] for r in window) / n for k in window[-1] if k not in ('tokens', 'grad_norm')}
-                if 'grad_norm' in window[-1]: logs['grad_norm'] = window[-1]['grad_norm']
-                logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tok0 / dt,
-                            peak_memory_mib=pm.absolute / 2**20)
-                self.log(logs)
-                window, tok0 = [], 0
-                pm = peak_memory(self.accelerator.device, collect=False).__enter__(); t0 = time.perf_counter()
-            stopping = not last and self._stop_requested(signals)      # the last update finishes the run as usual
-            if not stopping and self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):
-                try: self.log(self.evaluate())
-                except Exception as e: self._evaluation_failed(e)
-                t0 = time.perf_counter()
-            saved = None
-            if c.output_dir and ((c.save_every and self.step % c.save_every == 0) or (last and c.save_final)):
-                saved = self.save_checkpoint()
-                t0 = time.perf_counter()
-            if not last and (stopping or self._stop_requested(signals)): self._stop(signals, saved)
+@patch_to(Trainer)
+def _stop_requested(self, signals:StopSignals) -> bool:
+    "Whether any process received a stop signal (all processes get the same answer, at the same update)."
+    if self.world_size == 1: return signals.received is not None
+    flag = torch.tensor([float(signals.signum or 0)], device=self.accelerator.device)
+    signum = int(self.accelerator.reduce(flag, reduction='max').item())
+    if signum and signals.signum is None: signals.received, signals.signum = signal.Signals(signum).name, signum
+    return bool(signum)
 
-    def _evaluation_failed(self, e:Exception):
-        "An evaluation failed after an update: save the trained state first (one process), then report the failure."
-        c = self.config
-        if not (c.output_dir and self.world_size == 1): raise e
-        saved = self.save_checkpoint()
-        from memlab.core import environment_error
-        why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
-        raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); the trained state is saved "
-                          f"in {saved}: fix the evaluation settings and continue with resume_from='latest'") from e
+@patch_to(Trainer)
+def _stop(self, signals:StopSignals, saved:Path=None):
+    "Save a checkpoint (unless this update was just saved) and raise `Interrupted`."
+    c = self.config
+    if c.output_dir and saved is None: saved = self.save_checkpoint()
+    where = (f"checkpoint {saved} saved: continue with resume_from='latest' (--resume_from latest or the command's resume flag)"
+             if saved else "no output_dir, nothing saved")
+    raise Interrupted(f"stopped by {signals.received} after update {self.step}; {where}", signals.signum)
+
+@patch_to(Trainer)
+def _fit_loop(self, it, bar, signals:StopSignals):
+    c = self.config
+    pm = peak_memory(self.accelerator.device, collect=False).__enter__()
+    t0, tok0, window = time.perf_counter(), 0, []
+    self.should_stop = False
+    while self.step < c.max_steps and not self.should_stop:
+        if c.max_train_tokens and self.tokens_seen >= c.max_train_tokens: break
+        self._event('on_step_begin')
+        micro = []
+        for _ in range(self.accum):
+            try: micro.append(next(it))
+            except StopIteration: break
+        if len(micro) < self.accum: break  # finite training data ran out
+        res = self.train_step(micro)
+        self.step += 1; self.tokens_seen += res['tokens']; tok0 += res['tokens']
+        window.append(res)
+        self._event('on_step_end')
+        bar.update(1); bar.set_postfix(loss=f"{res['loss']:.3f}")
+        last = self.step >= c.max_steps or bool(c.max_train_tokens and self.tokens_seen >= c.max_train_tokens)
+        if self.step % max(1, c.log_every) == 0 or last:
+            pm.__exit__(None, None, None)
+            dt = time.perf_counter() - t0
+            n = sum(r['tokens'] for r in window)
+            logs = {k: sum(r[k] * r['tokens'] for r in window) / n for k in window[-1] if k not in ('tokens', 'grad_norm')}
+            if 'grad_norm' in window[-1]: logs['grad_norm'] = window[-1]['grad_norm']
+            logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tok0 / dt,
+                        peak_memory_mib=pm.absolute / 2**20)
+            self.log(logs)
+            window, tok0 = [], 0
+            pm = peak_memory(self.accelerator.device, collect=False).__enter__(); t0 = time.perf_counter()
+        stopping = not last and self._stop_requested(signals)      # the last update finishes the run as usual
+        if not stopping and self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):
+            try: self.log(self.evaluate())
+            except Exception as e: self._evaluation_failed(e)
+            t0 = time.perf_counter()
+        saved = None
+        if c.output_dir and ((c.save_every and self.step % c.save_every == 0) or (last and c.save_final)):
+            saved = self.save_checkpoint()
+            t0 = time.perf_counter()
+        if not last and (stopping or self._stop_requested(signals)): self._stop(signals, saved)
+
+@patch_to(Trainer)
+def _evaluation_failed(self, e:Exception):
+    "An evaluation failed after an update: save the trained state first (one process), then report the failure."
+    c = self.config
+    if not (c.output_dir and self.world_size == 1): raise e
+    saved = self.save_checkpoint()
+    from memlab.core import environment_error
+    why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
+    raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); the trained state is saved "
+                      f"in {saved}: fix the evaluation settings and continue with resume_from='latest'") from e
 
 # %% ../nbs/05_training.ipynb
 def default_output_dir(prefix:str='train') -> str:

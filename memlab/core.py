@@ -16,7 +16,7 @@ __all__ = ['VALUE_RULES', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check
            'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
            'check_writable', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
            'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
-           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision', 'patch_to']
+           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision', 'patch_to', 'show_path']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -491,4 +491,17 @@ def patch_to(cls):
     def add(f):
         setattr(cls, f.__name__, f); return f
     return add
+
+
+# %% ../nbs/00_core.ipynb
+def show_path(path) -> str:
+    "`path` for messages: relative to the working directory inside it, `~/...` inside the home folder, else absolute."
+    p = Path(path).expanduser()
+    try: full = p.resolve()
+    except OSError: return str(path)
+    for base, prefix in ((Path.cwd().resolve(), ''), (Path.home().resolve(), '~/')):
+        try: rel = full.relative_to(base)
+        except ValueError: continue
+        return prefix + str(rel) if str(rel) != '.' else (prefix.rstrip('/') or '.')
+    return str(full)
 

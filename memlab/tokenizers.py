@@ -13,7 +13,8 @@ import numpy as np
 from tqdm import tqdm
 
 import memlab
-from .core import Config, MemlabError, atomic_write_text, check, check_writable, cli_main, parse_configs
+from .core import (Config, MemlabError, atomic_write_text, check, check_writable, cli_main, parse_configs,
+                         show_path)
 from .data import Corpus, Document, canonical_split, hub_offline_unless_reachable, load_corpus
 
 # %% auto 0
@@ -127,7 +128,7 @@ def train_tokenizer_main():
     cfg = parse_configs(TrainTokenizerConfig, prog='memlab_train_tokenizer', description=TrainTokenizerConfig.__doc__)
     tok = train_tokenizer(cfg.dataset, vocab_size=cfg.vocab_size, base_tokenizer=cfg.base_tokenizer, save_dir=cfg.save_dir,
                           take=cfg.take, text_field=cfg.text_field, dataset_config=cfg.dataset_config)
-    print(f"saved a tokenizer of {len(tok)} tokens to {cfg.save_dir}")
+    print(f"saved a tokenizer of {len(tok)} tokens to {show_path(cfg.save_dir)}")
 
 # %% ../nbs/02_tokenizers.ipynb
 class Packer:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .core import Config, MemlabError, arg, check, cli_main, count_parameters, parse_configs, atomic_write_text
+from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
+                         show_path)
 from .data import load_corpus
 from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
@@ -185,7 +186,7 @@ def main(argv=None):
     res = train_lm(task, train)
     if res.get('after') is not None and int(os.environ.get('RANK', '0')) == 0:   # one report, not one per process
         saved = ', '.join(res.get('saved') or {})
-        print('\n' + results_table(res) + f"\nresults, loss.png, checkpoints, model ({saved}) in {train.output_dir}")
+        print('\n' + results_table(res) + f"\nresults, loss.png, checkpoints, model ({saved}) in {show_path(train.output_dir)}")
 
 # %% ../nbs/07_train.ipynb
 #| eval: false

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         PRECISION_NAMES, resolve_precision, seed_everything)
+from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text, check, cli_main,
+                         count_parameters, parse_configs, resolve_precision, seed_everything, show_path)
 from .data import Document, iter_json_records
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
@@ -470,7 +470,7 @@ def train_bpt(args:dict) -> dict:
     if run.load_dataset_state: data.load_state_dict(read_dataset_state(run.load_dataset_state))
     acc.print(f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) ({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
               f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of {ds.seq_length} tokens per update; "
-              f"{len(rows['input_ids'])} rows of data; updates {trainer.step} -> {run.total_steps}; run folder {out}")
+              f"{len(rows['input_ids'])} rows of data; updates {trainer.step} -> {run.total_steps}; run folder {show_path(out)}")
     history = trainer.fit()
     state = full_state(trainer)
     fp = fingerprint(state)
@@ -501,7 +501,7 @@ def main(argv=None):
     res = train_bpt(parse_bpt_args(argv))
     if int(os.environ.get('RANK', '0')) == 0:
         print(f"\nmemlab_bpt: {res['steps']} updates, {res['tokens_seen']:,} tokens; final training loss {res['final_loss']:.4f}; "
-              f"{res['tokens_per_s']:.0f} tokens/s, peak memory {res['peak_memory_mib']:.0f} MiB; results in {res['output_dir']}/results.json")
+              f"{res['tokens_per_s']:.0f} tokens/s, peak memory {res['peak_memory_mib']:.0f} MiB; results in {show_path(res['output_dir'])}/results.json")
     return res
 
 # %% ../nbs/11_train_bpt.ipynb

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, fmt_bytes, parse_configs,
-                         resolve_precision, seed_everything)
+from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, fmt_bytes,
+                         parse_configs, resolve_precision, seed_everything, show_path)
 from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
@@ -563,7 +563,7 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     say(f"memlab_distill: teacher {teacher_name} ({n_teacher:,} parameters, {'top-' + str(topk.k) + ' shards' if topk else 'online'}) -> "
         f"student {type(student).__name__} ({n_student:,} parameters, {n_trainable:,} trainable; {how}); {len(data.train['input_ids'])} training "
         f"rows of {data_args.dataset_max_seq_length} tokens, {world} process(es) x {tr.per_device_train_batch_size} rows x "
-        f"{tr.gradient_accumulation_steps} micro-batches per update, {steps} updates; run folder {out}")
+        f"{tr.gradient_accumulation_steps} micro-batches per update, {steps} updates; run folder {show_path(out)}")
     history = trainer.fit()
     # results
     model = trainer.unwrapped_model
@@ -675,7 +675,7 @@ def main(argv=None):
     g = parse_args(argv)
     res = distill(g['student'], g['teacher'], g['dataset'], g['evaluation'], g['objective'], g['training'])
     if 'metrics' in res and int(os.environ.get('RANK', '0')) == 0:
-        print('\n' + results_table(res) + f"\nstudent, README.md (model card), results.json and loss.png in {res['output_dir']}")
+        print('\n' + results_table(res) + f"\nstudent, README.md (model card), results.json and loss.png in {show_path(res['output_dir'])}")
 
 # %% ../nbs/42_train_distill.ipynb
 #| eval: false

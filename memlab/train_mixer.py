@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import memlab.mixer as mixer
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, field_docs, parse_configs,
-                         seed_everything, str2bool)
+from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, field_docs,
+                         parse_configs, seed_everything, show_path, str2bool)
 from .data import load_corpus
 from .loaders import TokenBatches
 from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits, normalized_loss, information,
@@ -284,7 +284,7 @@ def main(argv=None):
                                             defaults={TrainConfig: TRAIN_DEFAULTS, MixerModelArgs: MODEL_DEFAULTS})
     res = train_mixer(task, model_args, train)
     if res.get('final') is not None and int(os.environ.get('RANK', '0')) == 0:
-        print('\n' + results_table(res) + f"\nlog.jsonl, loss.png, results and model/ in {train.output_dir}")
+        print('\n' + results_table(res) + f"\nlog.jsonl, loss.png, results and model/ in {show_path(train.output_dir)}")
     return res
 
 # %% ../nbs/51_train_mixer.ipynb

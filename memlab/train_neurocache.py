@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         resolve_precision, seed_everything)
+                         resolve_precision, seed_everything, show_path)
 from .data import load_corpus
 from .loaders import DocumentStream
 from .models import load_model, load_tokenizer
@@ -323,7 +323,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     if cfg.save_and_quit:
         save_run_neurocache(trainer, cfg, out)
         acc.wait_for_everyone()
-        acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {out}")
+        acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
         return {'saved': str(out), 'step': trainer.step}
     history = trainer.fit() if training else []
     evals = [h for h in history if 'eval_loss' in h]
@@ -363,7 +363,7 @@ def summary(res:dict) -> str:
     s = (f"memlab_neurocache: {res['steps']} updates, {res['tokens_seen']:,} training tokens; validation perplexity {e['ppl']:.3f} "
          f"({e['bits_per_token']:.4f} bits/token over {e['tokens']:,} tokens)")
     if t: s += f"; test perplexity {t['ppl']:.3f} ({t['bits_per_token']:.4f} bits/token over {t['tokens']:,} tokens)"
-    return s + f"; results in {res['output_dir']}/results.json"
+    return s + f"; results in {show_path(res['output_dir'])}/results.json"
 
 @cli_main
 def main(argv=None):

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         parse_count, PRECISION_NAMES, resolve_precision, seed_everything)
+from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text, check, cli_main,
+                         count_parameters, parse_configs, parse_count, resolve_precision, seed_everything, show_path)
 from .loaders import TokenBatches
 from .models import llama_config, load_model, memlab_home
 from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model, relora_layers,
@@ -375,7 +375,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     warm = None
     if cfg.warmed_up_model and not resume:
         warm = load_warm_start(model, cfg.warmed_up_model)
-        acc.print(f"warm start: weights of {warm['path']} (update {warm['step']}, {warm['tokens_seen']:,} tokens)")
+        acc.print(f"warm start: weights of {show_path(warm['path'])} (update {warm['step']}, {warm['tokens_seen']:,} tokens)")
     if cfg.use_peft:
         keep = cfg.relora is not None or cfg.force_keep_original or cfg.warmed_up_model is not None
         add_relora(model, ReLoRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.1, trainable_scaling=cfg.train_scaling,
@@ -415,7 +415,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     acc.wait_for_everyone()        # no process starts writing the run folder while another still checks it
     acc.print(f"memlab_relora: {counts['trainable_parameters']:,} trainable of {counts['parameters']:,} parameters "
               f"({len(relora_layers(model))} ReLoRA layers); {world} process(es) x {cfg.batch_size} rows x {accum} micro-batches "
-              f"of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; run folder {save_dir}")
+              f"of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; run folder {show_path(save_dir)}")
     history = trainer.fit()
     plain = merged_model(trainer.unwrapped_model)                  # every process: a collective under FSDP
     fp = fingerprint(plain)

@@ -1,5 +1,6 @@
 """The documentation site: built from the notebooks without Quarto, opened in headless Chromium.
-Every page loads; each library page shows its API documentation; experiment pages show their plots as images; no internal link is broken."""
+Every page loads; each library page shows its API documentation; experiment pages show their plots as images and their results as
+tables; no page shows a machine's absolute path or a progress-bar warning; no internal link is broken."""
 import re, shutil, subprocess, sys
 from html.parser import HTMLParser
 from pathlib import Path
@@ -30,6 +31,43 @@ def test_code_is_highlighted_and_docstrings_rendered(site):
     api = page[page.index('id="api-add_neurocache"'):][:4000]
     assert 'class="highlight"' in api and 'class="memlab-source"' in api     # highlighted signature, a link to its source
     assert '`' not in api.split('</pre>', 1)[1].split('</div>', 1)[0]         # docstrings as Markdown, not raw backticks
+
+# An absolute path of the machine that ran a notebook: the root or a user's home folder, a worktree, a temporary folder. Only where a
+# path starts (not inside a URL like https://host/work/, a relative ../tmp/ or ~/...); file:// URLs are paths too.
+MACHINE_PATH = re.compile(r"(?<![\w.~/-])(?:/root/|/home/[\w.-]+/|/work/|/tmp/)")
+DATA_URI = re.compile(r"data:[\w/+.-]+;base64,[\w+/=]+")                   # inline images: base64 can spell anything
+CODE_STRING = re.compile(r'<span class="s[a-z0-9]?">[^<]*</span>')             # a string literal in highlighted code (Pygments)
+NOISE = ('TqdmWarning', 'IProgress not found')                               # tqdm.auto without ipywidgets
+
+def machine_paths(html:str) -> list:
+    """Absolute machine paths in a page's HTML, with some context. A temporary folder written as a string literal in code (a
+    notebook's `run_demo('/tmp/...')`) is what a person writes, not what a machine printed: allowed; /root, /home and /work never are."""
+    html = DATA_URI.sub('', html).replace('file://', ' ')
+    strings = [m.span() for m in CODE_STRING.finditer(html)]
+    return [html[max(0, m.start() - 60):m.end() + 40] for m in MACHINE_PATH.finditer(html)
+            if not (m.group() == '/tmp/' and any(a <= m.start() < b for a, b in strings))]
+
+def test_machine_paths_found():
+    assert machine_paths('run folder /root/.cache/memlab/x') and machine_paths('weights of /home/ann/runs/x')
+    assert machine_paths('<code>/work/wt/relora/memlab/relora.py:583: UserWarning</code>') and machine_paths('data /tmp/pytest-of-x/y')
+    assert machine_paths('<a href="file:///work/main/site/index.html">') and machine_paths('&quot;/tmp/x&quot;')
+    assert not machine_paths('<a href="https://github.com/o/r/tree/main/work/x">') and not machine_paths('~/.cache/memlab/x, ../tmp/y')
+    assert not machine_paths('<span class="s1">\'/tmp/memlab-demo-test\'</span>')
+    assert machine_paths('<span class="s1">\'/root/.cache/x\'</span>')
+
+def test_pages_carry_no_machine_paths_nor_warnings(site):
+    pages = sorted(site.rglob('*.html'))
+    assert len(pages) > 10
+    paths = {str(p.relative_to(site)): hits[:3] for p in pages if (hits := machine_paths(p.read_text()))}
+    assert not paths, f"absolute paths of a machine in {len(paths)} page(s): {paths}"
+    noisy = [f"{p.relative_to(site)}: {w}" for p in pages for w in NOISE if w in p.read_text()]
+    assert not noisy, noisy
+
+def test_experiment_pages_show_tables(site):
+    exp_pages = sorted((site/'experiments').glob('*.html'))
+    assert exp_pages, 'no experiment pages were built'
+    no_table = [p.name for p in exp_pages if '<table' not in p.read_text()]
+    assert not no_table, f"experiment pages without a results table: {no_table}"
 
 class Links(HTMLParser):
     def __init__(self): super().__init__(); self.links = []
@@ -84,6 +122,7 @@ def test_pages_in_headless_chromium(site):
             imgs = page.locator('article img')
             n = imgs.count()
             assert n > 0, f"{p.name} shows no plot"
+            assert page.locator('article table').count() > 0, f"{p.name} shows no results table"
             loaded = page.evaluate("() => [...document.querySelectorAll('article img')].map(i => i.complete && i.naturalWidth > 0)")
             assert all(loaded), f"{p.name}: {loaded.count(False)} image(s) did not load"
         browser.close()

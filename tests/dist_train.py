@@ -47,7 +47,8 @@ def main():
     rank = int(os.environ.get('RANK', 0)); world = int(os.environ.get('WORLD_SIZE', 1))
     cfg = TrainConfig(output_dir=a.out, max_steps=a.steps, save_every=a.save_every, log_every=1, lr=3e-3, report_to='none',
                       progress=False, per_device_batch_size=2, total_batch_size=2 * world * a.accum, distributed_type=a.dist,
-                      resume_from='latest' if a.resume else None, seed=5, warmup_steps=0, scheduler='constant')
+                      resume_from='latest' if a.resume else None, seed=5, warmup_steps=0, scheduler='constant',
+                      mixed_precision='no')   # fp32: the tests compare DDP, FSDP and resumed runs to 1e-6
     calls, comms = [0], []
     def loss_fn(model, batch):  # counts micro-batches, so that a gradient reduction knows which one it belongs to
         calls[0] += 1

@@ -24,7 +24,7 @@ def args(rows, out) -> list:
     return ['--model', 'autoencoder', '--dataset_path', rows, '--hidden_size', 32, '--num_layers', 2, '--length', 16, '--kernel', 3,
             '--decoder_input', 'unroll', '--compression', 2, '--max_steps', 6, '--per_device_batch_size', 4, '--total_batch_size', 16,
             '--lr', 3e-3, '--scheduler', 'constant', '--log_every', 1, '--eval_every', 3, '--max_eval_steps', 2, '--report_to', 'none',
-            '--progress', 'False', '--output_dir', out]
+            '--progress', 'False', '--mixed_precision', 'no', '--output_dir', out]   # fp32: one process, DDP and FSDP compared to 1e-5
 
 def losses(out) -> tuple:
     res = json.loads((Path(out)/'results.json').read_text())

@@ -89,7 +89,7 @@ def test_seed_1_ddp_full_rank(data, warm):
 def test_seed_2_fsdp_and_3_accelerate_launch(data):
     small = {'--num_training_steps': '4'}
     out2, out3 = data['root']/'cmd2', data['root']/'cmd3'
-    torchrun('-m', 'memlab.train_relora', *command(2, data, out2, **small))
+    torchrun('-m', 'memlab.train_relora', *command(2, data, out2, **small), ACCELERATE_MIXED_PRECISION='no')  # fp32, as command 3's launcher
     run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',
          '--dynamo_backend', 'no', '--main_process_port', free_port(), '-m', 'memlab.train_relora', *command(3, data, out3, **small)],
         ACCELERATE_USE_CPU=1)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file, load_file
 
 import memlab
 from .core import Config, MemlabError, atomic_write_text, check, count_parameters, fmt_bytes
+from .loaders import TokenBatches
 from .models import decoder_layers, load_model, unwrap
 from .training import Callback, LossOutput, model_inputs
 
@@ -29,9 +30,9 @@ __all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'PROJECTORS', 'NORMS', 'FEAT
            'TeacherConfidence', 'teacher_top1', 'map_layers', 'OrthogonalProjector', 'make_projector', 'FeatureNorm',
            'feature_loss', 'hidden_state_loss', 'attention_loss', 'tokenizer_fingerprint', 'dataset_fingerprint',
            'TopKTeacher', 'generate_teacher_topk', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads',
-           'save_distill_heads', 'load_distill_heads', 'output_vocab_size', 'DistillLoss', 'student_config',
-           'copy_plan', 'weight_groups', 'xavier_reinitialize', 'build_student', 'describe_objective', 'model_card',
-           'benchmark']
+           'save_distill_heads', 'load_distill_heads', 'output_vocab_size', 'DistillLoss', 'perplexity',
+           'PerplexityEvaluation', 'student_config', 'copy_plan', 'weight_groups', 'xavier_reinitialize',
+           'build_student', 'describe_objective', 'model_card', 'benchmark']
 
 # %% ../nbs/41_distill.ipynb
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -738,6 +739,50 @@ class DistillLoss:
             attn = per_tok[mask].sum()
             total = total + obj.attn_weight * attn; logs['attn'] = attn.detach()
         return LossOutput(total, n, logs)
+
+# %% ../nbs/41_distill.ipynb
+def _ce_loss(model) -> DistillLoss:
+    "A CE-only loss for `model`: fused (no full logits) when its head allows, chunked otherwise."
+    try: return DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1, fused=True), model)
+    except MemlabError: return DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1), model)
+
+@torch.no_grad()
+def perplexity(model, rows:dict, batch_size:int=8, accelerator=None, progress:bool=False, desc:str='eval') -> dict:
+    "Token-weighted cross-entropy and perplexity of `model` on `rows`, over all processes: {'loss', 'ppl', 'tokens'}."
+    from tqdm.auto import tqdm
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    data = TokenBatches(rows, batch_size, loop=False, rank=rank, world_size=world)
+    lf, was = _ce_loss(model), model.training
+    model.eval()
+    tot, n = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64, device=device)
+    for b in tqdm(data, desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
+        b = {k: v.to(device) for k, v in b.items()}
+        with (accelerator.autocast() if accelerator is not None else torch.autocast(device.type, enabled=False)):
+            out = lf(model, b)
+        tot += out.loss_sum.double(); n += out.n_tokens.double()
+    if world > 1: tot, n = accelerator.reduce(tot, 'sum'), accelerator.reduce(n, 'sum')
+    model.train(was)
+    check(n.item() > 0, f"{desc}: no target tokens to evaluate")
+    loss = (tot / n).item()
+    return {'loss': loss, 'ppl': math.exp(min(loss, 700)), 'tokens': int(n.item())}
+
+class PerplexityEvaluation(Callback):
+    "Student perplexity on the evaluators: before training (optional), every `every` updates, and at the end."
+    order = 10
+    def __init__(self, evaluators:dict, batch_size:int, every:int=0, at_start:bool=True):
+        self.evaluators, self.batch_size, self.every, self.at_start = evaluators, batch_size, every, at_start
+    def run(self, trainer):
+        model = trainer.model if trainer.fsdp else trainer.unwrapped_model
+        logs = {}
+        for name, rows in self.evaluators.items():
+            r = perplexity(model, rows, self.batch_size, trainer.accelerator, progress=trainer.config.progress and trainer.is_main, desc=name)
+            logs[name] = r['ppl']; logs[f"{name}_loss"] = r['loss']; logs[f"{name}_tokens"] = r['tokens']
+        if logs: trainer.log(logs)
+    def on_train_begin(self, trainer):
+        if self.at_start and trainer.step == 0: self.run(trainer)
+    def on_step_end(self, trainer):
+        if (self.every and trainer.step % self.every == 0) or trainer.step >= trainer.config.max_steps: self.run(trainer)
 
 # %% ../nbs/41_distill.ipynb
 _CONFIG_ALIASES = {'num_layers': 'num_hidden_layers', 'n_layer': 'num_hidden_layers', 'n_layers': 'num_hidden_layers',

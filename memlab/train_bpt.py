@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_train_bpt.ipynb 2
 from __future__ import annotations
-import json, math, os, shutil
+import json, math, os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -19,17 +19,18 @@ from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
+from .training import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
 from .training import (check_replicas, fingerprint, load_sharded, main_process_value, output_dir_refusal,
-                             sharded_metadata, write_state)
-from .training import (Callback, TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
+                             sharded_metadata)
+from .training import (TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
                              make_accelerator)
 
 # %% auto 0
 __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig', 'parse_mesh', 'parse_load', 'mesh_processes',
            'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
            'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
-           'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'CheckpointSchedule',
-           'OptimizerStateSwitch', 'DatasetStateFile', 'read_dataset_state', 'full_state', 'train_bpt', 'main', 'demo']
+           'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'read_dataset_state', 'full_state',
+           'train_bpt', 'main', 'demo']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -366,37 +367,6 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
     return {'input_ids': ids, 'attention_mask': mask, 'counts': counts}
 
 # %% ../nbs/11_train_bpt.ipynb
-class CheckpointSchedule(Callback):
-    "Checkpoint every `model_freq` updates (replacing the previous one) and every `milestone_freq` updates (kept)."
-    order = 50
-    def __init__(self, model_freq:int=0, milestone_freq:int=0): self.model_freq, self.milestone_freq = model_freq, milestone_freq
-    def is_milestone(self, step:int) -> bool: return bool(self.milestone_freq) and step % self.milestone_freq == 0
-    def on_step_end(self, trainer):
-        s = trainer.step
-        if any(f and s % f == 0 for f in (self.model_freq, self.milestone_freq)): trainer.config.save_every = s  # the loop saves this update
-    def on_save(self, trainer, checkpoint_dir): trainer.config.save_every = 0
-    def _prune(self, trainer):
-        if not (trainer.is_main and trainer.config.output_dir): return
-        for ck in list_checkpoints(trainer.config.output_dir)[:-1]:
-            if not self.is_milestone(int(ck.name.split('-')[1])): shutil.rmtree(ck, ignore_errors=True)
-    def on_step_begin(self, trainer): self._prune(trainer)
-    def on_train_end(self, trainer): self._prune(trainer)
-
-class OptimizerStateSwitch(Callback):
-    "With `save=False`, checkpoints hold an empty AdamW state (its hyper-parameters only): a resume restarts the moments."
-    def __init__(self, save:bool=True): self.save = save
-    def on_save(self, trainer, checkpoint_dir):
-        if self.save or not trainer.is_main or trainer.fsdp: return        # FSDP is refused with save=False by train_bpt
-        stem = Path(checkpoint_dir)/'optimizer'
-        for f in ('optimizer.safetensors', 'optimizer.pt'): (stem.parent/f).unlink(missing_ok=True)   # the moments go
-        write_state({'state': {}, 'param_groups': trainer.optimizer.state_dict()['param_groups']}, stem)
-
-class DatasetStateFile(Callback):
-    "Write the data reader's position as `dataset_state.json` into every checkpoint."
-    def on_save(self, trainer, checkpoint_dir):
-        if trainer.is_main and hasattr(trainer.train_data, 'state_dict'):
-            atomic_write_text(Path(checkpoint_dir)/'dataset_state.json', json.dumps(trainer.train_data.state_dict()))
-
 def read_dataset_state(path) -> dict:
     "A data position from a checkpoint folder (its dataset_state.json) or a dataset_state.json file."
     p = Path(path).expanduser()

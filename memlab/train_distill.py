@@ -18,7 +18,9 @@ from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .training import Callback, TrainConfig, Trainer, check_replicas, fingerprint, make_accelerator, output_dir_refusal
+from .training import TrainConfig, Trainer, check_replicas, fingerprint, make_accelerator, output_dir_refusal
+from .training import GradientStats
+from .distill import PerplexityEvaluation, perplexity
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups, xavier_reinitialize,
                             dataset_fingerprint, generate_teacher_topk, model_card, remove_distill_heads,
                             save_distill_heads, student_config, tokenizer_fingerprint)
@@ -27,9 +29,8 @@ from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, sav
 # %% auto 0
 __all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'parse_copy_modules',
            'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments',
-           'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'perplexity',
-           'build_distill_student', 'PerplexityEvaluation', 'GradientStats', 'distill', 'distill_card', 'plot_distill',
-           'results_table', 'parse_args', 'main', 'demo']
+           'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'build_distill_student',
+           'distill', 'distill_card', 'plot_distill', 'results_table', 'parse_args', 'main', 'demo']
 
 # %% ../nbs/42_train_distill.ipynb
 _BOOL_WORDS = {'true': True, 'false': False, '1': True, '0': False, 'yes': True, 'no': False}
@@ -317,33 +318,6 @@ def build_data(data:DatasetArguments, evals:EvalArguments, tokenizer, progress:b
     return DistillData(_rows_dict(rows, train), _rows_dict(rows, test), ev, fp, label)
 
 # %% ../nbs/42_train_distill.ipynb
-def _ce_loss(model) -> DistillLoss:
-    "A CE-only loss for `model`: fused (no full logits) when its head allows, chunked otherwise."
-    try: return DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1, fused=True), model)
-    except MemlabError: return DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1), model)
-
-@torch.no_grad()
-def perplexity(model, rows:dict, batch_size:int=8, accelerator=None, progress:bool=False, desc:str='eval') -> dict:
-    "Token-weighted cross-entropy and perplexity of `model` on `rows`, over all processes: {'loss', 'ppl', 'tokens'}."
-    from tqdm.auto import tqdm
-    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
-    device = accelerator.device if accelerator is not None else next(model.parameters()).device
-    data = TokenBatches(rows, batch_size, loop=False, rank=rank, world_size=world)
-    lf, was = _ce_loss(model), model.training
-    model.eval()
-    tot, n = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64, device=device)
-    for b in tqdm(data, desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
-        b = {k: v.to(device) for k, v in b.items()}
-        with (accelerator.autocast() if accelerator is not None else torch.autocast(device.type, enabled=False)):
-            out = lf(model, b)
-        tot += out.loss_sum.double(); n += out.n_tokens.double()
-    if world > 1: tot, n = accelerator.reduce(tot, 'sum'), accelerator.reduce(n, 'sum')
-    model.train(was)
-    check(n.item() > 0, f"{desc}: no target tokens to evaluate")
-    loss = (tot / n).item()
-    return {'loss': loss, 'ppl': math.exp(min(loss, 700)), 'tokens': int(n.item())}
-
-# %% ../nbs/42_train_distill.ipynb
 def _student_base_config(name):
     "A config to build the student from: a built-in name, a folder or a config.json."
     from transformers import AutoConfig
@@ -428,34 +402,6 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
         how.append(f"converted to BitNet b1.58 ({len(bitnet_modules(student))} BitLinear layers, latent weights "
                    f"{'kept' if args.bitnet_keep_weights else 're-initialised'})")
     return student.train(), '; '.join(how)
-
-# %% ../nbs/42_train_distill.ipynb
-class PerplexityEvaluation(Callback):
-    "Student perplexity on the evaluators: before training (optional), every `every` updates, and at the end."
-    order = 10
-    def __init__(self, evaluators:dict, batch_size:int, every:int=0, at_start:bool=True):
-        self.evaluators, self.batch_size, self.every, self.at_start = evaluators, batch_size, every, at_start
-    def run(self, trainer):
-        model = trainer.model if trainer.fsdp else trainer.unwrapped_model
-        logs = {}
-        for name, rows in self.evaluators.items():
-            r = perplexity(model, rows, self.batch_size, trainer.accelerator, progress=trainer.config.progress and trainer.is_main, desc=name)
-            logs[name] = r['ppl']; logs[f"{name}_loss"] = r['loss']; logs[f"{name}_tokens"] = r['tokens']
-        if logs: trainer.log(logs)
-    def on_train_begin(self, trainer):
-        if self.at_start and trainer.step == 0: self.run(trainer)
-    def on_step_end(self, trainer):
-        if (self.every and trainer.step % self.every == 0) or trainer.step >= trainer.config.max_steps: self.run(trainer)
-
-class GradientStats(Callback):
-    "Mean and variance of the gradient norm over each logging window (Distily's extra_grad_stats)."
-    def __init__(self): self.norms = []
-    def on_before_optimizer_step(self, trainer):
-        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in trainer.model.parameters() if p.grad is not None)
-        self.norms.append(math.sqrt(sq))
-    def on_log(self, trainer, logs):
-        if 'loss' in logs and self.norms:
-            x = np.asarray(self.norms); logs['grad_norm_mean'], logs['grad_norm_var'] = float(x.mean()), float(x.var()); self.norms = []
 
 # %% ../nbs/42_train_distill.ipynb
 BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}  # what memlab's built-in names are (for the card's base_model)

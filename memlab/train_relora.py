@@ -19,14 +19,15 @@ from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_s
                            reset_mode_from_flags)
 from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args, pretokenized_name
 from .training import check_replicas, fingerprint, main_process_value, output_dir_refusal
-from .training import (CHECKPOINTS, Callback, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
+from .training import ConsolidateZeroState, ProfileCallback
+from .training import (CHECKPOINTS, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
                              load_sharded, load_strict, make_accelerator, read_json, read_state, sharded_metadata)
 
 # %% auto 0
 __all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'build_model', 'find_warm_start',
            'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps', 'training_steps',
            'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
-           'ConsolidateZeroState', 'ProfileCallback', 'default_save_dir', 'train_relora', 'main']
+           'default_save_dir', 'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
@@ -309,27 +310,6 @@ def optimizer_factory(cfg:ReLoRARunConfig, world_size:int):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return lambda groups: ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
     return lambda groups: torch.optim.AdamW(groups, **kw)
-
-class ConsolidateZeroState(Callback):
-    "Gathers a ZeroRedundancyOptimizer's state on the main process before each update the loop checkpoints (every process joins)."
-    order = 100   # after the ReLoRA merge and reset of the same update
-    def on_step_end(self, trainer):
-        c = trainer.config
-        if not (c.output_dir and hasattr(trainer.optimizer, 'consolidate_state_dict')): return
-        if (c.save_every and trainer.step % c.save_every == 0) or (trainer.step >= c.max_steps and c.save_final):
-            trainer.optimizer.consolidate_state_dict(to=0)
-
-class ProfileCallback(Callback):
-    "torch.profiler over a few updates (wait 1, warm-up 1, active 3, twice), TensorBoard traces in `folder`."
-    def __init__(self, folder): self.folder, self.prof = Path(folder), None
-    def on_train_begin(self, trainer):
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self.prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=2),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.folder), worker_name=f"rank{trainer.accelerator.process_index}"),
-            record_shapes=True, profile_memory=True, with_stack=True)
-        self.prof.start()
-    def on_step_end(self, trainer): self.prof.step()
-    def on_train_end(self, trainer): self.prof.stop()
 
 # %% ../nbs/31_train_relora.ipynb
 def default_save_dir(cfg:ReLoRARunConfig) -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import (Config, MemlabError, check, check_launch, check_ranges, patch_to, peak_memory, resolve_precision,
+from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, patch_to, peak_memory, resolve_precision,
                          rng_state, set_rng_state)
 from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
@@ -26,7 +26,9 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'Loss
            'main_process_value', 'fingerprint', 'check_replicas', 'list_checkpoints', 'find_checkpoint',
            'output_dir_refusal', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors', 'write_state',
            'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals',
-           'Trainer', 'default_output_dir', 'plot_history', 'loop_step_times', 'benchmark']
+           'Trainer', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
+           'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'loop_step_times',
+           'benchmark']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -783,7 +785,6 @@ def save_checkpoint(self) -> Path:
     self._event('on_save', tmp)
     acc.wait_for_everyone()
     if self.is_main:
-        from memlab.core import atomic_write_text
         state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
                  'distributed_type': 'fsdp' if self.fsdp else 'ddp', 'history': self.history, 'config': c.to_dict()}
         atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
@@ -838,7 +839,6 @@ def load_checkpoint(self, path):
         self.train_data.load_state_dict(proc['data'])
     self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
     if self.is_main and self.config.output_dir:  # the log restarts from the checkpoint: drop what a killed run logged after it
-        from memlab.core import atomic_write_text
         atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
     self._event('on_load', path)
 
@@ -849,7 +849,6 @@ def fit(self) -> list:
     c = self.config
     check(self.train_data is not None, "no training data")
     if self.is_main and c.output_dir:
-        from memlab.core import atomic_write_text
         Path(c.output_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(c.output_dir)/'run_config.json', json.dumps({'train': c.to_dict(), **self.run_config}, indent=2, default=str))
     self._event('on_train_begin')
@@ -933,6 +932,69 @@ def _evaluation_failed(self, e:Exception):
     why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
     raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); the trained state is saved "
                       f"in {saved}: fix the evaluation settings and continue with resume_from='latest'") from e
+
+# %% ../nbs/05_training.ipynb
+class CheckpointSchedule(Callback):
+    "Checkpoint every `model_freq` updates (replacing the previous one) and every `milestone_freq` updates (kept)."
+    order = 50
+    def __init__(self, model_freq:int=0, milestone_freq:int=0): self.model_freq, self.milestone_freq = model_freq, milestone_freq
+    def is_milestone(self, step:int) -> bool: return bool(self.milestone_freq) and step % self.milestone_freq == 0
+    def on_step_end(self, trainer):
+        s = trainer.step
+        if any(f and s % f == 0 for f in (self.model_freq, self.milestone_freq)): trainer.config.save_every = s  # the loop saves this update
+    def on_save(self, trainer, checkpoint_dir): trainer.config.save_every = 0
+    def _prune(self, trainer):
+        if not (trainer.is_main and trainer.config.output_dir): return
+        for ck in list_checkpoints(trainer.config.output_dir)[:-1]:
+            if not self.is_milestone(int(ck.name.split('-')[1])): shutil.rmtree(ck, ignore_errors=True)
+    def on_step_begin(self, trainer): self._prune(trainer)
+    def on_train_end(self, trainer): self._prune(trainer)
+
+class OptimizerStateSwitch(Callback):
+    "With `save=False`, checkpoints hold an empty AdamW state (its hyper-parameters only): a resume restarts the moments."
+    def __init__(self, save:bool=True): self.save = save
+    def on_save(self, trainer, checkpoint_dir):
+        if self.save or not trainer.is_main or trainer.fsdp: return        # FSDP is refused with save=False by train_bpt
+        stem = Path(checkpoint_dir)/'optimizer'
+        for f in ('optimizer.safetensors', 'optimizer.pt'): (stem.parent/f).unlink(missing_ok=True)   # the moments go
+        write_state({'state': {}, 'param_groups': trainer.optimizer.state_dict()['param_groups']}, stem)
+
+class DatasetStateFile(Callback):
+    "Write the data reader's position as `dataset_state.json` into every checkpoint."
+    def on_save(self, trainer, checkpoint_dir):
+        if trainer.is_main and hasattr(trainer.train_data, 'state_dict'):
+            atomic_write_text(Path(checkpoint_dir)/'dataset_state.json', json.dumps(trainer.train_data.state_dict()))
+
+class GradientStats(Callback):
+    "Mean and variance of the gradient norm over each logging window (Distily's extra_grad_stats)."
+    def __init__(self): self.norms = []
+    def on_before_optimizer_step(self, trainer):
+        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in trainer.model.parameters() if p.grad is not None)
+        self.norms.append(math.sqrt(sq))
+    def on_log(self, trainer, logs):
+        if 'loss' in logs and self.norms:
+            x = np.asarray(self.norms); logs['grad_norm_mean'], logs['grad_norm_var'] = float(x.mean()), float(x.var()); self.norms = []
+
+class ConsolidateZeroState(Callback):
+    "Gathers a ZeroRedundancyOptimizer's state on the main process before each update the loop checkpoints (every process joins)."
+    order = 100   # after the ReLoRA merge and reset of the same update
+    def on_step_end(self, trainer):
+        c = trainer.config
+        if not (c.output_dir and hasattr(trainer.optimizer, 'consolidate_state_dict')): return
+        if (c.save_every and trainer.step % c.save_every == 0) or (trainer.step >= c.max_steps and c.save_final):
+            trainer.optimizer.consolidate_state_dict(to=0)
+
+class ProfileCallback(Callback):
+    "torch.profiler over a few updates (wait 1, warm-up 1, active 3, twice), TensorBoard traces in `folder`."
+    def __init__(self, folder): self.folder, self.prof = Path(folder), None
+    def on_train_begin(self, trainer):
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=2),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.folder), worker_name=f"rank{trainer.accelerator.process_index}"),
+            record_shapes=True, profile_memory=True, with_stack=True)
+        self.prof.start()
+    def on_step_end(self, trainer): self.prof.step()
+    def on_train_end(self, trainer): self.prof.stop()
 
 # %% ../nbs/05_training.ipynb
 def default_output_dir(prefix:str='train') -> str:

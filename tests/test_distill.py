@@ -91,7 +91,8 @@ def test_bitnet_student_exports_packed_weights(teacher, tmp_path):
     run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, out, '--student_model_as_bitnet', 'True', '--per_device_train_batch_size', 4)])
     r = results(out)
     from memlab.bitnet import bitnet_modules, load_packed
-    from memlab.train_distill import perplexity, build_data, DatasetArguments, EvalArguments
+    from memlab.distill import perplexity
+    from memlab.train_distill import build_data, DatasetArguments, EvalArguments
     from memlab.models import load_tokenizer
     # 2 layers x (q, o: 64x64; k, v: 64x32 (2 KV heads); gate, up, down: 64x128) ternary weights, packed 4 per byte
     assert r['packed']['ternary_params'] == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) == 73_728

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
+from .compat import QUANTIZED_LINEARS, quant_kind
 from .core import Config, MemlabError, check, atomic_write_text
 from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers,
                            detach_method, folder_methods, load_model, load_saved_methods, model_methods,
@@ -52,8 +53,7 @@ def rms_norm(x:torch.Tensor, weight:torch.Tensor, eps:float=1e-6) -> torch.Tenso
 # %% ../nbs/40_bitnet.ipynb
 def _linear_kind(m:nn.Module) -> str:
     "'linear', 'conv1d', 'relora' (a weight-delta layer such as ReLoRA's, over a float linear), 'quantized' (bitsandbytes) or None."
-    if type(m).__name__ in ('Linear4bit', 'Linear8bitLt', 'LinearFP4', 'LinearNF4', 'Linear8bit') or \
-       type(getattr(m, 'weight', None)).__name__ in ('Params4bit', 'Int8Params'): return 'quantized'
+    if type(m).__name__ in QUANTIZED_LINEARS or quant_kind(m): return 'quantized'
     if is_weight_delta_layer(m): return 'relora'
     if isinstance(m, Conv1D): return 'conv1d'
     if isinstance(m, nn.Linear): return 'linear'

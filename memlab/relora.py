@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from .compat import dequantize_weight, quant_kind, quantized_linear, store_weight_
 from .core import Config, MemlabError, arg, check
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
                            is_latent_weight_layer, layer_parts, plain_config, register_method, state_names, MLP_NAMES)
@@ -26,11 +27,11 @@ except ImportError: DTensor = distribute_tensor = None  # a torch build without 
 _log = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'quant_kind', 'ReLoRALinear', 'relora_layers',
-           'relora_parameters', 'add_relora', 'base_weight_fp32', 'merge_layer_', 'merge_and_reinit', 'remove_relora',
-           'merged_model', 'save_merged', 'get_cosine_schedule_with_restarts', 'get_linear_schedule',
-           'get_cosine_schedule', 'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer', 'rebuild_optimizer',
-           'ReLoRACallback', 'WarmStartCallback', 'benchmark']
+__all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'ReLoRALinear', 'relora_layers', 'relora_parameters',
+           'add_relora', 'base_weight_fp32', 'merge_layer_', 'merge_and_reinit', 'remove_relora', 'merged_model',
+           'save_merged', 'get_cosine_schedule_with_restarts', 'get_linear_schedule', 'get_cosine_schedule',
+           'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer', 'rebuild_optimizer', 'ReLoRACallback',
+           'WarmStartCallback', 'benchmark']
 
 # %% ../nbs/30_relora.ipynb
 DEFAULT_TARGETS = ('attn', 'attention', 'mlp')
@@ -63,11 +64,6 @@ class ReLoRAConfig(Config):
 def _is_dtensor(t) -> bool: return DTensor is not None and isinstance(t, DTensor)
 def _local(t): return t.to_local() if _is_dtensor(t) else t          # this rank's shard (FSDP2) or the tensor itself
 def _full(t): return t.full_tensor() if _is_dtensor(t) else t        # the whole tensor (a collective under FSDP2)
-
-def quant_kind(layer) -> Optional[str]:
-    "'4bit' or '8bit' for a bitsandbytes linear layer, None for a plain one."
-    name = type(getattr(layer, 'weight', None)).__name__
-    return {'Params4bit': '4bit', 'Int8Params': '8bit'}.get(name)
 
 def _copy_full_(t, full:torch.Tensor, same_on_all_ranks:bool=True):
     "Write the whole-tensor value `full` into `t` (a plain tensor, or this rank's shard of a DTensor)."
@@ -156,35 +152,6 @@ def _expected_targets(model) -> dict:
         out.update({id(m): names.get(id(m), '?') for m in mods})
     return out
 
-def _load_nf4_hook(module, state_dict, prefix, *args):
-    "Load-state-dict pre-hook of an nf4 `Linear4bit`: take the quantization statistics its `state_dict` wrote next to `weight`."
-    from bitsandbytes.functional import QuantState, _convert_weight_packed_for_cpu_inverse
-    stats = {k[len(prefix) + 7:]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix + 'weight.')}
-    if not stats: return
-    w = module.weight
-    if getattr(w.quant_state, 'packing_format_for_cpu', False):   # back to the layout that was saved
-        w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
-    w.quant_state = QuantState.from_dict(stats, device=w.device)   # `weight` itself is then copied by the default loader
-    if getattr(module, 'quant_state', None) is not None: module.quant_state = w.quant_state
-
-def _quantize_linear(lin:nn.Linear, kind:str) -> nn.Linear:
-    "A bitsandbytes copy of `lin` with its weight stored in nf4 ('4bit') or int8 ('8bit')."
-    import bitsandbytes as bnb
-    dev, bias = lin.weight.device, lin.bias is not None
-    if kind == '4bit':
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=bias, compute_dtype=lin.weight.dtype,
-                              compress_statistics=False, quant_type='nf4', device='meta')
-        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=False, quant_type='nf4', module=q)
-    else:
-        q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=bias, has_fp16_weights=False, threshold=0.0, device='meta')
-        q.weight = bnb.nn.Int8Params(lin.weight.data, requires_grad=False, has_fp16_weights=False)
-    if bias: q.bias = nn.Parameter(lin.bias.data)
-    if kind == '4bit':
-        if lin.in_features % 64 or lin.out_features % 32:
-            q.support_avx512bf16_for_cpu = False   # bitsandbytes' CPU inference repacking needs in % 64 == 0 and out % 32 == 0
-        q._register_load_state_dict_pre_hook(_load_nf4_hook, with_module=True)   # so that a checkpoint of it loads back (bitsandbytes' does not)
-    return q.to(dev)   # moving a bitsandbytes parameter to a device is what quantizes it
-
 # %% ../nbs/30_relora.ipynb
 def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.Module:
     "Wrap every target linear of `model` in place in a `ReLoRALinear` (frozen base, A random, B zero); refuse when targets are missing."
@@ -224,7 +191,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
         if not config.keep_original_weights:
             check(quant_kind(base) is None, "add_relora: keep_original_weights=False needs a float (not pre-quantized) model")
             with torch.no_grad(): base.weight.zero_()
-        if config.quantize and quant_kind(base) is None: base = _quantize_linear(base, config.quantize)
+        if config.quantize and quant_kind(base) is None: base = quantized_linear(base, config.quantize)
         layer = ReLoRALinear(base, config.r, config.lora_alpha, config.lora_dropout, config.trainable_scaling, generator=g)
         if not config.keep_original_weights: _kaiming_(layer.relora_B.data, g)   # W = 0 and B = 0 would be a dead network
         layer.train(training)                                                      # an eval-mode model stays in eval mode
@@ -237,35 +204,12 @@ _EPS = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11, tor
 
 def base_weight_fp32(layer) -> torch.Tensor:
     "The (local) base weight of `layer` as an fp32 tensor (dequantized for bitsandbytes layers)."
-    kind, w = quant_kind(layer), layer.weight
-    if kind is None: return _local(w).float()
-    import bitsandbytes.functional as bnbF
-    if kind == '4bit':
-        qs = w.quant_state
-        if getattr(qs, 'packing_format_for_cpu', False):   # bitsandbytes repacks nf4 weights for AVX512 CPU inference: undo it
-            w.data, w.quant_state = bnbF._convert_weight_packed_for_cpu_inverse(w.data, qs)
-            if getattr(layer, 'quant_state', None) is not None: layer.quant_state = w.quant_state
-        return bnbF.dequantize_4bit(w.data, w.quant_state).float()
-    scb = w.SCB if getattr(w, 'SCB', None) is not None else layer.state.SCB   # after a forward the row scales live in .state
-    return bnbF.int8_vectorwise_dequant(w.data, scb).float()
+    return _local(layer.weight).float() if quant_kind(layer) is None else dequantize_weight(layer)
 
 def _write_base_(layer, delta:torch.Tensor):
     "Add fp32 `delta` (local rows) to the base weight of `layer`, in the base's own storage."
-    kind, w = quant_kind(layer), layer.weight
-    if kind is None: _local(w).add_(delta); return     # fp32 add, one rounding into w's dtype
-    import bitsandbytes.functional as bnbF
-    new = base_weight_fp32(layer) + delta
-    if kind == '4bit':
-        qs = w.quant_state
-        q, nqs = bnbF.quantize_4bit(new, blocksize=qs.blocksize, compress_statistics=w.compress_statistics,
-                                    quant_type=w.quant_type, quant_storage=w.quant_storage)
-        nqs.dtype = qs.dtype                               # dequantize to the dtype the layer had
-        w.data, w.quant_state = q, nqs
-        if hasattr(layer, 'quant_state'): layer.quant_state = nqs
-    else:
-        cb, scb, _ = bnbF.int8_vectorwise_quant(new)
-        w.data, w.CB, w.SCB = cb, cb, scb                  # the next forward moves them into layer.state
-        layer.state.CB, layer.state.SCB = None, None
+    if quant_kind(layer) is None: _local(layer.weight).add_(delta)   # fp32 add, one rounding into the weight's dtype
+    else: store_weight_(layer, base_weight_fp32(layer) + delta)        # requantized in its own format
 
 @torch.no_grad()
 def _delta(layer:ReLoRALinear) -> torch.Tensor:

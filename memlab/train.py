@@ -96,7 +96,7 @@ def plain_lora_model(model, merge:bool=True, dtype=torch.float32) -> torch.nn.Mo
     "A new plain model from PEFT LoRA `model`: its base (4/8-bit dequantized) with each active adapter merged in fp32."
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
-    from memlab.relora import base_weight_fp32, quant_kind
+    from memlab.compat import dequantize_weight, quant_kind
     base = model.get_base_model()
     plain = AutoModelForCausalLM.from_config(plain_config(base.config), dtype=dtype)
     sd, done, names = {}, [], state_names(base)
@@ -105,7 +105,7 @@ def plain_lora_model(model, merge:bool=True, dtype=torch.float32) -> torch.nn.Mo
         if isinstance(m, LoraLayer): layer = m.get_base_layer()
         elif isinstance(m, torch.nn.Linear) and quant_kind(m): layer = m          # a 4/8-bit linear without LoRA
         else: continue
-        W = base_weight_fp32(layer) if quant_kind(layer) else layer.weight.float()  # (out, in)
+        W = dequantize_weight(layer)  # (out, in)
         if merge and isinstance(m, LoraLayer):
             for a in m.active_adapters: W = W + m.get_delta_weight(a).float()       # added in fp32, rounded once below
         sd[f"{names[name]}.weight"] = W

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compat import accelerator_precision, reset_accelerator_precision
 from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, patch_to, peak_memory, resolve_precision,
                          rng_state, set_rng_state)
 from .models import enable_activation_checkpointing, to_state_names
@@ -197,14 +198,13 @@ def launched_processes() -> int:
 def make_accelerator(mixed_precision:str='auto'):
     "An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms."
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
     mixed_precision = resolve_precision(mixed_precision)
     if launched_processes() > 1 and not torch.cuda.is_available(): os.environ.setdefault('ACCELERATE_USE_CPU', '1')
-    state = AcceleratorState._shared_state
-    if state and str(state.get('_mixed_precision', state.get('mixed_precision'))) != mixed_precision:
+    held = accelerator_precision()
+    if held is not None and held != mixed_precision:
         # accelerate keeps one precision per process; runs in sequence (a notebook, the demo) may each choose their own.
         # Only the precision settings are reset: the process group (PartialState) stays.
-        AcceleratorState._reset_state()
+        reset_accelerator_precision()
     check_launch()
     acc = Accelerator(mixed_precision=mixed_precision)
     check(acc.num_processes == launched_processes(),

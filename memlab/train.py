@@ -17,7 +17,7 @@ from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
                            state_names)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import Trainer, TrainConfig, default_output_dir, plot_history
+from .training import TrainConfig, default_output_dir, run
 
 # %% auto 0
 __all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_INFO', 'LMTaskConfig', 'add_lora', 'train_lm',
@@ -70,23 +70,16 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
     train_data = lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True, seed=train.seed)
     eval_data = lm_batches(corpus.split('validation'), tok, task.sequence_length, train.per_device_batch_size, shuffle=False, loop=False)
-    trainer = Trainer(model, train, train_data, eval_data, run_config={'task': task.to_dict()})
-    history = trainer.fit()
-    evals = [h for h in history if 'eval_loss' in h]
-    logs = [h for h in history if 'loss' in h]
-    res = {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params, 'trainable_parameters': n_train,
-           'steps': trainer.step, 'train_tokens': trainer.tokens_seen,
-           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)),
-           'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
-           'before': evals[0] if len(evals) > 1 else None, 'after': evals[-1] if evals else None, 'history': history}
-    if trainer.is_main and train.output_dir:
-        out = Path(train.output_dir)
-        if trainer.fsdp: warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)")
-        else: res['saved'] = save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)
-        atomic_write_text(out/'results.json', json.dumps(res, indent=1))
-        atomic_write_text(out/'results.md', results_table(res))
-        if task.plot: plot_history(history, out/'loss.png', title=f"{task.model_name_or_path} on {task.dataset_name}")
-    return res
+    def results(trainer, history, res):
+        evals = [h for h in history if 'eval_loss' in h]
+        return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params, 'trainable_parameters': n_train,
+                **res, 'before': evals[0] if len(evals) > 1 else None, 'after': evals[-1] if evals else None}
+    def save(trainer, out):
+        if not trainer.is_main: return None
+        if trainer.fsdp: warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)"); return None
+        return save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)
+    return run(model, train, train_data, eval_data, results=results, save=save, report=results_table,
+               plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None, run_config={'task': task.to_dict()})
 
 # %% ../nbs/07_train.ipynb
 ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base

@@ -4,16 +4,15 @@
 
 # %% ../nbs/51_train_mixer.ipynb 2
 from __future__ import annotations
-import dataclasses, importlib.util, json, math, os, typing
+import dataclasses, importlib.util, math, os, typing
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 import memlab.mixer as mixer
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, field_docs,
+from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, field_docs,
                          parse_configs, seed_everything, show_path, str2bool)
 from .data import load_corpus
 from .loaders import TokenBatches
@@ -21,7 +20,7 @@ from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits
                           objective_loss)
 from .models import load_model, load_tokenizer
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
-from .training import Trainer, TrainConfig, default_output_dir, make_accelerator, plot_history
+from .training import Trainer, TrainConfig, default_output_dir, make_accelerator, run
 
 # %% auto 0
 __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',
@@ -236,31 +235,26 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
                                        acc.num_processes, tok)
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
     if train.output_dir is None: train.output_dir = default_output_dir(f"mixer-{task.model}")
-    trainer = Trainer(model, train, train_data, eval_data, loss_fn=loss_fn, accelerator=acc,
-                      run_config={'task': task.to_dict(), 'model': config.to_dict(), 'data': dataclasses.asdict(info)})
-    trainer.print(f"{task.model}: {type(model).__name__}, {n_params:,} parameters ({n_train:,} trainable), "
-                  f"{trainer.world_size} process(es){' FSDP' if trainer.fsdp else ''}; data {info.source}, rows of {info.sequence_length}")
-    history = trainer.fit()
-    logs, evals = [h for h in history if 'loss' in h], [h for h in history if 'eval_loss' in h]
-    res = {'model': task.model, 'architecture': type(model).__name__, 'parameters': n_params, 'trainable_parameters': n_train,
-           'vocab_size': vocab, 'sequence_length': info.sequence_length, 'data': info.source, 'objective':
-           'reconstruction' if task.model == 'autoencoder' else config.objective, 'processes': trainer.world_size,
-           'fsdp': trainer.fsdp, 'steps': trainer.step, 'train_tokens': trainer.tokens_seen,
-           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)),
-           'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
-           'final': evals[-1] if evals else None, 'history': history}
-    if evals:
-        ce = evals[-1]['eval_loss']
-        res['information'] = information(ce, vocab)
-        cost = memory_cost(task.model, config)
-        if cost: res['memory'] = dict(zip(('numbers', 'bits_per_number', 'tokens'), cost)); res['normalized_loss'] = normalized_loss(ce, *cost)
-    out = Path(train.output_dir)
-    if task.save_model: save_trained_model(trainer, out/'model', task.model, config)
-    if trainer.is_main:
-        atomic_write_text(out/'results.json', json.dumps(res, indent=1))
-        atomic_write_text(out/'results.md', results_table(res))
-        if task.plot: plot_history(history, out/'loss.png', title=f"{type(model).__name__} ({res['objective']})")
-    return res
+    objective = 'reconstruction' if task.model == 'autoencoder' else config.objective
+    def results(trainer, history, res):
+        res = {'model': task.model, 'architecture': type(model).__name__, 'parameters': n_params, 'trainable_parameters': n_train,
+               'vocab_size': vocab, 'sequence_length': info.sequence_length, 'data': info.source, 'objective': objective, **res}
+        if res['final']:
+            ce = res['final']['eval_loss']
+            res['information'] = information(ce, vocab)
+            cost = memory_cost(task.model, config)
+            if cost:
+                res['memory'] = dict(zip(('numbers', 'bits_per_number', 'tokens'), cost))
+                res['normalized_loss'] = normalized_loss(ce, *cost)
+        return res
+    def save(trainer, out):   # every process: an FSDP model is gathered first
+        if task.save_model: save_trained_model(trainer, out/'model', task.model, config)
+    def describe(trainer):
+        return (f"{task.model}: {type(model).__name__}, {n_params:,} parameters ({n_train:,} trainable), {trainer.world_size} "
+                f"process(es){' FSDP' if trainer.fsdp else ''}; data {info.source}, rows of {info.sequence_length}")
+    return run(model, train, train_data, eval_data, results=results, save=save, report=results_table, describe=describe,
+               plot_title=f"{type(model).__name__} ({objective})" if task.plot else None, loss_fn=loss_fn, accelerator=acc,
+               run_config={'task': task.to_dict(), 'model': config.to_dict(), 'data': dataclasses.asdict(info)})
 
 def results_table(res:dict) -> str:
     "Markdown summary of a `train_mixer` result."

@@ -28,8 +28,8 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'Loss
            'output_dir_refusal', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors', 'write_state',
            'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals',
            'Trainer', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
-           'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'loop_step_times',
-           'benchmark']
+           'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'standard_results', 'run',
+           'loop_step_times', 'benchmark']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -1013,6 +1013,43 @@ def plot_history(history:list, path, title:str=''):
     ax.set_xlabel('update'); ax.set_ylabel('cross-entropy (nats/token)'); ax.set_title(title); ax.legend(); ax.grid(alpha=0.3)
     fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
     return path
+
+# %% ../nbs/05_training.ipynb
+def standard_results(trainer:Trainer, history:list) -> dict:
+    "The entries every run's results.json has (see the table above)."
+    logs, evals = [h for h in history if 'loss' in h], [h for h in history if 'eval_loss' in h]
+    return {'steps': trainer.step, 'train_tokens': trainer.tokens_seen,
+            'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / len(logs) if logs else None,
+            'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
+            'processes': trainer.world_size, 'fsdp': trainer.fsdp, 'mixed_precision': trainer.config.mixed_precision,
+            'final': evals[-1] if evals else None}
+
+def run(model, config:TrainConfig, train_data, eval_data=None, *, results=None, save=None, report=None, plot_title:str=None,
+        describe=None, train:bool=True, **trainer_kwargs) -> dict:
+    """Train `model` as `config` says and write the run folder: the part of every command between building and reporting.
+    `results(trainer, history, res) -> res` adds a recipe's entries, `save(trainer, folder)` saves its model (every process),
+    `report(res) -> str` writes results.md, `plot_title` the loss plot, `describe(trainer) -> str` the line printed before training;
+    `trainer_kwargs` go to `Trainer` (loss_fn, callbacks, optimizer, accelerator, run_config). With `train=False` the model is
+    only evaluated."""
+    trainer = Trainer(model, config, train_data, eval_data, **trainer_kwargs)
+    if describe is not None: trainer.print(describe(trainer))
+    history = trainer.fit() if train else []
+    if not train and eval_data is not None: history = [{'step': trainer.step, **trainer.evaluate()}]
+    fp = fingerprint(trainer.unwrapped_model, trainable_only=True)
+    check_replicas(fp, trainer.world_size)
+    res = {**standard_results(trainer, history), 'fingerprint': fp, 'replicas_agree': True, 'history': history}
+    if results is not None: res = results(trainer, history, res)
+    out = Path(config.output_dir) if config.output_dir else None
+    if save is not None and out is not None:
+        saved = save(trainer, out)
+        if saved is not None: res['saved'] = saved
+    if trainer.is_main and out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
+        if report is not None: atomic_write_text(out/'results.md', report(res))
+        if plot_title is not None and history: plot_history(history, out/'loss.png', title=plot_title)
+    trainer.accelerator.wait_for_everyone()
+    return res
 
 # %% ../nbs/05_training.ipynb
 def _bench_model_and_batches(rows:int, seq_len:int, steps:int, vocab:int, seed:int=0) -> tuple:

@@ -12,8 +12,8 @@ from torch import nn
 from .core import check
 
 # %% auto 0
-__all__ = ['QUANTIZED_LINEARS', 'quant_kind', 'unpack_4bit', 'keep_4bit_trainable', 'quantized_linear', 'dequantize_weight',
-           'store_weight_', 'take_saved_4bit_stats', 'check_frozen_4bit_stats', 'accelerator_precision',
+__all__ = ['QUANTIZED_LINEARS', 'quant_kind', 'unpack_4bit', 'keep_4bit_trainable', 'take_saved_4bit_stats',
+           'check_frozen_4bit_stats', 'quantized_linear', 'dequantize_weight', 'store_weight_', 'accelerator_precision',
            'reset_accelerator_precision']
 
 # %% ../nbs/09_compat.ipynb
@@ -41,6 +41,34 @@ def keep_4bit_trainable(model:nn.Module) -> int:
         unpack_4bit(m)
         n += 1
     return n
+
+# %% ../nbs/09_compat.ipynb
+def take_saved_4bit_stats(module, state_dict, prefix, *args):
+    "Load-state-dict pre-hook of an nf4 `Linear4bit`: take the quantization statistics its `state_dict` wrote next to `weight`."
+    from bitsandbytes.functional import QuantState
+    stats = {k[len(prefix) + 7:]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix + 'weight.')}
+    if not stats: return
+    unpack_4bit(module)                                             # back to the layout that was saved
+    w = module.weight
+    w.quant_state = QuantState.from_dict(stats, device=w.device)   # `weight` itself is then copied by the default loader
+    if getattr(module, 'quant_state', None) is not None: module.quant_state = w.quant_state
+
+def check_frozen_4bit_stats(model:nn.Module) -> nn.Module:
+    "Let `model`, whose 4-bit layers are frozen, load its own `state_dict`: saved 4-bit statistics are checked equal and consumed."
+    keep_4bit_trainable(model)                          # evaluation must not switch a 4-bit layer to a kernel without backward
+    for m in model.modules():
+        if type(m).__name__ != 'Linear4bit' or getattr(m, '_memlab_nf4_hook', False): continue
+        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            own = None
+            for k in [k for k in state_dict if k.startswith(prefix + 'weight.')]:
+                if own is None: own = {n: v for n, v in module.state_dict(prefix=prefix).items()}
+                v = state_dict.pop(k)
+                check(k in own and torch.is_tensor(v) and v.shape == own[k].shape and torch.equal(v.to(own[k].device), own[k]),
+                      f"{k}: the saved 4-bit quantization statistics differ from this model's: the checkpoint was made from "
+                      f"another base model")
+        m.register_load_state_dict_pre_hook(hook)
+        m._memlab_nf4_hook = True
+    return model
 
 # %% ../nbs/09_compat.ipynb
 def quantized_linear(lin:nn.Linear, kind:str) -> nn.Module:
@@ -89,34 +117,6 @@ def store_weight_(layer, new:torch.Tensor) -> None:
         cb, scb, _ = bnbF.int8_vectorwise_quant(new)
         w.data, w.CB, w.SCB = cb, cb, scb            # the next forward moves them into layer.state
         layer.state.CB, layer.state.SCB = None, None
-
-# %% ../nbs/09_compat.ipynb
-def take_saved_4bit_stats(module, state_dict, prefix, *args):
-    "Load-state-dict pre-hook of an nf4 `Linear4bit`: take the quantization statistics its `state_dict` wrote next to `weight`."
-    from bitsandbytes.functional import QuantState
-    stats = {k[len(prefix) + 7:]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix + 'weight.')}
-    if not stats: return
-    unpack_4bit(module)                                             # back to the layout that was saved
-    w = module.weight
-    w.quant_state = QuantState.from_dict(stats, device=w.device)   # `weight` itself is then copied by the default loader
-    if getattr(module, 'quant_state', None) is not None: module.quant_state = w.quant_state
-
-def check_frozen_4bit_stats(model:nn.Module) -> nn.Module:
-    "Let `model`, whose 4-bit layers are frozen, load its own `state_dict`: saved 4-bit statistics are checked equal and consumed."
-    keep_4bit_trainable(model)                          # evaluation must not switch a 4-bit layer to a kernel without backward
-    for m in model.modules():
-        if type(m).__name__ != 'Linear4bit' or getattr(m, '_memlab_nf4_hook', False): continue
-        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            own = None
-            for k in [k for k in state_dict if k.startswith(prefix + 'weight.')]:
-                if own is None: own = {n: v for n, v in module.state_dict(prefix=prefix).items()}
-                v = state_dict.pop(k)
-                check(k in own and torch.is_tensor(v) and v.shape == own[k].shape and torch.equal(v.to(own[k].device), own[k]),
-                      f"{k}: the saved 4-bit quantization statistics differ from this model's: the checkpoint was made from "
-                      f"another base model")
-        m.register_load_state_dict_pre_hook(hook)
-        m._memlab_nf4_hook = True
-    return model
 
 # %% ../nbs/09_compat.ipynb
 def accelerator_precision() -> Optional[str]:

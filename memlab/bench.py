@@ -115,6 +115,7 @@ BENCHMARKS = {
     'relora': ('memlab.relora:benchmark', 'ReLoRA vs full-rank: trainable parameters, optimizer memory, peak memory, tokens/s'),
     'distill': ('memlab.distill:benchmark', 'distillation step vs CE step; chunked vs naive KL at vocabulary 49152'),
     'mixer': ('memlab.mixer:benchmark', 'masked mixer vs Llama of equal parameters: tokens/s and peak memory'),
+    'precision': ('memlab.demo:precision_benchmark', "each method's training step in fp32 and under bf16 autocast: tokens/s, loss difference"),
 }
 
 def hf_benchmark(quick:bool=False):

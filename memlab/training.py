@@ -1025,16 +1025,14 @@ def standard_results(trainer:Trainer, history:list) -> dict:
             'final': evals[-1] if evals else None}
 
 def run(model, config:TrainConfig, train_data, eval_data=None, *, results=None, save=None, report=None, plot_title:str=None,
-        describe=None, train:bool=True, **trainer_kwargs) -> dict:
+        describe=None, **trainer_kwargs) -> dict:
     """Train `model` as `config` says and write the run folder: the part of every command between building and reporting.
     `results(trainer, history, res) -> res` adds a recipe's entries, `save(trainer, folder)` saves its model (every process),
     `report(res) -> str` writes results.md, `plot_title` the loss plot, `describe(trainer) -> str` the line printed before training;
-    `trainer_kwargs` go to `Trainer` (loss_fn, callbacks, optimizer, accelerator, run_config). With `train=False` the model is
-    only evaluated."""
+    `trainer_kwargs` go to `Trainer` (loss_fn, callbacks, optimizer, accelerator, run_config)."""
     trainer = Trainer(model, config, train_data, eval_data, **trainer_kwargs)
     if describe is not None: trainer.print(describe(trainer))
-    history = trainer.fit() if train else []
-    if not train and eval_data is not None: history = [{'step': trainer.step, **trainer.evaluate()}]
+    history = trainer.fit()
     fp = fingerprint(trainer.unwrapped_model, trainable_only=True)
     check_replicas(fp, trainer.world_size)
     res = {**standard_results(trainer, history), 'fingerprint': fp, 'replicas_agree': True, 'history': history}

@@ -4,7 +4,7 @@
 
 # %% ../nbs/20_neurocache.ipynb 2
 from __future__ import annotations
-import contextlib, dataclasses, re
+import contextlib, dataclasses, re, sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,25 +13,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compat import check_frozen_4bit_stats, dequantize_weight, quant_kind
-from .core import Config, MemlabError, arg, atomic_write_text, check, native_bf16
+from .core import Config, MemlabError, arg, atomic_write_text, check, native_bf16, patch_to
 from .models import (TransparentWrapper, decoder_layers, layer_parts, load_model, register_folder,
                            unwrap)
 from .training import Callback
 
 # %% auto 0
-__all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME',
+__all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'JOINT_FAMILIES', 'SCORE_BUDGET', 'CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME',
            'NEUROCACHE_WEIGHTS_NAME', 'CACHE_BOOKKEEPING_BYTES', 'parse_layers', 'parse_retrieval_map',
            'format_retrieval_map', 'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache',
            'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'context_window',
-           'retrieval_scores', 'naive_cache_attention', 'CacheProjection', 'Neurocache', 'NeurocacheAttention',
-           'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache',
-           'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache',
-           'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info',
-           'load_neurocache', 'load_saved_neurocache', 'NeurocacheCallback', 'memory_per_token', 'benchmark']
+           'retrieval_scores', 'naive_cache_attention', 'CacheProjection', 'Neurocache', 'local_logsumexp', 'joint_mix',
+           'NeurocacheAttention', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora',
+           'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict',
+           'disable_neurocache', 'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache',
+           'saved_neurocache_info', 'load_neurocache', 'load_saved_neurocache', 'NeurocacheCallback',
+           'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
 SUPPORTED_FAMILIES = ('llama', 'mistral', 'opt', 'gpt2', 'phi', 'gptj')
+JOINT_FAMILIES = ('llama', 'mistral')             # cache_attention='joint' works inside their attention (see below)
 
 def parse_layers(value, name:str='attention_layers') -> list:
     "Sorted layer indices from a list or a string such as '18,19,20' or '18-23' (a command line may give ['18-23'])."
@@ -101,6 +103,7 @@ class NeurocacheConfig(Config):
     topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided buckets; it used 512)
     zero_init_output: bool = True      # start each cache attention's W_o at zero: until it trains, the model predicts exactly as without a cache (False: the reference's copy of the layer's W_o)
     retrieval_bias: float = 8.0        # starting per-head weight of the retrieval score in the cache-attention logits, learned; 0 = no such term (the reference)
+    cache_attention: str = 'separate'  # separate: each attention layer gets a cache attention of its own, added to its output (the reference); joint: the layer's own heads attend to the retrieved tokens' keys and values in the same softmax as the segment (Llama, Mistral)
     lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the training CLI uses 32)
     lora_alpha: int = 64               # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.1          # LoRA dropout
@@ -135,6 +138,7 @@ class NeurocacheConfig(Config):
         check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool) and self.retrieval_bias >= 0,
               f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), got {self.retrieval_bias!r}")
         self.retrieval_bias = float(self.retrieval_bias)
+        check(self.cache_attention in ('separate', 'joint'), f"cache_attention must be 'separate' or 'joint', got {self.cache_attention!r}")
         check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
@@ -471,12 +475,16 @@ class Neurocache(nn.Module):
         self.cache_dim = hidden_size // cf
         self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1 else nn.Identity()
                                           for r in config.layer_map})
-        self.attentions = nn.ModuleDict({str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim,
+        self.joint = config.cache_attention == 'joint'
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.attentions = nn.ModuleDict({} if self.joint else
+                                        {str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim,
                                                                 config.retrieval_bias) for j in config.attention_layers})
         self.stores = {}                                                       # storing layer -> retrieving layers it feeds
         self.retrieving = set(config.layer_map)
         for r, s in config.layer_map.items(): self.stores.setdefault(s, []).append(r)
         self.source = {j: max(r for r in config.layer_map if r <= j) for j in config.attention_layers}
+        self.served = {r: [j for j in config.attention_layers if self.source[j] == r] for r in config.layer_map}   # joint: K/V per slot
         self.enabled, self.frozen = True, False
         self.caches = {True: {}, False: {}}                                    # training mode -> {retrieving layer: KNNCache}
         self._tail, self.last_retrieval = {}, {}
@@ -485,16 +493,18 @@ class Neurocache(nn.Module):
     @property
     def reencode(self) -> bool:
         "Whether retrieved states are re-projected through W_p from the raw states (training with compression)."
-        return self.training and self.config.compression_factor > 1
+        return self.training and self.config.compression_factor > 1 and not self.joint
 
     def begin(self, token_mask=None, continuing:bool=False):
         "Start a forward: `token_mask` (B, T) marks real tokens; `continuing` keeps the last tokens' retrievals (incremental decoding)."
         self._mask, self._retrieved, self._queries, self._stashed, self._pending = token_mask, {}, {}, set(), []
+        self._calls = {}                                                       # joint: each attention layer's q, k, v and call
         if not continuing: self._tail = {}
 
-    def _new_cache(self, rows:int, training:bool, device) -> KNNCache:
+    def _new_cache(self, r:int, rows:int, training:bool, device) -> KNNCache:
         cfg = self.config
         raw = self.hidden_size if training and cfg.compression_factor > 1 else 0   # training caches keep raw states for W_p
+        if self.joint: raw = 2 * self.num_kv_heads * self.head_dim * len(self.served[r])   # joint: each served layer's K and V
         return KNNCache(rows, cfg.size(training), self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
                         cfg.neighborhood_size, cfg.similarity_fn, cfg.cache_type, cfg.topk_buckets)
 
@@ -503,7 +513,7 @@ class Neurocache(nn.Module):
         cfg, caches = self.config, self.caches[self.training]
         rows = 1 if cfg.global_cache else batch_size
         c = caches.get(r)
-        if c is None: c = caches[r] = self._new_cache(rows, self.training, device)
+        if c is None: c = caches[r] = self._new_cache(r, rows, self.training, device)
         check(c.rows == rows, f"the Neurocache holds caches for {c.rows} rows but this batch has {batch_size}: "
                               f"call reset_cache(model) before changing the batch size")
         if c.device != torch.device(device): c.to(device)
@@ -533,10 +543,10 @@ class Neurocache(nn.Module):
             rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
             uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
             vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)   # (U, h), (B, T, M)
-        else: vals = cache.gather(slots).view(B, T, slots.shape[-1], -1)           # (B, T, M, d)
+        else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)   # (B, T, M, d); joint: the K/V
         slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
         bias = None
-        if cfg.retrieval_bias and inverse is None:                              # scores of the stored states, no gradient needed
+        if cfg.retrieval_bias and inverse is None and not self.joint:          # scores of the stored states, no gradient needed
             bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)   # (B, T, M)
         P = 0
         if cfg.context_size > 1 and inverse is None:
@@ -562,7 +572,7 @@ class Neurocache(nn.Module):
     def attend(self, layer:int, x:torch.Tensor):
         "The cache attention's output (B, T, C) for attention layer `layer`, or None if it has none."
         r = self.source.get(layer)
-        if r is None: return None
+        if r is None or self.joint: return None
         check(r in self._retrieved, f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
         return self.attentions[str(layer)].attend(x, *self._context(r, layer))
 
@@ -593,6 +603,7 @@ class Neurocache(nn.Module):
             for r, c, raw, mask in pending:
                 B, T, d = c.shape
                 cache = self.cache(r, B, c.device)
+                if self.joint: raw = self._joint_kv(r)
                 if self.config.global_cache:                                    # rows are separate documents: a break at each row start
                     breaks = torch.zeros(B, T, dtype=torch.bool, device=c.device); breaks[:, 0] = True
                     cache.write(c.reshape(1, B * T, d), mask.reshape(1, B * T),
@@ -617,6 +628,84 @@ def _row_mask(rows, n:int) -> torch.Tensor:
     return rows
 
 # %% ../nbs/20_neurocache.ipynb
+def local_logsumexp(q, keys, mask=None, scaling:float=None):
+    """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the layer's
+    attention sees them (rotary applied, S >= T: a KV cache's earlier tokens first); mask (B, 1, T, S) bool (True: attend)
+    or additive float, None: causal. Returns (B, T, H) in fp32 (-inf where a query may attend to nothing)."""
+    B, H, T, hs = q.shape
+    nkv, S = keys.shape[1], keys.shape[2]
+    s = torch.einsum('bngth,bnsh->bngts', q.view(B, nkv, H // nkv, T, hs), keys.to(q.dtype)).float() * (scaling or hs**-0.5)
+    if mask is None: s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), float('-inf'))
+    elif mask.dtype == torch.bool: s = s.masked_fill(~mask[:, :, None, :, :S], float('-inf'))
+    else: s = s + mask[:, :, None, :, :S].float()
+    return torch.logsumexp(s, -1).reshape(B, H, T).transpose(1, 2)
+
+def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
+    """The joint softmax of the segment and the cache, head by head: u (B, T, H·hs) the layer's attention output over the
+    segment (before W_o), lse_local (B, T, H) its logsumexp, q (B, T, H·hs) the queries before the rotary embedding,
+    k_mem, v_mem (B, T, W, nkv·hs) each token's retrieved keys and values, ok (B, T, W) which are real. Returns (B, T, H·hs)."""
+    B, T, W = ok.shape
+    H = lse_local.shape[-1]
+    hs = u.shape[-1] // H
+    nkv = k_mem.shape[-1] // hs
+    g = H // nkv
+    qh = q.view(B, T, nkv, g, hs)
+    s = torch.einsum('btngh,btwnh->btngw', qh, k_mem.view(B, T, W, nkv, hs).to(qh.dtype)).float() * (scaling or hs**-0.5)
+    s = s.masked_fill(~ok[:, :, None, None, :], float('-inf'))
+    lse_mem = torch.logsumexp(s, -1)                                          # (B, T, nkv, g); -inf: nothing retrieved
+    p = torch.softmax(s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min), -1)
+    out_mem = torch.einsum('btngw,btwnh->btngh', p.to(v_mem.dtype), v_mem.view(B, T, W, nkv, hs))
+    loc = lse_local.view(B, T, nkv, g)
+    z = torch.logaddexp(loc, lse_mem)
+    fin = torch.isfinite(z)                                                   # padding: nothing to attend to at all
+    a = torch.where(fin, torch.exp(loc - z.where(fin, 0.)), 1.)                # the segment's share of the softmax
+    b = torch.where(fin, torch.exp(lse_mem - z.where(fin, 0.)), 0.)           # the cache's share (0 when nothing is retrieved)
+    out = a[..., None] * u.view(B, T, nkv, g, hs).float() + b[..., None] * out_mem.float()
+    return out.reshape(B, T, H * hs).to(u.dtype)
+
+@patch_to(Neurocache)
+def capture(self, layer:int, what:str, value):
+    "Joint attention: keep layer `layer`'s q, k or v projection output (B, T, ·) and its attention call's kwargs for `mix`."
+    self._calls.setdefault(layer, {})[what] = value
+
+@patch_to(Neurocache)
+def mix(self, layer:int, attn:nn.Module, u):
+    "Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to the cache."
+    call, r = self._calls.get(layer, {}), self.source.get(layer)
+    if not self.enabled or r is None or r not in self._retrieved: return u
+    check(all(k in call for k in ('q', 'k', 'kwargs')), f"cache_attention='joint': the attention of layer {layer} did not "
+          f"call its q_proj / k_proj (or was called without going through the Neurocache wrapper)")
+    B, T, _ = u.shape
+    H, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
+    kw = call['kwargs']
+    q, k = call['q'].view(B, T, H, hs).transpose(1, 2), call['k'].view(B, T, nkv, hs).transpose(1, 2)
+    cos, sin = kw['position_embeddings']
+    qr, kr = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    pkv = kw.get('past_key_values')
+    keys = kr
+    try:                                   # a KV cache (generation): the keys of every token so far, this segment's last
+        cached = pkv.layers[attn.layer_idx].keys
+        if cached is not None and cached.shape[2] >= T and cached.shape[:2] == kr.shape[:2]: keys = cached
+    except (AttributeError, IndexError, TypeError): pass
+    lse = local_logsumexp(qr, keys, kw.get('attention_mask'), getattr(attn, 'scaling', None))
+    ret = self._retrieved[r]
+    if 'window' not in ret: ret['window'] = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])
+    states, ok = ret['window'][:2]
+    i, kvd = self.served[r].index(layer), nkv * hs
+    kv = states[..., 2 * i * kvd:2 * (i + 1) * kvd]
+    return joint_mix(u, lse, call['q'], kv[..., :kvd], kv[..., kvd:], ok, getattr(attn, 'scaling', None))
+
+@patch_to(Neurocache)
+def _joint_kv(self, r:int):
+    "Joint attention: the K and V (B, T, n·2·nkv·hs) of this forward's tokens in the layers served by cache `r`, to be written."
+    parts = []
+    for j in self.served[r]:
+        call = self._calls.get(j, {})
+        check('k' in call and 'v' in call, f"cache_attention='joint': layer {j}'s attention did not call k_proj / v_proj")
+        parts += [call['k'].detach(), call['v'].detach()]
+    return torch.cat(parts, -1)
+
+# %% ../nbs/20_neurocache.ipynb
 class NeurocacheAttention(TransparentWrapper):
     "Stands in for a decoder layer's attention: calls `base_layer` unchanged and adds the Neurocache's cache attention."
     def __init__(self, base_layer:nn.Module, layer_idx:int, neurocache:Neurocache):
@@ -628,6 +717,7 @@ class NeurocacheAttention(TransparentWrapper):
         nc = self.neurocache
         x = kwargs['hidden_states'] if 'hidden_states' in kwargs else args[0]   # (B, T, C)
         if nc.enabled: nc.before_attention(self.layer_idx, x)
+        if nc.joint: nc.capture(self.layer_idx, 'kwargs', kwargs)           # the rotary embedding, mask and KV cache of this call
         out = self.base_layer(*args, **kwargs)
         extra = nc.attend(self.layer_idx, x) if nc.enabled else None
         if extra is None: return out
@@ -704,6 +794,14 @@ class NeurocacheModel(nn.Module):
               f"(e.g. add_neurocache, then add_bpt)")
         attn_name = layer_parts(layers[0])['attn']
         hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
+        joint = config.cache_attention == 'joint'
+        if joint:                                                                # refused before anything is changed
+            check(family in JOINT_FAMILIES, f"cache_attention='joint' works inside the attention of the {', '.join(JOINT_FAMILIES)} "
+                                            f"families (q/k/v/o projections and a rotary embedding); {family} takes 'separate'")
+            for j in config.attention_layers:
+                a = getattr(layers[j], attn_name)
+                check(all(isinstance(getattr(a, n, None), nn.Module) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
+                      f"cache_attention='joint' needs q_proj, k_proj, v_proj and o_proj in layer {j}'s {type(a).__name__}")
         self.family, self._requires_grad = family, {n: p.requires_grad for n, p in base_model.named_parameters()}
         self.train_base = train_base
         if not train_base:
@@ -712,7 +810,9 @@ class NeurocacheModel(nn.Module):
         emb = base_model.get_input_embeddings().weight
         self.base_model = base_model
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
-        for j in config.attention_layers:
+        if joint:            # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
+            self.neurocache.projections.requires_grad_(False)
+        for j in ([] if joint else config.attention_layers):
             a = self.neurocache.attentions[str(j)]
             a.init_from(*attention_weights(getattr(layers[j], attn_name), h))
             if config.zero_init_output: nn.init.zeros_(a.o_proj.weight)
@@ -720,6 +820,8 @@ class NeurocacheModel(nn.Module):
         for i in self.layers:
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
         self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
+        for j in (config.attention_layers if joint else []):   # joint: see q, k, v as the attention makes them, mix before W_o
+            self._hooks += _joint_hooks(self.neurocache, j, getattr(layers[j], attn_name).base_layer)
         if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
         check_frozen_4bit_stats(base_model)
         _refuse_plain_save(base_model, "this model carries a Neurocache (cache wrappers and LoRA): save it with the "
@@ -803,6 +905,12 @@ def _refuse_plain_save(model:nn.Module, why:str):
 
 def _allow_plain_save(model:nn.Module):
     if isinstance(vars(model).get('save_pretrained'), _SaveRefused): del model.save_pretrained
+
+def _joint_hooks(nc:Neurocache, j:int, attn:nn.Module) -> list:
+    "Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in the cache."
+    def keep(what): return lambda mod, args, out: nc.capture(j, what, out)
+    def mix(mod, args): return (nc.mix(j, attn, args[0]), *args[1:])
+    return [getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv'] + [attn.o_proj.register_forward_pre_hook(mix)]
 
 def _stop_gradient(module, args, kwargs):
     "Pre-hook on the lowest Neurocache layer: detach its input so the backward pass stops there."
@@ -899,7 +1007,7 @@ def load_cache_state_dict(model, state:dict):
         n, size = part['keys'].shape[1], nc.config.size(mode == 'train')
         check(n == size, f"the saved {mode} caches have {n} slots but this Neurocache's {mode} caches have {size}: "
                          f"load them before resize_cache")
-        c = nc._new_cache(part['keys'].shape[0], mode == 'train', device)
+        c = nc._new_cache(int(r), part['keys'].shape[0], mode == 'train', device)
         c.load_state_dict(part)
         nc.caches[mode == 'train'][int(r)] = c
 
@@ -1080,7 +1188,7 @@ def _fill_cache(model, batch_size:int, seed:int=0):
     for r in nc.config.layer_map:
         c = nc.cache(r, batch_size, _nc_device(nc))
         keys = F.layer_norm(torch.randn(c.rows, c.size, c.dim, generator=g), (c.dim,))
-        raw = torch.randn(c.rows, c.size, nc.hidden_size, generator=g) if c.raw is not None else None
+        raw = torch.randn(c.rows, c.size, c.raw.shape[-1], generator=g) if c.raw is not None else None   # raw states, or joint K/V
         c.write(keys.to(c.device), raw=None if raw is None else raw.to(c.device))
         check(bool(c.valid.all()), "the cache did not fill")
 

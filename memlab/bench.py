@@ -34,21 +34,25 @@ def run_isolated(target:str, *args, timeout:float=3600, **kwargs):
     while True:
         try: status, value = q.get(timeout=1.0); break
         except queue.Empty: pass
-        if not p.is_alive():          # it died without reporting (out-of-memory kill, a crash in C code): one last look, then say so
+        # it died without reporting (out-of-memory kill, a crash in C code): one last look, then say so
+        if not p.is_alive():
             try: status, value = q.get(timeout=1.0); break
             except queue.Empty: pass
             code = p.exitcode
-            how = (f"was killed by signal {-code}" + (" (SIGKILL: often the kernel's out-of-memory killer)" if code == -9 else '')
+            how = (f"was killed by signal {-code}"
+                   + (" (SIGKILL: often the kernel's out-of-memory killer)" if code == -9 else '')
                    if code < 0 else f"exited with status {code}")
             raise MemlabError(f"{target} {how} in its subprocess, without a result")
-        if time.monotonic() > deadline: p.kill(); p.join(); raise MemlabError(f"{target} did not finish within {timeout:.0f} s")
+        if time.monotonic() > deadline:
+            p.kill(); p.join(); raise MemlabError(f"{target} did not finish within {timeout:.0f} s")
     p.join()
     if status == 'error': raise RuntimeError(f"{target} failed in its subprocess: {value}")
     return value
 
 # %% ../nbs/06_bench.ipynb
 def measure_step(step, n_tokens:int, warmup:int=1, repeats:int=2, device=None) -> dict:
-    "Peak memory growth (max over repeats) and tokens/s (median) of calling `step()`, which processes `n_tokens` tokens."
+    ("Peak memory growth (max over repeats) and tokens/s (median) of calling `step()`, "
+     "which processes `n_tokens` tokens.")
     for _ in range(warmup): step()
     peaks, times = [], []
     for _ in range(repeats):
@@ -61,7 +65,8 @@ def measure_step(step, n_tokens:int, warmup:int=1, repeats:int=2, device=None) -
     return {'peak_mib': max(peaks) / 2**20, 'tokens_per_s': n_tokens / sec, 'seconds': sec}
 
 # %% ../nbs/06_bench.ipynb
-def ratio_table(rows:list, baseline:str=None, key:str='config', columns=('peak_mib', 'tokens_per_s'), fmt:str='{:.1f}') -> str:
+def ratio_table(rows:list, baseline:str=None, key:str='config', columns=('peak_mib', 'tokens_per_s'),
+                fmt:str='{:.1f}') -> str:
     "A Markdown table of `rows` (dicts), with `column / baseline's column` beside each measured column."
     base = next((r for r in rows if r.get(key) == baseline), None) if baseline else None
     extra = [k for k in rows[0] if k not in columns and k != key] if rows else []
@@ -86,7 +91,8 @@ def reference_llama_config(vocab_size:int=8192):
                                     num_key_value_heads=4, vocab_size=vocab_size, max_position_embeddings=1 << 17)
 
 def hf_step_measurement(seq_len:int, attn:str='sdpa', checkpointing:bool=False, repeats:int=1) -> dict:
-    "Measure one training step of the reference Llama with Hugging Face attention `attn` (run it through `run_isolated`)."
+    ("Measure one training step of the reference Llama with Hugging Face attention `attn` "
+     "(run it through `run_isolated`).")
     import transformers
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(reference_llama_config(), attn_implementation=attn)
@@ -97,25 +103,33 @@ def hf_step_measurement(seq_len:int, attn:str='sdpa', checkpointing:bool=False, 
         loss.backward(); model.zero_grad(set_to_none=True)
     return measure_step(step, seq_len, warmup=1, repeats=repeats)
 
-def hf_train_step_benchmark(seq_lens=(2048, 8192), configs=(('eager', False), ('eager', True), ('sdpa', False), ('sdpa', True))) -> list:
+def hf_train_step_benchmark(seq_lens=(2048, 8192),
+                            configs=(('eager', False), ('eager', True), ('sdpa', False), ('sdpa', True))) -> list:
     "Peak memory and tokens/s of plain HF training steps over `seq_lens` and (attention, checkpointing) `configs`."
     rows = []
     for T in seq_lens:
         for attn, ckpt in configs:
             r = run_isolated('memlab.bench:hf_step_measurement', T, attn, ckpt)
-            rows.append({'config': f"{attn}{' + ckpt' if ckpt else ''}", 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
+            rows.append({'config': f"{attn}{' + ckpt' if ckpt else ''}", 'seq_len': T,
+                         **{k: round(v, 1) for k, v in r.items()}})
     return rows
 
 # %% ../nbs/06_bench.ipynb
 BENCHMARKS = {
-    'hf': ('memlab.bench:hf_benchmark', 'plain Hugging Face training step: eager / SDPA / checkpointing (the reference figures)'),
-    'loop': ('memlab.training:benchmark', "memlab's training loop vs a bare PyTorch loop: same model, batches and precision"),
-    'bpt': ('memlab.bpt:benchmark', 'BPT vs HF attention: peak memory and tokens/s vs sequence length, longest sequence in a budget'),
-    'neurocache': ('memlab.neurocache:benchmark', 'tokens/s with and without a 16K cache; memory per cached token vs Memorizing Transformers'),
-    'relora': ('memlab.relora:benchmark', 'ReLoRA vs full-rank: trainable parameters, optimizer memory, peak memory, tokens/s'),
+    'hf': ('memlab.bench:hf_benchmark',
+           'plain Hugging Face training step: eager / SDPA / checkpointing (the reference figures)'),
+    'loop': ('memlab.training:benchmark',
+             "memlab's training loop vs a bare PyTorch loop: same model, batches and precision"),
+    'bpt': ('memlab.bpt:benchmark',
+            'BPT vs HF attention: peak memory and tokens/s vs sequence length, longest sequence in a budget'),
+    'neurocache': ('memlab.neurocache:benchmark',
+                   'tokens/s with and without a 16K cache; memory per cached token vs Memorizing Transformers'),
+    'relora': ('memlab.relora:benchmark',
+               'ReLoRA vs full-rank: trainable parameters, optimizer memory, peak memory, tokens/s'),
     'distill': ('memlab.distill:benchmark', 'distillation step vs CE step; chunked vs naive KL at vocabulary 49152'),
     'mixer': ('memlab.mixer:benchmark', 'masked mixer vs Llama of equal parameters: tokens/s and peak memory'),
-    'precision': ('memlab.demo:precision_benchmark', "each method's training step in fp32 and under bf16 autocast: tokens/s, loss difference"),
+    'precision': ('memlab.demo:precision_benchmark',
+                  "each method's training step in fp32 and under bf16 autocast: tokens/s, loss difference"),
 }
 
 def hf_benchmark(quick:bool=False):
@@ -129,7 +143,8 @@ def main():
     import argparse
     from memlab.core import ArgumentParser
     p = ArgumentParser(prog='memlab_bench', description=main.__doc__,
-                                epilog='benchmarks:\n' + '\n'.join(f'  {k:<11} {d}' for k, (_, d) in BENCHMARKS.items()),
+                                epilog='benchmarks:\n'
+                                       + '\n'.join(f'  {k:<11} {d}' for k, (_, d) in BENCHMARKS.items()),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('name', choices=sorted(BENCHMARKS), help='which benchmark to run')
     p.add_argument('--quick', action='store_true', help='fewer and shorter configurations (a smoke run)')
@@ -138,7 +153,8 @@ def main():
     target = BENCHMARKS[args.name][0]
     mod, fn = target.split(':')
     try: f = getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError): raise MemlabError(f"benchmark {args.name!r} is not available in this version ({target} missing)") from None
+    except (ImportError, AttributeError):
+        raise MemlabError(f"benchmark {args.name!r} is not available in this version ({target} missing)") from None
     res = f(quick=args.quick)
     rows, baseline = res if isinstance(res, tuple) else (res, None)
     cols = [c for c in ('peak_mib', 'tokens_per_s') if any(c in r for r in rows)]

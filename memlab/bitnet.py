@@ -34,7 +34,8 @@ def weight_quant(w:torch.Tensor, eps:float=1e-5) -> tuple:
     return (w * s).round().clamp(-1, 1), s                  # (out, in), ()
 
 def activation_quant(x:torch.Tensor, eps:float=1e-5) -> tuple:
-    "Absmax 8-bit quantization per token (last dimension): integer codes in [-128, 127] (fp32) and scales s = 127/max|x|."
+    ("Absmax 8-bit quantization per token (last dimension): integer codes in [-128, 127] (fp32) "
+     "and scales s = 127/max|x|.")
     x = x.detach().float()
     s = 127.0 / x.abs().amax(dim=-1, keepdim=True).clamp(min=eps)  # (..., 1) one scale per token
     return (x * s).round().clamp(-128, 127), s                      # (..., C), (..., 1)
@@ -52,7 +53,8 @@ def rms_norm(x:torch.Tensor, weight:torch.Tensor, eps:float=1e-6) -> torch.Tenso
 
 # %% ../nbs/40_bitnet.ipynb
 def _linear_kind(m:nn.Module) -> str:
-    "'linear', 'conv1d', 'relora' (a weight-delta layer such as ReLoRA's, over a float linear), 'quantized' (bitsandbytes) or None."
+    ("'linear', 'conv1d', 'relora' (a weight-delta layer such as ReLoRA's, over a float linear), 'quantized' "
+     "(bitsandbytes) or None.")
     if type(m).__name__ in QUANTIZED_LINEARS or quant_kind(m): return 'quantized'
     if is_weight_delta_layer(m): return 'relora'
     if isinstance(m, Conv1D): return 'conv1d'
@@ -60,11 +62,15 @@ def _linear_kind(m:nn.Module) -> str:
     return None
 
 class BitLinear(TransparentWrapper):
-    "A BitNet b1.58 linear layer around `base_layer` (nn.Linear or Conv1D): RMSNorm, 8-bit activations, ternary weights, STE."
-    def __init__(self, base_layer:nn.Module, # nn.Linear, Conv1D or a weight-delta layer (ReLoRA's) whose weight becomes the latent weight
+    ("A BitNet b1.58 linear layer around `base_layer` (nn.Linear or Conv1D): RMSNorm, 8-bit activations, "
+     "ternary weights, STE.")
+    def __init__(self,
+                 # nn.Linear, Conv1D or a weight-delta layer (ReLoRA's) whose weight becomes the latent weight
+                 base_layer:nn.Module,
                  norm_eps:float=1e-6):         # epsilon of the input RMSNorm
         kind = _linear_kind(base_layer)
-        check(kind in ('linear', 'conv1d', 'relora'), f"BitLinear wraps nn.Linear or Conv1D, not {type(base_layer).__name__}"
+        check(kind in ('linear', 'conv1d', 'relora'),
+              f"BitLinear wraps nn.Linear or Conv1D, not {type(base_layer).__name__}"
               + (" (a 4/8-bit layer: load the model in fp32 or bf16 before converting)" if kind == 'quantized' else ''))
         if kind == 'relora': _check_relora_base(base_layer)
         super().__init__(base_layer)
@@ -80,10 +86,11 @@ class BitLinear(TransparentWrapper):
     def has_relora(self) -> bool: return is_weight_delta_layer(self.base_layer)
 
     def latent_weight(self) -> torch.Tensor:
-        "The full-precision weight as (out, in): `base_layer.weight` (transposed for Conv1D), plus s·B·A under a ReLoRA base."
+        ("The full-precision weight as (out, in): `base_layer.weight` (transposed for Conv1D), "
+         "plus s·B·A under a ReLoRA base.")
         check(not self.frozen, "this BitLinear is frozen (ternary codes only): it has no latent weight")
         w = self.base_layer.weight
-        if self.has_relora:                                 # W + s·B·A, summed in fp32 exactly as a ReLoRA merge sums it
+        if self.has_relora:  # W + s·B·A, summed in fp32 exactly as a ReLoRA merge sums it
             return (w.float() + self.base_layer.delta_weight()).to(w.dtype)   # (out, in)
         return w.t() if self.is_conv1d else w               # (out, in)
 
@@ -94,12 +101,14 @@ class BitLinear(TransparentWrapper):
         return t.to(torch.int8), s
 
     def effective_weight(self) -> torch.Tensor:
-        "The weight the forward uses, (out, in): ternary codes over one scale; straight-through to the latent weight when training."
+        ("The weight the forward uses, (out, in): ternary codes over one scale; "
+         "straight-through to the latent weight when training.")
         if self.frozen:
             return (self.bitnet_ternary.float() / self.bitnet_scale).to(self.bitnet_norm_weight.dtype)
         w = self.latent_weight()
         t, s = weight_quant(w)
-        # contiguous in both states: a transposed (Conv1D) layout would send F.linear down another GEMM path, other rounding
+        # contiguous in both states: a transposed (Conv1D) layout
+        # would send F.linear down another GEMM path, other rounding
         return ste(w, (t / s).to(w.dtype)).contiguous()     # (out, in)
 
     def quantize_input(self, x:torch.Tensor) -> torch.Tensor:
@@ -115,7 +124,8 @@ class BitLinear(TransparentWrapper):
 
     @torch.no_grad()
     def freeze(self, codes:torch.Tensor=None, scale:torch.Tensor=None):
-        "Drop the latent weight and keep int8 ternary codes and the scale (computed from the latent weight unless given)."
+        ("Drop the latent weight and keep int8 ternary codes and the scale "
+         "(computed from the latent weight unless given).")
         check(not self.has_relora, "this BitLinear holds a ReLoRA adapter: merge it into the latent weight first "
               "(memlab.relora.remove_relora(model))")
         if codes is None: codes, scale = self.ternary()
@@ -128,13 +138,15 @@ class BitLinear(TransparentWrapper):
         return self
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.base_layer.bias is not None}, "
-                f"{'conv1d, ' if self.is_conv1d else ''}{'relora, ' if self.has_relora else ''}{'frozen' if self.frozen else 'training'}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.base_layer.bias is not None}, {'conv1d, ' if self.is_conv1d else ''}"
+                f"{'relora, ' if self.has_relora else ''}{'frozen' if self.frozen else 'training'}")
 
 def _check_relora_base(layer:nn.Module, name:str=''):
     "Refuse a weight-delta (ReLoRA) layer whose update cannot live in BitNet's latent weight (an input dropout)."
-    check(layer.input_dropout == 0, f"ReLoRA layer{' ' + name if name else ''} has lora_dropout={layer.input_dropout}: under BitNet the "
-          "update is added to the latent weight before quantization, where an input dropout has no meaning; use lora_dropout=0")
+    check(layer.input_dropout == 0, f"ReLoRA layer{' ' + name if name else ''} has "
+          f"lora_dropout={layer.input_dropout}: under BitNet the update is added to the latent weight before "
+          "quantization, where an input dropout has no meaning; use lora_dropout=0")
 
 # %% ../nbs/40_bitnet.ipynb
 @dataclass
@@ -147,7 +159,8 @@ class BitNetConfig(Config):
     expected: int | None = None  # refuse unless exactly this many modules are converted (None = no count check)
 
     def __post_init__(self):
-        check(self.target_modules is None or (len(self.target_modules) > 0 and all(isinstance(t, str) and t for t in self.target_modules)),
+        check(self.target_modules is None
+              or (len(self.target_modules) > 0 and all(isinstance(t, str) and t for t in self.target_modules)),
               "target_modules must be None (every linear) or a non-empty list of module names")
         check(all(isinstance(e, str) and e for e in self.exclude), "exclude must be a list of module names")
         check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
@@ -167,14 +180,16 @@ def _parent(model, name):
     return (model.get_submodule(parent) if parent else model), child
 
 def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
-    "Replace the target linear layers of `model` (any family, GPT-2 Conv1D included) by `BitLinear`, in place; refuse if nothing matches."
+    ("Replace the target linear layers of `model` (any family, GPT-2 Conv1D included) by `BitLinear`, in place; "
+     "refuse if nothing matches.")
     cfg = config or BitNetConfig()
     check(not hasattr(model, 'peft_config'), "add_bitnet needs a plain model: merge_and_unload() the PEFT adapters "
           "first (their LoRA linears would be converted too)")
-    check(not bitnet_modules(model), f"{type(model).__name__} already has {len(bitnet_modules(model))} BitLinear modules; "
-          "remove_bitnet it first or convert a fresh model")
+    check(not bitnet_modules(model), f"{type(model).__name__} already has "
+          f"{len(bitnet_modules(model))} BitLinear modules; remove_bitnet it first or convert a fresh model")
     inside_relora = {f"{n}.base_layer" for n, m in model.named_modules() if is_weight_delta_layer(m)}
-    linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m) and n not in inside_relora}  # a ReLoRA layer converts whole
+    # a ReLoRA layer converts whole
+    linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m) and n not in inside_relora}
     names = state_names(model)            # matched by a plain model's names (other methods' wrappers are transparent)
     check(linears, f"{type(model).__name__} has no nn.Linear or Conv1D layer to convert to BitNet")
     def wanted(n):
@@ -184,12 +199,14 @@ def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
     leaf_names = sorted({n.rpartition('.')[2] for n in linears})
     if cfg.target_modules is not None:
         missing = [t for t in cfg.target_modules if not any(_name_matches(names[n], t) for n in linears)]
-        check(not missing, f"target_modules {missing} match no linear layer of {type(model).__name__}; its linears are named "
-              f"{', '.join(leaf_names)}")
-    check(targets, f"nothing to convert in {type(model).__name__}: every linear ({', '.join(leaf_names)}) is excluded by {cfg.exclude}")
+        check(not missing, f"target_modules {missing} match no linear layer of {type(model).__name__}; "
+              f"its linears are named {', '.join(leaf_names)}")
+    check(targets, f"nothing to convert in {type(model).__name__}: every linear ({', '.join(leaf_names)}) "
+                   f"is excluded by {cfg.exclude}")
     quantized = [n for n in targets if linears[n] == 'quantized']
-    if quantized: raise MemlabError(f"{len(quantized)} target layers (e.g. {quantized[0]}) are 4/8-bit bitsandbytes layers; "
-                                    "load the model in fp32 or bf16 to convert it to BitNet")
+    if quantized:
+        raise MemlabError(f"{len(quantized)} target layers (e.g. {quantized[0]}) are 4/8-bit bitsandbytes layers; "
+                          "load the model in fp32 or bf16 to convert it to BitNet")
     check(cfg.expected is None or len(targets) == cfg.expected,
           f"BitNet conversion would convert {len(targets)} modules of {type(model).__name__}, expected {cfg.expected}")
     if cfg.target_modules is None:
@@ -292,8 +309,9 @@ def save_packed(model:nn.Module, path,      # a model holding BitLinear modules;
     mods = bitnet_modules(model)
     check(mods, f"{type(model).__name__} has no BitLinear module: add_bitnet it before save_packed")
     with_relora = [n for n, m in mods.items() if m.has_relora]
-    check(not with_relora, f"{len(with_relora)} BitLinear modules (e.g. {with_relora[0] if with_relora else ''}) hold ReLoRA adapters: "
-          "merge them into the latent weights with memlab.relora.remove_relora(model) before save_packed")
+    check(not with_relora, f"{len(with_relora)} BitLinear modules (e.g. {with_relora[0] if with_relora else ''}) "
+          "hold ReLoRA adapters: merge them into the latent weights with "
+          "memlab.relora.remove_relora(model) before save_packed")
     path = Path(path)
     sd, cast = _pack_modules(model, model.state_dict(), False), None if dtype is None else as_dtype(dtype)
     if cast is not None:
@@ -314,7 +332,8 @@ def save_packed(model:nn.Module, path,      # a model holding BitLinear modules;
     return path
 
 def load_packed(path,               # a folder written by `save_packed` or by `save_pretrained` of a BitNet model
-                model:nn.Module=None, # an unconverted model of the same architecture to load into (default: built from config.json)
+                # an unconverted model of the same architecture to load into (default: built from config.json)
+                model:nn.Module=None,
                 dtype=None) -> nn.Module: # dtype to build the model in (default: the dtype it was saved from)
     "Rebuild a BitNet model from its folder (frozen BitLinears where the weights were packed); strict loading."
     path = Path(path)
@@ -344,7 +363,8 @@ def _load_packed_v1(path, model:nn.Module=None, dtype=None) -> nn.Module:
     tensors = load_file(str(path/'model.safetensors'))
     sd = {}
     for name, info in mods.items():
-        check(found[name].is_conv1d == (info['kind'] == 'conv1d'), f"{name}: saved as {info['kind']}, the model's layer is not")
+        check(found[name].is_conv1d == (info['kind'] == 'conv1d'),
+              f"{name}: saved as {info['kind']}, the model's layer is not")
         packed, scale = tensors.pop(f"{name}.bitnet_packed", None), tensors.pop(f"{name}.bitnet_scale", None)
         check(packed is not None and scale is not None, f"{path}: {name}'s packed weight or scale is missing")
         found[name].freeze(torch.zeros(info['shape'], dtype=torch.int8), torch.ones(()))  # placeholders, loaded below
@@ -380,5 +400,6 @@ def packed_report(path) -> dict:
     for k, v in header.items():
         if k == '__metadata__': continue
         nb = v['data_offsets'][1] - v['data_offsets'][0]
-        out['packed_weights' if k.endswith('.bitnet_packed') else 'scales' if k.endswith('.bitnet_scale') else 'other'] += nb
+        out['packed_weights' if k.endswith('.bitnet_packed') else 'scales' if k.endswith('.bitnet_scale')
+            else 'other'] += nb
     return out

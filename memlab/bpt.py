@@ -34,7 +34,8 @@ __all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
-_DOTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+_DOTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+         torch.ops.aten.baddbmm.default}
 _DOTS_NO_BATCH = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 def _check_policy(policy):
@@ -98,7 +99,8 @@ def _gqa_matmul(a, b):
 def _masked(s, mask):
     "Scores with a block mask applied: bool (True = attend) or additive float."
     if mask is None: return s
-    if mask.dtype == torch.bool:   # s is a fresh product: fill it in place, unless autograd (or selective checkpointing) keeps it
+    # s is a fresh product: fill it in place, unless autograd (or selective checkpointing) keeps it
+    if mask.dtype == torch.bool:
         return s.masked_fill(~mask, float('-inf')) if torch.is_grad_enabled() else s.masked_fill_(~mask, float('-inf'))
     return s + mask.to(s.dtype)
 
@@ -106,23 +108,26 @@ def _scores(q, k, mask, scale, float32_logits):
     "Masked, scaled scores of a query block against a key block in the statistics dtype: (B, nh, qc, kc)."
     stat = _stat_dtype(q.dtype)
     if float32_logits: q, k = q.to(stat), k.to(stat)
-    return _masked(_gqa_matmul(q * scale, k.transpose(-1, -2)).to(stat), mask)   # scaling q (qc × hs) is cheaper than the scores
+    # scaling q (qc × hs) is cheaper than the scores
+    return _masked(_gqa_matmul(q * scale, k.transpose(-1, -2)).to(stat), mask)
 
 # %% ../nbs/10_bpt.ipynb
 def torch_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     "Plain PyTorch kernel: the online-softmax triple (numerator, max, sum) of one query block against one key block."
     s = _scores(q, k, mask, scale, float32_logits)            # (B, nh, qc, kc)
-    m = s.detach().amax(-1)                                    # (B, nh, qc) block max, −∞ on fully masked rows; a constant for autograd
+    m = s.detach().amax(-1)  # (B, nh, qc) block max, −∞ on fully masked rows; a constant for autograd
     p = (torch.exp(s - _finite(m)[..., None]) if torch.is_grad_enabled()   # (B, nh, qc, kc) 0 where masked
          else s.sub_(_finite(m)[..., None]).exp_())             # without autograd in place: one block-sized tensor
     return _gqa_matmul(p, v.to(p.dtype)), m, p.sum(-1)         # a (B, nh, qc, hs), m, ℓ (B, nh, qc)
 
 def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
-    "Kernel calling `F.scaled_dot_product_attention` on the block, with the block's log-sum-exp computed explicitly: (o, lse, 1)."
+    ("Kernel calling `F.scaled_dot_product_attention` on the block, "
+     "with the block's log-sum-exp computed explicitly: (o, lse, 1).")
     stat = _stat_dtype(q.dtype)
     if float32_logits: q, k, v = q.to(stat), k.to(stat), v.to(stat)
     sdpa_mask_ = mask if mask is None or mask.dtype == torch.bool else mask.to(q.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask_, scale=scale, enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, qc, hs)
+    # (B, nh, qc, hs)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask_, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     s = _scores(q, k, mask, scale, True)     # (B, nh, qc, kc) fp32, as SDPA's fused kernels form o: lse must match it
     seen = torch.isfinite(s.detach().amax(-1))                 # (B, nh, qc) rows with at least one visible key
     lse = torch.logsumexp(torch.where(seen[..., None], s, 0), -1).masked_fill(~seen, float('-inf'))
@@ -137,24 +142,27 @@ _FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', 
 _FLASH_BWD = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
 
 def _flash_args(q, k, v, mask):
-    "k, v repeated to q's heads (the fused operator has no GQA); the block mask as an additive bias and the rows that see a key."
+    ("k, v repeated to q's heads (the fused operator has no GQA); the block mask as an additive bias and the "
+     "rows that see a key.")
     g = q.shape[1] // k.shape[1]
     if g > 1: k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)   # (B, nh, kc, hs), one block at a time
     if mask is None: return k, v, None, None
-    bias = (torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float('-inf')) if mask.dtype == torch.bool
-            else mask.to(q.dtype))
+    bias = (torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float('-inf'))
+            if mask.dtype == torch.bool else mask.to(q.dtype))
     bias = bias.expand(*bias.shape[:2], q.shape[2], k.shape[2])           # (B|1, 1|nh, qc, kc)
     return k, v, bias, torch.isfinite(bias).any(-1)                         # seen: (B|1, 1|nh, qc)
 
 def flash_block(q, k, v, mask, scale:float, float32_logits:bool=False):
-    "Kernel calling PyTorch's fused CPU flash-attention operator on the block: (o, lse, 1); differentiated by its own backward operator."
+    ("Kernel calling PyTorch's fused CPU flash-attention operator on the block: (o, lse, 1); "
+     "differentiated by its own backward operator.")
     stat = _stat_dtype(q.dtype)
-    causal = mask is not None and mask is _square_causal(q.shape[2], q.device)   # a plain diagonal block: the operator's own causal mode
+    # a plain diagonal block: the operator's own causal mode
+    causal = mask is not None and mask is _square_causal(q.shape[2], q.device)
     k, v, bias, seen = _flash_args(q, k, v, None if causal else mask)
     o, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)    # (B, nh, qc, hs), (B, nh, qc)
     o, lse = o.to(stat), lse.to(stat)
     if seen is None: return o, lse, torch.ones_like(lse)
-    seen = seen.expand_as(lse)                                             # the operator reports lse = 0 for rows that see nothing
+    seen = seen.expand_as(lse)  # the operator reports lse = 0 for rows that see nothing
     return o.masked_fill(~seen[..., None], 0), lse.masked_fill(~seen, float('-inf')), seen.to(stat)
 
 def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
@@ -162,7 +170,8 @@ def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
     g = q_i.shape[1] // k_j.shape[1]
     causal = mask is not None and mask is _square_causal(q_i.shape[2], q_i.device)
     k, v, bias, _ = _flash_args(q_i, k_j, v_j, None if causal else mask)
-    lse = torch.where(torch.isfinite(lse_i), lse_i, 0).to(_stat_dtype(q_i.dtype))   # rows that see no key at all: any finite value
+    # rows that see no key at all: any finite value
+    lse = torch.where(torch.isfinite(lse_i), lse_i, 0).to(_stat_dtype(q_i.dtype))
     dq, dk, dv = _FLASH_BWD(do_i.to(q_i.dtype), q_i, k, v, out_i, lse, 0.0, causal, attn_mask=bias, scale=scale)
     if g > 1: dk, dv = (t.unflatten(1, (-1, g)).sum(2) for t in (dk, dv))  # back to the key/value heads
     return dq, dk, dv
@@ -190,7 +199,7 @@ def key_blocks(qs:int, qe:int, Tk:int, k_chunk_size:int, causal:bool=True, offse
     last = qe - 1 + offset                                     # key position of the block's last query
     out = []
     for ks in range(0, Tk, k_chunk_size):
-        if causal and ks > last: break                         # this key block and all later ones lie after every query of the block
+        if causal and ks > last: break  # this key block and all later ones lie after every query of the block
         ke = min(ks + k_chunk_size, Tk)
         out.append((ks, ke, causal and ke - 1 > qs + offset))
     return out
@@ -200,16 +209,18 @@ class _Plan(NamedTuple):
     qc: int; kc: int; causal: bool; scale: float; kernel: Callable; float32_logits: bool; offset: int
 
 def _block_mask(mask, qs, qe, ks, ke, causal_part, offset, device=None):
-    "The mask of block (queries qs:qe, keys ks:ke): None, bool (True = attend) or additive float, broadcastable to (B, nh, qc, kc)."
+    ("The mask of block (queries qs:qe, keys ks:ke): None, bool (True = attend) or additive float, "
+     "broadcastable to (B, nh, qc, kc).")
     m = None
     if causal_part:
         device = mask.device if mask is not None else device
-        if qs + offset == ks and qe - qs == ke - ks: m = _square_causal(qe - qs, device)          # a block on the diagonal
+        if qs + offset == ks and qe - qs == ke - ks: m = _square_causal(qe - qs, device)  # a block on the diagonal
         else:
             qpos = torch.arange(qs, qe, device=device) + offset
             m = (torch.arange(ks, ke, device=device)[None, :] <= qpos[:, None])[None, None]   # (1, 1, qc, kc)
     if mask is None: return m
-    pm = mask[:, None, None, ks:ke] if mask.dim() == 2 else mask[..., qs:qe, ks:ke]      # (B, 1, 1, kc) or (B|1, 1|nh, qc, kc)
+    # (B, 1, 1, kc) or (B|1, 1|nh, qc, kc)
+    pm = mask[:, None, None, ks:ke] if mask.dim() == 2 else mask[..., qs:qe, ks:ke]
     if m is None: return pm
     return m & pm if pm.dtype == torch.bool else pm.masked_fill(~m, float('-inf'))
 
@@ -219,11 +230,14 @@ def _attend(q_i, k, v, mask, qs:int, plan:_Plan):
     stat = _stat_dtype(q_i.dtype)
     state = None
     for ks, ke, diag in key_blocks(qs, qs + qc, k.shape[2], plan.kc, plan.causal, plan.offset):
-        blk = plan.kernel(q_i, k[:, :, ks:ke], v[:, :, ks:ke], _block_mask(mask, qs, qs + qc, ks, ke, diag, plan.offset, q_i.device),
+        blk = plan.kernel(q_i, k[:, :, ks:ke], v[:, :, ks:ke],
+                          _block_mask(mask, qs, qs + qc, ks, ke, diag, plan.offset, q_i.device),
                           plan.scale, plan.float32_logits)
-        state = blk if state is None else _merge(state, blk)    # the first block's triple is already a valid running state
-    if state is None: state = (q_i.new_zeros(B, nh, qc, v.shape[-1], dtype=stat), q_i.new_full((B, nh, qc), float('-inf'), dtype=stat),
-                               q_i.new_zeros(B, nh, qc, dtype=stat))
+        # the first block's triple is already a valid running state
+        state = blk if state is None else _merge(state, blk)
+    if state is None:
+        state = (q_i.new_zeros(B, nh, qc, v.shape[-1], dtype=stat),
+                 q_i.new_full((B, nh, qc), float('-inf'), dtype=stat), q_i.new_zeros(B, nh, qc, dtype=stat))
     return _finish(*state)
 
 def _forward(q, k, v, mask, plan):
@@ -237,17 +251,20 @@ def _forward(q, k, v, mask, plan):
     return out, lse
 
 def _gqa_matmul_t(a, b, nkv:int):
-    "aᵀ @ b for a (B, nh, x, y), b (B, nh, x, z), summed over each group of query heads sharing a key/value head: (B, nkv, y, z)."
+    ("aᵀ @ b for a (B, nh, x, y), b (B, nh, x, z), summed over each group of query heads sharing a key/value "
+     "head: (B, nkv, y, z).")
     out = a.transpose(-1, -2) @ b                                              # (B, nh, y, z)
     return out if nkv == out.shape[1] else out.unflatten(1, (nkv, out.shape[1] // nkv)).sum(2)
 
 def _torch_block_grads(q_i, k_j, v_j, mask, scale, float32_logits, lse_i, do_i, D_i):
-    "dq, dk, dv of one (query block, key block) pair of `torch_block`, from the rows' final log-sum-exp (FlashAttention's backward)."
+    ("dq, dk, dv of one (query block, key block) pair of `torch_block`, from the rows' final log-sum-exp "
+     "(FlashAttention's backward).")
     stat = _stat_dtype(q_i.dtype)
     s = _scores(q_i, k_j, mask, scale, float32_logits)                         # (B, nh, qc, kc) recomputed scores
-    p = torch.exp(s.sub_(_finite(lse_i)[..., None]))                          # (B, nh, qc, kc) final softmax probabilities, 0 where masked
+    p = torch.exp(s.sub_(_finite(lse_i)[..., None]))  # (B, nh, qc, kc) final softmax probabilities, 0 where masked
     dv = _gqa_matmul_t(p, do_i, v_j.shape[1])                                  # (B, nkv, kc, hs)
-    ds = p.mul_(_gqa_matmul(do_i, v_j.to(stat).transpose(-1, -2)).sub_(D_i[..., None]))  # (B, nh, qc, kc) dS = P ⊙ (dP − D)
+    # (B, nh, qc, kc) dS = P ⊙ (dP − D)
+    ds = p.mul_(_gqa_matmul(do_i, v_j.to(stat).transpose(-1, -2)).sub_(D_i[..., None]))
     dq = _gqa_matmul(ds, k_j.to(stat)).mul_(scale)                             # (B, nh, qc, hs)
     dk = _gqa_matmul_t(ds, q_i.to(stat), k_j.shape[1]).mul_(scale)             # (B, nkv, kc, hs)
     return dq, dk, dv
@@ -310,30 +327,38 @@ def _chunk(name, size, T) -> int:
     return T if size == -1 else min(size, max(T, 1))
 
 def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool=True, attention_mask=None, *,
-                        scale:float=None, kernel='flash', remat_policy:str='nothing_saveable', float32_logits:bool=False):
-    "Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs), one (query block, key block) pair at a time with an online softmax."
-    check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, f"q, k, v must be (B, heads, T, head_size); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+                        scale:float=None, kernel='flash', remat_policy:str='nothing_saveable',
+                        float32_logits:bool=False):
+    ("Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs), one (query block, key block) "
+     "pair at a time with an online softmax.")
+    check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+          f"q, k, v must be (B, heads, T, head_size); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, nh, Tq, hs = q.shape
     nkv, Tk = k.shape[1], k.shape[2]
     check(k.shape[0] == B and v.shape[:3] == k.shape[:3] and k.shape[-1] == hs and nh % nkv == 0,
-          f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (query heads must be a multiple of key/value heads)")
+          f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+          "(query heads must be a multiple of key/value heads)")
     _check_policy(remat_policy)
     kernel_fn = KERNELS.get(kernel) if isinstance(kernel, str) else kernel
     check(callable(kernel_fn), f"unknown attention kernel {kernel!r}; use one of {', '.join(KERNELS)} or a callable")
     mask = attention_mask
     if mask is not None:
         if mask.dim() == 2:
-            check(tuple(mask.shape) == (B, Tk), f"a 2-D attention mask must be (batch, keys) = {(B, Tk)}; got {tuple(mask.shape)}")
+            check(tuple(mask.shape) == (B, Tk),
+                  f"a 2-D attention mask must be (batch, keys) = {(B, Tk)}; got {tuple(mask.shape)}")
             mask = mask.bool()
         else:
             check(mask.dim() == 4 and tuple(mask.shape[-2:]) == (Tq, Tk),
-                  f"attention mask must be (B, Tk) or (B, heads, Tq, Tk) with Tq, Tk = {Tq}, {Tk}; got {tuple(mask.shape)}")
+                  f"attention mask must be (B, Tk) or (B, heads, Tq, Tk) with Tq, Tk = {Tq}, {Tk}; "
+                  f"got {tuple(mask.shape)}")
             if not (mask.dtype == torch.bool or mask.is_floating_point()): mask = mask.bool()
     plan = _Plan(_chunk('q_chunk_size', q_chunk_size, Tq), _chunk('k_chunk_size', k_chunk_size, Tk), causal,
                  hs ** -0.5 if scale is None else scale, kernel_fn, float32_logits, Tk - Tq)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if kernel_fn is flash_block and (_FLASH is None or q.device.type != 'cpu' or (needs_grad and remat_policy != 'nothing_saveable')):
-        plan = plan._replace(kernel=torch_block)   # the fused operator is CPU-only and has no autograd formula for the merge
+    if kernel_fn is flash_block and (_FLASH is None or q.device.type != 'cpu'
+                                     or (needs_grad and remat_policy != 'nothing_saveable')):
+        # the fused operator is CPU-only and has no autograd formula for the merge
+        plan = plan._replace(kernel=torch_block)
     dtype = _attention_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)   # differentiable casts: gradients return in each input's dtype
     with _autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
@@ -345,14 +370,16 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
 
 # %% ../nbs/10_bpt.ipynb
 def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable') -> torch.Tensor:
-    "Apply the position-wise `ffn` to x (B, T, C) `chunk_size` tokens at a time along T, each chunk rematerialised per `remat_policy`."
+    ("Apply the position-wise `ffn` to x (B, T, C) `chunk_size` tokens at a time along T, "
+     "each chunk rematerialised per `remat_policy`.")
     size = _chunk('ffn_chunk_size', chunk_size, x.shape[1])
     f = remat(ffn, remat_policy)
     outs = [f(c) for c in x.split(size, dim=1)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)   # (B, T, C)
 
 class BPTFeedForward(TransparentWrapper):
-    "Wrapper running its `base_layer` (a position-wise FFN) `chunk_size` tokens at a time, each chunk recomputed in backward."
+    ("Wrapper running its `base_layer` (a position-wise FFN) `chunk_size` tokens at a time, "
+     "each chunk recomputed in backward.")
     def __init__(self, base_layer:nn.Module, chunk_size:int, remat_policy:str='nothing_saveable'):
         super().__init__(base_layer)
         self.chunk_size, self.remat_policy = chunk_size, remat_policy
@@ -370,7 +397,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         acc = _stat_dtype(hidden.dtype)
         valid = targets != ignore_index                                        # (N,)
         safe_t = torch.where(valid, targets, torch.zeros_like(targets))        # (N,) any index for ignored rows
-        row_w = valid.to(acc)                                                  # (N,) weight of each row's loss in the reduction
+        row_w = valid.to(acc)  # (N,) weight of each row's loss in the reduction
         if reduction == 'mean': row_w = row_w / valid.sum().clamp(min=1)
         elif reduction == 'chunk_mean':
             n_chunks = -(-N // chunk_size)
@@ -389,7 +416,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 g = z.sub_(lse[:, None]).exp_()                                # (c, V) softmax, in place of the logits
                 g[torch.arange(len(t), device=g.device), t] -= 1
                 g.mul_(r[:, None])                                             # ∂L/∂z for this chunk
-                if want_h: grad_h[s:s + chunk_size] = g.to(weight.dtype) @ weight  # (c, C) a bf16 head multiplies in bf16
+                # (c, C) a bf16 head multiplies in bf16
+                if want_h: grad_h[s:s + chunk_size] = g.to(weight.dtype) @ weight
                 if want_w: grad_w += g.T @ h.to(acc)                           # (V, C) fp32 accumulation
             del z
         if reduction == 'mean' and not valid.any(): loss = loss / 0.          # NaN, as F.cross_entropy
@@ -408,14 +436,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def fused_linear_cross_entropy(hidden:torch.Tensor, weight:torch.Tensor, targets:torch.Tensor, chunk_size:int,
                                ignore_index:int=-100, reduction:str='mean') -> torch.Tensor:
-    "Cross-entropy of the logits `hidden` (N, C) @ `weight` (V, C)ᵀ against `targets` (N,), `chunk_size` rows at a time; full logits never exist."
+    ("Cross-entropy of the logits `hidden` (N, C) @ `weight` (V, C)ᵀ against `targets` (N,), "
+     "`chunk_size` rows at a time; full logits never exist.")
     check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
           f"hidden must be (N, C) and weight (V, C); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     check(targets.shape == hidden.shape[:1], f"targets must be (N,) = ({hidden.shape[0]},); got {tuple(targets.shape)}")
     check(reduction in REDUCTIONS, f"unknown reduction {reduction!r}; use one of {', '.join(REDUCTIONS)}")
     size = _chunk('chunk_size', chunk_size, hidden.shape[0])
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, targets.to(hidden.device), size, ignore_index, reduction, need_grad)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, targets.to(hidden.device), size, ignore_index,
+                                          reduction, need_grad)
 
 # %% ../nbs/10_bpt.ipynb
 @dataclass
@@ -438,8 +468,10 @@ class BPTConfig(Config):
             check(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v > 0),
                   f"BPTConfig.{name} must be a positive block length or -1 (disabled); got {v!r}")
         _check_policy(self.remat_policy)
-        check(self.attention_kernel in KERNELS, f"unknown attention kernel {self.attention_kernel!r}; use one of {', '.join(KERNELS)}")
-        check(not self.fused or self.q_chunk_size > 0, "fused=True runs each layer one query block at a time: set q_chunk_size > 0")
+        check(self.attention_kernel in KERNELS,
+              f"unknown attention kernel {self.attention_kernel!r}; use one of {', '.join(KERNELS)}")
+        check(not self.fused or self.q_chunk_size > 0,
+              "fused=True runs each layer one query block at a time: set q_chunk_size > 0")
 
     @property
     def attention_enabled(self) -> bool: return self.q_chunk_size != -1 or self.k_chunk_size != -1
@@ -451,7 +483,8 @@ class BPTConfig(Config):
 
 # %% ../nbs/10_bpt.ipynb
 def _settings_name(config:BPTConfig) -> str:
-    key = repr((config.q_chunk_size, config.k_chunk_size, config.attention_kernel, config.remat_policy, config.float32_logits))
+    key = repr((config.q_chunk_size, config.k_chunk_size, config.attention_kernel, config.remat_policy,
+                config.float32_logits))
     return 'memlab_bpt_' + hashlib.sha1(key.encode()).hexdigest()[:10]
 
 def _key_mask_to_dense(mask, Tq, Tk):
@@ -459,29 +492,35 @@ def _key_mask_to_dense(mask, Tq, Tk):
     causal = torch.arange(Tk, device=mask.device)[None] <= torch.arange(Tq, device=mask.device)[:, None] + (Tk - Tq)
     return causal[None, None] & mask.bool()[:, None, None, :]
 
-def bpt_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, *, q_chunk_size:int=1024,
-                  k_chunk_size:int=1024, kernel:str='flash', remat_policy:str='nothing_saveable', float32_logits:bool=False, **kwargs):
-    "Hugging Face attention function: blockwise when queries and keys are one sequence, Hugging Face's SDPA for KV-cache decoding."
-    check(not (dropout and module.training), f"BPT attention has no dropout (got {dropout}); set the model's attention_dropout to 0")
+def bpt_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, *,
+                  q_chunk_size:int=1024, k_chunk_size:int=1024, kernel:str='flash', remat_policy:str='nothing_saveable',
+                  float32_logits:bool=False, **kwargs):
+    ("Hugging Face attention function: blockwise when queries and keys are one sequence, "
+     "Hugging Face's SDPA for KV-cache decoding.")
+    check(not (dropout and module.training),
+          f"BPT attention has no dropout (got {dropout}); set the model's attention_dropout to 0")
     causal = kwargs.pop('is_causal', None)
     causal = getattr(module, 'is_causal', True) if causal is None else causal
     if query.shape[2] != key.shape[2]:                 # decoding against a cache: one or a few queries, dense is cheap
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = _key_mask_to_dense(attention_mask, query.shape[2], key.shape[2])
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs)
-    out = blockwise_attention(query, key, value, q_chunk_size, k_chunk_size, causal=causal, attention_mask=attention_mask,
-                              scale=scaling, kernel=kernel, remat_policy=remat_policy, float32_logits=float32_logits)  # (B, nh, T, hs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=causal, **kwargs)
+    out = blockwise_attention(query, key, value, q_chunk_size, k_chunk_size, causal=causal,
+                              attention_mask=attention_mask, scale=scaling, kernel=kernel, remat_policy=remat_policy,
+                              float32_logits=float32_logits)  # (B, nh, T, hs)
     return out.transpose(1, 2), None                   # (B, T, nh, hs) as Hugging Face expects
 
-def bpt_attention_mask(batch_size:int, q_length:int, kv_length:int, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
-                       attention_mask=None, **kwargs):
-    "Hugging Face mask function for BPT: the (B, T) key-padding mask (None without padding) for plain causal attention, else `sdpa_mask`'s."
+def bpt_attention_mask(batch_size:int, q_length:int, kv_length:int, q_offset=0, kv_offset=0,
+                       mask_function=causal_mask_function, attention_mask=None, **kwargs):
+    ("Hugging Face mask function for BPT: the (B, T) key-padding mask (None without padding) "
+     "for plain causal attention, else `sdpa_mask`'s.")
     plain = (mask_function is causal_mask_function and isinstance(q_offset, int) and isinstance(kv_offset, int)
              and q_offset == 0 and kv_offset == 0 and q_length == kv_length and kwargs.get('local_size') is None
              and (attention_mask is None or attention_mask.shape[-1] == kv_length))
     if not plain:
-        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-                         mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     if attention_mask is None: return None
     pad = attention_mask.bool()                        # (B, T) True = a real token
     return None if bool(pad.all()) else pad
@@ -493,7 +532,8 @@ def _register_attention(config:BPTConfig) -> str:
     name = _settings_name(config)
     if name not in _REGISTERED:
         fn = functools.partial(bpt_attention, q_chunk_size=config.q_chunk_size, k_chunk_size=config.k_chunk_size,
-                               kernel=config.attention_kernel, remat_policy=config.remat_policy, float32_logits=config.float32_logits)
+                               kernel=config.attention_kernel, remat_policy=config.remat_policy,
+                               float32_logits=config.float32_logits)
         transformers.AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, bpt_attention_mask)
         _REGISTERED.add(name)
@@ -503,11 +543,14 @@ def _register_attention(config:BPTConfig) -> str:
 FUSABLE_ATTENTION = ('LlamaAttention', 'MistralAttention')
 
 class BPTDecoderLayer(TransparentWrapper):
-    "Wrapper running its `base_layer` (a Llama decoder layer) one query block at a time: attention, o_proj, residual, norm, FFN, residual."
+    ("Wrapper running its `base_layer` (a Llama decoder layer) one query block at a time: attention, o_proj, residual, "
+     "norm, FFN, residual.")
     def __init__(self, base_layer:nn.Module, config:BPTConfig):
         attn = base_layer.self_attn
-        check(type(attn).__name__ in FUSABLE_ATTENTION and all(hasattr(attn, n) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
-              f"fused BPT supports attention modules {', '.join(FUSABLE_ATTENTION)}; got {type(attn).__name__} (use fused=False)")
+        check(type(attn).__name__ in FUSABLE_ATTENTION
+              and all(hasattr(attn, n) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
+              f"fused BPT supports attention modules {', '.join(FUSABLE_ATTENTION)}; "
+              f"got {type(attn).__name__} (use fused=False)")
         super().__init__(base_layer)
         self.bpt_config = config
         self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -515,10 +558,12 @@ class BPTDecoderLayer(TransparentWrapper):
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         layer, attn, cfg = self.base_layer, self.base_layer.self_attn, self.bpt_config
-        fresh = past_key_values is None or (isinstance(past_key_values, DynamicCache) and past_key_values.get_seq_length(attn.layer_idx) == 0)
+        fresh = past_key_values is None or (isinstance(past_key_values, DynamicCache)
+                                            and past_key_values.get_seq_length(attn.layer_idx) == 0)
         if not fresh or (attention_mask is not None and attention_mask.shape[-1] != hidden_states.shape[1]):
-            return layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-                         use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            return layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, use_cache=use_cache,
+                         position_embeddings=position_embeddings, **kwargs)
         B, T, _ = hidden_states.shape
         hs = attn.head_dim
         n = layer.input_layernorm(hidden_states)                              # (B, T, C)
@@ -531,14 +576,16 @@ class BPTDecoderLayer(TransparentWrapper):
         outs = []
         for s in range(0, T, cfg.q_chunk_size):
             e = min(s + cfg.q_chunk_size, T)
-            mask = None if attention_mask is None else (attention_mask[:, :e] if attention_mask.dim() == 2 else attention_mask[..., s:e, :e])
+            mask = None if attention_mask is None else (attention_mask[:, :e] if attention_mask.dim() == 2
+                                                        else attention_mask[..., s:e, :e])
             outs.append(block(hidden_states[:, s:e], q[:, :, s:e], k[:, :, :e], v[:, :, :e], mask))
         return torch.cat(outs, dim=1)                                         # (B, T, C)
 
     def _block(self, x, q, k, v, mask):
         "One query block through attention (its keys are 0..end of block), o_proj, residual, norm, FFN, residual."
         layer, attn, cfg = self.base_layer, self.base_layer.self_attn, self.bpt_config
-        inner = 'nothing_saveable' if cfg.remat_policy == 'nothing_saveable' else 'everything_saveable'  # the block's remat governs
+        # the block's remat governs
+        inner = 'nothing_saveable' if cfg.remat_policy == 'nothing_saveable' else 'everything_saveable'
         a = blockwise_attention(q, k, v, cfg.q_chunk_size, cfg.k_chunk_size, causal=attn.is_causal, attention_mask=mask,
                                 scale=attn.scaling, kernel=cfg.attention_kernel, remat_policy=inner,
                                 float32_logits=cfg.float32_logits)            # (B, nh, qc, hs)
@@ -547,7 +594,8 @@ class BPTDecoderLayer(TransparentWrapper):
 
 # %% ../nbs/10_bpt.ipynb
 class BPTRematLayer(TransparentWrapper):
-    "Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`; a KV cache bypasses it."
+    ("Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`; "
+     "a KV cache bypasses it.")
     def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable'):
         super().__init__(base_layer)
         self.remat_policy = remat_policy
@@ -555,7 +603,8 @@ class BPTRematLayer(TransparentWrapper):
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled(): return self.base_layer(*args, **kwargs)
-        # recomputation would append to a KV cache twice: a training step does not keep one (as Hugging Face's own checkpointing)
+        # recomputation would append to a KV cache twice: a training
+        # step does not keep one (as Hugging Face's own checkpointing)
         if kwargs.get('past_key_values') is not None: kwargs = {**kwargs, 'past_key_values': None, 'use_cache': False}
         return self._step(*args, **kwargs)
 
@@ -563,9 +612,11 @@ class BPTRematLayer(TransparentWrapper):
 
 # %% ../nbs/10_bpt.ipynb
 def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int,
-                         num_items_in_batch=None, ignore_index:int=-100, shift_labels:torch.Tensor=None) -> torch.Tensor:
-    "Hugging Face's causal-LM loss (labels shifted inside) of `hidden` (B, T, C) and the head `weight` (V, C), without logits."
-    if shift_labels is None:                                                                     # position t predicts token t + 1
+                         num_items_in_batch=None, ignore_index:int=-100,
+                         shift_labels:torch.Tensor=None) -> torch.Tensor:
+    ("Hugging Face's causal-LM loss (labels shifted inside) of `hidden` (B, T, C) and the head `weight` "
+     "(V, C), without logits.")
+    if shift_labels is None:  # position t predicts token t + 1
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]                       # (B, T)
     targets = shift_labels.to(hidden.device).reshape(-1)                                        # (B·T,)
     if num_items_in_batch is None:                                                               # the token mean
@@ -587,10 +638,12 @@ def _positional_names(cls) -> tuple:
     ps = list(inspect.signature(cls.forward).parameters.values())[1:]
     return tuple(p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
-_LOSS_KWARGS = ('shift_labels', 'num_items_in_batch', 'ignore_index')   # Hugging Face's loss arguments besides the labels
+# Hugging Face's loss arguments besides the labels
+_LOSS_KWARGS = ('shift_labels', 'num_items_in_batch', 'ignore_index')
 
 class BPTLossHooks:
-    "Hooks making a causal LM's `model(..., labels=...)` compute its loss by the fused chunked head: no (B, T, V) logits."
+    ("Hooks making a causal LM's `model(..., labels=...)` compute its loss by the fused chunked head: "
+     "no (B, T, V) logits.")
     def __init__(self, model:nn.Module, chunk_size:int):
         _fused_head(model)
         self.model, self.chunk_size, self.dense = model, chunk_size, 0   # dense > 0: inside `full_logits`
@@ -600,26 +653,30 @@ class BPTLossHooks:
                          model.register_forward_hook(self._after, with_kwargs=True, always_call=True)]
 
     def takes_over(self) -> bool:
-        "Whether a call with labels goes through the fused path now: outside `full_logits`, with Hugging Face's causal-LM loss."
+        ("Whether a call with labels goes through the fused path now: outside `full_logits`, "
+         "with Hugging Face's causal-LM loss.")
         return not self.dense and self.model.loss_function is ForCausalLMLoss
 
     def _before(self, module, args, kwargs):
-        self._calls.append(None)                  # first: `_after` runs even when the forward fails, and pops one entry per call
+        self._calls.append(None)  # first: `_after` runs even when the forward fails, and pops one entry per call
         names = _positional_names(type(module))
         kw = {**dict(zip(names, args)), **kwargs}
         if len(args) > len(names) or kw.get('labels') is None or not self.takes_over(): return None
         labels = kw.pop('labels')                 # so Hugging Face computes no loss of its own
         self._calls[-1] = {'labels': labels, 'keep': kw.get('logits_to_keep', 0), 'ignore_index': -100,
                            **{k: kw.pop(k) for k in _LOSS_KWARGS if k in kw}}
-        kw['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=labels.device)   # the head multiplies (B, 0, C): no logits
+        # the head multiplies (B, 0, C): no logits
+        kw['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=labels.device)
         return (), kw
 
     def _capture(self, module, args, out):
         call = self._calls[-1] if self._calls else None
         if call is None: return
-        call['hidden'] = out.last_hidden_state if hasattr(out, 'last_hidden_state') else out[0]   # (B, T, C) after the final norm
+        # (B, T, C) after the final norm
+        call['hidden'] = out.last_hidden_state if hasattr(out, 'last_hidden_state') else out[0]
         dev = call['hidden'].device.type
-        call['autocast'] = dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev))
+        call['autocast'] = dict(device_type=dev, enabled=torch.is_autocast_enabled(dev),
+                                dtype=torch.get_autocast_dtype(dev))
 
     def _after(self, module, args, kwargs, output):
         call = self._calls.pop()
@@ -628,9 +685,10 @@ class BPTLossHooks:
               f"head_chunk_size and loss_chunk_size -1, or inside full_logits(model)")
         hidden, head, keep = call['hidden'], module.get_output_embeddings(), call['keep']
         with torch.autocast(**call['autocast']):
-            loss = fused_causal_lm_loss(hidden, head.weight, call['labels'], self.chunk_size, call.get('num_items_in_batch'),
-                                        call['ignore_index'], call.get('shift_labels'))
-            logits = None if isinstance(keep, int) and keep == 0 else head(slice_logits_to_keep(hidden, keep))  # asked-for positions
+            loss = fused_causal_lm_loss(hidden, head.weight, call['labels'], self.chunk_size,
+                                        call.get('num_items_in_batch'), call['ignore_index'], call.get('shift_labels'))
+            # asked-for positions
+            logits = None if isinstance(keep, int) and keep == 0 else head(slice_logits_to_keep(hidden, keep))
         if isinstance(output, tuple):             # return_dict=False: Hugging Face's tuple, with the loss first
             return (loss, output[0] if logits is None else logits) + tuple(output[1:])
         return type(output)(**{**output, 'loss': loss, 'logits': output.logits if logits is None else logits})
@@ -662,7 +720,8 @@ def _handle(model):
 class BPTHandle:
     "What `add_bpt` changed in a model (kept on the model); `remove_bpt(model)` undoes it."
     def __init__(self, model, config, attn_name, original_attn, replaced, loss_hooks=None):
-        self.model, self.config, self.attn_name, self.original_attn, self.replaced = model, config, attn_name, original_attn, replaced
+        (self.model, self.config, self.attn_name,
+         self.original_attn, self.replaced) = model, config, attn_name, original_attn, replaced
         self.loss_hooks = loss_hooks             # BPTLossHooks when the head and loss are chunked
     def remove(self):
         "Put back every replaced module and the original attention implementation; remove the loss hooks."
@@ -672,11 +731,12 @@ class BPTHandle:
         vars(self.model).pop(_STATE, None)
         self.replaced = []
     def __repr__(self):
-        return (f"BPTHandle({type(self.model).__name__}, {len(self.replaced)} modules replaced, attention={self.attn_name}, "
-                f"fused loss in model(labels=...): {self.loss_hooks is not None})")
+        return (f"BPTHandle({type(self.model).__name__}, {len(self.replaced)} modules replaced, "
+                f"attention={self.attn_name}, fused loss in model(labels=...): {self.loss_hooks is not None})")
 
 def add_bpt(model, config:BPTConfig=None):
-    "Convert a Hugging Face Llama-family causal LM to BPT in place (blockwise attention, chunked FFN or fused layers); return it."
+    ("Convert a Hugging Face Llama-family causal LM to BPT in place "
+     "(blockwise attention, chunked FFN or fused layers); return it.")
     config = BPTConfig() if config is None else config
     hf = _hf_model(model)
     family = getattr(getattr(hf, 'config', None), 'model_type', None)
@@ -687,7 +747,8 @@ def add_bpt(model, config:BPTConfig=None):
           f"BPT attention has no dropout; set attention_dropout=0 (the model has {hf.config.attention_dropout})")
     layers = decoder_layers(hf)
     n = hf.config.num_hidden_layers
-    check(len(layers) == n, f"found {len(layers)} decoder layers but the config says {n}; refusing a partial conversion")
+    check(len(layers) == n,
+          f"found {len(layers)} decoder layers but the config says {n}; refusing a partial conversion")
     if config.fused:   # check every layer before changing anything
         for layer in layers: BPTDecoderLayer(layer, config)
     else: check(all(hasattr(layer, 'mlp') for layer in layers), f"{type(layers[0]).__name__} has no `mlp` to chunk")
@@ -696,13 +757,15 @@ def add_bpt(model, config:BPTConfig=None):
     if config.attention_enabled:
         attn_name = _register_attention(config)
         hf.set_attn_implementation(attn_name)
-        check(hf.config._attn_implementation == attn_name, f"{type(hf).__name__} did not accept a registered attention function")
+        check(hf.config._attn_implementation == attn_name,
+              f"{type(hf).__name__} did not accept a registered attention function")
     if config.fused:
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer)); layers[i] = BPTDecoderLayer(layer, config)
     elif config.ffn_chunk_size != -1:
         for layer in layers:
-            replaced.append((layer, 'mlp', layer.mlp)); layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
+            replaced.append((layer, 'mlp', layer.mlp))
+            layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
     if config.layer_remat and config.remat_policy != 'everything_saveable':
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, config.remat_policy)
@@ -732,7 +795,8 @@ register_method(MethodSpec('bpt', rebuild=lambda m, c: add_bpt(m, BPTConfig.from
 # %% ../nbs/10_bpt.ipynb
 @contextlib.contextmanager
 def full_logits(model):
-    "Context manager: inside it, a converted model's `model(..., labels=...)` is Hugging Face's own call (full logits, its loss)."
+    ("Context manager: inside it, a converted model's `model(..., labels=...)` is Hugging Face's own call "
+     "(full logits, its loss).")
     h = _handle(model)
     hooks = None if h is None else h.loss_hooks
     if hooks is not None: hooks.dense += 1
@@ -744,20 +808,24 @@ def _dense_lm_loss(model, batch:dict) -> LossOutput:
     "`memlab.training.causal_lm_loss` with fp32 statistics that stay fp64 for an fp64 model."
     logits = model(**model_inputs(batch), use_cache=False).logits                     # (B, T, V)
     labels = batch['labels'].to(logits.device)                                         # (B, T)
-    loss = F.cross_entropy(logits.flatten(0, 1).to(_stat_dtype(logits.dtype)), labels.flatten(), ignore_index=-100, reduction='sum')
+    loss = F.cross_entropy(logits.flatten(0, 1).to(_stat_dtype(logits.dtype)), labels.flatten(), ignore_index=-100,
+                           reduction='sum')
     return LossOutput(loss, (labels != -100).sum())
 
 def bpt_causal_lm_loss(model, batch:dict) -> LossOutput:
-    "Summed next-token cross-entropy (pre-shifted labels, -100 ignored) and token count, through the fused chunked LM head when BPT's config asks."
+    ("Summed next-token cross-entropy (pre-shifted labels, -100 ignored) and token count, "
+     "through the fused chunked LM head when BPT's config asks.")
     h = _handle(model)
     if h is None or h.loss_hooks is None or not h.loss_hooks.takes_over(): return _dense_lm_loss(model, batch)
-    labels = batch['labels']                                                            # (B, T) pre-shifted: labels[t] follows token t
-    out = model(**model_inputs(batch), labels=labels, shift_labels=labels, num_items_in_batch=1, use_cache=False)   # the sum
+    labels = batch['labels']  # (B, T) pre-shifted: labels[t] follows token t
+    # the sum
+    out = model(**model_inputs(batch), labels=labels, shift_labels=labels, num_items_in_batch=1, use_cache=False)
     return LossOutput(out.loss, (labels != -100).sum().to(out.loss.device))
 
 # %% ../nbs/10_bpt.ipynb
 def set_mmap_threshold(nbytes:int=1 << 20) -> bool:
-    "glibc: mmap every block above `nbytes`, so freed blocks leave resident memory at once (process-wide); False if not applied."
+    ("glibc: mmap every block above `nbytes`, so freed blocks leave resident memory at once (process-wide); "
+     "False if not applied.")
     if nbytes <= 0 or torch.cuda.is_available(): return False
     try:
         import ctypes
@@ -767,13 +835,15 @@ def set_mmap_threshold(nbytes:int=1 << 20) -> bool:
     except (OSError, AttributeError): return False
 
 # %% ../nbs/10_bpt.ipynb
-BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)   # BPT's setting in the benchmark
+# BPT's setting in the benchmark
+BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)
 BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
 STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits',)                       # what step_measurement measures
-ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}                  # the benchmark's mmap thresholds (0: glibc's own)
+ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}  # the benchmark's mmap thresholds (0: glibc's own)
 
 def bench_model(model:str='reference', attn:str='sdpa'):
-    "The benchmark's model in fp32: the reference Llama (seeded random weights) or a built-in pretrained one (smollm2-135m)."
+    ("The benchmark's model in fp32: the reference Llama (seeded random weights) "
+     "or a built-in pretrained one (smollm2-135m).")
     import transformers
     from memlab.bench import reference_llama_config
     if model == 'reference':
@@ -782,8 +852,10 @@ def bench_model(model:str='reference', attn:str='sdpa'):
     from memlab.models import load_model
     return load_model(model, attn_implementation=attn)
 
-def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None, mmap_threshold:int=0) -> dict:
-    "Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` (one of STEP_CONFIGS)."
+def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None,
+                     mmap_threshold:int=0) -> dict:
+    ("Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` "
+     "(one of STEP_CONFIGS).")
     from memlab.bench import measure_step
     from memlab.models import enable_activation_checkpointing
     check(config in STEP_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(STEP_CONFIGS)}")
@@ -803,7 +875,8 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
             loss = out.loss_sum / out.n_tokens
         else:
             with full_logits(m) if config == 'bpt full logits' else contextlib.nullcontext():
-                loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss   # HF shifts the labels itself
+                # HF shifts the labels itself
+                loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss
         loss.backward()
         m.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -812,7 +885,8 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
             'mmap_threshold': mmap_threshold if fixed else 0}
 
 def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
-    "`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: a quick demonstration."
+    ("`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: "
+     "a quick demonstration.")
     out = []
     for T in sorted(seq_lens):
         r = step_measurement(model, T, config, warmup=0, bpt=bpt)
@@ -820,12 +894,14 @@ def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
     return out
 
 def benchmark(quick:bool=False):
-    "`memlab_bench bpt`: peak memory and tokens/s of a training step of the reference Llama, HF vs BPT, two allocator settings."
+    ("`memlab_bench bpt`: peak memory and tokens/s of a training step of the reference Llama, HF vs BPT, "
+     "two allocator settings.")
     from memlab.bench import run_isolated
     rows = []
     for T in ((2048,) if quick else (2048, 8192)):
         for alloc, nbytes in ALLOCATORS.items():
             for c in BENCH_CONFIGS:
-                r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2, mmap_threshold=nbytes)
+                r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2,
+                                 mmap_threshold=nbytes)
                 rows.append({'config': c, 'allocator': alloc, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
     return rows, 'sdpa'

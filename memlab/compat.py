@@ -17,7 +17,8 @@ __all__ = ['QUANTIZED_LINEARS', 'quant_kind', 'unpack_4bit', 'keep_4bit_trainabl
            'reset_accelerator_precision']
 
 # %% ../nbs/09_compat.ipynb
-QUANTIZED_LINEARS = ('Linear4bit', 'LinearNF4', 'LinearFP4', 'Linear8bitLt', 'Linear8bit')   # bitsandbytes' linear classes
+# bitsandbytes' linear classes
+QUANTIZED_LINEARS = ('Linear4bit', 'LinearNF4', 'LinearFP4', 'Linear8bitLt', 'Linear8bit')
 
 def quant_kind(layer) -> Optional[str]:
     "'4bit' or '8bit' for a bitsandbytes linear layer (by its weight's class), None for any other layer."
@@ -25,7 +26,8 @@ def quant_kind(layer) -> Optional[str]:
 
 # %% ../nbs/09_compat.ipynb
 def unpack_4bit(layer) -> None:
-    "Undo bitsandbytes' CPU inference repacking of a 4-bit layer's weight, in place (nothing to do when it is not repacked)."
+    ("Undo bitsandbytes' CPU inference repacking of a 4-bit layer's weight, in place "
+     "(nothing to do when it is not repacked).")
     w = layer.weight
     if not getattr(getattr(w, 'quant_state', None), 'packing_format_for_cpu', False): return
     from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
@@ -33,29 +35,32 @@ def unpack_4bit(layer) -> None:
     if getattr(layer, 'quant_state', None) is not None: layer.quant_state = w.quant_state
 
 def keep_4bit_trainable(model:nn.Module) -> int:
-    "Keep every bitsandbytes 4-bit layer of `model` on its trainable (dequantizing) path on CPU; returns how many it touched."
+    ("Keep every bitsandbytes 4-bit layer of `model` on its trainable (dequantizing) path on CPU; "
+     "returns how many it touched.")
     n = 0
     for m in model.modules():
         if type(m).__name__ not in ('Linear4bit', 'LinearNF4', 'LinearFP4'): continue
-        m.support_avx512bf16_for_cpu = False                   # never repack for the CPU inference kernel (it has no backward)
+        m.support_avx512bf16_for_cpu = False  # never repack for the CPU inference kernel (it has no backward)
         unpack_4bit(m)
         n += 1
     return n
 
 # %% ../nbs/09_compat.ipynb
 def take_saved_4bit_stats(module, state_dict, prefix, *args):
-    "Load-state-dict pre-hook of an nf4 `Linear4bit`: take the quantization statistics its `state_dict` wrote next to `weight`."
+    ("Load-state-dict pre-hook of an nf4 `Linear4bit`: take the quantization statistics its `state_dict` "
+     "wrote next to `weight`.")
     from bitsandbytes.functional import QuantState
     stats = {k[len(prefix) + 7:]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix + 'weight.')}
     if not stats: return
     unpack_4bit(module)                                             # back to the layout that was saved
     w = module.weight
-    w.quant_state = QuantState.from_dict(stats, device=w.device)   # `weight` itself is then copied by the default loader
+    w.quant_state = QuantState.from_dict(stats, device=w.device)  # `weight` itself is then copied by the default loader
     if getattr(module, 'quant_state', None) is not None: module.quant_state = w.quant_state
 
 def check_frozen_4bit_stats(model:nn.Module) -> nn.Module:
-    "Let `model`, whose 4-bit layers are frozen, load its own `state_dict`: saved 4-bit statistics are checked equal and consumed."
-    keep_4bit_trainable(model)                          # evaluation must not switch a 4-bit layer to a kernel without backward
+    ("Let `model`, whose 4-bit layers are frozen, load its own `state_dict`: "
+     "saved 4-bit statistics are checked equal and consumed.")
+    keep_4bit_trainable(model)  # evaluation must not switch a 4-bit layer to a kernel without backward
     for m in model.modules():
         if type(m).__name__ != 'Linear4bit' or getattr(m, '_memlab_nf4_hook', False): continue
         def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -63,9 +68,10 @@ def check_frozen_4bit_stats(model:nn.Module) -> nn.Module:
             for k in [k for k in state_dict if k.startswith(prefix + 'weight.')]:
                 if own is None: own = {n: v for n, v in module.state_dict(prefix=prefix).items()}
                 v = state_dict.pop(k)
-                check(k in own and torch.is_tensor(v) and v.shape == own[k].shape and torch.equal(v.to(own[k].device), own[k]),
-                      f"{k}: the saved 4-bit quantization statistics differ from this model's: the checkpoint was made from "
-                      f"another base model")
+                check(k in own and torch.is_tensor(v) and v.shape == own[k].shape
+                      and torch.equal(v.to(own[k].device), own[k]),
+                      f"{k}: the saved 4-bit quantization statistics differ from this model's: "
+                      "the checkpoint was made from another base model")
         m.register_load_state_dict_pre_hook(hook)
         m._memlab_nf4_hook = True
     return model
@@ -79,11 +85,13 @@ def quantized_linear(lin:nn.Linear, kind:str) -> nn.Module:
     if kind == '4bit':
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=bias, compute_dtype=lin.weight.dtype,
                               compress_statistics=False, quant_type='nf4', device='meta')
-        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=False, quant_type='nf4', module=q)
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=False,
+                                     quant_type='nf4', module=q)
         q.support_avx512bf16_for_cpu = False         # the portable layout (see keep_4bit_trainable)
         q._register_load_state_dict_pre_hook(take_saved_4bit_stats, with_module=True)   # a checkpoint of it loads back
     else:
-        q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=bias, has_fp16_weights=False, threshold=0.0, device='meta')
+        q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=bias, has_fp16_weights=False, threshold=0.0,
+                                device='meta')
         q.weight = bnb.nn.Int8Params(lin.weight.data, requires_grad=False, has_fp16_weights=False)
     if bias: q.bias = nn.Parameter(lin.bias.data)
     return q.to(dev)                                 # moving a bitsandbytes parameter to a device is what quantizes it
@@ -101,7 +109,8 @@ def dequantize_weight(layer) -> torch.Tensor:
     return bnbF.int8_vectorwise_dequant(w.data, scb).float()
 
 def store_weight_(layer, new:torch.Tensor) -> None:
-    "Store fp32 `new` as the weight of bitsandbytes layer `layer`, requantized in its own format (block size, type, dtype)."
+    ("Store fp32 `new` as the weight of bitsandbytes layer `layer`, requantized in its own format "
+     "(block size, type, dtype).")
     kind, w = quant_kind(layer), layer.weight
     check(kind is not None, f"store_weight_ is for bitsandbytes layers; {type(layer).__name__} is not one")
     import bitsandbytes.functional as bnbF
@@ -120,12 +129,14 @@ def store_weight_(layer, new:torch.Tensor) -> None:
 
 # %% ../nbs/09_compat.ipynb
 def accelerator_precision() -> Optional[str]:
-    "The mixed precision accelerate holds for this process ('no', 'bf16', 'fp16'), or None when no Accelerator exists yet."
+    ("The mixed precision accelerate holds for this process ('no', 'bf16', 'fp16'), "
+     "or None when no Accelerator exists yet.")
     from accelerate.state import AcceleratorState
     state = AcceleratorState._shared_state
     return str(state.get('_mixed_precision', state.get('mixed_precision'))) if state else None
 
 def reset_accelerator_precision() -> None:
-    "Forget accelerate's per-process precision (not its process group) so that the next `Accelerator` may choose another."
+    ("Forget accelerate's per-process precision (not its process group) "
+     "so that the next `Accelerator` may choose another.")
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state()

@@ -4,7 +4,8 @@
 
 # %% ../nbs/00_core.ipynb 2
 from __future__ import annotations
-import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, tempfile, threading, types, typing, warnings
+import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, \
+    tempfile, threading, types, typing, warnings
 from pathlib import Path
 from typing import Optional
 
@@ -29,21 +30,27 @@ def check(cond, msg:str):
 
 # %% ../nbs/00_core.ipynb
 def _close_process_group():
-    "Tear down torch.distributed's process group, if one was formed: its threads must not outlive the interpreter's exit."
+    ("Tear down torch.distributed's process group, if one was formed: "
+     "its threads must not outlive the interpreter's exit.")
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
 def environment_error(e:BaseException) -> Optional[str]:
-    "One line for an error of the machine or of a file rather than of memlab (unwritable path, full disk, corrupt file), else None."
+    ("One line for an error of the machine or of a file rather than of memlab "
+     "(unwritable path, full disk, corrupt file), else None.")
     if isinstance(e, UnicodeDecodeError):
         return f"a file is not UTF-8 text ({e.reason} at byte {e.start}): convert it to UTF-8"
     if isinstance(e, OSError):
         where = f" {e.filename}" if e.filename else ''
-        if e.errno == errno.ENOSPC: return f"no space left on device writing{where}: free some space, then resume the run"
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS): return f"cannot write{where}: {e.strerror} (choose a folder you can write)"
-        if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR): return f"{e.strerror}:{where} (a file stands where a folder is needed, or the reverse)"
+        if e.errno == errno.ENOSPC:
+            return f"no space left on device writing{where}: free some space, then resume the run"
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"cannot write{where}: {e.strerror} (choose a folder you can write)"
+        if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+            return f"{e.strerror}:{where} (a file stands where a folder is needed, or the reverse)"
         return f"{e.strerror or e}:{where}" if e.strerror else ' '.join(str(e).split())
-    if type(e).__name__ == 'SafetensorError': return f"a weights file is corrupt or cut short ({' '.join(str(e).split())})"
+    if type(e).__name__ == 'SafetensorError':
+        return f"a weights file is corrupt or cut short ({' '.join(str(e).split())})"
     return None
 
 def _fail(message:str, code:int):
@@ -52,7 +59,8 @@ def _fail(message:str, code:int):
     sys.exit(code)
 
 def _launcher_args(pid:int) -> Optional[list]:
-    "The arguments after `accelerate launch` in process `pid`'s command line, if that process is one (Linux /proc), else None."
+    ("The arguments after `accelerate launch` in process `pid`'s command line, if that process is one "
+     "(Linux /proc), else None.")
     try: argv = Path(f'/proc/{pid}/cmdline').read_bytes().decode(errors='replace').split('\0')
     except OSError: return None
     for k, a in enumerate(argv[:-1]):
@@ -62,7 +70,8 @@ def _launcher_args(pid:int) -> Optional[list]:
     return None
 
 def requested_processes() -> Optional[int]:
-    "The process count `accelerate launch` was asked for (its --num_processes, or its --config_file's num_processes), if it launched us."
+    ("The process count `accelerate launch` was asked for (its --num_processes, or its --config_file's "
+     "num_processes), if it launched us.")
     args = _launcher_args(os.getppid())
     if args is None: return None
     for k, a in enumerate(args):
@@ -79,15 +88,18 @@ def requested_processes() -> Optional[int]:
     return None
 
 def check_launch():
-    "Refuse a launch that started fewer processes than it was asked for (`accelerate launch --num_processes N` on CPUs without --multi_gpu)."
+    ("Refuse a launch that started fewer processes than it was asked for "
+     "(`accelerate launch --num_processes N` on CPUs without --multi_gpu).")
     if int(os.environ.get('WORLD_SIZE', '1')) > 1: return
     asked = requested_processes()
-    check(not asked or asked <= 1, f"accelerate launch was asked for {asked} processes but started 1 (without GPUs it starts "
-          f"several CPU processes only with --multi_gpu): add --multi_gpu, or use torchrun --nproc_per_node {asked}; one process "
+    check(not asked or asked <= 1, f"accelerate launch was asked for {asked} processes but started 1 "
+          "(without GPUs it starts several CPU processes only with --multi_gpu): add --multi_gpu, "
+          f"or use torchrun --nproc_per_node {asked}; one process "
           f"would silently train with 1/{asked} of the global batch")
 
 def cli_main(fn):
-    "Wrap a command-line entry point: a `MemlabError` or an `environment_error` becomes one line on stderr; success returns None."
+    ("Wrap a command-line entry point: a `MemlabError` or an `environment_error` becomes one line on stderr; "
+     "success returns None.")
     @functools.wraps(fn)
     def _main(*args, **kwargs):
         try:
@@ -148,7 +160,8 @@ def arg(default=dataclasses.MISSING, *aliases:str, help:str=None, **kw):
     "A dataclass field with extra command-line `aliases` (e.g. a seed's older flag name)."
     md = {'aliases': aliases}
     if help: md['help'] = help
-    if callable(default) and not isinstance(default, type) and default is not dataclasses.MISSING and isinstance(default, types.FunctionType):
+    if (callable(default) and not isinstance(default, type) and default is not dataclasses.MISSING
+        and isinstance(default, types.FunctionType)):
         return dataclasses.field(default_factory=default, metadata=md, **kw)
     return dataclasses.field(default=default, metadata=md, **kw)
 
@@ -185,7 +198,8 @@ class Config:
         if path.is_dir(): path = path/f"{cls.__name__}.json"
         check(path.exists(), f"no config file at {path}")
         try: d = json.loads(path.read_text())
-        except json.JSONDecodeError as e: raise MemlabError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        except json.JSONDecodeError as e:
+            raise MemlabError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d, strict=strict)
 
 # %% ../nbs/00_core.ipynb
@@ -206,12 +220,13 @@ def atomic_write_text(path, text:str):
 
 # %% ../nbs/00_core.ipynb
 def check_writable(path, what:str='output folder'):
-    "One line now, before any work, if folder `path` could not be created and written (a file in the way, no permission, read-only)."
+    ("One line now, before any work, if folder `path` could not be created and written "
+     "(a file in the way, no permission, read-only).")
     p = Path(path).expanduser().absolute()
     a = p
     while not a.exists() and a != a.parent: a = a.parent
     check(a.is_dir(), f"cannot write {p} ({what}): {a} is a file, not a folder")
-    try: tempfile.TemporaryDirectory(dir=a).cleanup()          # a real write: access() says yes to root on read-only mounts
+    try: tempfile.TemporaryDirectory(dir=a).cleanup()  # a real write: access() says yes to root on read-only mounts
     except OSError as e: raise MemlabError(f"cannot write {p} ({what}): {e.strerror or e}") from None
 
 # %% ../nbs/00_core.ipynb
@@ -276,7 +291,8 @@ def _resolve_hints(cls):
     except Exception: return {f.name: f.type for f in dataclasses.fields(cls)}
 
 def add_config_args(parser, cls, prefix:str='', title:str=None, defaults:dict=None, skip=()):
-    "Add one flag per field of config dataclass `cls` to `parser` (as `--prefix.field` when `prefix` is given); `defaults` overrides field defaults."
+    ("Add one flag per field of config dataclass `cls` to `parser` (as `--prefix.field` when `prefix` is given); "
+     "`defaults` overrides field defaults.")
     group = parser.add_argument_group(title or cls.__name__, (cls.__doc__ or '').strip() or None)
     docs, hints, defaults = field_docs(cls), _resolve_hints(cls), defaults or {}
     for f in dataclasses.fields(cls):
@@ -303,39 +319,46 @@ def load_config_file(path) -> dict:
     path = Path(path)
     check(path.exists(), f"config file not found: {path}")
     try: d = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e: raise MemlabError(f"config file {path} does not parse: {str(e).splitlines()[0]}") from None
+    except yaml.YAMLError as e:
+        raise MemlabError(f"config file {path} does not parse: {str(e).splitlines()[0]}") from None
     check(isinstance(d, dict), f"config file {path} must hold a mapping of flag names to values")
     return d
 
 _POSITIVE = ('lr', 'learning_rate', 'adam_eps', 'adam_epsilon', 'max_train_steps', 'num_training_steps', 'total_steps',
-             'total_batch_size', 'per_device_batch_size', 'per_device_train_batch_size', 'per_device_eval_batch_size', 'batch_size',
-             'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints')
+             'total_batch_size', 'per_device_batch_size', 'per_device_train_batch_size', 'per_device_eval_batch_size',
+             'batch_size', 'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints')
 _NON_NEGATIVE = ('weight_decay', 'warmup_steps', 'num_warmup_steps', 'save_every', 'eval_every', 'evaluate_every_steps',
-                 'checkpointing_steps', 'save_steps', 'eval_steps', 'logging_steps', 'log_every', 'max_grad_norm', 'lora_dropout')
+                 'checkpointing_steps', 'save_steps', 'eval_steps', 'logging_steps', 'log_every', 'max_grad_norm',
+                 'lora_dropout')
 VALUE_RULES = {**{k: ('positive', lambda v: v > 0) for k in _POSITIVE},
                **{k: ('zero or more', lambda v: v >= 0) for k in _NON_NEGATIVE},
                **{k: ('in [0, 1)', lambda v: 0 <= v < 1) for k in ('adam_beta1', 'adam_beta2', 'warmup_ratio')}}
 
 def check_ranges(cfg, prefix:str=''):
-    "Refuse a numeric flag outside its range (`VALUE_RULES`, by field name), naming the flag: before any model or data loads."
+    ("Refuse a numeric flag outside its range (`VALUE_RULES`, by field name), naming the flag: "
+     "before any model or data loads.")
     for f in dataclasses.fields(cfg):
         rule, v = VALUE_RULES.get(f.name), getattr(cfg, f.name, None)
         if rule and isinstance(v, (int, float)) and not isinstance(v, bool) and not rule[1](v):
             raise MemlabError(f"--{prefix}{f.name} must be {rule[0]}, got {v}")
 
-def parse_configs(configs, argv=None, prog:str=None, description:str=None, config_file_flag:str=None, extra=None, defaults:dict=None,
-                  skip:dict=None):
+def parse_configs(configs, argv=None, prog:str=None, description:str=None, config_file_flag:str=None, extra=None,
+                  defaults:dict=None, skip:dict=None):
     """Parse `argv` into instances of the config dataclasses in `configs` (a class, a list of classes, or {prefix: class}).
     Returns one instance, a list, or a dict, mirroring `configs`; with `extra(parser)` adding flags, `(configs, namespace_of_extras)`.
     `defaults` maps a class to {field: default} overriding its defaults for this command; `skip` maps a class to fields not offered as flags."""
     single = isinstance(configs, type)
-    items = {'': configs} if single else (dict(configs) if isinstance(configs, dict) else {str(i): c for i, c in enumerate(configs)})
+    items = {'': configs} if single else (dict(configs) if isinstance(configs, dict)
+                                          else {str(i): c for i, c in enumerate(configs)})
     prefixed = isinstance(configs, dict)
     parser = ArgumentParser(prog=prog, description=description)
-    if config_file_flag: parser.add_argument(f"--{config_file_flag}", default=None, help="YAML/JSON file of flag values; flags given on the command line override it")
+    if config_file_flag:
+        parser.add_argument(f"--{config_file_flag}", default=None,
+                            help="YAML/JSON file of flag values; flags given on the command line override it")
     defaults, skip = defaults or {}, skip or {}
-    for key, cls in items.items(): add_config_args(parser, cls, prefix=key if prefixed and key else '', defaults=defaults.get(cls),
-                                                   skip=skip.get(cls, ()))
+    for key, cls in items.items():
+        add_config_args(parser, cls, prefix=key if prefixed and key else '', defaults=defaults.get(cls),
+                        skip=skip.get(cls, ()))
     if extra: extra(parser)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if config_file_flag:
@@ -355,13 +378,15 @@ def parse_configs(configs, argv=None, prog:str=None, description:str=None, confi
                     except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
                         raise MemlabError(f"{path}: bad value {d[a.dest]!r} for {a.option_strings[0]}: {e}") from None
                     if a.choices and v not in a.choices:
-                        raise MemlabError(f"{path}: {a.option_strings[0]} must be one of {', '.join(map(str, a.choices))}, got {v!r}")
+                        raise MemlabError(f"{path}: {a.option_strings[0]} must be one of "
+                                          f"{', '.join(map(str, a.choices))}, got {v!r}")
                     a.default, a.required = v, False
     ns = vars(parser.parse_args(argv))
     out = {}
     for key, cls in items.items():
         pre = f"{key}." if prefixed and key else ''
-        names = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith('_') and f.name not in skip.get(cls, ())]
+        names = [f.name for f in dataclasses.fields(cls)
+                 if f.init and not f.name.startswith('_') and f.name not in skip.get(cls, ())]
         out[key] = cls(**{n: ns.pop(pre + n) for n in names})
         check_ranges(out[key], prefix=pre)
     if config_file_flag: ns.pop(config_file_flag, None)
@@ -392,7 +417,8 @@ def _proc_kib(field):
     except OSError: return None
 
 def _malloc_trim():
-    "Return the allocator's free pages to the OS, so that memory freed earlier is not silently reused unseen by the next measurement."
+    ("Return the allocator's free pages to the OS, so that memory freed earlier is not silently reused unseen by "
+     "the next measurement.")
     try:
         import ctypes
         ctypes.CDLL('libc.so.6').malloc_trim(0)
@@ -469,19 +495,21 @@ def native_bf16(device=None) -> bool:
 
 # %% ../nbs/00_core.ipynb
 PRECISIONS = ('auto', 'no', 'bf16', 'fp16')
-PRECISION_NAMES = {'auto': 'auto', 'no': 'no', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16', 'fp16': 'fp16',
-                   'float16': 'fp16'}            # the seeds' names (--dtype fp32, bfloat16, ...) for the same settings
+# the seeds' names (--dtype fp32, bfloat16, ...) for the same settings
+PRECISION_NAMES = {'auto': 'auto', 'no': 'no', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16',
+                   'fp16': 'fp16', 'float16': 'fp16'}
 
 def resolve_precision(precision:str='auto', device=None) -> str:
-    "'no', 'bf16' or 'fp16' from a setting: explicit values stay; 'auto'/None = accelerate launch's choice, else bf16 where native."
+    ("'no', 'bf16' or 'fp16' from a setting: explicit values stay; 'auto'/None = accelerate launch's choice, "
+     "else bf16 where native.")
     p = 'auto' if precision is None else str(precision)
     check(p in PRECISION_NAMES, f"mixed precision must be one of {', '.join(PRECISION_NAMES)}, got {precision!r}")
     p = PRECISION_NAMES[p]
     if p == 'auto': p = os.environ.get('ACCELERATE_MIXED_PRECISION') or ('bf16' if native_bf16(device) else 'no')
     check(p in PRECISIONS[1:], f"mixed precision {p!r} (from accelerate launch) is not one of no, bf16, fp16")
     on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')
-    check(p != 'fp16' or on_gpu, "fp16 mixed precision needs a GPU: on a CPU the autocast would silently compute in fp32; "
-                                 "use bf16 (or no)")
+    check(p != 'fp16' or on_gpu, "fp16 mixed precision needs a GPU: on a CPU the autocast would "
+                                 "silently compute in fp32; use bf16 (or no)")
     return p
 
 

@@ -25,8 +25,8 @@ class Document(NamedTuple):
     text: str  # the whole document, untokenized
 
 SPLITS = ('train', 'validation', 'test')
-SPLIT_ALIASES = {'valid': 'validation', 'val': 'validation', 'dev': 'validation', 'eval': 'validation', 'training': 'train',
-                 'testing': 'test'}
+SPLIT_ALIASES = {'valid': 'validation', 'val': 'validation', 'dev': 'validation', 'eval': 'validation',
+                 'training': 'train', 'testing': 'test'}
 
 def canonical_split(name:str) -> str:
     "Map split names such as 'valid' or 'val' to memlab's ('train', 'validation', 'test')."
@@ -35,7 +35,8 @@ def canonical_split(name:str) -> str:
 
 def _thresholds(ratios) -> tuple:
     check(len(ratios) == 3 and all(r >= 0 for r in ratios) and abs(sum(ratios) - 1) < 1e-6,
-          f"split_ratios must be three non-negative fractions (train, validation, test) summing to 1, got {tuple(ratios)}")
+          "split_ratios must be three non-negative fractions (train, validation, test) "
+          f"summing to 1, got {tuple(ratios)}")
     return round(100 * ratios[0]), round(100 * (ratios[0] + ratios[1]))
 
 def split_of(doc_id:str, split_ratios=(0.9, 0.05, 0.05)) -> str:
@@ -49,7 +50,8 @@ class ArrowDocuments(collections.abc.Sequence):
     "A read-only sequence of `Document`s over the rows of a Hugging Face `datasets.Dataset`, read on demand."
     def __init__(self, dataset, text_field:str='text', id_field:str=None, ids=None, id_prefix:str=''):
         self.dataset, self.text_field, self.id_field = dataset, text_field, id_field  # dataset: datasets.Dataset
-        self.ids, self.id_prefix = ids, id_prefix  # ids: original row numbers (after a select), used when there is no id field
+        # ids: original row numbers (after a select), used when there is no id field
+        self.ids, self.id_prefix = ids, id_prefix
     def __len__(self): return len(self.dataset)
     def _id(self, i, row):
         if self.id_field: return str(row[self.id_field])
@@ -65,7 +67,8 @@ class ArrowDocuments(collections.abc.Sequence):
         cols = [self.text_field] + ([self.id_field] if self.id_field else [])
         for batch in self.dataset.select_columns(cols).iter(batch_size=256):
             for j, text in enumerate(batch[self.text_field]):
-                yield Document(self._id(i, {self.id_field: batch[self.id_field][j]} if self.id_field else None), text or '')
+                yield Document(self._id(i, {self.id_field: batch[self.id_field][j]} if self.id_field else None),
+                               text or '')
                 i += 1
     def n_chars(self) -> int:
         "Total characters of the texts (computed in Arrow, without building Python strings)."
@@ -97,7 +100,8 @@ class Corpus:
     def split(self, name:str):
         "The documents of split `name` ('train', 'validation'/'valid'/'val', 'test', or another split of the source)."
         s = canonical_split(name)
-        check(s in self._splits, f"corpus {self.name!r} has no split {name!r}; its splits are {', '.join(self._splits)}")
+        check(s in self._splits,
+              f"corpus {self.name!r} has no split {name!r}; its splits are {', '.join(self._splits)}")
         docs = self._splits[s]
         return list(docs) if isinstance(docs, list) else docs
     def __len__(self): return sum(len(d) for d in self._splits.values())
@@ -127,7 +131,8 @@ def corpus_from_records(records, name:str, text_field:str='text', id_field:str='
     for i, r in enumerate(records):
         seen += 1
         if text_field not in r:
-            raise MemlabError(f"{where}: record {i} has no field {text_field!r} (its fields: {', '.join(map(str, r)) or 'none'}); "
+            raise MemlabError(f"{where}: record {i} has no field {text_field!r} "
+                              f"(its fields: {', '.join(map(str, r)) or 'none'}); "
                               f"pass text_field= / --text_field with the name of the text field")
         text = r[text_field]
         if not isinstance(text, str) or not text.strip(): continue
@@ -153,14 +158,16 @@ def embedded_path(name:str) -> Path:
     for d in data_dirs():
         if (d/rel).exists(): return d/rel
     raise MemlabError(f"the embedded corpus {name!r} is not at {' or '.join(str(d/rel) for d in data_dirs())}: "
-                      f"set MEMLAB_DATA to the data/ folder of a memlab checkout (or rebuild it with data/pydocs/build.py)")
+                      "set MEMLAB_DATA to the data/ folder of a memlab checkout "
+                      "(or rebuild it with data/pydocs/build.py)")
 
 @functools.lru_cache(maxsize=4)
 def _read_jsonl_cached(path:str, mtime:float) -> tuple: return tuple(iter_json_records(Path(path)))
 
 # %% ../nbs/01_data.ipynb
 def _open_text(path:Path):
-    "Text of `path` (gzipped or not) as UTF-8; bytes that are not UTF-8 become U+FFFD, as in text files (never a crash mid-run)."
+    ("Text of `path` (gzipped or not) as UTF-8; bytes that are not UTF-8 become U+FFFD, as in text files "
+     "(never a crash mid-run).")
     return (gzip.open(path, 'rt', encoding='utf-8', errors='replace') if path.suffix == '.gz'
             else open(path, encoding='utf-8', errors='replace'))
 
@@ -171,16 +178,19 @@ def iter_json_records(path:Path):
         while first and first.isspace(): first = f.read(1)
         if first == '[':  # a JSON array of records
             try: yield from json.loads(first + f.read())
-            except json.JSONDecodeError as e: raise MemlabError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+            except json.JSONDecodeError as e:
+                raise MemlabError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
             return
         for n, line in enumerate((first + f.readline(), *f) if first else (), 1):
             if not line.strip(): continue
             try: r = json.loads(line)
-            except json.JSONDecodeError as e: raise MemlabError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+            except json.JSONDecodeError as e:
+                raise MemlabError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
             check(isinstance(r, dict), f"{path}: line {n} is not a JSON object (each line must be one record)")
             yield r
 
-TEXT_PIECE_CHARS = 20_000   # a single text file is cut into documents of about this many characters (~5K tokens), at paragraph breaks
+# a single text file is cut into documents of about this many characters (~5K tokens), at paragraph breaks
+TEXT_PIECE_CHARS = 20_000
 
 def _paragraph_pieces(text:str, target:int) -> list:
     "`text` cut at blank lines into consecutive pieces of at least `target` characters (the last may be shorter)."
@@ -193,7 +203,8 @@ def _paragraph_pieces(text:str, target:int) -> list:
     return pieces
 
 def _positional_splits(n:int, split_ratios) -> list:
-    "Split names for `n` consecutive pieces of one text: train first, then validation, then test (each non-empty when n >= 3)."
+    ("Split names for `n` consecutive pieces of one text: train first, then validation, then test "
+     "(each non-empty when n >= 3).")
     counts = [round(n * r) for r in split_ratios]
     for i in (1, 2):
         if split_ratios[i] > 0 and counts[i] == 0 and n >= 3: counts[i] = 1
@@ -205,25 +216,30 @@ def _text_records(path:Path, separator:str=None, split_ratios=(0.9, 0.05, 0.05))
     breaks into >= 20 consecutive pieces of up to ~TEXT_PIECE_CHARS characters, split by position (the end is held out)."""
     text = path.read_text(encoding='utf-8', errors='replace')
     if separator is not None:
-        return [{'id': f"{path.name}#{k}", 'text': t.strip('\n')} for k, t in enumerate(text.split(separator)) if t.strip()]
+        return [{'id': f"{path.name}#{k}", 'text': t.strip('\n')}
+                for k, t in enumerate(text.split(separator)) if t.strip()]
     pieces = _paragraph_pieces(text, min(TEXT_PIECE_CHARS, max(1, len(text) // 20)))
     return [{'id': f"{path.name}#{k}", 'text': t, 'split': sp}
             for k, (t, sp) in enumerate(zip(pieces, _positional_splits(len(pieces), split_ratios)))]
 
 def _is_saved_dataset(p:Path) -> bool:
-    return p.is_dir() and ((p/'dataset_dict.json').exists() or ((p/'state.json').exists() and (p/'dataset_info.json').exists()))
+    return p.is_dir() and ((p/'dataset_dict.json').exists()
+                           or ((p/'state.json').exists() and (p/'dataset_info.json').exists()))
 
 # %% ../nbs/01_data.ipynb
 def _columns_check(ds, text_field:str, where:str):
-    check(text_field in ds.column_names, f"{where} has no field {text_field!r} (its fields: {', '.join(ds.column_names)}); "
+    check(text_field in ds.column_names,
+          f"{where} has no field {text_field!r} (its fields: {', '.join(ds.column_names)}); "
           f"pass text_field= / --text_field with the name of the text field")
 
 def _hash_groups(ds, id_field, split_ratios, id_prefix='') -> dict:
     "Row numbers of a `datasets.Dataset` per split: its `split` field where set, else the hash rule on the id."
-    labels = [canonical_split(s) if s else None for s in ds['split']] if 'split' in ds.column_names else [None] * len(ds)
+    labels = ([canonical_split(s) if s else None for s in ds['split']] if 'split' in ds.column_names
+              else [None] * len(ds))
     ids = [str(x) for x in ds[id_field]] if id_field else [f"{id_prefix}{i}" for i in range(len(ds))]
     groups = {}
-    for i, (doc_id, lab) in enumerate(zip(ids, labels)): groups.setdefault(lab or split_of(doc_id, split_ratios), []).append(i)
+    for i, (doc_id, lab) in enumerate(zip(ids, labels)):
+        groups.setdefault(lab or split_of(doc_id, split_ratios), []).append(i)
     return groups
 
 def _select(ds, rows, text_field, id_field, id_prefix=''):
@@ -239,8 +255,8 @@ def corpus_from_hf(ds, name:str, text_field:str='text', id_field:str='id', split
         idf = id_field if id_field in ds.column_names else None
         groups = _hash_groups(ds, idf, split_ratios)
         return Corpus(name, {s: _select(ds, rows, text_field, idf) for s, rows in groups.items()})
-    check(isinstance(ds, (datasets.DatasetDict, dict)), f"{name} is a {type(ds).__name__}, not a Dataset or DatasetDict "
-          f"(streaming datasets are not supported: drop streaming=True)")
+    check(isinstance(ds, (datasets.DatasetDict, dict)), f"{name} is a {type(ds).__name__}, "
+          "not a Dataset or DatasetDict (streaming datasets are not supported: drop streaming=True)")
     check(len(ds) > 0 and sum(len(d) for d in ds.values()) > 0, f"{name} holds no documents")
     splits = {}
     for sname, d in ds.items():
@@ -250,7 +266,8 @@ def corpus_from_hf(ds, name:str, text_field:str='text', id_field:str='id', split
     if 'validation' not in splits and 'train' in splits:  # carve held-out splits out of train by the hash rule
         train_name = next(k for k in ds if canonical_split(k) == 'train')
         d, idf = ds[train_name], splits['train'].id_field
-        groups = _hash_groups(d.remove_columns(['split']) if 'split' in d.column_names else d, idf, split_ratios, f"{train_name}/")
+        groups = _hash_groups(d.remove_columns(['split']) if 'split' in d.column_names else d, idf, split_ratios,
+                              f"{train_name}/")
         if 'test' in splits: groups['train'] = sorted(groups.get('train', []) + groups.pop('test', []))
         for s in ('train', 'validation') if 'test' in splits else SPLITS:
             splits[s] = _select(d, groups.get(s, []), text_field, idf, f"{train_name}/")
@@ -261,18 +278,23 @@ HUB_TIMEOUT = 3.0  # seconds to wait for a TCP connection to the Hugging Face Hu
 
 @functools.lru_cache(maxsize=1)
 def hub_reachable(timeout:float=HUB_TIMEOUT) -> bool:
-    "Whether a TCP connection to the Hugging Face Hub (`$HF_ENDPOINT`) opens within `timeout` seconds (checked once per process)."
+    ("Whether a TCP connection to the Hugging Face Hub (`$HF_ENDPOINT`) opens within `timeout` seconds "
+     "(checked once per process).")
     url = urllib.parse.urlparse(os.environ.get('HF_ENDPOINT', 'https://huggingface.co'))
     try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == 'https' else 80)), timeout=timeout): return True
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == 'https' else 80)),
+                                      timeout=timeout):
+            return True
     except OSError: return False
 
 def _offline_env() -> bool:
-    return any(os.environ.get(k, '').strip().lower() in ('1', 'true', 'yes', 'on') for k in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'))
+    return any(os.environ.get(k, '').strip().lower() in ('1', 'true', 'yes', 'on')
+               for k in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'))
 
 @contextlib.contextmanager
 def hub_offline_unless_reachable():
-    "Within the block, `datasets` and `huggingface_hub` run offline (local cache only) if the Hub is unreachable; yields whether they do."
+    ("Within the block, `datasets` and `huggingface_hub` run offline (local cache only) if the Hub is unreachable; "
+     "yields whether they do.")
     if not (_offline_env() or not hub_reachable()):
         yield False; return
     import datasets, huggingface_hub.constants
@@ -288,11 +310,12 @@ def load_hf_dataset(name:str, config:str=None, **kwargs):
         try: return datasets.load_dataset(name, config, **kwargs)
         except Exception as e:
             if offline:
-                raise MemlabError(f"could not fetch dataset {label!r}: the Hugging Face Hub is unreachable (offline) and it is "
-                                  f"not in the local datasets cache; pass a local path instead (.txt, .jsonl, .parquet, a folder, "
-                                  f"a save_to_disk folder) or 'pydocs'") from None
+                raise MemlabError(f"could not fetch dataset {label!r}: the Hugging Face Hub is unreachable "
+                                  "(offline) and it is not in the local datasets cache; pass a local path instead "
+                                  "(.txt, .jsonl, .parquet, a folder, a save_to_disk folder) or 'pydocs'") from None
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise MemlabError(f"could not fetch dataset {label!r} from the Hugging Face Hub ({msg}); pass a local path instead") from None
+            raise MemlabError(f"could not fetch dataset {label!r} from the Hugging Face Hub ({msg}); "
+                              "pass a local path instead") from None
 
 # %% ../nbs/01_data.ipynb
 TEXT_SUFFIXES = ('.txt', '.md', '.rst')
@@ -303,11 +326,13 @@ def _suffix(p:Path) -> str:
     return s if s in JSON_SUFFIXES else p.suffix.lower()
 
 def _looks_like_path(s:str) -> bool:
-    return s.startswith(('.', '/', '~')) or s.lower().endswith(TEXT_SUFFIXES + JSON_SUFFIXES + ('.parquet', '.gz', '.arrow'))
+    return (s.startswith(('.', '/', '~'))
+            or s.lower().endswith(TEXT_SUFFIXES + JSON_SUFFIXES + ('.parquet', '.gz', '.arrow')))
 
-def load_corpus(name_or_path, text_field:str='text', split_ratios=(0.9, 0.05, 0.05), config:str=None, separator:str=None,
-                pattern:str='*.txt', id_field:str='id', take:int=None, **hf_kwargs) -> Corpus:
-    "Load a corpus of documents with a fixed train/validation/test split from a name, a local path or a Hugging Face dataset."
+def load_corpus(name_or_path, text_field:str='text', split_ratios=(0.9, 0.05, 0.05), config:str=None,
+                separator:str=None, pattern:str='*.txt', id_field:str='id', take:int=None, **hf_kwargs) -> Corpus:
+    ("Load a corpus of documents with a fixed train/validation/test split from a name, "
+     "a local path or a Hugging Face dataset.")
     if isinstance(name_or_path, Corpus): return name_or_path.take(take)
     s = str(name_or_path).strip()
     check(s, "no dataset given: pass a path, 'pydocs', or a Hugging Face dataset name")
@@ -315,8 +340,8 @@ def load_corpus(name_or_path, text_field:str='text', split_ratios=(0.9, 0.05, 0.
     p = Path(s).expanduser()
     if s in EMBEDDED_CORPORA:
         f = embedded_path(s)
-        corpus = corpus_from_records(_read_jsonl_cached(str(f), f.stat().st_mtime), s, text_field=text_field, id_field=id_field,
-                                     split_ratios=split_ratios, source=str(f))
+        corpus = corpus_from_records(_read_jsonl_cached(str(f), f.stat().st_mtime), s, text_field=text_field,
+                                     id_field=id_field, split_ratios=split_ratios, source=str(f))
     elif p.exists(): corpus = _load_local(p, text_field, split_ratios, separator, pattern, id_field)
     elif _looks_like_path(s):
         raise MemlabError(f"no such file or directory: {s} (pass an existing .txt/.jsonl/.parquet file, a folder, "
@@ -324,27 +349,31 @@ def load_corpus(name_or_path, text_field:str='text', split_ratios=(0.9, 0.05, 0.
     else:
         name, _, cfg = s.partition(':')
         cfg = config or cfg or None
-        corpus = corpus_from_hf(load_hf_dataset(name, cfg, **hf_kwargs), f"{name}:{cfg}" if cfg else name, text_field=text_field,
-                                id_field=id_field, split_ratios=split_ratios)
+        corpus = corpus_from_hf(load_hf_dataset(name, cfg, **hf_kwargs), f"{name}:{cfg}" if cfg else name,
+                                text_field=text_field, id_field=id_field, split_ratios=split_ratios)
     return corpus.take(take)
 
 def _load_local(p:Path, text_field, split_ratios, separator, pattern, id_field) -> Corpus:
     kw = dict(text_field=text_field, id_field=id_field, split_ratios=split_ratios, source=str(p))
     if _is_saved_dataset(p):
         import datasets
-        return corpus_from_hf(datasets.load_from_disk(str(p)), p.name, text_field=text_field, id_field=id_field, split_ratios=split_ratios)
+        return corpus_from_hf(datasets.load_from_disk(str(p)), p.name, text_field=text_field, id_field=id_field,
+                              split_ratios=split_ratios)
     if p.is_dir():
         files = sorted(f for f in p.rglob(pattern) if f.is_file())
         check(files, f"{p} is a folder without {pattern} files (nor a dataset saved with save_to_disk)")
-        recs = ({'id': f.relative_to(p).as_posix(), 'text': f.read_text(encoding='utf-8', errors='replace')} for f in files)
+        recs = ({'id': f.relative_to(p).as_posix(), 'text': f.read_text(encoding='utf-8', errors='replace')}
+                for f in files)
         return corpus_from_records(recs, p.name, **kw)
     suf = _suffix(p)
     if suf in JSON_SUFFIXES: return corpus_from_records(iter_json_records(p), p.name, **kw)
     if suf == '.parquet':
         import pyarrow.parquet as pq
         try: tbl = pq.read_table(p)
-        except Exception as e: raise MemlabError(f"{p} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
+        except Exception as e:
+            raise MemlabError(f"{p} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
         return corpus_from_records(tbl.to_pylist(), p.name, **kw)
     if suf in TEXT_SUFFIXES or suf == '':
         return corpus_from_records(_text_records(p, separator, split_ratios), p.name, **kw)
-    raise MemlabError(f"{p}: unknown file type {suf!r}; use .txt, .jsonl, .json(l).gz, .parquet, a folder, or a save_to_disk folder")
+    raise MemlabError(f"{p}: unknown file type {suf!r}; use .txt, .jsonl, .json(l).gz, .parquet, a folder, "
+                      "or a save_to_disk folder")

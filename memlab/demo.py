@@ -17,14 +17,16 @@ __all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'PRECISION_METHODS', 'demo_lm'
 
 # %% ../nbs/90_demo.ipynb
 def demo_lm(out:Path, quick:bool=False) -> tuple:
-    "Causal-LM fine-tuning: SmolLM2-135M + LoRA on pydocs through the shared loop; validation perplexity before and after."
+    ("Causal-LM fine-tuning: SmolLM2-135M + LoRA on pydocs through the shared loop; "
+     "validation perplexity before and after.")
     from memlab.train import LMTaskConfig, train_lm
     task = LMTaskConfig(sequence_length=128, plot=False)
-    train = TrainConfig(output_dir=str(out/'lm'), max_steps=6 if quick else 24, per_device_batch_size=4, lr=1e-3, warmup_steps=2,
-                        log_every=2, max_eval_steps=4 if quick else 12, eval_at_start=True, report_to='none',
-                        save_final=False)
+    train = TrainConfig(output_dir=str(out/'lm'), max_steps=6 if quick else 24, per_device_batch_size=4, lr=1e-3,
+                        warmup_steps=2, log_every=2, max_eval_steps=4 if quick else 12, eval_at_start=True,
+                        report_to='none', save_final=False)
     res = train_lm(task, train)
-    rows = [{'method': 'LM fine-tuning (LoRA)', 'setting': f"SmolLM2-135M, {res['steps']} updates", 'metric': 'validation perplexity',
+    rows = [{'method': 'LM fine-tuning (LoRA)', 'setting': f"SmolLM2-135M, {res['steps']} updates",
+             'metric': 'validation perplexity',
              'value': f"{res['before']['eval_ppl']:.2f} → {res['after']['eval_ppl']:.2f}"}]
     series = {'LoRA fine-tuning: train loss': [(h['step'], h['loss']) for h in res['history'] if 'loss' in h]}
     return rows, series
@@ -40,7 +42,8 @@ def demo_tokenizer(out:Path) -> Path:
     return path
 
 def demo_rows(out:Path, length:int) -> Path:
-    "Rows of `length` tokens from the first `DEMO_DOCS` pydocs documents of each split, pretokenized (once) with the demo tokenizer."
+    ("Rows of `length` tokens from the first `DEMO_DOCS` pydocs documents of each split, pretokenized (once) "
+     "with the demo tokenizer.")
     import datasets
     from memlab.tokenizers import pretokenize
     path = Path(out)/'data'/f'pydocs_bpe8k_{length}'
@@ -52,20 +55,26 @@ def demo_rows(out:Path, length:int) -> Path:
 
 # %% ../nbs/90_demo.ipynb
 def demo_relora(out:Path, quick:bool=False) -> tuple:
-    "ReLoRA: llama_9m pretrained from scratch on pydocs, full-rank vs ReLoRA (a full-rank warm start, then LoRA merged every K updates)."
+    ("ReLoRA: llama_9m pretrained from scratch on pydocs, full-rank vs ReLoRA "
+     "(a full-rank warm start, then LoRA merged every K updates).")
     from memlab.train_relora import ReLoRARunConfig, train_relora
     n, k = (20, 10) if quick else (80, 20)
-    common = dict(model_config='llama_9m', dataset_path=str(demo_rows(out, 128)), max_length=128, batch_size=8, num_training_steps=n,
-                  dtype='auto', eval_every=n, max_eval_tokens='16K', report_to='none', seed=0, export_model=False)
-    full = train_relora(ReLoRARunConfig(**common, lr=2e-3, warmup_steps=k // 2, save_every=k, save_dir=str(out/'relora'/'full-rank')))
+    common = dict(model_config='llama_9m', dataset_path=str(demo_rows(out, 128)), max_length=128, batch_size=8,
+                  num_training_steps=n, dtype='auto', eval_every=n, max_eval_tokens='16K', report_to='none', seed=0,
+                  export_model=False)
+    full = train_relora(ReLoRARunConfig(**common, lr=2e-3, warmup_steps=k // 2, save_every=k,
+                                        save_dir=str(out/'relora'/'full-rank')))
     warm = out/'relora'/'full-rank'/'checkpoints'/f'step-{k:08d}'
     rel = train_relora(ReLoRARunConfig(**common, use_peft=True, lora_r=32, lr=4e-3, warmup_steps=5, relora=k,
-                                       reset_optimizer_on_relora=False, optimizer_magnitude_pruning=0.9, scheduler='cosine_restarts',
-                                       restart_warmup_steps=5, warmed_up_model=str(warm), save_dir=str(out/'relora'/'relora')))
+                                       reset_optimizer_on_relora=False, optimizer_magnitude_pruning=0.9,
+                                       scheduler='cosine_restarts', restart_warmup_steps=5, warmed_up_model=str(warm),
+                                       save_dir=str(out/'relora'/'relora')))
     share = rel['trainable_parameters'] / rel['parameters']
-    rows = [{'method': 'ReLoRA', 'setting': f"llama_9m from scratch, {n} updates; ReLoRA: {k} full-rank, then merges every {k}",
-             'metric': 'validation perplexity', 'value': f"full-rank {full['final_eval_ppl']:.1f}, ReLoRA {rel['final_eval_ppl']:.1f} "
-                                                          f"({rel['merges']} merges, {share:.0%} of parameters trainable)"}]
+    rows = [{'method': 'ReLoRA',
+             'setting': f"llama_9m from scratch, {n} updates; ReLoRA: {k} full-rank, then merges every {k}",
+             'metric': 'validation perplexity',
+             'value': f"full-rank {full['final_eval_ppl']:.1f}, ReLoRA {rel['final_eval_ppl']:.1f} "
+                      f"({rel['merges']} merges, {share:.0%} of parameters trainable)"}]
     series = {'ReLoRA vs full-rank: train loss': {name: [(h['step'], h['loss']) for h in r['history'] if 'loss' in h]
                                                   for name, r in (('full-rank', full), ('ReLoRA', rel))}}
     return rows, series
@@ -76,41 +85,50 @@ def demo_mixer(out:Path, quick:bool=False) -> tuple:
     from memlab.train_mixer import MixerModelArgs, MixerTaskConfig, train_mixer
     steps = 20 if quick else 200
     task = MixerTaskConfig(model='autoencoder', dataset_path=str(demo_rows(out, 32)), save_model=False, plot=False)
-    archs = {'masked mixer': (MixerModelArgs(hidden_size=128, num_layers=2, length=32, kernel=4, decoder_input='unroll'), 3e-3),
+    archs = {'masked mixer': (MixerModelArgs(hidden_size=128, num_layers=2, length=32, kernel=4,
+                                             decoder_input='unroll'), 3e-3),
              'transformer': (MixerModelArgs(hidden_size=112, num_layers=2, length=32, encoder_type='transformer',
-                                            decoder_type='transformer', transformer_heads=4, decoder_input='unroll'), 1e-3)}
+                                            decoder_type='transformer', transformer_heads=4,
+                                            decoder_input='unroll'), 1e-3)}
     res = {}
     for name, (args, lr) in archs.items():
-        res[name] = train_mixer(task, args, TrainConfig(output_dir=str(out/'mixer'/name.replace(' ', '_')), max_steps=steps,
-                                per_device_batch_size=32, lr=lr, scheduler='constant', warmup_steps=10, log_every=10,
-                                eval_every=steps, max_eval_steps=8, report_to='none', save_final=False))
+        res[name] = train_mixer(task, args, TrainConfig(output_dir=str(out/'mixer'/name.replace(' ', '_')),
+                                max_steps=steps, per_device_batch_size=32, lr=lr, scheduler='constant', warmup_steps=10,
+                                log_every=10, eval_every=steps, max_eval_steps=8, report_to='none', save_final=False))
     m, t = res['masked mixer'], res['transformer']
-    rows = [{'method': 'memorymodels', 'setting': f"autoencoders of 32 tokens, {m['parameters']/1e6:.2f}M vs {t['parameters']/1e6:.2f}M "
-             f"parameters, {steps} updates", 'metric': 'held-out reconstruction loss (nats/token)',
+    rows = [{'method': 'memorymodels', 'setting': f"autoencoders of 32 tokens, {m['parameters']/1e6:.2f}M vs "
+             f"{t['parameters']/1e6:.2f}M parameters, {steps} updates",
+             'metric': 'held-out reconstruction loss (nats/token)',
              'value': f"masked mixer {m['final']['eval_loss']:.2f}, transformer {t['final']['eval_loss']:.2f}"}]
-    series = {'autoencoders: train loss': {name: [(h['step'], h['loss']) for h in r['history'] if 'loss' in h] for name, r in res.items()}}
+    series = {'autoencoders: train loss': {name: [(h['step'], h['loss']) for h in r['history'] if 'loss' in h]
+                                           for name, r in res.items()}}
     return rows, series
 
 # %% ../nbs/90_demo.ipynb
 def demo_neurocache(out:Path, quick:bool=False) -> tuple:
-    "Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without a cache."
+    ("Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, "
+     "with and without a cache.")
     from memlab.train_neurocache import demo
     return demo(out, quick=quick)
 
 def demo_distill(out:Path, quick:bool=False) -> tuple:
-    "Distillation: SmolLM2-135M into a 15-layer student on pydocs with forward KL; validation perplexity of teacher and student."
+    ("Distillation: SmolLM2-135M into a 15-layer student on pydocs with forward KL; "
+     "validation perplexity of teacher and student.")
     from memlab.train_distill import demo
     return demo(out, quick=quick)
 
 def demo_bpt(out:Path, quick:bool=False) -> tuple:
-    "BPT: peak memory of one training step against its length, SDPA + activation checkpointing vs BPT, on the reference Llama."
+    ("BPT: peak memory of one training step against its length, SDPA + activation checkpointing vs BPT, "
+     "on the reference Llama.")
     from memlab.train_bpt import demo
     return demo(out, quick=quick)
 
-SECTIONS = {'lm': demo_lm, 'neurocache': demo_neurocache, 'distill': demo_distill, 'relora': demo_relora, 'mixer': demo_mixer, 'bpt': demo_bpt}
+SECTIONS = {'lm': demo_lm, 'neurocache': demo_neurocache, 'distill': demo_distill, 'relora': demo_relora,
+            'mixer': demo_mixer, 'bpt': demo_bpt}
 
 def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
-    "Run the demo sections; write results.md, results.json and demo.png under a fresh `<out>/demo-<time>/` (linked as `<out>/demo`)."
+    ("Run the demo sections; write results.md, results.json and demo.png under a fresh `<out>/demo-<time>/` "
+     "(linked as `<out>/demo`).")
     sections = list(SECTIONS) if not sections else sections
     unknown = [s for s in sections if s not in SECTIONS]
     check(not unknown, f"unknown demo section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -160,7 +178,8 @@ def plot_series(series:dict, path):
 # %% ../nbs/90_demo.ipynb
 @cli_main
 def main(argv=None):
-    "memlab_demo: run every memlab method on embedded defaults (a few minutes on a CPU); prints a results table and writes a plot."
+    ("memlab_demo: run every memlab method on embedded defaults (a few minutes on a CPU); "
+     "prints a results table and writes a plot.")
     import argparse
     p = argparse.ArgumentParser(prog='memlab_demo', description=main.__doc__)
     p.add_argument('--out', default='runs', help='where the demo folder goes (runs/demo-<time>, linked as runs/demo)')
@@ -178,11 +197,13 @@ def _method_model(method:str, seq_len:int, vocab:int):
     from memlab.bench import reference_llama_config
     if method == 'mixer':
         from memlab.mixer import MaskedMixerConfig, MaskedMixerForCausalLM
-        return MaskedMixerForCausalLM(MaskedMixerConfig(vocab_size=vocab, hidden_size=256, num_layers=4, length=seq_len, kernel=1))
+        return MaskedMixerForCausalLM(MaskedMixerConfig(vocab_size=vocab, hidden_size=256, num_layers=4,
+                                                        length=seq_len, kernel=1))
     model = transformers.AutoModelForCausalLM.from_config(reference_llama_config(vocab), attn_implementation='sdpa')
     if method == 'neurocache':
         from memlab.neurocache import NeurocacheConfig, add_neurocache
-        model = add_neurocache(model, NeurocacheConfig(cache_size=4096, compression_factor=4, topk=16, lora_r=32, lora_dropout=0.0))
+        model = add_neurocache(model, NeurocacheConfig(cache_size=4096, compression_factor=4, topk=16, lora_r=32,
+                                                       lora_dropout=0.0))
     elif method == 'relora':
         from memlab.relora import ReLoRAConfig, add_relora
         add_relora(model, ReLoRAConfig(r=64, lora_dropout=0.0))
@@ -197,7 +218,8 @@ def _method_model(method:str, seq_len:int, vocab:int):
     return model
 
 def precision_step_times(method:str, precision:str, rows:int=4, seq_len:int=256, steps:int=6, vocab:int=8192) -> dict:
-    "Train `method`'s model `steps` updates in `precision` ('no' or 'bf16'); tokens/s after the first two, and the losses."
+    ("Train `method`'s model `steps` updates in `precision` ('no' or 'bf16'); "
+     "tokens/s after the first two, and the losses.")
     import time, torch
     from memlab.training import causal_lm_loss
     check(steps >= 4, f"steps must be at least 4 (the first two are not timed), got {steps}")
@@ -219,7 +241,8 @@ def precision_step_times(method:str, precision:str, rows:int=4, seq_len:int=256,
     return {'tokens_per_s': (len(timed) - 1) * rows * seq_len / (timed[-1] - timed[0]), 'losses': losses}
 
 def precision_benchmark(quick:bool=False, methods=PRECISION_METHODS):
-    "`memlab_bench precision`: each method's training step in fp32 and under bf16 autocast (fresh processes, alternately)."
+    ("`memlab_bench precision`: each method's training step in fp32 and under bf16 autocast "
+     "(fresh processes, alternately).")
     import statistics
     from memlab.bench import run_isolated
     from memlab.core import native_bf16

@@ -55,7 +55,8 @@ def divergence(name:str, ls:torch.Tensor, lt:torch.Tensor, beta:float=None) -> t
 
 # %% ../nbs/41_distill.ipynb
 class Hidden(NamedTuple):
-    "Final hidden states plus the linear head that maps them to logits: logits are computed chunk by chunk, never in full."
+    ("Final hidden states plus the linear head that maps them to logits: "
+     "logits are computed chunk by chunk, never in full.")
     states: torch.Tensor        # (..., C)
     weight: torch.Tensor        # (V, C) the LM head's weight
     bias: torch.Tensor = None   # (V,) or None
@@ -77,7 +78,8 @@ def _rest_logmass(lp):
     return _log1mexp(lp.logsumexp(-1, keepdim=True).clamp(max=math.log1p(-_REST_EPS)))
 
 def _log_probs(s_logits, teacher, T:float, missing:str='zero'):
-    "Student and teacher log-probs over a common support, from fp32 student logits (n, V) and teacher rows (logits or TopK)."
+    ("Student and teacher log-probs over a common support, from fp32 student logits (n, V) "
+     "and teacher rows (logits or TopK).")
     ls = torch.log_softmax(s_logits / T, -1)                                   # (n, V)
     if not isinstance(teacher, TopK): return ls, torch.log_softmax(teacher.float() / T, -1)
     idx, lp = teacher.indices.long(), teacher.logprobs.float()                 # (n, k)
@@ -93,7 +95,8 @@ def _log_probs(s_logits, teacher, T:float, missing:str='zero'):
 def _rows(x, rows):
     "Rows `rows` of a flattened input: logits (N, V) → (n, V) fp32; `Hidden` → its logits for those rows in fp32."
     if x is None: return None   # no teacher (a CE-only objective)
-    if isinstance(x, Hidden): return F.linear(x.states[rows].float(), x.weight.float(), None if x.bias is None else x.bias.float())
+    if isinstance(x, Hidden):
+        return F.linear(x.states[rows].float(), x.weight.float(), None if x.bias is None else x.bias.float())
     if isinstance(x, TopK): return TopK(x.indices[rows], x.logprobs[rows])
     return x[rows].float()
 
@@ -101,7 +104,8 @@ def _flatten(x):
     "Flatten the token dimensions of a logits tensor, `Hidden` or `TopK` to rows."
     if x is None: return None
     if isinstance(x, Hidden): return Hidden(x.states.reshape(-1, x.states.shape[-1]), x.weight, x.bias)
-    if isinstance(x, TopK): return TopK(x.indices.reshape(-1, x.indices.shape[-1]), x.logprobs.reshape(-1, x.logprobs.shape[-1]))
+    if isinstance(x, TopK):
+        return TopK(x.indices.reshape(-1, x.indices.shape[-1]), x.logprobs.reshape(-1, x.logprobs.shape[-1]))
     return x.reshape(-1, x.shape[-1])
 
 def _lead_shape(x):
@@ -112,12 +116,14 @@ def _vocab(x):
 
 def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
     "Per-token distillation loss (× T²) and cross-entropy on `labels` (or None) for fp32 student logits (n, V)."
-    if t_rows is None: ls, kd = torch.log_softmax(s_logits, -1), s_logits.new_zeros(s_logits.shape[0])  # no teacher: CE only
+    # no teacher: CE only
+    if t_rows is None: ls, kd = torch.log_softmax(s_logits, -1), s_logits.new_zeros(s_logits.shape[0])
     else:
         ls, lt = _log_probs(s_logits, t_rows, T, missing)
         kd = divergence(name, ls, lt, beta) * T ** 2                                # (n,)
     if labels is None: ce = None
-    elif (T == 1 or t_rows is None) and not (isinstance(t_rows, TopK) and missing == 'rest'): ce = -ls.gather(-1, labels[:, None]).squeeze(1)
+    elif (T == 1 or t_rows is None) and not (isinstance(t_rows, TopK) and missing == 'rest'):
+        ce = -ls.gather(-1, labels[:, None]).squeeze(1)
     else: ce = F.cross_entropy(s_logits, labels, reduction='none')                  # (n,)
     return kd, ce
 
@@ -127,10 +133,12 @@ class _ObjectiveSpec(NamedTuple):
     kd_weight: float; ce_weight: float; chunk_size: int; grad: bool
 
 def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
-    "Sums of the weighted objective, the distillation term and the CE over `spec.rows`, with gradients w.r.t. (x, w, b) where `need`."
+    ("Sums of the weighted objective, the distillation term and the CE over `spec.rows`, with gradients w.r.t. "
+     "(x, w, b) where `need`.")
     dev = x.device
     gx = torch.zeros_like(x) if need[0] else None
-    w32 = None if w is None else w.detach().float().requires_grad_(need[1])  # one fp32 copy of the head, shared by all chunks
+    # one fp32 copy of the head, shared by all chunks
+    w32 = None if w is None else w.detach().float().requires_grad_(need[1])
     b32 = None if b is None else b.detach().float().requires_grad_(need[2])
     gw = torch.zeros_like(w32) if need[1] else None
     gb = torch.zeros_like(b32) if need[2] else None
@@ -138,7 +146,7 @@ def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
     for start in range(0, spec.rows.numel(), spec.chunk_size):
         r = spec.rows[start:start + spec.chunk_size]
         with torch.enable_grad(), torch.autocast(dev.type, enabled=False):
-            xc = x[r].detach().requires_grad_(need[0])                                   # (n, V) logits or (n, C) hidden
+            xc = x[r].detach().requires_grad_(need[0])  # (n, V) logits or (n, C) hidden
             logits = xc.float() if w32 is None else F.linear(xc.float(), w32, b32)       # (n, V) fp32: one chunk only
             with torch.no_grad(): t_rows = _rows(spec.teacher, r)
             labels = None if spec.labels is None else spec.labels[r]
@@ -166,7 +174,8 @@ class _ChunkedObjective(torch.autograd.Function):
         return total, kd, ce
     @staticmethod
     def backward(ctx, g_total, g_kd, g_ce):
-        check(not ctx.done, "the chunked distillation loss supports one backward pass per forward (its gradient buffer is scaled in place)")
+        check(not ctx.done, "the chunked distillation loss supports one backward pass per forward "
+                            "(its gradient buffer is scaled in place)")
         ctx.done = True
         gx, gw, gb = ctx.saved_tensors
         # in place: a second (N, V) buffer would double the peak memory of the logits path
@@ -178,44 +187,61 @@ def _check_loss_args(name, T, beta, missing):
     check(name in LOSS_NAMES, f"unknown distillation loss {name!r}; use one of {', '.join(LOSS_NAMES)}")
     check(T > 0, f"temperature must be > 0, got {T}")
     check(missing in MISSING_MODES, f"unknown missing-mass mode {missing!r}; use 'zero' or 'rest'")
-    if name == 'jsd': check(beta is not None and 0 < beta < 1, f"jsd needs 0 < beta < 1 (use kl or reverse_kl for the end points), got {beta}")
-    if name == 'cakld': check(beta is not None and 0 <= beta <= 1, f"cakld needs a beta in [0, 1] (the teacher's mean top-1 probability), got {beta}")
+    if name == 'jsd':
+        check(beta is not None and 0 < beta < 1,
+              f"jsd needs 0 < beta < 1 (use kl or reverse_kl for the end points), got {beta}")
+    if name == 'cakld':
+        check(beta is not None and 0 <= beta <= 1,
+              f"cakld needs a beta in [0, 1] (the teacher's mean top-1 probability), got {beta}")
 
 def objective_sums(name:str, student, teacher, mask=None, labels=None, temperature:float=1.0, beta:float=None,
                    missing:str='zero', kd_weight:float=1.0, ce_weight:float=0.0, chunk_size:int=None) -> tuple:
-    "`(kd_weight·Σkd + ce_weight·Σce, Σkd, Σce, n_tokens)` over the unmasked tokens; `student`/`teacher` are logits, `Hidden` or `TopK`."
+    ("`(kd_weight·Σkd + ce_weight·Σce, Σkd, Σce, n_tokens)` over the unmasked tokens; "
+     "`student`/`teacher` are logits, `Hidden` or `TopK`.")
     if name == 'jsd' and beta is None: beta = 0.5
     _check_loss_args(name, temperature, beta, missing)
     check(not isinstance(student, TopK), "the student must be logits or Hidden(states, weight), not TopK")
-    check(teacher is not None or kd_weight == 0, "no teacher given: only a CE objective (kd_weight=0) can be computed without one")
+    check(teacher is not None or kd_weight == 0,
+          "no teacher given: only a CE objective (kd_weight=0) can be computed without one")
     if teacher is not None:
-        check(_lead_shape(student) == _lead_shape(teacher), f"student and teacher cover different tokens: {tuple(_lead_shape(student))} vs {tuple(_lead_shape(teacher))}")
+        check(_lead_shape(student) == _lead_shape(teacher), "student and teacher cover different tokens: "
+                                                            f"{tuple(_lead_shape(student))} vs "
+                                                            f"{tuple(_lead_shape(teacher))}")
     vs, vt = _vocab(student), (None if teacher is None else _vocab(teacher))
-    check(vt is None or vs == vt, f"teacher and student vocabularies differ ({vt} vs {vs} tokens): distillation compares distributions over the same tokens")
+    check(vt is None or vs == vt, f"teacher and student vocabularies differ ({vt} vs {vs} tokens): "
+                                  "distillation compares distributions over the same tokens")
     if name in ('reverse_kl', 'cakld') and isinstance(teacher, TopK) and missing == 'zero':
-        check(teacher.indices.shape[-1] >= vs, f"{name} is infinite with a top-{teacher.indices.shape[-1]} teacher whose missing mass is zero; use missing='rest'")
+        check(teacher.indices.shape[-1] >= vs, f"{name} is infinite with a top-{teacher.indices.shape[-1]} teacher "
+                                               "whose missing mass is zero; use missing='rest'")
     lead = _lead_shape(student)
-    mask = torch.ones(lead, dtype=torch.bool, device=(student.states if isinstance(student, Hidden) else student).device) if mask is None else mask.bool()
+    mask = (torch.ones(lead, dtype=torch.bool,
+                       device=(student.states if isinstance(student, Hidden) else student).device)
+            if mask is None else mask.bool())
     if labels is not None: mask = mask & (labels != -100)
     rows = mask.reshape(-1).nonzero().squeeze(1)                                     # (n,) indices of valid tokens
     labels_flat = None if labels is None else labels.reshape(-1)
     s, t = _flatten(student), _flatten(teacher)
-    if isinstance(t, Hidden) and t.weight.dtype != torch.float32:  # one fp32 copy of the teacher's head instead of one per chunk
+    # one fp32 copy of the teacher's head instead of one per chunk
+    if isinstance(t, Hidden) and t.weight.dtype != torch.float32:
         t = Hidden(t.states, t.weight.float(), None if t.bias is None else t.bias.float())
     x, w, b = (s.states, s.weight, s.bias) if isinstance(s, Hidden) else (s, None, None)
     n = torch.tensor(rows.numel(), device=rows.device)
     if not chunk_size:  # dense reference: plain autograd over all valid rows at once
         with torch.autocast(x.device.type, enabled=False):
-            kd, ce = _token_terms(name, _rows(s, rows), _rows(t, rows), None if labels is None else labels_flat[rows], temperature, beta, missing)
+            kd, ce = _token_terms(name, _rows(s, rows), _rows(t, rows), None if labels is None else labels_flat[rows],
+                                  temperature, beta, missing)
         kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=x.device)
         return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach(), n
-    spec = _ObjectiveSpec(name, t, rows, labels_flat, temperature, beta, missing, kd_weight, ce_weight, chunk_size, torch.is_grad_enabled())
+    spec = _ObjectiveSpec(name, t, rows, labels_flat, temperature, beta, missing, kd_weight, ce_weight, chunk_size,
+                          torch.is_grad_enabled())
     total, kd, ce = _ChunkedObjective.apply(x, w, b, spec)
     return total, kd, ce, n
 
 def loss_sum(name:str, student, teacher, mask=None, temperature:float=1.0, chunk_size:int=None, **kw) -> tuple:
-    "Per-token distillation loss `name` summed over the unmasked tokens, and the number of those tokens: `(sum, count)`."
-    total, _, _, n = objective_sums(name, student, teacher, mask=mask, temperature=temperature, chunk_size=chunk_size, **kw)
+    ("Per-token distillation loss `name` summed over the unmasked tokens, "
+     "and the number of those tokens: `(sum, count)`.")
+    total, _, _, n = objective_sums(name, student, teacher, mask=mask, temperature=temperature,
+                                    chunk_size=chunk_size, **kw)
     return total, n
 
 # %% ../nbs/41_distill.ipynb
@@ -265,7 +291,8 @@ def auto_chunk_size(vocab_size:int, logits_per_chunk:int=2**21) -> int:
 
 # %% ../nbs/41_distill.ipynb
 class TeacherConfidence(Callback):
-    "Running mean of the teacher's top-1 probability over the first `n_batches` training batches, then frozen (CAKLD's β)."
+    ("Running mean of the teacher's top-1 probability over the first `n_batches` training batches, "
+     "then frozen (CAKLD's β).")
     def __init__(self, n_batches:int=16):
         check(n_batches >= 1, f"n_batches must be >= 1, got {n_batches}")
         self.n_batches, self.total, self.count, self.batches = n_batches, 0.0, 0, 0
@@ -277,21 +304,25 @@ class TeacherConfidence(Callback):
         "Add one batch's top-1 probabilities of the valid tokens (ignored once frozen)."
         if self.frozen or top1.numel() == 0: return
         self.total += top1.double().sum().item(); self.count += top1.numel(); self.batches += 1
-    def state_dict(self) -> dict: return {'n_batches': self.n_batches, 'total': self.total, 'count': self.count, 'batches': self.batches}
+    def state_dict(self) -> dict:
+        return {'n_batches': self.n_batches, 'total': self.total, 'count': self.count, 'batches': self.batches}
     def load_state_dict(self, state:dict):
-        self.n_batches, self.total, self.count, self.batches = state['n_batches'], state['total'], state['count'], state['batches']
+        (self.n_batches, self.total,
+         self.count, self.batches) = state['n_batches'], state['total'], state['count'], state['batches']
 
 def teacher_top1(teacher, mask=None, temperature:float=1.0, missing:str='zero', chunk_size:int=4096) -> torch.Tensor:
     "The teacher's top-1 probability at each unmasked token (logits, `Hidden` or `TopK` teacher), chunk by chunk."
     t = _flatten(teacher)
-    rows = (torch.ones(_lead_shape(teacher), dtype=torch.bool) if mask is None else mask.bool()).reshape(-1).nonzero().squeeze(1)
+    rows = (torch.ones(_lead_shape(teacher), dtype=torch.bool) if mask is None
+            else mask.bool()).reshape(-1).nonzero().squeeze(1)
     out = []
     with torch.no_grad():
         for start in range(0, rows.numel(), chunk_size):
             tr = _rows(t, rows[start:start + chunk_size].to(rows.device))
             if isinstance(tr, TopK):
                 lp = tr.logprobs.float()
-                lt = torch.log_softmax(lp / temperature, -1) if missing == 'zero' else torch.log_softmax(torch.cat([lp, _rest_logmass(lp)], -1) / temperature, -1)[..., :-1]
+                lt = (torch.log_softmax(lp / temperature, -1) if missing == 'zero'
+                      else torch.log_softmax(torch.cat([lp, _rest_logmass(lp)], -1) / temperature, -1)[..., :-1])
             else: lt = torch.log_softmax(tr / temperature, -1)
             out.append(lt.max(-1).values.exp())
     return torch.cat(out) if out else torch.zeros(0)
@@ -305,12 +336,14 @@ def map_layers(mapper, n_student:int, n_teacher:int) -> list:
     "Pairs (student layer, teacher layer), 0-based decoder-layer indices, for layer mapper `mapper` and the two depths."
     if isinstance(mapper, int): mapper = str(mapper)
     if isinstance(mapper, (list, tuple)):
-        check(all(isinstance(p, (list, tuple)) and len(p) == 2 for p in mapper), f"explicit layer pairs must be (student, teacher) pairs, got {mapper!r}")
+        check(all(isinstance(p, (list, tuple)) and len(p) == 2 for p in mapper),
+              f"explicit layer pairs must be (student, teacher) pairs, got {mapper!r}")
         pairs = [(int(a), int(b)) for a, b in mapper]
     else:
         m = str(mapper).strip()
         if m == 'all':
-            check(n_student == n_teacher, f"layer mapper 'all' needs equal depths, but the student has {n_student} layers and the teacher {n_teacher}; use 'uniform'")
+            check(n_student == n_teacher, f"layer mapper 'all' needs equal depths, but the student has {n_student} "
+                                          f"layers and the teacher {n_teacher}; use 'uniform'")
             pairs = [(i, i) for i in range(n_student)]
         elif m == 'last': pairs = [(-1, -1)]
         elif re.fullmatch(r'last_k(_\d+)?', m):
@@ -325,7 +358,9 @@ def map_layers(mapper, n_student:int, n_teacher:int) -> list:
             if m == 'uniform+last': pairs = [p for i, u in pairs for p in ((i, u), (i, n_teacher - 1))]
         elif re.fullmatch(r'\s*-?\d+\s*:\s*-?\d+\s*(,\s*-?\d+\s*:\s*-?\d+\s*)*', m):
             pairs = [tuple(int(x) for x in p.split(':')) for p in m.split(',')]
-        else: raise MemlabError(f"unknown layer mapper {mapper!r}; use all, last, last_k, last_k_<n>, layer-<i>, uniform, uniform+last or pairs like '0:1,1:3'")
+        else:
+            raise MemlabError(f"unknown layer mapper {mapper!r}; use all, last, last_k, last_k_<n>, layer-<i>, "
+                              "uniform, uniform+last or pairs like '0:1,1:3'")
     check(len(pairs) > 0, f"layer mapper {mapper!r} maps no layers")
     return [(_layer_index(a, n_student, 'student'), _layer_index(b, n_teacher, 'teacher')) for a, b in pairs]
 
@@ -334,7 +369,8 @@ class OrthogonalProjector(nn.Module):
     "Isometric student → teacher projection: the first D_s columns of exp((W − Wᵀ)/2) (VkD)."
     def __init__(self, d_student:int, d_teacher:int):
         super().__init__()
-        check(d_student <= d_teacher, f"the orthogonal projector needs student width <= teacher width, got {d_student} > {d_teacher}; use 'linear' or 'mlp'")
+        check(d_student <= d_teacher, "the orthogonal projector needs student width <= teacher width, "
+                                      f"got {d_student} > {d_teacher}; use 'linear' or 'mlp'")
         self.d_student = d_student
         self.weight = nn.Parameter(torch.zeros(d_teacher, d_teacher))
     def matrix(self) -> torch.Tensor:
@@ -349,7 +385,8 @@ def make_projector(name:str, d_student:int, d_teacher:int) -> nn.Module:
     "A student → teacher width projector by name."
     check(name in PROJECTORS, f"unknown projector {name!r}; use one of {', '.join(PROJECTORS)}")
     if name == 'identity':
-        check(d_student == d_teacher, f"projector 'identity' cannot map student width {d_student} to teacher width {d_teacher}; use linear, mlp or orthogonal")
+        check(d_student == d_teacher, f"projector 'identity' cannot map student width {d_student} to teacher width "
+                                      f"{d_teacher}; use linear, mlp or orthogonal")
         return nn.Identity()
     if name == 'linear': return nn.Linear(d_student, d_teacher)
     if name == 'orthogonal': return OrthogonalProjector(d_student, d_teacher)
@@ -367,7 +404,8 @@ class FeatureNorm(nn.Module):
         self.name = name
         if name == 'none': self.student, self.teacher = nn.Identity(), nn.Identity(); return
         affine = name.endswith('_affine')
-        make = (lambda: nn.LayerNorm(dim, elementwise_affine=affine)) if name.startswith('layernorm') else (lambda: nn.RMSNorm(dim, elementwise_affine=affine))
+        make = ((lambda: nn.LayerNorm(dim, elementwise_affine=affine)) if name.startswith('layernorm')
+                else (lambda: nn.RMSNorm(dim, elementwise_affine=affine)))
         self.teacher = make()
         self.student = nn.Identity() if '_teacher_only' in name else make()
     def forward(self, fs, ft): return self.student(fs), self.teacher(ft)
@@ -385,7 +423,8 @@ def feature_loss(name:str, fs:torch.Tensor, ft:torch.Tensor) -> torch.Tensor:
     raise MemlabError(f"unknown hidden-state loss {name!r}; use one of {', '.join(FEATURE_LOSSES)}")
 
 def hidden_state_loss(hs_student, hs_teacher, pairs, loss:str='mse', projector=None, norm=None) -> torch.Tensor:
-    "Per-token hidden-state loss (B, T), averaged over the layer `pairs` (0-based decoder layers; HF tuples hold embeddings first)."
+    ("Per-token hidden-state loss (B, T), averaged over the layer `pairs` "
+     "(0-based decoder layers; HF tuples hold embeddings first).")
     out = 0.
     for i, j in pairs:
         fs, ft = hs_student[i + 1], hs_teacher[j + 1].to(hs_student[i + 1].device)   # (B, T, D_s), (B, T, D_t)
@@ -395,14 +434,17 @@ def hidden_state_loss(hs_student, hs_teacher, pairs, loss:str='mse', projector=N
     return out / len(pairs)
 
 def attention_loss(attn_student, attn_teacher, pairs, loss:str='mse') -> torch.Tensor:
-    "Per-query-token attention-map loss (B, T): a distribution loss over each row of keys, averaged over heads and layer `pairs`."
+    ("Per-query-token attention-map loss (B, T): a distribution loss over each row of keys, "
+     "averaged over heads and layer `pairs`.")
     name = 'mse' if loss == 'raw_mse' else loss
     check(name in ATTENTION_LOSSES, f"unknown attention loss {loss!r}; use one of {', '.join(ATTENTION_LOSSES)}")
     out = 0.
     for i, j in pairs:
-        a_s, a_t = attn_student[i].float(), attn_teacher[j].float().to(attn_student[i].device)   # (B, H_s, T, T), (B, H_t, T, T)
+        # (B, H_s, T, T), (B, H_t, T, T)
+        a_s, a_t = attn_student[i].float(), attn_teacher[j].float().to(attn_student[i].device)
         if a_s.shape[1] != a_t.shape[1]: a_s, a_t = a_s.mean(1, keepdim=True), a_t.mean(1, keepdim=True)  # (B, 1, T, T)
-        ls, lt = a_s.clamp_min(1e-30).log(), a_t.clamp_min(1e-30).log()   # masked keys are 0 on both sides and contribute ~0
+        # masked keys are 0 on both sides and contribute ~0
+        ls, lt = a_s.clamp_min(1e-30).log(), a_t.clamp_min(1e-30).log()
         out = out + divergence(name, ls, lt, beta=0.5).mean(1)            # (B, T)
     return out / len(pairs)
 
@@ -411,14 +453,17 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     "Identity of a tokenizer: its name, vocabulary size and a hash of its vocabulary (token → id)."
     vocab = tokenizer.get_vocab()
     h = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()[:16]
-    return {'name': getattr(tokenizer, 'name_or_path', None) or type(tokenizer).__name__, 'vocab_size': len(vocab), 'vocab_hash': h}
+    return {'name': getattr(tokenizer, 'name_or_path', None) or type(tokenizer).__name__, 'vocab_size': len(vocab),
+            'vocab_hash': h}
 
 def _row_key(ids:torch.Tensor) -> int:
     "A 64-bit key of one row's token ids."
-    return int.from_bytes(hashlib.blake2b(ids.detach().to('cpu', torch.int64).contiguous().numpy().tobytes(), digest_size=8).digest(), 'little', signed=True)
+    return int.from_bytes(hashlib.blake2b(ids.detach().to('cpu', torch.int64).contiguous().numpy().tobytes(),
+                                          digest_size=8).digest(), 'little', signed=True)
 
 def dataset_fingerprint(batches=None, name:str=None, split:str=None, sequence_length:int=None) -> dict:
-    "Identity of a dataset: name, split, sequence length and (given the batches) an order-independent hash of all rows' token ids."
+    ("Identity of a dataset: name, split, sequence length and (given the batches) "
+     "an order-independent hash of all rows' token ids.")
     fp = {'name': name, 'split': split, 'sequence_length': sequence_length}
     if batches is not None:
         keys = sorted({_row_key(row) for b in batches for row in b['input_ids']})
@@ -434,7 +479,8 @@ def _same_identity(recorded:dict, given:dict, fields) -> list:
 TOPK_FORMAT = 'memlab-topk'
 
 class TopKTeacher:
-    "Offline teacher outputs written by `generate_teacher_topk`; checked against the tokenizer and dataset they were made from."
+    ("Offline teacher outputs written by `generate_teacher_topk`; checked against the tokenizer and dataset "
+     "they were made from.")
     def __init__(self, out_dir, tokenizer=None, dataset_fingerprint:dict=None):
         self.dir = Path(out_dir)
         f = self.dir/'index.json'
@@ -444,10 +490,12 @@ class TopKTeacher:
         if tokenizer is not None:
             tok = tokenizer_fingerprint(tokenizer)
             bad = _same_identity(idx['tokenizer'], tok, ('vocab_size', 'vocab_hash'))
-            check(not bad, f"top-k shards in {self.dir} were made with tokenizer {idx['tokenizer']['name']!r} ({idx['tokenizer']['vocab_size']} tokens, "
-                  f"vocab hash {idx['tokenizer']['vocab_hash']}), not {tok['name']!r} ({tok['vocab_size']} tokens, vocab hash {tok['vocab_hash']})")
+            check(not bad, f"top-k shards in {self.dir} were made with tokenizer {idx['tokenizer']['name']!r} "
+                  f"({idx['tokenizer']['vocab_size']} tokens, vocab hash {idx['tokenizer']['vocab_hash']}), "
+                  f"not {tok['name']!r} ({tok['vocab_size']} tokens, vocab hash {tok['vocab_hash']})")
         if dataset_fingerprint is not None:
-            bad = _same_identity(idx['dataset'], dataset_fingerprint, ('name', 'split', 'sequence_length', 'token_hash'))
+            bad = _same_identity(idx['dataset'], dataset_fingerprint,
+                                 ('name', 'split', 'sequence_length', 'token_hash'))
             check(not bad, f"top-k shards in {self.dir} were made from another dataset: " +
                   ', '.join(f"{b} {idx['dataset'][b]!r} != {dataset_fingerprint[b]!r}" for b in bad))
         self.k, self.vocab_size, self.teacher_name = idx['k'], idx['vocab_size'], idx['teacher']
@@ -459,23 +507,28 @@ class TopKTeacher:
     def __len__(self): return len(self._rows)
 
     def _file(self, i):
-        if i not in self._files: self._files[i] = safe_open(str(self.dir/self.index['shards'][i]['file']), framework='pt')
+        if i not in self._files:
+            self._files[i] = safe_open(str(self.dir/self.index['shards'][i]['file']), framework='pt')
         return self._files[i]
 
     def lookup(self, input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> TopK:
-        "The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); padding rows get a uniform filler."
+        ("The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); "
+         "padding rows get a uniform filler.")
         idx, vals = [], []
         real = attention_mask.bool().any(-1).tolist() if attention_mask is not None else [True] * len(input_ids)
         for row, r in zip(input_ids, real):
             if not r:   # a padding row (no real token, every target masked): not stored, never read by a loss
-                idx.append(torch.arange(self.k).expand(len(row), self.k)); vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
+                idx.append(torch.arange(self.k).expand(len(row), self.k))
+                vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
             key = _row_key(row)
-            check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: the shards were made from other data or another sequence length")
+            check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: "
+                                     "the shards were made from other data or another sequence length")
             i, r = self._rows[key]
             fh = self._file(i)
             idx.append(fh.get_slice('indices')[r]); vals.append(fh.get_slice('logprobs')[r])
         out = TopK(torch.stack(idx).long(), torch.stack(vals).float())
-        check(out.indices.shape[1] == input_ids.shape[1], f"top-k rows hold {out.indices.shape[1]} positions, the batch {input_ids.shape[1]}")
+        check(out.indices.shape[1] == input_ids.shape[1],
+              f"top-k rows hold {out.indices.shape[1]} positions, the batch {input_ids.shape[1]}")
         return out
 
 # %% ../nbs/41_distill.ipynb
@@ -486,15 +539,20 @@ def _write_shard(out_dir, n, keys, idx, vals) -> dict:
     return {'file': name, 'rows': len(keys), 'seq_len': int(idx[0].shape[0])}
 
 def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, dataset:dict=None, teacher_name:str=None,
-                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False, progress:bool=False) -> Path:
-    "Write the teacher's top-`k` log-probabilities of every token of `batches` to safetensors shards in `out_dir`; return `out_dir`."
+                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False,
+                          progress:bool=False) -> Path:
+    ("Write the teacher's top-`k` log-probabilities of every token of `batches` to safetensors shards in "
+     "`out_dir`; return `out_dir`.")
     out_dir = Path(out_dir)
     vocab = output_vocab_size(teacher)
     check(1 <= k <= vocab, f"k must be between 1 and the vocabulary size {vocab}, got {k}")
     check(dtype in ('float16', 'float32', 'bfloat16'), f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
-    teacher_name = teacher_name or getattr(unwrap(teacher).config, '_name_or_path', None) or type(unwrap(teacher)).__name__
-    meta = {'format': TOPK_FORMAT, 'version': 1, 'teacher': teacher_name, 'k': k, 'vocab_size': vocab, 'value_dtype': dtype,
-            'tokenizer': tokenizer_fingerprint(tokenizer) if tokenizer is not None else {'name': None, 'vocab_size': vocab, 'vocab_hash': None},
+    teacher_name = (teacher_name or getattr(unwrap(teacher).config, '_name_or_path', None)
+                    or type(unwrap(teacher)).__name__)
+    meta = {'format': TOPK_FORMAT, 'version': 1, 'teacher': teacher_name, 'k': k, 'vocab_size': vocab,
+            'value_dtype': dtype,
+            'tokenizer': tokenizer_fingerprint(tokenizer) if tokenizer is not None
+                         else {'name': None, 'vocab_size': vocab, 'vocab_hash': None},
             'dataset': dict(dataset_fingerprint(name=None), **(dataset or {}))}
     reiterable = iter(batches) is not batches
     index_file = out_dir/'index.json'
@@ -503,9 +561,12 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
         want = dict(meta, dataset=dict(meta['dataset']))
         if reiterable: want['dataset']['token_hash'] = dataset_fingerprint(batches)['token_hash']
         diffs = [f for f in ('teacher', 'k', 'vocab_size', 'value_dtype') if old.get(f) != want[f]]
-        diffs += [f"tokenizer {f}" for f in _same_identity(old.get('tokenizer', {}), want['tokenizer'], ('vocab_size', 'vocab_hash'))]
-        diffs += [f"dataset {f}" for f in _same_identity(old.get('dataset', {}), want['dataset'], ('name', 'split', 'sequence_length', 'token_hash'))]
-        check(not diffs, f"{out_dir} holds top-k outputs that differ in {', '.join(diffs)}; pass overwrite=True or another directory")
+        diffs += [f"tokenizer {f}"
+                  for f in _same_identity(old.get('tokenizer', {}), want['tokenizer'], ('vocab_size', 'vocab_hash'))]
+        diffs += [f"dataset {f}" for f in _same_identity(old.get('dataset', {}), want['dataset'],
+                                                         ('name', 'split', 'sequence_length', 'token_hash'))]
+        check(not diffs, f"{out_dir} holds top-k outputs that differ in {', '.join(diffs)}; "
+                         "pass overwrite=True or another directory")
         if old.get('complete'): return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     if index_file.exists(): index_file.unlink()
@@ -520,10 +581,12 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
         for batch in tqdm(batches, desc='teacher top-k', disable=not progress, dynamic_ncols=True, leave=False):
             ids = batch['input_ids']
             am = batch.get('attention_mask')
-            logits = teacher(input_ids=ids.to(dev), **({'attention_mask': am.to(dev)} if am is not None else {})).logits  # (B, T, V)
+            # (B, T, V)
+            logits = teacher(input_ids=ids.to(dev), **({'attention_mask': am.to(dev)} if am is not None else {})).logits
             lp = torch.log_softmax(logits.float(), -1)
-            vals, idx = lp.topk(k, dim=-1)                                                                                # (B, T, k)
-            real = am.bool().any(-1) if am is not None else torch.ones(len(ids), dtype=torch.bool)   # (B,) rows with a real token
+            vals, idx = lp.topk(k, dim=-1)  # (B, T, k)
+            # (B,) rows with a real token
+            real = am.bool().any(-1) if am is not None else torch.ones(len(ids), dtype=torch.bool)
             for row, v, i, r in zip(ids, vals, idx, real.tolist()):
                 key = _row_key(row)
                 if key in seen or not r: continue   # a padding row (an evaluation loader's last batch) is not data
@@ -555,37 +618,49 @@ class DistillationObjective(Config):
     hs_layer_mapper: str = 'last'       # all, last, last_k, last_k_<n>, layer-<i>, uniform, uniform+last, or pairs like '0:1,1:3'
     hs_norm: str = 'none'               # none, layernorm, rmsnorm, with optional _teacher_only and _affine suffixes
     hs_projector: str = 'identity'      # identity, linear, mlp, mlp_64, mlp_256, orthogonal
-    attn_weight: float = 0.0            # weight of the attention-map term (both models need attn_implementation='eager')
+    attn_weight: float = 0.0  # weight of the attention-map term (both models need attn_implementation='eager')
     attn_loss_fn: str = 'mse'           # a distribution loss on attention rows: mse (= raw_mse), kl, reverse_kl, jsd, tvd, soft_ce, cos
     attn_layer_mapper: str = 'layer-2'  # as hs_layer_mapper
     attn_norm: str = 'none'             # only none: attention rows are probability distributions
     attn_projector: str = 'identity'    # only identity: the last axis of an attention map is the sequence, not a width
     topk_missing: str = 'rest'          # offline top-k teacher: the missing mass is one 'rest' bucket, or 'zero' (top-k renormalised)
-    chunk_size: int = -1                # tokens per chunk of the logit term: -1 = auto (about 2M logits per chunk), 0 = dense
-    fused: bool = False                 # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
+    chunk_size: int = -1  # tokens per chunk of the logit term: -1 = auto (about 2M logits per chunk), 0 = dense
+    fused: bool = False  # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
 
     def __post_init__(self):
         # Distily writes an unset feature option as None (`--hs_norm None`): read it as memlab's name for "nothing"
-        for f, none in (('hs_loss_fn', 'mse'), ('hs_layer_mapper', 'last'), ('hs_norm', 'none'), ('hs_projector', 'identity'),
-                        ('attn_loss_fn', 'mse'), ('attn_norm', 'none'), ('attn_projector', 'identity')):
+        for f, none in (('hs_loss_fn', 'mse'), ('hs_layer_mapper', 'last'), ('hs_norm', 'none'),
+                        ('hs_projector', 'identity'), ('attn_loss_fn', 'mse'), ('attn_norm', 'none'),
+                        ('attn_projector', 'identity')):
             if getattr(self, f) is None or str(getattr(self, f)).lower() in ('none', 'null', ''): setattr(self, f, none)
         for f in ('logits_weight', 'ce_weight', 'hs_weight', 'attn_weight'):
             check(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
-        check(self.logits_weight + self.ce_weight + self.hs_weight + self.attn_weight > 0, "every weight is 0: the objective is empty")
-        check(self.logits_loss_fn in LOSS_NAMES, f"unknown logits_loss_fn {self.logits_loss_fn!r}; use one of {', '.join(LOSS_NAMES)}")
+        check(self.logits_weight + self.ce_weight + self.hs_weight + self.attn_weight > 0,
+              "every weight is 0: the objective is empty")
+        check(self.logits_loss_fn in LOSS_NAMES,
+              f"unknown logits_loss_fn {self.logits_loss_fn!r}; use one of {', '.join(LOSS_NAMES)}")
         check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-        check(0 < self.jsd_beta < 1, f"jsd_beta must be in (0, 1) (use kl or reverse_kl for the end points), got {self.jsd_beta}")
-        check(self.cakld_beta is None or 0 <= self.cakld_beta <= 1, f"cakld_beta must be in [0, 1] or None, got {self.cakld_beta}")
+        check(0 < self.jsd_beta < 1,
+              f"jsd_beta must be in (0, 1) (use kl or reverse_kl for the end points), got {self.jsd_beta}")
+        check(self.cakld_beta is None or 0 <= self.cakld_beta <= 1,
+              f"cakld_beta must be in [0, 1] or None, got {self.cakld_beta}")
         check(self.cakld_batches >= 1, f"cakld_batches must be >= 1, got {self.cakld_batches}")
-        check(self.hs_loss_fn in FEATURE_LOSSES, f"unknown hs_loss_fn {self.hs_loss_fn!r}; use one of {', '.join(FEATURE_LOSSES)}")
+        check(self.hs_loss_fn in FEATURE_LOSSES,
+              f"unknown hs_loss_fn {self.hs_loss_fn!r}; use one of {', '.join(FEATURE_LOSSES)}")
         check(self.hs_norm in NORMS, f"unknown hs_norm {self.hs_norm!r}; use one of {', '.join(NORMS)}")
-        check(self.hs_projector in PROJECTORS, f"unknown hs_projector {self.hs_projector!r}; use one of {', '.join(PROJECTORS)}")
-        check(self.attn_loss_fn in ATTENTION_LOSSES, f"unknown attn_loss_fn {self.attn_loss_fn!r}; use one of {', '.join(ATTENTION_LOSSES)}")
-        check(self.attn_norm in ('none', None), f"attn_norm {self.attn_norm!r} is not supported: attention rows are distributions and are compared as such; use 'none'")
-        check(self.attn_projector in ('identity', None), f"attn_projector {self.attn_projector!r} is not supported: an attention map's last axis is the sequence; use 'identity'")
-        for f in ('hs_layer_mapper', 'attn_layer_mapper'): map_layers(getattr(self, f), 10**6, 10**6)  # syntax only; depths checked by DistillLoss
+        check(self.hs_projector in PROJECTORS,
+              f"unknown hs_projector {self.hs_projector!r}; use one of {', '.join(PROJECTORS)}")
+        check(self.attn_loss_fn in ATTENTION_LOSSES,
+              f"unknown attn_loss_fn {self.attn_loss_fn!r}; use one of {', '.join(ATTENTION_LOSSES)}")
+        check(self.attn_norm in ('none', None), f"attn_norm {self.attn_norm!r} is not supported: "
+                                                "attention rows are distributions and are compared as such; use 'none'")
+        check(self.attn_projector in ('identity', None), f"attn_projector {self.attn_projector!r} is not supported: "
+                                                         "an attention map's last axis is the sequence; use 'identity'")
+        # syntax only; depths checked by DistillLoss
+        for f in ('hs_layer_mapper', 'attn_layer_mapper'): map_layers(getattr(self, f), 10**6, 10**6)
         check(self.topk_missing in MISSING_MODES, f"unknown topk_missing {self.topk_missing!r}; use 'zero' or 'rest'")
-        check(self.chunk_size >= -1, f"chunk_size must be -1 (auto), 0 (dense) or a number of tokens, got {self.chunk_size}")
+        check(self.chunk_size >= -1,
+              f"chunk_size must be -1 (auto), 0 (dense) or a number of tokens, got {self.chunk_size}")
 
 # %% ../nbs/41_distill.ipynb
 HEADS_ATTR = 'distill'
@@ -598,7 +673,8 @@ class DistillHeads(nn.Module):
         self.hs_norm = FeatureNorm(objective.hs_norm, d_teacher)
 
 def remove_distill_heads(student) -> Optional[DistillHeads]:
-    "Detach and return the student's distillation modules (None if it has none): the student becomes a plain HF model again."
+    ("Detach and return the student's distillation modules (None if it has none): "
+     "the student becomes a plain HF model again.")
     heads = getattr(student, HEADS_ATTR, None)
     if isinstance(heads, DistillHeads): delattr(student, HEADS_ATTR); return heads
     return None
@@ -608,18 +684,22 @@ def save_distill_heads(student, path) -> Optional[Path]:
     heads = getattr(student, HEADS_ATTR, None)
     if not isinstance(heads, DistillHeads): return None
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(path/'distill_heads.safetensors'))
+    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()},
+              str(path/'distill_heads.safetensors'))
     return path/'distill_heads.safetensors'
 
 def load_distill_heads(student, path):
-    "Load distillation modules saved by `save_distill_heads` into the heads attached to `student` (strict: every key must match)."
+    ("Load distillation modules saved by `save_distill_heads` into the heads attached to `student` "
+     "(strict: every key must match).")
     heads = getattr(student, HEADS_ATTR, None)
-    check(isinstance(heads, DistillHeads), "the student has no distillation modules to load into: build the DistillLoss first")
+    check(isinstance(heads, DistillHeads),
+          "the student has no distillation modules to load into: build the DistillLoss first")
     f = Path(path); f = f/'distill_heads.safetensors' if f.is_dir() else f
     check(f.exists(), f"no distillation modules at {f}")
     sd = load_file(str(f))
     missing, unexpected = set(heads.state_dict()) - set(sd), set(sd) - set(heads.state_dict())
-    check(not missing and not unexpected, f"distillation modules in {f} do not match: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    check(not missing and not unexpected,
+          f"distillation modules in {f} do not match: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     heads.load_state_dict(sd)
 
 # %% ../nbs/41_distill.ipynb
@@ -634,7 +714,8 @@ def output_vocab_size(model) -> int:
 def _check_fusable(model, who):
     cfg = unwrap(model).config
     for attr in ('final_logit_softcapping', 'logit_scale', 'logits_scaling', 'output_multiplier_scale'):
-        check(getattr(cfg, attr, None) in (None, 1, 1.0), f"fused=True assumes logits = lm_head(hidden), but the {who} ({cfg.model_type}) applies {attr}; use fused=False")
+        check(getattr(cfg, attr, None) in (None, 1, 1.0), f"fused=True assumes logits = lm_head(hidden), but the {who} "
+                                                          f"({cfg.model_type}) applies {attr}; use fused=False")
     check(unwrap(model).get_output_embeddings() is not None, f"fused=True needs the {who}'s output embedding (lm_head)")
 
 def _head(model) -> tuple:
@@ -642,19 +723,26 @@ def _head(model) -> tuple:
     return head.weight, getattr(head, 'bias', None)
 
 class DistillLoss:
-    "A distillation objective as memlab's `loss_fn(model, batch) -> LossOutput`; the teacher is frozen, in eval mode, under no_grad."
+    ("A distillation objective as memlab's `loss_fn(model, batch) -> LossOutput`; the teacher is frozen, "
+     "in eval mode, under no_grad.")
     def __init__(self, teacher, objective:DistillationObjective=None, student=None):
         self.objective = obj = objective if objective is not None else DistillationObjective()
         self.teacher, self.offline = teacher, isinstance(teacher, TopKTeacher)
         feature_terms = obj.hs_weight > 0 or obj.attn_weight > 0
-        check(student is not None or not feature_terms, "hidden-state and attention terms need the student: DistillLoss(teacher, objective, student=model)")
-        self.needs_teacher = obj.logits_weight > 0 or feature_terms   # a CE-only objective (the baseline) never runs the teacher
-        check(teacher is not None or not self.needs_teacher, "no teacher given: only a CE objective (logits_weight=0, hs_weight=0, attn_weight=0) runs without one")
+        check(student is not None or not feature_terms,
+              "hidden-state and attention terms need the student: DistillLoss(teacher, objective, student=model)")
+        # a CE-only objective (the baseline) never runs the teacher
+        self.needs_teacher = obj.logits_weight > 0 or feature_terms
+        check(teacher is not None or not self.needs_teacher,
+              "no teacher given: only a CE objective (logits_weight=0, hs_weight=0, attn_weight=0) runs without one")
         if teacher is None: v_teacher = None if student is None else output_vocab_size(student)
         elif self.offline:
-            check(not feature_terms, "an offline top-k teacher has no hidden states or attention maps: set hs_weight=0 and attn_weight=0")
-            check(obj.logits_loss_fn not in ('reverse_kl', 'cakld') or obj.topk_missing == 'rest' or teacher.k >= teacher.vocab_size,
-                  f"{obj.logits_loss_fn} is infinite with a top-{teacher.k} teacher whose missing mass is zero; set topk_missing='rest'")
+            check(not feature_terms,
+                  "an offline top-k teacher has no hidden states or attention maps: set hs_weight=0 and attn_weight=0")
+            check(obj.logits_loss_fn not in ('reverse_kl', 'cakld') or obj.topk_missing == 'rest'
+                  or teacher.k >= teacher.vocab_size,
+                  f"{obj.logits_loss_fn} is infinite with a top-{teacher.k} teacher whose missing mass is zero; "
+                  "set topk_missing='rest'")
             check(not obj.fused, "fused=True needs an online teacher (an offline top-k teacher has no hidden states)")
             v_teacher = teacher.vocab_size
         else:
@@ -663,17 +751,20 @@ class DistillLoss:
             if obj.fused: _check_fusable(teacher, 'teacher')
         if student is not None:
             v_student = output_vocab_size(student)
-            check(v_student == v_teacher, f"teacher and student vocabularies differ (teacher {v_teacher}, student {v_student} tokens): "
-                  "distillation compares distributions over the same tokens; build the student from the teacher or use one with the teacher's tokenizer")
+            check(v_student == v_teacher, f"teacher and student vocabularies differ (teacher {v_teacher}, student "
+                  f"{v_student} tokens): distillation compares distributions over the same tokens; "
+                  "build the student from the teacher or use one with the teacher's tokenizer")
             if obj.fused: _check_fusable(student, 'student')
         self.vocab_size = v_teacher
         self.hs_pairs = self.attn_pairs = None
         if obj.attn_weight > 0:
             for m, who in ((teacher, 'teacher'), (student, 'student')):
                 impl = getattr(unwrap(m).config, '_attn_implementation', None)
-                check(impl == 'eager', f"attn_weight > 0 needs attention maps, which the {who} only returns with eager attention (it uses {impl!r}): "
-                      "load it with attn_implementation='eager' or call model.set_attn_implementation('eager')")
-            self.attn_pairs = map_layers(obj.attn_layer_mapper, len(decoder_layers(student)), len(decoder_layers(teacher)))
+                check(impl == 'eager', f"attn_weight > 0 needs attention maps, which the {who} only returns with eager "
+                      f"attention (it uses {impl!r}): load it with attn_implementation='eager' or call "
+                      "model.set_attn_implementation('eager')")
+            self.attn_pairs = map_layers(obj.attn_layer_mapper, len(decoder_layers(student)),
+                                         len(decoder_layers(teacher)))
         self.heads = None
         if obj.hs_weight > 0:
             self.hs_pairs = map_layers(obj.hs_layer_mapper, len(decoder_layers(student)), len(decoder_layers(teacher)))
@@ -683,12 +774,14 @@ class DistillLoss:
             p = next(unwrap(student).parameters())
             self.heads.to(device=p.device, dtype=p.dtype)
             if any(True for _ in self.heads.parameters()): setattr(unwrap(student), HEADS_ATTR, self.heads)
-        self.confidence = TeacherConfidence(obj.cakld_batches) if obj.logits_loss_fn == 'cakld' and obj.cakld_beta is None else None
+        self.confidence = (TeacherConfidence(obj.cakld_batches)
+                           if obj.logits_loss_fn == 'cakld' and obj.cakld_beta is None else None)
 
     def _forward_kwargs(self, device) -> dict:
         obj = self.objective
         fwd = {'output_hidden_states': obj.hs_weight > 0 or obj.fused, 'output_attentions': obj.attn_weight > 0}
-        if obj.fused: fwd['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=device)  # HF computes no logits at all
+        # HF computes no logits at all
+        if obj.fused: fwd['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=device)
         return fwd
 
     def _teacher_outputs(self, batch, device):
@@ -726,7 +819,8 @@ class DistillLoss:
             beta = self.confidence.value
         chunk = auto_chunk_size(self.vocab_size or _vocab(s)) if obj.chunk_size == -1 else (obj.chunk_size or None)
         total, kd, ce, n = objective_sums(name, s, t, mask=mask, labels=labels, temperature=obj.temperature, beta=beta,
-                                          missing=obj.topk_missing, kd_weight=obj.logits_weight, ce_weight=obj.ce_weight, chunk_size=chunk)
+                                          missing=obj.topk_missing, kd_weight=obj.logits_weight,
+                                          ce_weight=obj.ce_weight, chunk_size=chunk)
         logs = {'logits': kd, 'ce': ce} if t is not None else {'ce': ce}
         if obj.hs_weight > 0:
             per_tok = hidden_state_loss(out_s.hidden_states, out_t.hidden_states, self.hs_pairs, obj.hs_loss_fn,
@@ -734,7 +828,8 @@ class DistillLoss:
             hs = per_tok[mask].sum()
             total = total + obj.hs_weight * hs; logs['hs'] = hs.detach()
         if obj.attn_weight > 0:
-            check(len(out_s.attentions or ()) > 0 and len(out_t.attentions or ()) > 0, "the models returned no attention maps: use attn_implementation='eager'")
+            check(len(out_s.attentions or ()) > 0 and len(out_t.attentions or ()) > 0,
+                  "the models returned no attention maps: use attn_implementation='eager'")
             per_tok = attention_loss(out_s.attentions, out_t.attentions, self.attn_pairs, obj.attn_loss_fn)   # (B, T)
             attn = per_tok[mask].sum()
             total = total + obj.attn_weight * attn; logs['attn'] = attn.detach()
@@ -776,18 +871,21 @@ class PerplexityEvaluation(Callback):
         model = trainer.model if trainer.fsdp else trainer.unwrapped_model
         logs = {}
         for name, rows in self.evaluators.items():
-            r = perplexity(model, rows, self.batch_size, trainer.accelerator, progress=trainer.config.progress and trainer.is_main, desc=name)
+            r = perplexity(model, rows, self.batch_size, trainer.accelerator,
+                           progress=trainer.config.progress and trainer.is_main, desc=name)
             logs[name] = r['ppl']; logs[f"{name}_loss"] = r['loss']; logs[f"{name}_tokens"] = r['tokens']
         if logs: trainer.log(logs)
     def on_train_begin(self, trainer):
         if self.at_start and trainer.step == 0: self.run(trainer)
     def on_step_end(self, trainer):
-        if (self.every and trainer.step % self.every == 0) or trainer.step >= trainer.config.max_steps: self.run(trainer)
+        if (self.every and trainer.step % self.every == 0) or trainer.step >= trainer.config.max_steps:
+            self.run(trainer)
 
 # %% ../nbs/41_distill.ipynb
 _CONFIG_ALIASES = {'num_layers': 'num_hidden_layers', 'n_layer': 'num_hidden_layers', 'n_layers': 'num_hidden_layers',
-                   'n_embd': 'hidden_size', 'd_model': 'hidden_size', 'n_head': 'num_attention_heads', 'num_heads': 'num_attention_heads',
-                   'n_inner': 'intermediate_size', 'ffn_dim': 'intermediate_size', 'num_kv_heads': 'num_key_value_heads'}
+                   'n_embd': 'hidden_size', 'd_model': 'hidden_size', 'n_head': 'num_attention_heads',
+                   'num_heads': 'num_attention_heads', 'n_inner': 'intermediate_size', 'ffn_dim': 'intermediate_size',
+                   'num_kv_heads': 'num_key_value_heads'}
 _FAMILY_KEYS = {('gpt2', 'intermediate_size'): 'n_inner', ('opt', 'intermediate_size'): 'ffn_dim'}
 
 def student_config(teacher_config, overrides:dict=None):
@@ -796,19 +894,25 @@ def student_config(teacher_config, overrides:dict=None):
     given = set()
     for key, v in (overrides or {}).items():
         canon = _CONFIG_ALIASES.get(key, key)
-        check(canon != 'vocab_size', "the student's vocabulary is always the teacher's: remove vocab_size from the overrides")
+        check(canon != 'vocab_size',
+              "the student's vocabulary is always the teacher's: remove vocab_size from the overrides")
         attr = _FAMILY_KEYS.get((cfg.model_type, canon), canon)
         check(hasattr(cfg, attr), f"{cfg.model_type} configs have no field {key!r}")
         setattr(cfg, attr, v); given.add(canon)
     if given & {'hidden_size', 'num_attention_heads'}:
-        if getattr(cfg, 'head_dim', None) is not None and 'head_dim' not in given: cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        if cfg.model_type == 'opt' and getattr(teacher_config, 'word_embed_proj_dim', None) == teacher_config.hidden_size:
+        if getattr(cfg, 'head_dim', None) is not None and 'head_dim' not in given:
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        if (cfg.model_type == 'opt'
+            and getattr(teacher_config, 'word_embed_proj_dim', None) == teacher_config.hidden_size):
             cfg.word_embed_proj_dim = cfg.hidden_size
-    check(cfg.hidden_size % cfg.num_attention_heads == 0, f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads {cfg.num_attention_heads}")
+    check(cfg.hidden_size % cfg.num_attention_heads == 0,
+          f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads {cfg.num_attention_heads}")
     kv = getattr(cfg, 'num_key_value_heads', None)
     if kv is not None:
-        if 'num_attention_heads' in given and 'num_key_value_heads' not in given and cfg.num_attention_heads % kv: cfg.num_key_value_heads = kv = cfg.num_attention_heads
-        check(cfg.num_attention_heads % kv == 0, f"num_attention_heads {cfg.num_attention_heads} is not a multiple of num_key_value_heads {kv}")
+        if 'num_attention_heads' in given and 'num_key_value_heads' not in given and cfg.num_attention_heads % kv:
+            cfg.num_key_value_heads = kv = cfg.num_attention_heads
+        check(cfg.num_attention_heads % kv == 0,
+              f"num_attention_heads {cfg.num_attention_heads} is not a multiple of num_key_value_heads {kv}")
     if isinstance(getattr(cfg, 'layer_types', None), list) and len(cfg.layer_types) != cfg.num_hidden_layers:
         check(len(set(cfg.layer_types)) == 1, "the teacher mixes layer types; pass layer_types in the overrides")
         cfg.layer_types = cfg.layer_types[:1] * cfg.num_hidden_layers
@@ -817,10 +921,14 @@ def student_config(teacher_config, overrides:dict=None):
 def copy_plan(copy_layers, n_student:int, n_teacher:int) -> list:
     "Teacher layer index for each student layer."
     if copy_layers == 'uniform': return [round(j * (n_teacher - 1) / max(n_student - 1, 1)) for j in range(n_student)]
-    if copy_layers == 'first': return list(range(min(n_student, n_teacher))) + [n_teacher - 1] * max(n_student - n_teacher, 0)
-    if copy_layers == 'last': return list(range(max(n_teacher - n_student, 0), n_teacher)) + [n_teacher - 1] * max(n_student - n_teacher, 0)
-    check(isinstance(copy_layers, (list, tuple)), f"copy_layers must be 'uniform', 'first', 'last', a list of teacher layers or None, got {copy_layers!r}")
-    check(len(copy_layers) == n_student, f"copy_layers lists {len(copy_layers)} teacher layers for {n_student} student layers")
+    if copy_layers == 'first':
+        return list(range(min(n_student, n_teacher))) + [n_teacher - 1] * max(n_student - n_teacher, 0)
+    if copy_layers == 'last':
+        return list(range(max(n_teacher - n_student, 0), n_teacher)) + [n_teacher - 1] * max(n_student - n_teacher, 0)
+    check(isinstance(copy_layers, (list, tuple)),
+          f"copy_layers must be 'uniform', 'first', 'last', a list of teacher layers or None, got {copy_layers!r}")
+    check(len(copy_layers) == n_student,
+          f"copy_layers lists {len(copy_layers)} teacher layers for {n_student} student layers")
     return [_layer_index(int(i), n_teacher, 'teacher') for i in copy_layers]
 
 def weight_groups(model) -> dict:
@@ -840,7 +948,9 @@ def weight_groups(model) -> dict:
 def _copy_keys(dst, src, keys, what):
     sd_d, sd_s = dst.state_dict(), src.state_dict()
     bad = [k for k in keys if k not in sd_d or sd_d[k].shape != sd_s[k].shape]
-    if bad: raise MemlabError(f"cannot copy the teacher's {what}: the student's shapes differ ({bad[0]}); pass {what.replace(' ', '_')}=False or None when changing widths")
+    if bad:
+        raise MemlabError(f"cannot copy the teacher's {what}: the student's shapes differ ({bad[0]}); "
+                          f"pass {what.replace(' ', '_')}=False or None when changing widths")
     with torch.no_grad():
         for k in keys: sd_d[k].copy_(sd_s[k])
 
@@ -852,15 +962,18 @@ def xavier_reinitialize(model):
                 nn.init.xavier_uniform_(m.weight)
                 if getattr(m, 'bias', None) is not None: nn.init.zeros_(m.bias)
 
-def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embeddings:bool=True, copy_lm_head:bool=True,
-                  freeze_embeddings:bool=False, reinitialize:bool=False, freeze_lm_head:bool=False, student=None):
-    "A student for `teacher`: its config with `overrides`, layers/embeddings/head copied from the teacher (or an existing `student`)."
+def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embeddings:bool=True,
+                  copy_lm_head:bool=True, freeze_embeddings:bool=False, reinitialize:bool=False,
+                  freeze_lm_head:bool=False, student=None):
+    ("A student for `teacher`: its config with `overrides`, layers/embeddings/head copied from the teacher "
+     "(or an existing `student`).")
     teacher = unwrap(teacher)
     if student is not None:
         check(not overrides, "pass either overrides (to build a student) or student= (an existing one), not both")
         if isinstance(student, (str, Path)): student = load_model(student)
         vs, vt = output_vocab_size(student), output_vocab_size(teacher)
-        check(vs == vt, f"teacher and student vocabularies differ (teacher {vt}, student {vs} tokens): the student must use the teacher's tokenizer")
+        check(vs == vt, f"teacher and student vocabularies differ (teacher {vt}, student {vs} tokens): "
+                        "the student must use the teacher's tokenizer")
     else:
         cfg = student_config(teacher.config, overrides)
         p = next(teacher.parameters())
@@ -872,7 +985,9 @@ def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embe
             for j, i in enumerate(plan):
                 src, dst = decoder_layers(teacher)[i].state_dict(), decoder_layers(student)[j].state_dict()
                 bad = [k for k in dst if k not in src or src[k].shape != dst[k].shape]
-                if bad: raise MemlabError(f"cannot copy teacher layer {i} into student layer {j}: shapes differ ({bad[0]}); pass copy_layers=None when changing widths")
+                if bad:
+                    raise MemlabError(f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
+                                      f"({bad[0]}); pass copy_layers=None when changing widths")
                 decoder_layers(student)[j].load_state_dict(src)
             _copy_keys(student, teacher, gt['trunk'], 'copy layers')
         if copy_embeddings: _copy_keys(student, teacher, gt['embeddings'], 'copy embeddings')
@@ -889,8 +1004,10 @@ def _arch(model) -> dict:
     m = unwrap(model); c = m.config
     ffn = next((getattr(c, a) for a in ('intermediate_size', 'n_inner', 'ffn_dim') if getattr(c, a, None)), None)
     return {'architecture': type(m).__name__, 'layers': len(decoder_layers(m)), 'hidden size': c.hidden_size,
-            'attention heads': c.num_attention_heads, 'key/value heads': getattr(c, 'num_key_value_heads', None) or c.num_attention_heads,
-            'FFN size': ffn if ffn is not None else 4 * c.hidden_size, 'vocabulary': output_vocab_size(m), 'parameters': f"{count_parameters(m):,}"}
+            'attention heads': c.num_attention_heads,
+            'key/value heads': getattr(c, 'num_key_value_heads', None) or c.num_attention_heads,
+            'FFN size': ffn if ffn is not None else 4 * c.hidden_size, 'vocabulary': output_vocab_size(m),
+            'parameters': f"{count_parameters(m):,}"}
 
 def _fmt(v) -> str:
     if v is None: return '—'
@@ -901,22 +1018,33 @@ def describe_objective(objective:DistillationObjective) -> str:
     "One paragraph saying, in words, what the student was trained to match."
     o, parts = objective, []
     if o.logits_weight:
-        desc = {'kl': 'the forward KL divergence KL(teacher ‖ student)', 'reverse_kl': 'the reverse KL divergence KL(student ‖ teacher)',
-                'jsd': f'the generalized Jensen–Shannon divergence (β = {o.jsd_beta})', 'tvd': 'the total variation distance',
-                'cakld': f"the confidence-aware KL (CAKLD, β = {'estimated from the teacher' if o.cakld_beta is None else o.cakld_beta})",
-                'soft_ce': 'the soft cross-entropy', 'mse': 'the squared distance', 'cos': 'the cosine distance'}[o.logits_loss_fn]
-        parts.append(f"{desc} between the teacher's and the student's next-token distributions (weight {o.logits_weight}, temperature {o.temperature})")
+        desc = {'kl': 'the forward KL divergence KL(teacher ‖ student)',
+                'reverse_kl': 'the reverse KL divergence KL(student ‖ teacher)',
+                'jsd': f'the generalized Jensen–Shannon divergence (β = {o.jsd_beta})',
+                'tvd': 'the total variation distance',
+                'cakld': "the confidence-aware KL (CAKLD, β = "
+                         f"{'estimated from the teacher' if o.cakld_beta is None else o.cakld_beta})",
+                'soft_ce': 'the soft cross-entropy', 'mse': 'the squared distance',
+                'cos': 'the cosine distance'}[o.logits_loss_fn]
+        parts.append(f"{desc} between the teacher's and the student's next-token distributions "
+                     f"(weight {o.logits_weight}, temperature {o.temperature})")
     if o.ce_weight: parts.append(f"the cross-entropy on the text's next tokens (weight {o.ce_weight})")
-    if o.hs_weight: parts.append(f"a {o.hs_loss_fn} loss between hidden states (weight {o.hs_weight}; layers mapped '{o.hs_layer_mapper}', "
-                                 f"projector '{o.hs_projector}', norm '{o.hs_norm}')")
-    if o.attn_weight: parts.append(f"a {o.attn_loss_fn} loss between attention maps (weight {o.attn_weight}; layers mapped '{o.attn_layer_mapper}')")
-    return "The student was trained to minimise the sum of " + '; '.join(parts) + ", every term averaged over the same target tokens."
+    if o.hs_weight:
+        parts.append(f"a {o.hs_loss_fn} loss between hidden states (weight {o.hs_weight}; layers mapped "
+                     f"'{o.hs_layer_mapper}', projector '{o.hs_projector}', norm '{o.hs_norm}')")
+    if o.attn_weight:
+        parts.append(f"a {o.attn_loss_fn} loss between attention maps (weight {o.attn_weight}; layers mapped "
+                     f"'{o.attn_layer_mapper}')")
+    return ("The student was trained to minimise the sum of " + '; '.join(parts)
+            + ", every term averaged over the same target tokens.")
 
-def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:DistillationObjective=None, hyperparameters:dict=None,
-               training_tokens:int=None, peak_memory:int=None, teacher=None, student_name:str=None, license:str=None,
+def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:DistillationObjective=None,
+               hyperparameters:dict=None, training_tokens:int=None, peak_memory:int=None, teacher=None,
+               student_name:str=None, license:str=None,
                tags=(), devices:str=None, student_init:str=None, base_model_relation:Optional[str]='distillation',
                sections:dict=None) -> str:
-    "README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} (measured by the caller); `sections` adds {title: markdown}."
+    ("README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} "
+     "(measured by the caller); `sections` adds {title: markdown}.")
     import yaml
     check(isinstance(metrics, dict) and all(isinstance(v, dict) for v in metrics.values()),
           "metrics must map a metric name to {'teacher': value, 'student': value}")
@@ -929,19 +1057,23 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     if dataset: meta['datasets'] = [dataset]
     if license: meta['license'] = license
     name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-{'distilled' if distilled else 'baseline'}"
-    on_hub = re.fullmatch(r"[\w.-]+/[\w.-]+", teacher_name) is not None and not Path(teacher_name).exists()  # a hub id, not a local path
+    # a hub id, not a local path
+    on_hub = re.fullmatch(r"[\w.-]+/[\w.-]+", teacher_name) is not None and not Path(teacher_name).exists()
     teacher_ref = f"[`{teacher_name}`](https://huggingface.co/{teacher_name})" if on_hub else f"`{teacher_name}`"
     if distilled:
-        intro = (f"A student language model **distilled** from the teacher {teacher_ref} with [memlab](https://github.com/memlab/memlab) "
-                 f"on `{dataset}`. It was trained to reproduce the teacher's outputs; it is a separate model, not a fine-tuned copy of the teacher.")
-        method = ("Knowledge distillation: the teacher, frozen, predicts a distribution over the next token at every position of the "
-                  "training text, and the student is trained to match it. ")
+        intro = (f"A student language model **distilled** from the teacher {teacher_ref} with "
+                 f"[memlab](https://github.com/memlab/memlab) on `{dataset}`. "
+                 "It was trained to reproduce the teacher's outputs; it is a separate model, "
+                 "not a fine-tuned copy of the teacher.")
+        method = ("Knowledge distillation: the teacher, frozen, predicts a distribution over the next token at "
+                  "every position of the training text, and the student is trained to match it. ")
     else:   # a CE-only objective: the baseline a distillation is compared with; no teacher output was used
-        intro = (f"A student language model built from the teacher {teacher_ref} and trained with [memlab](https://github.com/memlab/memlab) "
-                 f"on `{dataset}` **without distillation**: the baseline of a distillation experiment. No output of the teacher was used in training.")
+        intro = (f"A student language model built from the teacher {teacher_ref} and trained with "
+                 f"[memlab](https://github.com/memlab/memlab) on `{dataset}` **without distillation**: "
+                 "the baseline of a distillation experiment. No output of the teacher was used in training.")
         method = "Plain language-model training on the text. "
-    L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '', intro, '', '## Method', '',
-         method + describe_objective(objective), '',
+    L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '', intro,
+         '', '## Method', '', method + describe_objective(objective), '',
          '## Teacher and data', '', f"- Teacher: `{teacher_name}`", f"- Training data: `{dataset}`"]
     if student_init: L.append(f"- Student initialisation: {student_init}")
     if training_tokens is not None: L.append(f"- Training tokens: {training_tokens:,}")
@@ -955,7 +1087,9 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     L += [f"| {m} | {_fmt(v.get('teacher'))} | {_fmt(v.get('student'))} |" for m, v in metrics.items()]
     L += ['', '## Training', '', '### Objective', '', '| field | value |', '|---|---|']
     L += [f"| {k} | {_fmt(v)} |" for k, v in objective.to_dict().items()]
-    if hyperparameters: L += ['', '### Hyperparameters', '', '| name | value |', '|---|---|'] + [f"| {k} | {_fmt(v)} |" for k, v in hyperparameters.items()]
+    if hyperparameters:
+        L += (['', '### Hyperparameters', '', '| name | value |', '|---|---|']
+              + [f"| {k} | {_fmt(v)} |" for k, v in hyperparameters.items()])
     L += ['', '### Resources', '']
     if peak_memory is not None: L.append(f"- Peak memory: {fmt_bytes(peak_memory)}")
     if devices: L.append(f"- Devices: {devices}")
@@ -966,7 +1100,8 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
 
 # %% ../nbs/41_distill.ipynb
 def _loss_measurement(path:str, n_tokens:int=2048, vocab:int=49152, width:int=576, chunk_size:int=None) -> dict:
-    "Peak memory and tokens/s of forward + backward of the KL loss alone (`path`: dense, chunked or fused), inputs excluded."
+    ("Peak memory and tokens/s of forward + backward of the KL loss alone "
+     "(`path`: dense, chunked or fused), inputs excluded.")
     from memlab.bench import measure_step
     torch.set_num_threads(1); torch.manual_seed(0)
     h, W = torch.randn(n_tokens, width), torch.randn(vocab, width) / width ** 0.5
@@ -983,18 +1118,21 @@ def _loss_measurement(path:str, n_tokens:int=2048, vocab:int=49152, width:int=57
     return measure_step(step, n_tokens, warmup=1, repeats=2)
 
 def _step_measurement(kind:str, quick:bool=False, seq_len:int=512) -> dict:
-    "Peak memory and tokens/s of one training step (forward, backward, AdamW) of the half-depth student; `kind` picks the objective."
+    ("Peak memory and tokens/s of one training step (forward, backward, AdamW) of the half-depth student; "
+     "`kind` picks the objective.")
     import tempfile
     from memlab.bench import measure_step
     from memlab.models import tiny_model
     torch.set_num_threads(1); torch.manual_seed(0)
-    teacher = (tiny_model('llama', vocab_size=8192, num_layers=4) if quick else load_model('smollm2-135m')).eval().requires_grad_(False)
+    teacher = (tiny_model('llama', vocab_size=8192, num_layers=4) if quick
+               else load_model('smollm2-135m')).eval().requires_grad_(False)
     V, L = teacher.config.vocab_size, len(decoder_layers(teacher))
     student = build_student(teacher, {'num_hidden_layers': L // 2}).train()
     ids = torch.randint(0, V, (1, seq_len + 1))
     batch = {'input_ids': ids[:, :-1], 'labels': ids[:, 1:], 'attention_mask': torch.ones(1, seq_len, dtype=torch.long)}
     with tempfile.TemporaryDirectory() as d:
-        if kind == 'CE (no teacher)': loss_fn = DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1), student)
+        if kind == 'CE (no teacher)':
+            loss_fn = DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1), student)
         elif kind == 'KL, top-64 shards':
             generate_teacher_topk(teacher, [batch], d, k=64)
             loss_fn = DistillLoss(TopKTeacher(d), DistillationObjective(), student)
@@ -1008,17 +1146,22 @@ def _step_measurement(kind:str, quick:bool=False, seq_len:int=512) -> dict:
         return measure_step(step, seq_len, warmup=1, repeats=2)
 
 def benchmark(quick:bool=False) -> tuple:
-    "Distillation vs CE training steps, and the dense vs chunked vs fused loss at vocabulary 49,152 (`memlab_bench distill`)."
+    ("Distillation vs CE training steps, and the dense vs chunked vs fused loss at vocabulary 49,152 "
+     "(`memlab_bench distill`).")
     from memlab.bench import run_isolated
     rows, N = [], 512 if quick else 2048
     for path in ('dense', 'chunked', 'fused'):
         r = run_isolated('memlab.distill:_loss_measurement', path, n_tokens=N)
-        rows.append({'config': f"{path} KL loss", 'group': f"loss alone, {N} tokens x 49152", **{k: round(v, 2) for k, v in r.items()}})
+        rows.append({'config': f"{path} KL loss", 'group': f"loss alone, {N} tokens x 49152",
+                     **{k: round(v, 2) for k, v in r.items()}})
     for kind in ('CE (no teacher)', 'KL, online teacher', 'KL, online teacher, fused', 'KL, top-64 shards'):
         r = run_isolated('memlab.distill:_step_measurement', kind, quick=quick)
-        rows.append({'config': f"{kind} step", 'group': 'training step, 512 tokens' + (' (tiny models)' if quick else ', SmolLM2 -> 15 layers'),
+        rows.append({'config': f"{kind} step",
+                     'group': 'training step, 512 tokens' + (' (tiny models)' if quick else ', SmolLM2 -> 15 layers'),
                      **{k: round(v, 2) for k, v in r.items()}})
     for group in dict.fromkeys(r['group'] for r in rows):   # each measurement relative to the first row of its group
         g = [r for r in rows if r['group'] == group]
-        for r in g: r['peak_ratio'], r['speed_ratio'] = round(r['peak_mib'] / g[0]['peak_mib'], 3), round(r['tokens_per_s'] / g[0]['tokens_per_s'], 3)
+        for r in g:
+            r['peak_ratio'], r['speed_ratio'] = (round(r['peak_mib'] / g[0]['peak_mib'], 3),
+                                                 round(r['tokens_per_s'] / g[0]['tokens_per_s'], 3))
     return rows, None

@@ -32,11 +32,13 @@ def _strip_directives(src:str) -> str:
     return '\n'.join(lines).strip('\n')
 
 def _output_md(o:dict) -> str:
-    "A cell output as Markdown: printed text, Markdown/HTML displays, images; not stderr (warnings, progress bars) nor widgets."
+    ("A cell output as Markdown: printed text, Markdown/HTML displays, images; not stderr "
+     "(warnings, progress bars) nor widgets.")
     if o.get('output_type') == 'stream':
         return '' if o.get('name') == 'stderr' else '```\n' + ''.join(o.get('text', '')).rstrip() + '\n```'
     data = o.get('data', {})
-    if 'application/vnd.jupyter.widget-view+json' in data: return ''   # a live widget (a progress bar): nothing to show on a page
+    # a live widget (a progress bar): nothing to show on a page
+    if 'application/vnd.jupyter.widget-view+json' in data: return ''
     if 'text/markdown' in data: return ''.join(data['text/markdown'])
     if 'image/png' in data: return f"![](data:image/png;base64,{''.join(data['image/png']).strip()})"
     if 'text/plain' in data: return '```\n' + ''.join(data['text/plain']).rstrip() + '\n```'
@@ -53,7 +55,8 @@ def _fix_links(md:str, link_base:str='', ext:str='.ipynb') -> str:
         return f"[{text}]({path}{'#' + anchor if anchor else ''})"
     return re.sub(r"\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
 
-def notebook_markdown(path, skip_title:bool=False, link_base:str='', ext:str='.ipynb', api_hook=None, image_hook=None) -> str:
+def notebook_markdown(path, skip_title:bool=False, link_base:str='', ext:str='.ipynb', api_hook=None,
+                      image_hook=None) -> str:
     """Render notebook `path` as Markdown (no Quarto needed). `api_hook(source)` may return Markdown to insert after a code cell
     (API documentation of what it exports); `image_hook(png_base64)` may return the link to use for an image output."""
     nb = json.loads(Path(path).read_text())
@@ -92,13 +95,16 @@ def results_markdown(root='.') -> str:
             rows.append({**r, 'notebook': r.get('notebook') or d.get('notebook') or f"nbs/experiments/{f.stem}.ipynb"})
     if not rows: return '_No experiment has recorded headline results yet._'
     lines = ['| method | experiment | result | notebook |', '|---|---|---|---|']
-    for r in rows: lines.append(f"| {r.get('method', '')} | {r.get('experiment', '')} | {r.get('result', '')} | [{Path(r['notebook']).stem}]({r['notebook']}) |")
+    for r in rows:
+        lines.append(f"| {r.get('method', '')} | {r.get('experiment', '')} | {r.get('result', '')} | "
+                     f"[{Path(r['notebook']).stem}]({r['notebook']}) |")
     return '\n'.join(lines)
 
 def write_readme(root='.') -> Path:
     "Write `<root>/README.md` from `<root>/nbs/index.ipynb`."
     root = Path(root); check((root/'nbs'/'index.ipynb').exists(), f"no nbs/index.ipynb under {root.resolve()}")
-    atomic_write_text(root/'README.md', readme_markdown(root/'nbs').replace('<!-- memlab:results -->', results_markdown(root)))
+    atomic_write_text(root/'README.md',
+                      readme_markdown(root/'nbs').replace('<!-- memlab:results -->', results_markdown(root)))
     return root/'README.md'
 
 # %% ../nbs/99_docs.ipynb
@@ -130,7 +136,8 @@ def _param_rows(obj) -> list:
     for name, p in sig.parameters.items():
         if name in ('self', 'cls'): continue
         d = docs.get(name, {}) if isinstance(docs.get(name), dict) else {}
-        ann = '' if p.annotation is inspect._empty else (p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, '__name__', str(p.annotation)))
+        ann = '' if p.annotation is inspect._empty else (p.annotation if isinstance(p.annotation, str)
+                                                         else getattr(p.annotation, '__name__', str(p.annotation)))
         default = '' if p.default is inspect._empty else repr(p.default)
         rows.append((name, str(ann), default, d.get('docment') or ''))
     return rows
@@ -146,7 +153,8 @@ def _python_html(code:str) -> str:
     from pygments import highlight
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import PythonLexer
-    return f'<div class="highlight"><pre><code>{highlight(code, PythonLexer(), HtmlFormatter(nowrap=True))}</code></pre></div>'
+    return (f'<div class="highlight"><pre><code>{highlight(code, PythonLexer(), HtmlFormatter(nowrap=True))}'
+            '</code></pre></div>')
 
 def source_url(obj) -> Optional[str]:
     "The line defining `obj` in the project's repository (settings.ini's git_url and branch), or None."
@@ -164,7 +172,8 @@ def _settings() -> dict:
     return dict(p.defaults())
 
 def api_html(obj, name:str, level:int=4) -> str:
-    "HTML documentation block of one object: signature, docstring (Markdown), parameter table, source link (and a class's methods)."
+    ("HTML documentation block of one object: signature, docstring (Markdown), parameter table, source link "
+     "(and a class's methods).")
     kind = 'class' if inspect.isclass(obj) else ('function' if callable(obj) else 'value')
     try: sig = str(_signature(obj)) if callable(obj) else ''
     except (TypeError, ValueError): sig = '(...)'
@@ -179,16 +188,19 @@ def api_html(obj, name:str, level:int=4) -> str:
     rows = _param_rows(obj) if callable(obj) else []
     if rows and any(r[3] for r in rows):
         out.append('<table><thead><tr><th>parameter</th><th>type</th><th>default</th><th></th></tr></thead><tbody>')
-        out += [f'<tr><td><code>{html.escape(a)}</code></td><td>{html.escape(b)}</td><td><code>{html.escape(c)}</code></td><td>{_markdown(d, inline=True)}</td></tr>'
+        out += [f'<tr><td><code>{html.escape(a)}</code></td><td>{html.escape(b)}</td><td><code>{html.escape(c)}'
+                f'</code></td><td>{_markdown(d, inline=True)}</td></tr>'
                 for a, b, c, d in rows]
         out.append('</tbody></table>')
     if kind == 'class':
         for mname, m in inspect.getmembers(obj):
-            if mname.startswith('_') or mname not in obj.__dict__ or not callable(m) or not getattr(m, '__doc__', None): continue
+            if mname.startswith('_') or mname not in obj.__dict__ or not callable(m) or not getattr(m, '__doc__', None):
+                continue
             try: msig = str(_signature(m))
             except (TypeError, ValueError): msig = '(...)'
             first = (inspect.getdoc(m) or '').split('\n\n')[0]
-            out.append(f'<p class="memlab-method"><code>{html.escape(name + "." + mname + msig)}</code>: {_markdown(first, inline=True)}</p>')
+            out.append(f'<p class="memlab-method"><code>{html.escape(name + "." + mname + msig)}</code>: '
+                       f'{_markdown(first, inline=True)}</p>')
     out.append('</div>')
     return '\n'.join(out)
 
@@ -197,7 +209,8 @@ def api_hook_for(module_name:str):
     mod = importlib.import_module(module_name)
     public = set(getattr(mod, '__all__', []) or [n for n in dir(mod) if not n.startswith('_')])
     def hook(source:str) -> str:
-        return '\n\n'.join(api_html(getattr(mod, n), n) for n in _exported_names(source) if n in public and hasattr(mod, n))
+        return '\n\n'.join(api_html(getattr(mod, n), n)
+                           for n in _exported_names(source) if n in public and hasattr(mod, n))
     return hook
 
 # %% ../nbs/99_docs.ipynb
@@ -267,14 +280,16 @@ def site_pages(root='.') -> list:
     for p in lib:
         sec = 'Foundations' if p.name[0] == '0' else ('Project' if p.name[0] == '9' else 'Methods')
         pages.append((sec, p, p.stem + '.md'))
-    pages += [('Experiments', p, 'experiments/' + p.stem + '.md') for p in sorted((nbs/'experiments').glob('[!_]*.ipynb'))]
+    pages += [('Experiments', p, 'experiments/' + p.stem + '.md')
+              for p in sorted((nbs/'experiments').glob('[!_]*.ipynb'))]
     return pages
 
 def build_site(root='.', out='_site', strict:bool=True) -> Path:
     "Render the documentation site from the notebooks into `out` (static HTML, viewable offline)."
     root, out = Path(root).resolve(), Path(out).resolve()
     import tempfile
-    with tempfile.TemporaryDirectory(prefix='memlab-site-') as tmp:     # the Markdown sources and MkDocs config: nowhere in the project
+    # the Markdown sources and MkDocs config: nowhere in the project
+    with tempfile.TemporaryDirectory(prefix='memlab-site-') as tmp:
         return _build_site(root, out, Path(tmp), strict)
 
 def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
@@ -291,15 +306,17 @@ def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
         hook = api_hook_for(mod) if mod else None
         md = notebook_markdown(nb, api_hook=hook, image_hook=image_hook, ext='.md',
                                link_base='')
-        if page == 'index.md': md = md.replace('<!-- memlab:results -->', results_markdown(root)).replace('](nbs/', '](')
+        if page == 'index.md':
+            md = md.replace('<!-- memlab:results -->', results_markdown(root)).replace('](nbs/', '](')
         md = _site_links(md, page)
         (src/page).parent.mkdir(parents=True, exist_ok=True)
         (src/page).write_text(md)
         nav.setdefault(section, []).append({_title(nb): page})
     (src/'js').mkdir(exist_ok=True); (src/'js'/'file-worker.js').write_text(FILE_WORKER_JS)
     (src/'css').mkdir(exist_ok=True)
-    (src/'css'/'memlab.css').write_text(".memlab-api{border-left:3px solid #7c4dff;padding:.2em .8em;margin:1em 0;background:#f7f5ff}"
-                                        ".memlab-api h4{margin-top:.3em}.memlab-api .highlight code{white-space:pre-wrap}"
+    (src/'css'/'memlab.css').write_text(".memlab-api{border-left:3px solid #7c4dff;padding:.2em .8em;margin:1em 0;"
+                                        "background:#f7f5ff}.memlab-api h4{margin-top:.3em}"
+                                        ".memlab-api .highlight code{white-space:pre-wrap}"
                                         ".memlab-source{font-size:.7em;margin-left:.6em}"
                                         "article img{max-width:100%;height:auto}")
     cfg = {'site_name': 'memlab', 'docs_dir': str(src), 'site_dir': str(out), 'use_directory_urls': False,
@@ -307,15 +324,16 @@ def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
            'extra_css': ['css/memlab.css'],
            'markdown_extensions': ['tables', 'toc', 'admonition', {'pymdownx.highlight': {'use_pygments': True}},
                                    'pymdownx.superfences', 'pymdownx.inlinehilite'],
-           'nav': [{k: v if k != 'Home' else v[0][next(iter(v[0]))]} if k == 'Home' else {k: v} for k, v in nav.items()],
+           'nav': [{k: v if k != 'Home' else v[0][next(iter(v[0]))]} if k == 'Home' else {k: v}
+                   for k, v in nav.items()],
            'plugins': ['search'], 'extra': {'polyfills': ['js/file-worker.js']}}
     import yaml
     cfg_path = tmp/'mkdocs.yml'
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '-q', '-f', str(cfg_path)] + (['--strict'] if strict else []),
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '-q', '-f', str(cfg_path)]
+                       + (['--strict'] if strict else []), capture_output=True, text=True)
     check(r.returncode == 0, f"mkdocs build failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
-    index = out/'search'/'search_index.json'                  # the theme reads the index from this script when opened as a file
+    index = out/'search'/'search_index.json'  # the theme reads the index from this script when opened as a file
     if index.exists(): (out/'search'/'search_index.js').write_text('var __index = ' + index.read_text())
     return out
 
@@ -328,7 +346,8 @@ def _site_links(md:str, page:str) -> str:
         path, _, anchor = target.partition('#')
         if path.endswith('.md') or path.endswith('.ipynb'):
             path = path[:-6] + '.md' if path.endswith('.ipynb') else path
-            if in_exp and not path.startswith(('../', 'experiments/')) and re.match(r'^\d\d_|^index', Path(path).name): path = '../' + path
+            if in_exp and not path.startswith(('../', 'experiments/')) and re.match(r'^\d\d_|^index', Path(path).name):
+                path = '../' + path
             if in_exp and path.startswith('experiments/'): path = path[len('experiments/'):]
         return f"[{text}]({path}{'#' + anchor if anchor else ''})"
     return re.sub(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
@@ -343,7 +362,8 @@ def docs_main():
     p.add_argument('--root', default='.', help='project root (holds nbs/)')
     p.add_argument('--readme', action='store_true', help='write README.md only')
     p.add_argument('--site', action='store_true', help='also build the documentation site (MkDocs, offline)')
-    p.add_argument('--out', default='_site', help='where the site goes (only this folder is written; open <out>/index.html)')
+    p.add_argument('--out', default='_site',
+                   help='where the site goes (only this folder is written; open <out>/index.html)')
     args = p.parse_args()
     print(write_readme(args.root))
     if args.site: print(build_site(args.root, args.out))

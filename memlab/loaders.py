@@ -25,11 +25,13 @@ def dist_rank_world(rank:int=None, world_size:int=None) -> tuple:
             r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
         else: r, w = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
         rank, world_size = (r if rank is None else rank), (w if world_size is None else world_size)
-    check(world_size >= 1 and 0 <= rank < world_size, f"rank must be in 0..world_size-1, got rank {rank} of world_size {world_size}")
+    check(world_size >= 1 and 0 <= rank < world_size,
+          f"rank must be in 0..world_size-1, got rank {rank} of world_size {world_size}")
     return rank, world_size
 
 def shift_labels(input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> torch.Tensor:
-    "Pre-shifted labels: `labels[:, t] = input_ids[:, t+1]`, −100 at the last position and wherever position t or t+1 is padding."
+    ("Pre-shifted labels: `labels[:, t] = input_ids[:, t+1]`, −100 at the last position and wherever position "
+     "t or t+1 is padding.")
     labels = torch.full_like(input_ids, -100)                 # (B, T)
     labels[:, :-1] = input_ids[:, 1:]
     if attention_mask is not None:
@@ -39,7 +41,8 @@ def shift_labels(input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> to
 
 # %% ../nbs/03_loaders.ipynb
 class TokenBatches:
-    "Batches of fixed-length token rows with pre-shifted labels: seeded per-epoch order, sharded over processes, exactly resumable."
+    ("Batches of fixed-length token rows with pre-shifted labels: seeded per-epoch order, "
+     "sharded over processes, exactly resumable.")
     def __init__(self, dataset, batch_size:int, shuffle:bool=None, seed:int=0, loop:bool=True, drop_last:bool=False,
                  rank:int=None, world_size:int=None, pad_id:int=0):
         self.rank, self.world_size = dist_rank_world(rank, world_size)
@@ -49,15 +52,18 @@ class TokenBatches:
         self._source(dataset)
         G = self.global_batch
         check(self.n_rows > 0, "the dataset has no rows")
-        check(not (drop_last and self.n_rows < G), f"the dataset has {self.n_rows} rows, fewer than one global batch of "
-              f"batch_size {batch_size} x {self.world_size} processes = {G}, and drop_last=True would yield nothing")
+        check(not (drop_last and self.n_rows < G), f"the dataset has {self.n_rows} rows, "
+              f"fewer than one global batch of batch_size {batch_size} x {self.world_size} processes = {G}, "
+              "and drop_last=True would yield nothing")
         self.epoch, self.position, self._order_cache = 0, 0, (None, None)
 
     def _source(self, data):
         import datasets
-        check(not isinstance(data, datasets.DatasetDict), "pass one split of the DatasetDict (e.g. data['train']), not the whole dict")
+        check(not isinstance(data, datasets.DatasetDict),
+              "pass one split of the DatasetDict (e.g. data['train']), not the whole dict")
         if isinstance(data, datasets.Dataset):
-            check('input_ids' in data.column_names, f"the dataset has no input_ids column (columns: {', '.join(data.column_names)})")
+            check('input_ids' in data.column_names,
+                  f"the dataset has no input_ids column (columns: {', '.join(data.column_names)})")
             cols = [c for c in ('input_ids', 'attention_mask') if c in data.column_names]
             self._ds, self._ids, self._mask = data.with_format('numpy', columns=cols), None, None
             self.n_rows = len(data)
@@ -66,8 +72,10 @@ class TokenBatches:
             d = data if isinstance(data, dict) else {'input_ids': data}
             self._ds = None
             self._ids = torch.as_tensor(np.asarray(d['input_ids'])).long()                       # (N, T)
-            check(self._ids.ndim == 2, f"input_ids must be a 2-D (rows, length) array, got shape {tuple(self._ids.shape)}")
-            self._mask = torch.as_tensor(np.asarray(d['attention_mask'])).long() if d.get('attention_mask') is not None else None
+            check(self._ids.ndim == 2,
+                  f"input_ids must be a 2-D (rows, length) array, got shape {tuple(self._ids.shape)}")
+            self._mask = (torch.as_tensor(np.asarray(d['attention_mask'])).long()
+                          if d.get('attention_mask') is not None else None)
             self.n_rows, self.seq_len = self._ids.shape
 
     @property
@@ -77,11 +85,12 @@ class TokenBatches:
         "input_ids and attention_mask (k, T) of the rows `idx` (a list of row numbers)."
         if self._ds is None:
             i = torch.as_tensor(idx, dtype=torch.long)
-            return self._ids[i], (self._mask[i] if self._mask is not None else torch.ones(len(idx), self.seq_len, dtype=torch.long))
+            return self._ids[i], (self._mask[i] if self._mask is not None
+                                  else torch.ones(len(idx), self.seq_len, dtype=torch.long))
         b = self._ds[list(idx)]
         ids = b['input_ids']
-        check(ids.ndim == 2 and ids.shape[1] == self.seq_len, "rows of different lengths: TokenBatches needs fixed-length rows "
-              "(pretokenize with memlab_pretokenize, packed or padded)")
+        check(ids.ndim == 2 and ids.shape[1] == self.seq_len, "rows of different lengths: "
+              "TokenBatches needs fixed-length rows (pretokenize with memlab_pretokenize, packed or padded)")
         ids = torch.from_numpy(ids.astype(np.int64))
         mask = torch.from_numpy(b['attention_mask'].astype(np.int64)) if 'attention_mask' in b else torch.ones_like(ids)
         return ids, mask
@@ -89,7 +98,8 @@ class TokenBatches:
     def _order(self, epoch:int) -> np.ndarray:
         "The row order of `epoch`."
         if self._order_cache[0] != epoch:
-            o = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows) if self.shuffle else np.arange(self.n_rows)
+            o = (np.random.default_rng([self.seed, epoch]).permutation(self.n_rows) if self.shuffle
+                 else np.arange(self.n_rows))
             self._order_cache = (epoch, o)
         return self._order_cache[1]
 
@@ -138,7 +148,8 @@ class TokenBatches:
 
     def state_dict(self) -> dict:
         "Where the stream is: epoch and position in global rows (the same on every rank)."
-        return {'epoch': self.epoch, 'position': self.position, 'seed': self.seed, 'n_rows': self.n_rows, 'shuffle': self.shuffle}
+        return {'epoch': self.epoch, 'position': self.position, 'seed': self.seed, 'n_rows': self.n_rows,
+                'shuffle': self.shuffle}
 
     def load_state_dict(self, state:dict):
         "Continue from a `state_dict()`: the next batch is the one that followed it."
@@ -147,29 +158,35 @@ class TokenBatches:
         for k in ('seed', 'n_rows', 'shuffle'):
             check(state.get(k) == getattr(self, k), f"data state does not match this data: saved {k}={state.get(k)!r}, "
                   f"now {getattr(self, k)!r} (a different dataset or seed?)")
-        check(0 <= state['position'] < self.n_rows, f"data state position {state['position']} is outside 0..{self.n_rows - 1}")
+        check(0 <= state['position'] < self.n_rows,
+              f"data state position {state['position']} is outside 0..{self.n_rows - 1}")
         self.epoch, self.position = int(state['epoch']), int(state['position'])
 
     def __repr__(self):
-        return (f"TokenBatches({self.n_rows} rows x {self.seq_len} tokens, batch {self.batch_size} x {self.world_size} processes, "
-                f"{'loop' if self.loop else 'one pass'}, epoch {self.epoch}, position {self.position})")
+        return (f"TokenBatches({self.n_rows} rows x {self.seq_len} tokens, batch {self.batch_size} x "
+                f"{self.world_size} processes, {'loop' if self.loop else 'one pass'}, epoch {self.epoch}, "
+                f"position {self.position})")
 
 # %% ../nbs/03_loaders.ipynb
 def lm_batches(docs, tokenizer, sequence_length:int, batch_size:int, **kwargs) -> TokenBatches:
-    "Pack documents (or texts) into rows of `sequence_length` in memory, EOS between documents, and batch them with `TokenBatches`."
+    ("Pack documents (or texts) into rows of `sequence_length` in memory, EOS between documents, "
+     "and batch them with `TokenBatches`.")
     texts = [d.text if isinstance(d, Document) else str(d) for d in docs]
     check(texts, "no documents to batch")
     packer = Packer(sequence_length, pad_id(tokenizer))
     rows = [packer.add(encode_documents(tokenizer, texts[i:i + 64])) for i in range(0, len(texts), 64)]
     ids = np.concatenate(rows); mask = np.ones(ids.shape, dtype=np.int8)
-    if (last := packer.finish()) is not None: ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
+    if (last := packer.finish()) is not None:
+        ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
     return TokenBatches({'input_ids': ids, 'attention_mask': mask}, batch_size, **kwargs)
 
 # %% ../nbs/03_loaders.ipynb
 class DocumentStream:
-    "Batches where each row streams one document's segments in order (recurrent-memory training), sharded and exactly resumable."
-    def __init__(self, docs, tokenizer, batch_size:int, sequence_length:int, shuffle:bool=None, seed:int=0, loop:bool=True,
-                 rank:int=None, world_size:int=None, add_special_tokens:bool=True, append_eos:bool=True):
+    ("Batches where each row streams one document's segments in order (recurrent-memory training), "
+     "sharded and exactly resumable.")
+    def __init__(self, docs, tokenizer, batch_size:int, sequence_length:int, shuffle:bool=None, seed:int=0,
+                 loop:bool=True, rank:int=None, world_size:int=None, add_special_tokens:bool=True,
+                 append_eos:bool=True):
         self.rank, self.world_size = dist_rank_world(rank, world_size)
         check(batch_size >= 1, f"batch_size must be at least 1, got {batch_size}")
         check(sequence_length >= 1, f"sequence_length must be at least 1, got {sequence_length}")
@@ -178,18 +195,19 @@ class DocumentStream:
         self.shuffle = loop if shuffle is None else shuffle
         self.add_special_tokens, self.append_eos, self.pad_id = add_special_tokens, append_eos, pad_id(tokenizer)
         self.n_docs = len(docs)
-        check(self.n_docs >= self.world_size, f"{self.n_docs} documents cannot be shared by {self.world_size} processes: "
-              f"each needs at least one")
+        check(self.n_docs >= self.world_size, f"{self.n_docs} documents cannot be shared by "
+              f"{self.world_size} processes: each needs at least one")
         self._cache, self._lengths, self._n_batches = {}, None, None
         self._reset()
 
-    # -- documents and their order -------------------------------------------------------------------------------------------
+    # -- documents and their order -------------------------------------------------------------------------------------
     def _tokens(self, d:int) -> np.ndarray:
         "Token ids of document `d` (kept for evaluation passes, recomputed in training)."
         if d in self._cache: return self._cache[d]
         doc = self.docs[d]
         text = doc.text if isinstance(doc, Document) else str(doc)
-        t = np.asarray(encode_documents(self.tokenizer, [text], self.add_special_tokens, self.append_eos)[0], dtype=np.int64)
+        t = np.asarray(encode_documents(self.tokenizer, [text], self.add_special_tokens, self.append_eos)[0],
+                       dtype=np.int64)
         if not self.loop: self._cache[d] = t
         return t
 
@@ -217,9 +235,10 @@ class DocumentStream:
             t = self._tokens(d)
             if len(t) >= 2: return d, t
             skipped += 1
-            check(skipped <= 2 * self.n_docs, "no document of this process's share has two or more tokens: nothing to train on")
+            check(skipped <= 2 * self.n_docs,
+                  "no document of this process's share has two or more tokens: nothing to train on")
 
-    # -- batches ---------------------------------------------------------------------------------------------------------------
+    # -- batches -------------------------------------------------------------------------------------------------------
     def _step(self) -> dict:
         B, L = self.batch_size, self.L
         ids, labels = torch.full((B, L), self.pad_id, dtype=torch.long), torch.full((B, L), -100, dtype=torch.long)
@@ -227,9 +246,9 @@ class DocumentStream:
         for i, row in enumerate(self._rows):
             d, off = row
             if d >= 0 and self._row_tokens[i] is None: self._row_tokens[i] = self._tokens(d)   # after a resume
-            if d < 0 or off >= len(self._row_tokens[i]) - 1:                                   # row needs a new document
+            if d < 0 or off >= len(self._row_tokens[i]) - 1:  # row needs a new document
                 nxt = self._next_doc()
-                if nxt is None: row[0], self._row_tokens[i] = -1, None; continue               # nothing left: padding row
+                if nxt is None: row[0], self._row_tokens[i] = -1, None; continue  # nothing left: padding row
                 (row[0], self._row_tokens[i]), off, sos[i] = nxt, 0, True
             chunk = torch.from_numpy(self._row_tokens[i][off:off + L + 1])                     # (<= L+1,)
             m = len(chunk) - 1
@@ -250,7 +269,8 @@ class DocumentStream:
                     t = encode_documents(self.tokenizer, [doc.text if isinstance(doc, Document) else str(doc)],
                                          self.add_special_tokens, self.append_eos)[0]
                 lengths[d] = len(t)
-            self._n_batches = max(self._simulate([lengths[int(d)] for d in self._share(0, r)]) for r in range(self.world_size))
+            self._n_batches = max(self._simulate([lengths[int(d)] for d in self._share(0, r)])
+                                  for r in range(self.world_size))
         return self._n_batches
 
     def _simulate(self, lengths) -> int:
@@ -276,27 +296,28 @@ class DocumentStream:
             self._reset()
             for _ in range(n): yield self._step()
 
-    # -- state -----------------------------------------------------------------------------------------------------------------
+    # -- state ---------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         "This process's position: epoch, position in its share of the order, and each row's document and offset."
-        return {'epoch': self.epoch, 'queue_position': self.queue_pos, 'rows': [list(r) for r in self._rows], 'rank': self.rank,
-                'world_size': self.world_size, 'batch_size': self.batch_size, 'sequence_length': self.L, 'seed': self.seed,
-                'n_docs': self.n_docs, 'shuffle': self.shuffle}
+        return {'epoch': self.epoch, 'queue_position': self.queue_pos, 'rows': [list(r) for r in self._rows],
+                'rank': self.rank, 'world_size': self.world_size, 'batch_size': self.batch_size,
+                'sequence_length': self.L, 'seed': self.seed, 'n_docs': self.n_docs, 'shuffle': self.shuffle}
 
     def load_state_dict(self, state:dict):
         "Continue from a `state_dict()` saved by the same rank: every row resumes at its document and offset."
         missing = [k for k in ('epoch', 'queue_position', 'rows', 'rank', 'world_size') if k not in state]
         check(not missing, f"not a DocumentStream state: it lacks {', '.join(missing)}")
         check((state.get('rank'), state.get('world_size')) == (self.rank, self.world_size),
-              f"this data state was saved by rank {state.get('rank')} of {state.get('world_size')}, not rank {self.rank} of "
-              f"{self.world_size}: each process must load its own state")
+              f"this data state was saved by rank {state.get('rank')} of {state.get('world_size')}, "
+              f"not rank {self.rank} of {self.world_size}: each process must load its own state")
         for k in ('batch_size', 'sequence_length', 'seed', 'n_docs', 'shuffle'):
             check(state.get(k) == getattr(self, {'sequence_length': 'L'}.get(k, k)),
-                  f"data state does not match this stream: saved {k}={state.get(k)!r}, now {getattr(self, {'sequence_length': 'L'}.get(k, k))!r}")
+                  f"data state does not match this stream: saved {k}={state.get(k)!r}, "
+                  f"now {getattr(self, {'sequence_length': 'L'}.get(k, k))!r}")
         self.epoch, self.queue_pos = int(state['epoch']), int(state['queue_position'])
         self._rows = [[int(d), int(o)] for d, o in state['rows']]
         self._row_tokens = [None] * self.batch_size
 
     def __repr__(self):
-        return (f"DocumentStream({self.n_docs} documents, {self.batch_size} rows x {self.L} tokens on rank {self.rank} of "
-                f"{self.world_size}, {'loop' if self.loop else 'one pass'}, epoch {self.epoch})")
+        return (f"DocumentStream({self.n_docs} documents, {self.batch_size} rows x {self.L} tokens on "
+                f"rank {self.rank} of {self.world_size}, {'loop' if self.loop else 'one pass'}, epoch {self.epoch})")

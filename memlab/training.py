@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compat import accelerator_precision, reset_accelerator_precision
-from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, patch_to, peak_memory, resolve_precision,
-                         rng_state, set_rng_state)
+from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, patch_to,
+                         peak_memory, resolve_precision, rng_state, set_rng_state)
 from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
@@ -33,7 +33,8 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'Loss
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
-    "What a loss function returns: the summed loss over target tokens, the number of target tokens, and extra sums to log."
+    ("What a loss function returns: the summed loss over target tokens, the number of target tokens, "
+     "and extra sums to log.")
     loss_sum: torch.Tensor   # scalar: sum over target tokens (not a mean)
     n_tokens: torch.Tensor   # scalar: number of target tokens behind `loss_sum`
     logs: dict = {}          # name -> scalar sum over the same tokens (logged divided by the token count)
@@ -57,13 +58,14 @@ class Callback:
     def on_train_begin(self, trainer): pass
     def on_step_begin(self, trainer): pass                # before the first micro-batch of an optimizer step
     def on_before_optimizer_step(self, trainer): pass     # gradients are reduced and unscaled, before clipping
-    def on_step_end(self, trainer): pass                  # after optimizer.step, scheduler.step and zero_grad; trainer.step counts it
-                                                          # (set trainer.should_stop = True to end training after this update)
+    def on_step_end(self, trainer): pass  # after optimizer.step, scheduler.step and zero_grad; trainer.step counts it
+                                          # (set trainer.should_stop = True to end training after this update)
     def on_evaluate_begin(self, trainer): pass
     def on_evaluate_end(self, trainer, metrics:dict): pass
     def on_log(self, trainer, logs:dict): pass            # logs may be edited in place
     def on_save(self, trainer, checkpoint_dir:Path): pass # write extra files into the checkpoint being saved
-    def on_load_begin(self, trainer, checkpoint_dir:Path): pass  # callback state is restored; model and optimizer not yet
+    def on_load_begin(self, trainer, checkpoint_dir:Path):  # callback state is restored; model and optimizer not yet
+        pass
     def on_load(self, trainer, checkpoint_dir:Path): pass
     def on_train_end(self, trainer): pass
     def state_dict(self) -> dict: return {}
@@ -119,17 +121,21 @@ class TrainConfig(Config):
 
     def __post_init__(self):
         check(self.max_steps > 0, f"max_steps must be positive, got {self.max_steps}")
-        check_ranges(self)                  # lr > 0, betas in [0, 1), weight decay >= 0, ... (by field name, see memlab.core)
+        check_ranges(self)  # lr > 0, betas in [0, 1), weight decay >= 0, ... (by field name, see memlab.core)
         check(self.max_eval_steps is None or self.max_eval_steps > 0,
               f"max_eval_steps must be positive (or None for the whole evaluation split), got {self.max_eval_steps}")
-        check(self.per_device_batch_size > 0, f"per_device_batch_size must be positive, got {self.per_device_batch_size}")
+        check(self.per_device_batch_size > 0,
+              f"per_device_batch_size must be positive, got {self.per_device_batch_size}")
         check(self.total_batch_size is None or self.gradient_accumulation_steps is None,
               "give total_batch_size or gradient_accumulation_steps, not both")
         check(callable(self.scheduler) or self.scheduler in SCHEDULERS,
-              f"unknown scheduler {self.scheduler!r}; use one of {', '.join(SCHEDULERS)} (or pass a scheduler to the Trainer)")
+              f"unknown scheduler {self.scheduler!r}; use one of {', '.join(SCHEDULERS)} "
+              "(or pass a scheduler to the Trainer)")
         self.mixed_precision = resolve_precision(self.mixed_precision)
-        check(self.distributed_type in ('auto', 'ddp', 'fsdp'), f"distributed_type must be auto, ddp or fsdp, not {self.distributed_type!r}")
-        check(self.report_to in ('tensorboard', 'wandb', 'none'), f"report_to must be tensorboard, wandb or none, not {self.report_to!r}")
+        check(self.distributed_type in ('auto', 'ddp', 'fsdp'),
+              f"distributed_type must be auto, ddp or fsdp, not {self.distributed_type!r}")
+        check(self.report_to in ('tensorboard', 'wandb', 'none'),
+              f"report_to must be tensorboard, wandb or none, not {self.report_to!r}")
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def accumulation_steps(self, world_size:int) -> int:
@@ -186,7 +192,8 @@ def _decay_groups(model, weight_decay:float) -> list:
     for n, p in model.named_parameters():
         if not p.requires_grad: continue
         (no_decay if p.ndim < 2 or 'norm' in n.lower() or n.endswith('.bias') else decay).append(p)
-    groups = [g for g in ({'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}) if g['params']]
+    groups = [g for g in ({'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0})
+              if g['params']]
     check(groups, "the model has no trainable parameters")
     return groups
 
@@ -219,13 +226,15 @@ def resolve_distributed_type(kind:str='auto') -> str:
     return 'fsdp' if str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')) else 'ddp'
 
 def shard_layer_classes(model, names=None) -> set:
-    "Module classes FSDP shards separately: `names`, the accelerate config's, Hugging Face's `_no_split_modules`, else ModuleList children."
+    ("Module classes FSDP shards separately: `names`, the accelerate config's, Hugging Face's `_no_split_modules`, "
+     "else ModuleList children.")
     env = os.environ.get('FSDP_TRANSFORMER_CLS_TO_WRAP')
     asked = [n.strip() for n in (names or (env.split(',') if env else [])) if n.strip()]
     present = {type(m).__name__: type(m) for m in model.modules()}
     if asked:
-        # Names the user gave must exist: a typo would otherwise shard the wrong thing without a word. An accelerate config
-        # may list the blocks of several architectures (the shipped one: mixer and Llama blocks), so there one match suffices.
+        # Names the user gave must exist: a typo would otherwise shard the wrong thing without a word. An accelerate
+        # config may list the blocks of several architectures (the shipped one: mixer and Llama blocks), so there one
+        # match suffices.
         missing = [n for n in asked if n not in present]
         check(not missing if names else len(missing) < len(asked),
               f"FSDP layer class(es) {', '.join(missing)} not found in {type(model).__name__}; "
@@ -241,16 +250,19 @@ def apply_fsdp(model, device, mixed_precision:str='no', layer_cls=None):
     "Shard `model` with FSDP2 (`fully_shard` per decoder layer, then the root) on the current process group."
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     model.to(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == 'bf16' else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == 'bf16'
+          else MixedPrecisionPolicy())
     classes = shard_layer_classes(model, layer_cls)
-    check(classes, f"found no layer class to shard in {type(model).__name__}" + (f" named {', '.join(layer_cls)}" if layer_cls else ''))
+    check(classes, f"found no layer class to shard in {type(model).__name__}"
+                   + (f" named {', '.join(layer_cls)}" if layer_cls else ''))
     for m in list(model.modules()):
         if type(m) in classes: fully_shard(m, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
 def main_process_value(value, accelerator):
-    "`value` as the main process has it, on every process (a decision made once, e.g. whether an output folder may be used)."
+    ("`value` as the main process has it, on every process (a decision made once, e.g. whether an output "
+     "folder may be used).")
     if accelerator.num_processes == 1: return value
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
@@ -259,13 +271,14 @@ def main_process_value(value, accelerator):
 
 # %% ../nbs/05_training.ipynb
 def fingerprint(weights, trainable_only:bool=False) -> list:
-    "Sum and sum of squares (float64) of a model's floating tensors (its trainable ones) or of a state dict; a collective under FSDP."
+    ("Sum and sum of squares (float64) of a model's floating tensors (its trainable ones) or of a state dict; "
+     "a collective under FSDP.")
     if isinstance(weights, dict): tensors = list(weights.values())
     elif trainable_only: tensors = [p for p in weights.parameters() if p.requires_grad]
     else: tensors = list(weights.state_dict().values())
     s = torch.zeros(2, dtype=torch.float64)
     for v in tensors:
-        v = v.full_tensor() if hasattr(v, 'full_tensor') else v           # a DTensor shard: gathered (every process calls this)
+        v = v.full_tensor() if hasattr(v, 'full_tensor') else v  # a DTensor shard: gathered (every process calls this)
         if v.is_floating_point(): v = v.detach().double().cpu(); s += torch.stack([v.sum(), (v * v).sum()])
     return s.tolist()
 
@@ -273,7 +286,8 @@ def check_replicas(fp:list, world:int, what:str='weights') -> list:
     "Every process's fingerprint `fp` (all-gathered when `world` > 1); one line, on every process, if they differ."
     fps = [fp] * world
     if world > 1: torch.distributed.all_gather_object(fps, fp)
-    check(all(f == fps[0] for f in fps), f"the {world} processes ended with different {what} (fingerprints {fps}): a replica diverged")
+    check(all(f == fps[0] for f in fps),
+          f"the {world} processes ended with different {what} (fingerprints {fps}): a replica diverged")
     return fps
 
 
@@ -286,7 +300,8 @@ def list_checkpoints(output_dir) -> list:
     "Complete checkpoints under `output_dir`, oldest first."
     root = Path(output_dir)/CHECKPOINTS
     if not root.exists(): return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith('step-') and (p/'trainer_state.json').exists())
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith('step-') and (p/'trainer_state.json').exists())
 
 def find_checkpoint(resume_from, output_dir=None) -> Path:
     "The checkpoint folder that `resume_from` names: a folder, or 'latest' in `output_dir`."
@@ -301,10 +316,12 @@ def find_checkpoint(resume_from, output_dir=None) -> Path:
         return ckpts[-1]
     p = Path(resume_from)
     if (p/CHECKPOINTS).exists() and not (p/'trainer_state.json').exists(): return find_checkpoint('latest', p)
-    check((p/'trainer_state.json').exists(), f"{p} is not a memlab checkpoint (no trainer_state.json): pass a checkpoints/step-* folder or 'latest'")
+    check((p/'trainer_state.json').exists(),
+          f"{p} is not a memlab checkpoint (no trainer_state.json): pass a checkpoints/step-* folder or 'latest'")
     return p
 
-UNFINISHED_RUN_FILES = ('run_config.json', 'log.jsonl', 'loss.png', 'tensorboard')   # what a run writes before its first checkpoint
+# what a run writes before its first checkpoint
+UNFINISHED_RUN_FILES = ('run_config.json', 'log.jsonl', 'loss.png', 'tensorboard')
 
 def output_dir_refusal(out, resume_hint:str="resume_from='latest'", flag:str='output_dir') -> Optional[str]:
     """Why a new run cannot start in `out` (None if it can). A finished run (results.json) or one with checkpoints is never
@@ -313,12 +330,14 @@ def output_dir_refusal(out, resume_hint:str="resume_from='latest'", flag:str='ou
     if not out.exists(): return None
     check(out.is_dir(), f"--{flag} {out} is a file: pass a folder")
     if list_checkpoints(out):
-        return f"--{flag} {out} already holds a run with checkpoints: pass {resume_hint} to continue it, or choose another folder"
+        return (f"--{flag} {out} already holds a run with checkpoints: pass {resume_hint} to continue it, "
+                "or choose another folder")
     if (out/'results.json').exists(): return f"--{flag} {out} already holds a run (results.json): choose another folder"
     return None
 
 def clear_unfinished_run(out) -> list:
-    "Remove what a run that stopped before its first checkpoint left in `out` (log, config, plot, half-written checkpoints)."
+    ("Remove what a run that stopped before its first checkpoint left in `out` "
+     "(log, config, plot, half-written checkpoints).")
     out, gone = Path(out), []
     for name in UNFINISHED_RUN_FILES:
         p = out/name
@@ -331,7 +350,7 @@ def clear_unfinished_run(out) -> list:
 def load_strict(module:nn.Module, state:dict, what:str='model'):
     "`module.load_state_dict(state, strict=True)`, turning a key mismatch into one clear MemlabError."
     missing, unexpected = [], []
-    state = to_state_names(module, state)         # a checkpoint of an older memlab named wrapped weights `....base_layer.*`
+    state = to_state_names(module, state)  # a checkpoint of an older memlab named wrapped weights `....base_layer.*`
     own = module.state_dict()
     missing = sorted(k for k in own if k not in state); unexpected = sorted(k for k in state if k not in own)
     if missing or unexpected:
@@ -340,8 +359,9 @@ def load_strict(module:nn.Module, state:dict, what:str='model'):
             f"missing {len(missing)} key(s): {_few(missing)}" if missing else '',
             f"unexpected {len(unexpected)} key(s): {_few(unexpected)}" if unexpected else '') if x))
     wrong = next((k for k in own if tuple(state[k].shape) != tuple(own[k].shape)), None)
-    if wrong: raise MemlabError(f"{what} state does not match: {wrong} is {list(state[wrong].shape)} in the checkpoint, "
-                                f"{list(own[wrong].shape)} in the model (another model size?)")
+    if wrong:
+        raise MemlabError(f"{what} state does not match: {wrong} is {list(state[wrong].shape)} in the checkpoint, "
+                          f"{list(own[wrong].shape)} in the model (another model size?)")
     module.load_state_dict(state, strict=True)
 
 # %% ../nbs/05_training.ipynb
@@ -493,7 +513,8 @@ class Interrupted(MemlabError):
         super().__init__(message); self.exit_code = 128 + int(signum)
 
 class StopSignals:
-    "Within `with`, the first SIGINT/SIGTERM sets `received` (the signal's name) instead of stopping; a second SIGINT stops at once."
+    ("Within `with`, the first SIGINT/SIGTERM sets `received` (the signal's name) instead of stopping; "
+     "a second SIGINT stops at once.")
     SIGNALS = ('SIGINT', 'SIGTERM')
     def __init__(self): self.received, self.signum, self._old = None, None, {}
 
@@ -518,7 +539,7 @@ class Trainer:
                  optimizer=None, scheduler=None, accelerator=None, run_config:dict=None):
         self.config, self.train_data, self.eval_data = config, train_data, eval_data
         self.loss_fn = loss_fn or causal_lm_loss
-        given = list(callbacks)                                         # plus what the model's methods need, unless given
+        given = list(callbacks)  # plus what the model's methods need, unless given
         callbacks = given + [cb for cb in model_callbacks(model) if not any(type(c) is type(cb) for c in given)]
         self.callbacks = sorted(callbacks, key=lambda c: getattr(c, 'order', 0))
         self.run_config = run_config or {}
@@ -530,17 +551,20 @@ class Trainer:
         self._clear_unfinished_run()
         for name, data in (('train_data', train_data), ('eval_data', eval_data)):
             w = getattr(data, 'world_size', None)
-            check(w is None or w == self.world_size, f"{name} was built for {w} process(es) but {self.world_size} are running: "
-                  f"build the loaders inside the launched processes (they read RANK/WORLD_SIZE) or pass rank= and world_size=")
+            check(w is None or w == self.world_size, f"{name} was built for {w} process(es) "
+                  f"but {self.world_size} are running: build the loaders inside the launched processes "
+                  "(they read RANK/WORLD_SIZE) or pass rank= and world_size=")
         from memlab.core import seed_everything
         seed_everything(config.seed)
         self.step, self.tokens_seen, self.history, self._log_sums = 0, 0, [], {}
-        self._optimizer_fn = optimizer if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else None
+        self._optimizer_fn = (optimizer
+                              if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else None)
         self._given_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self._scheduler_fn = scheduler
         self._writer = None
         self._prepare(model)
-        if self.config.resume_from: self.load_checkpoint(find_checkpoint(self.config.resume_from, self.config.output_dir))
+        if self.config.resume_from:
+            self.load_checkpoint(find_checkpoint(self.config.resume_from, self.config.output_dir))
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def _check_output_dir(self):
@@ -548,7 +572,8 @@ class Trainer:
         c = self.config
         if not c.output_dir: return
         if str(c.resume_from) == 'latest' and not list_checkpoints(c.output_dir):
-            self.config = c = dataclasses.replace(c, resume_from=None)     # nothing to resume yet: a job script's first start
+            # nothing to resume yet: a job script's first start
+            self.config = c = dataclasses.replace(c, resume_from=None)
         if c.resume_from: return
         refusal = output_dir_refusal(c.output_dir, "resume_from='latest' (--resume_from latest)")
         if refusal: raise MemlabError(refusal)
@@ -557,8 +582,9 @@ class Trainer:
         "After every process has checked the folder: the main process removes what an unfinished run left there."
         if self.is_main and self.config.output_dir and not self.config.resume_from:
             gone = clear_unfinished_run(self.config.output_dir)
-            if gone: print(f"memlab: starting over in {self.config.output_dir}: it held a run that stopped before its first checkpoint "
-                           f"(removed {', '.join(gone)})")
+            if gone:
+                print(f"memlab: starting over in {self.config.output_dir}: "
+                      f"it held a run that stopped before its first checkpoint (removed {', '.join(gone)})")
 
     def _prepare(self, model):
         c, acc = self.config, self.accelerator
@@ -569,8 +595,9 @@ class Trainer:
             self.unwrapped_model = self.model
         else:
             self.model = acc.prepare_model(model)
-            # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch would stay
-            # on the user's model after training (bf16 forwards in their own code, logits unlike the saved model's): remove it
+            # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch
+            # would stay on the user's model after training (bf16 forwards in their own code, logits unlike the saved
+            # model's): remove it
             self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
         self._build_optimizer()
 
@@ -578,8 +605,9 @@ class Trainer:
         c = self.config
         if self._given_optimizer is not None and keep_step is None: opt = self._given_optimizer
         elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(self.model, c.weight_decay))
-        else: opt = torch.optim.AdamW(_decay_groups(self.model, c.weight_decay), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
-                                      eps=c.adam_eps)
+        else:
+            opt = torch.optim.AdamW(_decay_groups(self.model, c.weight_decay), lr=c.lr,
+                                    betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
         for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
         self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
         self.optimizer = opt
@@ -606,7 +634,8 @@ def reconfigure(self, modify):
     """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in place;
     the model is re-wrapped for DDP (its set of trainable parameters changed) and a fresh optimizer is built whose schedule
     continues at the current step (`replace_optimizer` can then install a method's own)."""
-    check(not self.fsdp, "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
+    check(not self.fsdp,
+          "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
     model = self.accelerator.unwrap_model(self.model)
     self.accelerator._models.clear(); self.accelerator._optimizers.clear()
     modify(model)
@@ -664,7 +693,8 @@ def train_step(self, micro_batches:list) -> dict:
                 loss = out.loss_sum * self.world_size / n_global
             self.accelerator.backward(loss)
         loss_sum += out.loss_sum.detach().float()
-        for k, v in out.logs.items(): log_sums[k] = log_sums.get(k, 0.0) + torch.as_tensor(v).detach().float().to(loss_sum.device)
+        for k, v in out.logs.items():
+            log_sums[k] = log_sums.get(k, 0.0) + torch.as_tensor(v).detach().float().to(loss_sum.device)
         del out, loss
     self._event('on_before_optimizer_step')
     grad_norm = self._clip()
@@ -683,7 +713,8 @@ def _clip(self):
     params = [p for p in self.model.parameters() if p.grad is not None]
     if not params: return None
     self.accelerator.unscale_gradients()
-    norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
+    norm = torch.nn.utils.clip_grad_norm_(params,
+                                          c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
     if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()
     return float(norm)
 
@@ -696,14 +727,16 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
     check(data is not None, "no evaluation data")
     max_steps = self.config.max_eval_steps if max_steps is None else max_steps
     self._event('on_evaluate_begin')
-    model = self.model if self.fsdp else self.unwrapped_model  # DDP's wrapper syncs buffers per forward: not needed here
+    # DDP's wrapper syncs buffers per forward: not needed here
+    model = self.model if self.fsdp else self.unwrapped_model
     was_training = model.training; model.eval()
     loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
     logs = {}
     from tqdm.auto import tqdm
     total = min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
         len(data) if hasattr(data, '__len__') else max_steps)
-    bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main), dynamic_ncols=True)
+    bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main),
+               dynamic_ncols=True)
     for i, batch in enumerate(data):
         if max_steps is not None and i >= max_steps: break
         bar.update(1)
@@ -717,8 +750,8 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
     model.train(was_training)
     check(n.item() > 0, "evaluation saw no target tokens")
     loss = (loss_sum / n).item()
-    metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)), f'{prefix}_bits_per_token': loss / math.log(2),
-               f'{prefix}_tokens': int(n.item())}
+    metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)),
+               f'{prefix}_bits_per_token': loss / math.log(2), f'{prefix}_tokens': int(n.item())}
     for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
     self._event('on_evaluate_end', metrics)
     return metrics
@@ -748,8 +781,10 @@ def _get_writer(self):
         self._writer = SummaryWriter(str(Path(c.output_dir)/'tensorboard'))
     else:
         try: import wandb
-        except ImportError: raise MemlabError("report_to='wandb' needs wandb: pip install wandb (or use tensorboard)") from None
-        run = wandb.init(dir=c.output_dir, config={**c.to_dict(), **self.run_config}, mode=os.environ.get('WANDB_MODE', 'offline'))
+        except ImportError:
+            raise MemlabError("report_to='wandb' needs wandb: pip install wandb (or use tensorboard)") from None
+        run = wandb.init(dir=c.output_dir, config={**c.to_dict(), **self.run_config},
+                         mode=os.environ.get('WANDB_MODE', 'offline'))
         class _W:
             def add_scalar(self, k, v, step): run.log({k: v}, step=step)
         self._writer = _W()
@@ -802,10 +837,12 @@ def load_checkpoint(self, path):
     path, acc = Path(path), self.accelerator
     state = read_json(path/'trainer_state.json')
     check(state['world_size'] == self.world_size,
-          f"{path} was written by {state['world_size']} process(es); resume it with the same number (now {self.world_size})")
+          f"{path} was written by {state['world_size']} process(es); resume it with the same number "
+          f"(now {self.world_size})")
     check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
           f"{path} was written under {state['distributed_type']}; resume it the same way")
-    # Callbacks first: one may need to change the model (say, add adapters the run had switched to) before its state loads.
+    # Callbacks first: one may need to change the model (say, add
+    # adapters the run had switched to) before its state loads.
     sc = read_state(path/'scheduler_callbacks')
     check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
           f"this run has {len(self.callbacks)}: resume with the same method options")
@@ -829,16 +866,19 @@ def load_checkpoint(self, path):
         load_strict(self.unwrapped_model, sd, 'model')
         try: self.optimizer.load_state_dict(read_state(path/'optimizer'))
         except (ValueError, KeyError, RuntimeError) as e:
-            raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters ({str(e).splitlines()[0]}): "
-                              f"resume with the model and method options of the run that wrote it") from None
+            raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "
+                              f"({str(e).splitlines()[0]}): resume with the model and method options of "
+                              "the run that wrote it") from None
     self.scheduler.load_state_dict(sc['scheduler'])
     proc = read_state(path/f'process_{acc.process_index}')
     set_rng_state(proc['rng'])
     if proc['data'] is not None:
-        check(hasattr(self.train_data, 'load_state_dict'), "the checkpoint holds a data position but the training data cannot restore one")
+        check(hasattr(self.train_data, 'load_state_dict'),
+              "the checkpoint holds a data position but the training data cannot restore one")
         self.train_data.load_state_dict(proc['data'])
     self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
-    if self.is_main and self.config.output_dir:  # the log restarts from the checkpoint: drop what a killed run logged after it
+    # the log restarts from the checkpoint: drop what a killed run logged after it
+    if self.is_main and self.config.output_dir:
         atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
     self._event('on_load', path)
 
@@ -850,11 +890,13 @@ def fit(self) -> list:
     check(self.train_data is not None, "no training data")
     if self.is_main and c.output_dir:
         Path(c.output_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(c.output_dir)/'run_config.json', json.dumps({'train': c.to_dict(), **self.run_config}, indent=2, default=str))
+        atomic_write_text(Path(c.output_dir)/'run_config.json',
+                          json.dumps({'train': c.to_dict(), **self.run_config}, indent=2, default=str))
     self._event('on_train_begin')
     if c.eval_at_start and self.eval_data is not None and self.step == 0: self.log(self.evaluate())
     from tqdm.auto import tqdm
-    bar = tqdm(total=c.max_steps, initial=self.step, desc='train', disable=not (c.progress and self.is_main), dynamic_ncols=True)
+    bar = tqdm(total=c.max_steps, initial=self.step, desc='train', disable=not (c.progress and self.is_main),
+               dynamic_ncols=True)
     it = iter(self.train_data)
     with StopSignals() as signals:
         try: self._fit_loop(it, bar, signals)
@@ -876,7 +918,8 @@ def _stop(self, signals:StopSignals, saved:Path=None):
     "Save a checkpoint (unless this update was just saved) and raise `Interrupted`."
     c = self.config
     if c.output_dir and saved is None: saved = self.save_checkpoint()
-    where = (f"checkpoint {saved} saved: continue with resume_from='latest' (--resume_from latest or the command's resume flag)"
+    where = (f"checkpoint {saved} saved: continue with resume_from='latest' "
+             "(--resume_from latest or the command's resume flag)"
              if saved else "no output_dir, nothing saved")
     raise Interrupted(f"stopped by {signals.received} after update {self.step}; {where}", signals.signum)
 
@@ -904,7 +947,8 @@ def _fit_loop(self, it, bar, signals:StopSignals):
             pm.__exit__(None, None, None)
             dt = time.perf_counter() - t0
             n = sum(r['tokens'] for r in window)
-            logs = {k: sum(r[k] * r['tokens'] for r in window) / n for k in window[-1] if k not in ('tokens', 'grad_norm')}
+            logs = {k: sum(r[k] * r['tokens'] for r in window) / n
+                    for k in window[-1] if k not in ('tokens', 'grad_norm')}
             if 'grad_norm' in window[-1]: logs['grad_norm'] = window[-1]['grad_norm']
             logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tok0 / dt,
                         peak_memory_mib=pm.absolute / 2**20)
@@ -930,18 +974,21 @@ def _evaluation_failed(self, e:Exception):
     saved = self.save_checkpoint()
     from memlab.core import environment_error
     why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
-    raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); the trained state is saved "
-                      f"in {saved}: fix the evaluation settings and continue with resume_from='latest'") from e
+    raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); "
+                      f"the trained state is saved in {saved}: fix the evaluation settings and continue with "
+                      "resume_from='latest'") from e
 
 # %% ../nbs/05_training.ipynb
 class CheckpointSchedule(Callback):
     "Checkpoint every `model_freq` updates (replacing the previous one) and every `milestone_freq` updates (kept)."
     order = 50
-    def __init__(self, model_freq:int=0, milestone_freq:int=0): self.model_freq, self.milestone_freq = model_freq, milestone_freq
+    def __init__(self, model_freq:int=0, milestone_freq:int=0):
+        self.model_freq, self.milestone_freq = model_freq, milestone_freq
     def is_milestone(self, step:int) -> bool: return bool(self.milestone_freq) and step % self.milestone_freq == 0
     def on_step_end(self, trainer):
         s = trainer.step
-        if any(f and s % f == 0 for f in (self.model_freq, self.milestone_freq)): trainer.config.save_every = s  # the loop saves this update
+        # the loop saves this update
+        if any(f and s % f == 0 for f in (self.model_freq, self.milestone_freq)): trainer.config.save_every = s
     def on_save(self, trainer, checkpoint_dir): trainer.config.save_every = 0
     def _prune(self, trainer):
         if not (trainer.is_main and trainer.config.output_dir): return
@@ -951,10 +998,11 @@ class CheckpointSchedule(Callback):
     def on_train_end(self, trainer): self._prune(trainer)
 
 class OptimizerStateSwitch(Callback):
-    "With `save=False`, checkpoints hold an empty AdamW state (its hyper-parameters only): a resume restarts the moments."
+    ("With `save=False`, checkpoints hold an empty AdamW state (its hyper-parameters only): "
+     "a resume restarts the moments.")
     def __init__(self, save:bool=True): self.save = save
     def on_save(self, trainer, checkpoint_dir):
-        if self.save or not trainer.is_main or trainer.fsdp: return        # FSDP is refused with save=False by train_bpt
+        if self.save or not trainer.is_main or trainer.fsdp: return  # FSDP is refused with save=False by train_bpt
         stem = Path(checkpoint_dir)/'optimizer'
         for f in ('optimizer.safetensors', 'optimizer.pt'): (stem.parent/f).unlink(missing_ok=True)   # the moments go
         write_state({'state': {}, 'param_groups': trainer.optimizer.state_dict()['param_groups']}, stem)
@@ -973,10 +1021,12 @@ class GradientStats(Callback):
         self.norms.append(math.sqrt(sq))
     def on_log(self, trainer, logs):
         if 'loss' in logs and self.norms:
-            x = np.asarray(self.norms); logs['grad_norm_mean'], logs['grad_norm_var'] = float(x.mean()), float(x.var()); self.norms = []
+            x = np.asarray(self.norms); logs['grad_norm_mean'], logs['grad_norm_var'] = float(x.mean()), float(x.var())
+            self.norms = []
 
 class ConsolidateZeroState(Callback):
-    "Gathers a ZeroRedundancyOptimizer's state on the main process before each update the loop checkpoints (every process joins)."
+    ("Gathers a ZeroRedundancyOptimizer's state on the main process before each update the loop checkpoints "
+     "(every process joins).")
     order = 100   # after the ReLoRA merge and reset of the same update
     def on_step_end(self, trainer):
         c = trainer.config
@@ -988,9 +1038,12 @@ class ProfileCallback(Callback):
     "torch.profiler over a few updates (wait 1, warm-up 1, active 3, twice), TensorBoard traces in `folder`."
     def __init__(self, folder): self.folder, self.prof = Path(folder), None
     def on_train_begin(self, trainer):
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self.prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=2),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.folder), worker_name=f"rank{trainer.accelerator.process_index}"),
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                        if torch.cuda.is_available() else [])
+        self.prof = torch.profiler.profile(activities=acts,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=2),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                str(self.folder), worker_name=f"rank{trainer.accelerator.process_index}"),
             record_shapes=True, profile_memory=True, with_stack=True)
         self.prof.start()
     def on_step_end(self, trainer): self.prof.step()
@@ -1010,7 +1063,8 @@ def plot_history(history:list, path, title:str=''):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if tr: ax.plot(*zip(*tr), label='train loss')
     if ev: ax.plot(*zip(*ev), 'o--', label='validation loss')
-    ax.set_xlabel('update'); ax.set_ylabel('cross-entropy (nats/token)'); ax.set_title(title); ax.legend(); ax.grid(alpha=0.3)
+    ax.set_xlabel('update'); ax.set_ylabel('cross-entropy (nats/token)'); ax.set_title(title); ax.legend()
+    ax.grid(alpha=0.3)
     fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
     return path
 
@@ -1024,8 +1078,8 @@ def standard_results(trainer:Trainer, history:list) -> dict:
             'processes': trainer.world_size, 'fsdp': trainer.fsdp, 'mixed_precision': trainer.config.mixed_precision,
             'final': evals[-1] if evals else None}
 
-def run(model, config:TrainConfig, train_data, eval_data=None, *, results=None, save=None, report=None, plot_title:str=None,
-        describe=None, **trainer_kwargs) -> dict:
+def run(model, config:TrainConfig, train_data, eval_data=None, *, results=None, save=None, report=None,
+        plot_title:str=None, describe=None, **trainer_kwargs) -> dict:
     """Train `model` as `config` says and write the run folder: the part of every command between building and reporting.
     `results(trainer, history, res) -> res` adds a recipe's entries, `save(trainer, folder)` saves its model (every process),
     `report(res) -> str` writes results.md, `plot_title` the loss plot, `describe(trainer) -> str` the line printed before training;
@@ -1060,11 +1114,13 @@ def _bench_model_and_batches(rows:int, seq_len:int, steps:int, vocab:int, seed:i
     batches = []
     for _ in range(steps):
         ids = torch.randint(0, vocab, (rows, seq_len + 1), generator=g)
-        batches.append({'input_ids': ids[:, :-1], 'labels': ids[:, 1:], 'attention_mask': torch.ones(rows, seq_len, dtype=torch.long)})
+        batches.append({'input_ids': ids[:, :-1], 'labels': ids[:, 1:],
+                        'attention_mask': torch.ones(rows, seq_len, dtype=torch.long)})
     return model, batches
 
 def loop_step_times(kind:str, rows:int=8, seq_len:int=256, steps:int=12, vocab:int=8192, precision:str='auto') -> dict:
-    "Train `steps` updates with memlab's `Trainer` (kind 'memlab') or a bare PyTorch loop ('bare'); tokens/s after the first two."
+    ("Train `steps` updates with memlab's `Trainer` (kind 'memlab') or a bare PyTorch loop ('bare'); "
+     "tokens/s after the first two.")
     precision = resolve_precision(precision)
     model, batches = _bench_model_and_batches(rows, seq_len, steps, vocab)
     stamps = []
@@ -1072,7 +1128,8 @@ def loop_step_times(kind:str, rows:int=8, seq_len:int=256, steps:int=12, vocab:i
         class Clock(Callback):
             def on_step_end(self, trainer): stamps.append(time.perf_counter())
         cfg = TrainConfig(max_steps=steps, per_device_batch_size=rows, lr=1e-4, scheduler='constant', max_grad_norm=1.0,
-                          log_every=steps, report_to='none', progress=False, save_final=False, mixed_precision=precision)
+                          log_every=steps, report_to='none', progress=False, save_final=False,
+                          mixed_precision=precision)
         Trainer(model, cfg, BatchList(batches), callbacks=[Clock()]).fit()
     else:
         dev = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -1092,7 +1149,8 @@ def loop_step_times(kind:str, rows:int=8, seq_len:int=256, steps:int=12, vocab:i
     return {'tokens_per_s': (len(timed) - 1) * rows * seq_len / (timed[-1] - timed[0]), 'precision': precision}
 
 def benchmark(quick:bool=False, repeats:int=None):
-    "`memlab_bench loop`: memlab's loop vs a bare PyTorch loop, same model, batches and precision, alternating fresh processes."
+    ("`memlab_bench loop`: memlab's loop vs a bare PyTorch loop, same model, batches and precision, "
+     "alternating fresh processes.")
     from memlab.bench import run_isolated
     import statistics
     repeats = repeats or (1 if quick else 3)

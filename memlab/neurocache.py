@@ -28,7 +28,7 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'JOINT_FAMILIES', 'SCORE_BUDGET
            'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict',
            'disable_neurocache', 'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache',
            'saved_neurocache_info', 'load_neurocache', 'load_saved_neurocache', 'NeurocacheCallback',
-           'memory_per_token', 'benchmark']
+           'induction_scores', 'copying_layer', 'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -103,6 +103,7 @@ class NeurocacheConfig(Config):
     topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided buckets; it used 512)
     zero_init_output: bool = True      # start each cache attention's W_o at zero: until it trains, the model predicts exactly as without a cache (False: the reference's copy of the layer's W_o)
     retrieval_bias: float = 8.0        # starting per-head weight of the retrieval score in the cache-attention logits, learned; 0 = no such term (the reference)
+    joint_distance: int = 256          # joint: retrieved tokens are presented to the rotary embedding this many positions before each query (their keys carry none of their own)
     cache_attention: str = 'separate'  # separate: each attention layer gets a cache attention of its own, added to its output (the reference); joint: the layer's own heads attend to the retrieved tokens' keys and values in the same softmax as the segment (Llama, Mistral)
     lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the training CLI uses 32)
     lora_alpha: int = 64               # LoRA alpha (scale alpha / r)
@@ -139,6 +140,7 @@ class NeurocacheConfig(Config):
               f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), got {self.retrieval_bias!r}")
         self.retrieval_bias = float(self.retrieval_bias)
         check(self.cache_attention in ('separate', 'joint'), f"cache_attention must be 'separate' or 'joint', got {self.cache_attention!r}")
+        check(is_int(self.joint_distance) and self.joint_distance >= 0, f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
         check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
@@ -680,7 +682,8 @@ def mix(self, layer:int, attn:nn.Module, u):
     kw = call['kwargs']
     q, k = call['q'].view(B, T, H, hs).transpose(1, 2), call['k'].view(B, T, nkv, hs).transpose(1, 2)
     cos, sin = kw['position_embeddings']
-    qr, kr = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    qr, kr = rotate(q, k, cos, sin)
     pkv = kw.get('past_key_values')
     keys = kr
     try:                                   # a KV cache (generation): the keys of every token so far, this segment's last
@@ -693,7 +696,10 @@ def mix(self, layer:int, attn:nn.Module, u):
     states, ok = ret['window'][:2]
     i, kvd = self.served[r].index(layer), nkv * hs
     kv = states[..., 2 * i * kvd:2 * (i + 1) * kvd]
-    return joint_mix(u, lse, call['q'], kv[..., :kvd], kv[..., kvd:], ok, getattr(attn, 'scaling', None))
+    # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position, keys at 0)
+    cos_d, sin_d = self.rotary(q, torch.full((B, T), self.config.joint_distance, device=q.device))
+    qd = rotate(q, q, cos_d, sin_d)[0].transpose(1, 2).reshape(B, T, H * hs)
+    return joint_mix(u, lse, qd, kv[..., :kvd], kv[..., kvd:], ok, getattr(attn, 'scaling', None))
 
 @patch_to(Neurocache)
 def _joint_kv(self, r:int):
@@ -812,6 +818,9 @@ class NeurocacheModel(nn.Module):
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
         if joint:            # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
             self.neurocache.projections.requires_grad_(False)
+            rotary = [m for m in base_model.modules() if type(m).__name__.endswith('RotaryEmbedding')]
+            check(len(rotary) == 1, f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
+            object.__setattr__(self.neurocache, 'rotary', rotary[0])   # a reference: it belongs to the base model
         for j in ([] if joint else config.attention_layers):
             a = self.neurocache.attentions[str(j)]
             a.init_from(*attention_weights(getattr(layers[j], attn_name), h))
@@ -1163,6 +1172,29 @@ def _training_callbacks(self) -> list:
     return [NeurocacheCallback()]
 NeurocacheModel.training_callbacks = _training_callbacks
 
+
+# %% ../nbs/20_neurocache.ipynb
+@torch.no_grad()
+def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor:
+    """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length` tokens
+    to the successor of their first occurrence (near 1: an induction head)."""
+    model = getattr(model, 'base_model', model) if isinstance(model, NeurocacheModel) else model
+    V = model.get_input_embeddings().num_embeddings
+    x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
+    ids = torch.cat([x, x], 1).to(model.get_input_embeddings().weight.device)
+    prev = getattr(model.config, '_attn_implementation', None)
+    model.set_attn_implementation('eager')                                # the only implementation that returns the weights
+    try: att = model(input_ids=ids, output_attentions=True).attentions   # per layer (1, H, 2L, 2L)
+    finally:
+        if prev: model.set_attn_implementation(prev)
+    q = torch.arange(length, 2 * length - 1)
+    return torch.stack([a[0, :, q, q - length + 1].float().mean(-1) for a in att]).cpu()
+
+def copying_layer(model:nn.Module, threshold:float=0.3) -> int:
+    "The lowest layer with an induction head scoring above `threshold` (`induction_scores`), or None."
+    best = induction_scores(model).max(-1).values
+    hits = (best > threshold).nonzero()
+    return int(hits[0]) if len(hits) else None
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (bool), write time and last use (int64)

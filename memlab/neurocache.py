@@ -4,7 +4,7 @@
 
 # %% ../nbs/20_neurocache.ipynb 2
 from __future__ import annotations
-import contextlib, dataclasses, re, sys
+import contextlib, dataclasses, json, re, sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +24,11 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'JOINT_FAMILIES', 'SCORE_BUDGET
            'format_retrieval_map', 'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache',
            'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'context_window',
            'retrieval_scores', 'naive_cache_attention', 'CacheProjection', 'Neurocache', 'local_logsumexp', 'joint_mix',
-           'NeurocacheAttention', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora',
-           'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict',
-           'disable_neurocache', 'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache',
-           'saved_neurocache_info', 'load_neurocache', 'load_saved_neurocache', 'NeurocacheCallback',
-           'induction_scores', 'copying_layer', 'memory_per_token', 'benchmark']
+           'induction_scores', 'copying_layers', 'NeurocacheAttention', 'resolve_design', 'resolve_config',
+           'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache',
+           'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache',
+           'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache',
+           'load_saved_neurocache', 'NeurocacheCallback', 'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
 CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -94,17 +94,17 @@ class NeurocacheConfig(Config):
     compression_factor: int = 8        # cached states have d = hidden_size / compression_factor features; 1 stores the states as they are
     topk: int = 32                     # nearest cache entries retrieved per token
     neighborhood_size: int = 2         # consecutive entries fetched per hit (2: i, i+1; 4: i-1 .. i+2); even, or 1
-    context_size: int = 2              # token t also attends to the retrievals of tokens t-c+1 .. t of its segment
+    context_size: int = None           # token t also attends to the retrievals of tokens t-c+1 .. t of its segment; None = 2 (separate, the reference) or 1 (joint)
     similarity_fn: str = 'l2'          # l2 (nearest in Euclidean distance: score 2q·k − ‖k‖²) or dot (largest inner product)
-    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18', '12:12,18:18' or '12,18'; None = ⌊3L/4⌋:⌊3L/4⌋
-    attention_layers: list = None      # layers that get cache attention, e.g. '18-23'; None = lowest retrieving layer .. L-1
+    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18', '12:12,18:18' or '12,18'; None = ⌊3L/4⌋:⌊3L/4⌋ (joint: the lowest copying layer, see copying_layers)
+    attention_layers: list = None      # layers that get cache attention, e.g. '18-23'; None = lowest retrieving layer .. L-1 (joint: .. the highest copying layer)
     cache_type: str = 'FIFO'           # eviction order: FIFO (ring buffer) or LRU (evict the least recently retrieved entry)
     global_cache: bool = False         # one cache shared by all batch rows (never reset by start_of_sequence) instead of one per row
     topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided buckets; it used 512)
     zero_init_output: bool = True      # start each cache attention's W_o at zero: until it trains, the model predicts exactly as without a cache (False: the reference's copy of the layer's W_o)
     retrieval_bias: float = 8.0        # starting per-head weight of the retrieval score in the cache-attention logits, learned; 0 = no such term (the reference)
     joint_distance: int = 256          # joint: retrieved tokens are presented to the rotary embedding this many positions before each query (their keys carry none of their own)
-    cache_attention: str = 'separate'  # separate: each attention layer gets a cache attention of its own, added to its output (the reference); joint: the layer's own heads attend to the retrieved tokens' keys and values in the same softmax as the segment (Llama, Mistral)
+    cache_attention: str = 'auto'      # separate: each attention layer gets a cache attention of its own, added to its output (the reference); joint: the layer's own heads attend to the retrieved tokens' keys and values in the same softmax as the segment (Llama, Mistral); auto: joint where it works, else separate
     lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the training CLI uses 32)
     lora_alpha: int = 64               # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.1          # LoRA dropout
@@ -128,7 +128,8 @@ class NeurocacheConfig(Config):
             if size is None: continue
             check(self.topk <= size, f"topk ({self.topk}) cannot exceed {name} ({size})")
             check(self.neighborhood_size < size, f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
-        check(is_int(self.context_size) and self.context_size >= 1, f"context_size must be a positive integer, got {self.context_size!r}")
+        check(self.context_size is None or (is_int(self.context_size) and self.context_size >= 1),
+              f"context_size must be a positive integer, got {self.context_size!r}")
         check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
         if self.retrieval_map is not None: self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
         self.attention_layers = parse_layers(self.attention_layers)
@@ -139,7 +140,8 @@ class NeurocacheConfig(Config):
         check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool) and self.retrieval_bias >= 0,
               f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), got {self.retrieval_bias!r}")
         self.retrieval_bias = float(self.retrieval_bias)
-        check(self.cache_attention in ('separate', 'joint'), f"cache_attention must be 'separate' or 'joint', got {self.cache_attention!r}")
+        check(self.cache_attention in ('auto', 'separate', 'joint'),
+              f"cache_attention must be 'auto', 'separate' or 'joint', got {self.cache_attention!r}")
         check(is_int(self.joint_distance) and self.joint_distance >= 0, f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
         check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
         for name in ('cache_size', 'eval_cache_size'):
@@ -712,6 +714,27 @@ def _joint_kv(self, r:int):
     return torch.cat(parts, -1)
 
 # %% ../nbs/20_neurocache.ipynb
+@torch.no_grad()
+def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor:
+    """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length` tokens
+    to the successor of their first occurrence (near 1: an induction head)."""
+    model = getattr(model, 'base_model', model) if isinstance(model, NeurocacheModel) else model
+    V = model.get_input_embeddings().num_embeddings
+    x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
+    ids = torch.cat([x, x], 1).to(model.get_input_embeddings().weight.device)
+    prev = getattr(model.config, '_attn_implementation', None)
+    model.set_attn_implementation('eager')                                # the only implementation that returns the weights
+    try: att = model(input_ids=ids, output_attentions=True).attentions   # per layer (1, H, 2L, 2L)
+    finally:
+        if prev: model.set_attn_implementation(prev)
+    q = torch.arange(length, 2 * length - 1)
+    return torch.stack([a[0, :, q, q - length + 1].float().mean(-1) for a in att]).cpu()
+
+def copying_layers(model:nn.Module, threshold:float=0.3) -> list:
+    "The layers with an induction head scoring above `threshold` (`induction_scores`), lowest first."
+    return (induction_scores(model).max(-1).values > threshold).nonzero().flatten().tolist()
+
+# %% ../nbs/20_neurocache.ipynb
 class NeurocacheAttention(TransparentWrapper):
     "Stands in for a decoder layer's attention: calls `base_layer` unchanged and adds the Neurocache's cache attention."
     def __init__(self, base_layer:nn.Module, layer_idx:int, neurocache:Neurocache):
@@ -730,6 +753,20 @@ class NeurocacheAttention(TransparentWrapper):
         return (out[0] + extra.to(out[0].dtype), *out[1:])
 
 # %% ../nbs/20_neurocache.ipynb
+def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig:
+    """A copy of `config` with the choices that depend on the model made: cache_attention 'auto' (joint for the Llama and Mistral
+    families, else separate), context_size None (1 joint, 2 separate), and a joint cache without layers placed at the model's
+    copying layers (`copying_layers`: retrieval at the lowest, attention from it to the highest)."""
+    family = _check_family(model)
+    design = config.cache_attention
+    if design == 'auto': design = 'joint' if family in JOINT_FAMILIES else 'separate'
+    changes = dict(cache_attention=design)
+    if config.context_size is None: changes['context_size'] = 1 if design == 'joint' else 2
+    if design == 'joint' and config.retrieval_map is None and config.attention_layers is None:
+        found = copying_layers(model)
+        if found: changes.update(retrieval_map=f"{found[0]}:{found[0]}", attention_layers=list(range(found[0], found[-1] + 1)))
+    return dataclasses.replace(config, **changes)
+
 def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
     "A copy of `config` with the default layers filled in for a model of `num_layers` layers, checked against it."
     L = num_layers
@@ -790,7 +827,7 @@ class NeurocacheModel(nn.Module):
               "this model already has a Neurocache")
         family = _check_family(base_model)
         layers = decoder_layers(base_model)
-        config = resolve_config(config, len(layers))
+        config = resolve_config(resolve_design(config, base_model), len(layers))
         hc = base_model.config
         h, nh = hc.hidden_size, hc.num_attention_heads
         check(h % config.compression_factor == 0, f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
@@ -941,7 +978,7 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
     family = _check_family(model)
     check(config.lora_r > 0, "the LoRA-only baseline needs lora_r > 0")
     layers = decoder_layers(model)
-    config = resolve_config(config, len(layers))
+    config = resolve_config(resolve_design(config, model), len(layers))     # the layers a Neurocache would take
     for p in model.parameters(): p.requires_grad_(False)
     _add_lora(model, layers, config, family)
     check_frozen_4bit_stats(model)
@@ -1085,7 +1122,10 @@ def saved_neurocache_info(path) -> dict:
     check((path/NEUROCACHE_CONFIG_NAME).exists() and (path/NEUROCACHE_WEIGHTS_NAME).exists(),
           f"{path} is not a saved Neurocache (it needs {NEUROCACHE_CONFIG_NAME} and {NEUROCACHE_WEIGHTS_NAME})")
     with safe_open(str(path/NEUROCACHE_WEIGHTS_NAME), 'pt') as f: meta = f.metadata() or {}
-    return {'config': NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME), 'lora_only': meta.get('lora_only') == 'true',
+    config = NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME)
+    if 'cache_attention' not in json.loads((path/NEUROCACHE_CONFIG_NAME).read_text()):   # saved before the choice existed
+        config = dataclasses.replace(config, cache_attention='separate')
+    return {'config': config, 'lora_only': meta.get('lora_only') == 'true',
             'family': meta.get('family'), 'base_model': meta.get('base_model'), 'base_quantization': meta.get('base_quantization') or None}
 
 def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
@@ -1174,29 +1214,6 @@ NeurocacheModel.training_callbacks = _training_callbacks
 
 
 # %% ../nbs/20_neurocache.ipynb
-@torch.no_grad()
-def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor:
-    """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length` tokens
-    to the successor of their first occurrence (near 1: an induction head)."""
-    model = getattr(model, 'base_model', model) if isinstance(model, NeurocacheModel) else model
-    V = model.get_input_embeddings().num_embeddings
-    x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
-    ids = torch.cat([x, x], 1).to(model.get_input_embeddings().weight.device)
-    prev = getattr(model.config, '_attn_implementation', None)
-    model.set_attn_implementation('eager')                                # the only implementation that returns the weights
-    try: att = model(input_ids=ids, output_attentions=True).attentions   # per layer (1, H, 2L, 2L)
-    finally:
-        if prev: model.set_attn_implementation(prev)
-    q = torch.arange(length, 2 * length - 1)
-    return torch.stack([a[0, :, q, q - length + 1].float().mean(-1) for a in att]).cpu()
-
-def copying_layer(model:nn.Module, threshold:float=0.3) -> int:
-    "The lowest layer with an induction head scoring above `threshold` (`induction_scores`), or None."
-    best = induction_scores(model).max(-1).values
-    hits = (best > threshold).nonzero()
-    return int(hits[0]) if len(hits) else None
-
-# %% ../nbs/20_neurocache.ipynb
 CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (bool), write time and last use (int64)
 
 def memory_per_token(hidden_size:int, num_heads:int, head_dim:int=None, num_kv_heads:int=None, compression_factor:int=4,
@@ -1229,7 +1246,7 @@ def _nc_device(nc) -> torch.device:
     return next(nc.parameters()).device
 
 def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
-                 threads:int=None) -> dict:
+                 threads:int=None, cache_attention:str='separate') -> dict:
     "Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately (run it through `run_isolated`)."
     import statistics, time
     from memlab.models import load_model
@@ -1237,6 +1254,12 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     if threads: torch.set_num_threads(threads)
     torch.manual_seed(0)
     cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32, lora_dropout=0.0)
+    if cache_attention == 'joint':       # the defaults' layout: retrieval at the lowest copying layer, attention up to the highest
+        found = copying_layers(load_model(model_name))
+        check(found, f"{model_name} has no induction head to place a joint cache at")
+        cfg = dataclasses.replace(cfg, cache_attention='joint', retrieval_map=f'{found[0]}:{found[0]}',
+                                  attention_layers=f'{found[0]}-{found[-1]}', context_size=1)
+    else: cfg = dataclasses.replace(cfg, cache_attention='separate', context_size=2)
     models = {'cache': add_neurocache(load_model(model_name), cfg), 'lora': add_ffn_lora(load_model(model_name), cfg)}
     vocab = models['lora'].get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch_size, seq_len))
@@ -1265,6 +1288,8 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
         for k in models: res[f"{mode}_{k}"] = batch_size * seq_len / statistics.median(times[k])
         res[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(times['lora'], times['cache']))
     res['precision'] = 'bf16 autocast' if native_bf16(device) else 'fp32'
+    a = models['cache'].neurocache_config.attention_layers
+    res['layers'] = f"layers {a[0]}-{a[-1]}" if a == list(range(a[0], a[-1] + 1)) else f"layers {','.join(map(str, a))}"
     return res
 
 def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_size:int=16384, compression_factor:int=4,
@@ -1290,12 +1315,15 @@ def benchmark(quick:bool=False) -> tuple:
     "`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token vs Memorizing Transformers."
     from memlab.bench import run_isolated
     rows = []
-    for threads in ((1,) if quick else (1, torch.get_num_threads())):
-        sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3, threads=threads)
-        for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
-            rows.append({'config': f"{label}, {threads} thread(s), {sp['precision']}: LoRA, no cache", 'tokens_per_s': sp[f'{mode}_lora']})
-            rows.append({'config': f"{label}, {threads} thread(s), {sp['precision']}: 16K cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
-                         'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
+    for design in ('separate', 'joint'):
+        for threads in ((1,) if quick else (1, torch.get_num_threads())):
+            sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3,
+                              threads=threads, cache_attention=design)
+            for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
+                what = f"{label}, {threads} thread(s), {sp['precision']}"
+                rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
+                rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
+                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
     mem = run_isolated('memlab.neurocache:_bench_memory')
     mt = mem['memorizing']['bytes_per_token']
     for k, label in (('memorizing', 'memory: Memorizing Transformers K/V (one layer), 16K tokens'),

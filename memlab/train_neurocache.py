@@ -77,14 +77,14 @@ class NeurocacheRunConfig(Config):
     progress: bool = True                  # show progress bars (main process)
     pretrained_neurocache: str = None      # start from (or evaluate) a saved Neurocache: a folder written by a previous run
     disable_neurocache: bool = False       # no cache: the LoRA-only baseline (with --disable_lora: the base model)
-    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18' or '12:12,18:18' (two caches); default ⌊3L/4⌋
-    attention_layers: str = None           # layers with cache attention, e.g. '18,19,20,21,22,23' or '18-23'; default lowest retrieving layer .. L-1
+    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18' or '12:12,18:18' (two caches); default ⌊3L/4⌋ (joint: the model's lowest copying layer)
+    attention_layers: str = None           # layers with cache attention, e.g. '18,19,20,21,22,23' or '18-23'; default lowest retrieving layer .. L-1 (joint: .. the highest copying layer)
     cache_size: int = 16384                # entries per cache (one cache per batch row) in training
     eval_cache_size: int = None            # entries per cache in evaluation (default: --cache_size), e.g. 131072 after training at 16384
     cache_type: str = 'FIFO'               # eviction: FIFO (ring buffer) or LRU (least recently retrieved first)
     cache_dtype: str = 'bfloat16'          # storage dtype of the cache: float32, bfloat16 or float16
     compression_factor: int = 4            # cached states have hidden_size / compression_factor features
-    context_size: int = 2                  # token t also attends to the retrievals of tokens t-c+1 .. t
+    context_size: int = None               # token t also attends to the retrievals of tokens t-c+1 .. t; default 2 (separate) or 1 (joint)
     neighborhood_size: int = 2             # consecutive cache entries fetched per hit (even, or 1)
     topk: int = 16                         # cache entries retrieved per token
     similarity_fn: str = 'l2'              # l2 or dot
@@ -92,7 +92,7 @@ class NeurocacheRunConfig(Config):
     topk_buckets: int = 0                  # 0: exact top-k; N: the reference library's approximate top-k over N buckets
     zero_init_output: bool = True          # start the cache attention's W_o at zero: an untrained cache leaves the model unchanged (false: the reference's copy of the layer's W_o)
     retrieval_bias: float = 8.0            # starting per-head weight of the retrieval score in the cache-attention logits, learned (0: none, the reference)
-    cache_attention: str = 'separate'      # separate: a cache attention of its own in each attention layer (the reference); joint: the layer's own heads attend to the retrieved keys and values in the same softmax as the segment (Llama, Mistral)
+    cache_attention: str = 'auto'          # separate: a cache attention of its own in each attention layer (the reference); joint: the layer's own heads attend to the retrieved keys and values in the same softmax as the segment (Llama, Mistral); auto: joint where it works, else separate
     disable_lora: bool = False             # train the Neurocache without LoRA
     lora_r: int = 32                       # LoRA rank on the FFN linears of the cache-attention layers
     lora_alpha: int = 64                   # LoRA alpha (scale alpha / r)

@@ -664,7 +664,8 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     fin = torch.isfinite(z)                                                   # padding: nothing to attend to at all
     a = torch.where(fin, torch.exp(loc - z.where(fin, 0.)), 1.)                # the segment's share of the softmax
     b = torch.where(fin, torch.exp(lse_mem - z.where(fin, 0.)), 0.)           # the cache's share (0 when nothing is retrieved)
-    out = a[..., None] * u.view(B, T, nkv, g, hs).float() + b[..., None] * out_mem.float()
+    wt = torch.promote_types(u.dtype, torch.float32)                         # fp32 at least (fp64 stays fp64)
+    out = a[..., None].to(wt) * u.view(B, T, nkv, g, hs).to(wt) + b[..., None].to(wt) * out_mem.to(wt)
     return out.reshape(B, T, H * hs).to(u.dtype)
 
 @patch_to(Neurocache)
@@ -1293,13 +1294,15 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     return res
 
 def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_size:int=16384, compression_factor:int=4,
-                  dtype:str='bfloat16') -> dict:
+                  dtype:str='bfloat16', num_kv_heads:int=3, joint_layers:int=8) -> dict:
     "Bytes per cached token of a filled Neurocache cache (evaluation and training) and of a Memorizing-Transformers K/V memory."
     import gc
     dt, d, S = getattr(torch, dtype), hidden_size // compression_factor, cache_size
     out = {}
     for name, make in (('neurocache', lambda: KNNCache(1, S, d, dtype=dt).state_dict()),
                        ('neurocache_training', lambda: KNNCache(1, S, d, raw_dim=hidden_size, dtype=dt).state_dict()),
+                       ('neurocache_joint', lambda: KNNCache(1, S, d, raw_dim=joint_layers * 2 * num_kv_heads * head_dim,
+                                                             dtype=dt).state_dict()),
                        ('memorizing', lambda: {'keys': torch.empty(S, num_heads, head_dim, dtype=dt),
                                                'values': torch.empty(S, num_heads, head_dim, dtype=dt)})):
         gc.collect(); before = _rss()
@@ -1311,16 +1314,16 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
         del tensors
     return out
 
-def benchmark(quick:bool=False) -> tuple:
+def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
     "`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token vs Memorizing Transformers."
     from memlab.bench import run_isolated
     rows = []
     for design in ('separate', 'joint'):
-        for threads in ((1,) if quick else (1, torch.get_num_threads())):
+        for n in threads or ((1,) if quick else (1, torch.get_num_threads())):
             sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3,
-                              threads=threads, cache_attention=design)
+                              threads=n, cache_attention=design)
             for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
-                what = f"{label}, {threads} thread(s), {sp['precision']}"
+                what = f"{label}, {n} thread(s), {sp['precision']}"
                 rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
                 rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
                              'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
@@ -1328,7 +1331,8 @@ def benchmark(quick:bool=False) -> tuple:
     mt = mem['memorizing']['bytes_per_token']
     for k, label in (('memorizing', 'memory: Memorizing Transformers K/V (one layer), 16K tokens'),
                      ('neurocache', 'memory: Neurocache cache (evaluation), 16K tokens'),
-                     ('neurocache_training', 'memory: Neurocache cache (training, with raw states), 16K tokens')):
+                     ('neurocache_training', 'memory: Neurocache cache (training, with raw states), 16K tokens'),
+                     ('neurocache_joint', "memory: joint Neurocache cache (8 layers' keys and values), 16K tokens")):
         m = mem[k]
         rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1), 'tensor_mib': round(m['tensor_mib'], 1),
                      'rss_growth_mib': round(m['rss_growth_mib'], 1), 'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})

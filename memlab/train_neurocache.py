@@ -445,7 +445,7 @@ TINY_RECALL_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_head
 def recall_cache_config(**changes) -> NeurocacheConfig:
     "The Neurocache of the synthetic task: retrieve and store at layer 0, attend in every layer, top-1 with its successor."
     kw = dict(cache_size=256, cache_dtype='float32', compression_factor=2, topk=1, neighborhood_size=2, context_size=1,
-              retrieval_map='0:0', attention_layers='0-3')
+              retrieval_map='0:0', attention_layers='0-3', cache_attention='separate')   # learned from scratch with the model
     return NeurocacheConfig(**{**kw, **changes})
 
 def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8, sequence_length:int=32,

@@ -30,7 +30,7 @@ __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_M
            'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
            'stream_loss', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
            'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall',
-           'RecallProbe', 'answer_nll', 'plant_facts', 'demo']
+           'RecallProbe', 'answer_nll', 'demo']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -92,6 +92,7 @@ class NeurocacheRunConfig(Config):
     topk_buckets: int = 0                  # 0: exact top-k; N: the reference library's approximate top-k over N buckets
     zero_init_output: bool = True          # start the cache attention's W_o at zero: an untrained cache leaves the model unchanged (false: the reference's copy of the layer's W_o)
     retrieval_bias: float = 8.0            # starting per-head weight of the retrieval score in the cache-attention logits, learned (0: none, the reference)
+    joint_distance: int = 256              # joint: each query meets the cached keys this many positions back under the rotary embedding
     cache_attention: str = 'auto'          # separate: a cache attention of its own in each attention layer (the reference); joint: the layer's own heads attend to the retrieved keys and values in the same softmax as the segment (Llama, Mistral); auto: joint where it works, else separate
     disable_lora: bool = False             # train the Neurocache without LoRA
     lora_r: int = 32                       # LoRA rank on the FFN linears of the cache-attention layers
@@ -129,6 +130,7 @@ class NeurocacheRunConfig(Config):
                                 attention_layers=self.attention_layers, cache_type=self.cache_type, global_cache=self.global_cache,
                                 topk_buckets=self.topk_buckets, zero_init_output=self.zero_init_output,
                                 retrieval_bias=self.retrieval_bias, cache_attention=self.cache_attention,
+                                joint_distance=self.joint_distance,
                                 lora_r=0 if self.disable_lora else self.lora_r,
                                 lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, lora_modules=self.lora_modules)
 
@@ -529,34 +531,6 @@ def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
             mine = pos[(pos > s0) & (pos < s1)]
             total -= logp[mine - 1 - s0, ids[mine]].sum().item(); n += len(mine)
     return total / max(n, 1), n
-
-# %% ../nbs/21_train_neurocache.ipynb
-_TRAIN_FIRST = ('Amadou', 'Brigitta', 'Cormac', 'Delphine', 'Emrys', 'Fenella', 'Gideon', 'Hyacinth', 'Iosif', 'Jessamy',
-                'Kasimir', 'Lucinda', 'Mortimer', 'Nerissa', 'Orsino', 'Perpetua', 'Quentin', 'Rosalind', 'Severin', 'Tamsin')
-_TRAIN_LAST = ('Achterberg', 'Brightwater', 'Crowther', 'Dunsany', 'Eckhardt', 'Fitzwilliam', 'Gallagher', 'Hollinger',
-               'Ingersoll', 'Jablonski', 'Kettering', 'Lindgren', 'Marchetti', 'Nakamura', 'Oyelaran', 'Pritchard', 'Rasmussen')
-_TRAIN_TOPICS = ('cache', 'compiler', 'debugger', 'encoder', 'formatter', 'importer', 'linker', 'logger', 'mailer', 'router')
-_TRAIN_FORMS = ('the {topic} module was reviewed by {name}, ticket {number}.',
-                'questions about the {topic} go to {name} at room {number}.',
-                'the {topic} benchmark was last run by {name} on machine {number}.',
-                'the owner of the {topic} backlog is {name}, desk {number}.')
-_RESTATE = ('As mentioned before, ', 'Recall that ', 'To repeat: ', 'Once more, ')
-
-def plant_facts(text:str, rng, every:int=1500, reach:tuple=(1000, 8000)) -> str:
-    """`text` with made-up facts (name and number) stated at paragraph breaks about every `every` characters, each restated
-    word for word at a paragraph break `reach[0]`..`reach[1]` characters later (names and forms disjoint from `RecallProbe`'s)."""
-    breaks = [i + 2 for i in range(len(text)) if text.startswith('\n\n', i)]
-    inserts, last = [], -every
-    for b in breaks:
-        if b - last < every: continue
-        later = [c for c in breaks if b + reach[0] <= c <= b + reach[1]]
-        if not later: continue
-        name = f"{rng.choice(_TRAIN_FIRST)} {rng.choice(_TRAIN_LAST)}"
-        fact = str(rng.choice(_TRAIN_FORMS)).format(topic=rng.choice(_TRAIN_TOPICS), name=name, number=int(rng.integers(100, 10000)))
-        inserts += [(b, f"Note: {fact}\n\n"), (int(rng.choice(later)), f"{rng.choice(_RESTATE)}{fact}\n\n")]
-        last = b
-    for at, s in sorted(inserts, key=lambda x: x[0], reverse=True): text = text[:at] + s + text[at:]   # back to front: offsets hold
-    return text
 
 # %% ../nbs/21_train_neurocache.ipynb
 def demo(out:Path, quick:bool=False) -> tuple:

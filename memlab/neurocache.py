@@ -1255,12 +1255,7 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     if threads: torch.set_num_threads(threads)
     torch.manual_seed(0)
     cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32, lora_dropout=0.0)
-    if cache_attention == 'joint':       # the defaults' layout: retrieval at the lowest copying layer, attention up to the highest
-        found = copying_layers(load_model(model_name))
-        check(found, f"{model_name} has no induction head to place a joint cache at")
-        cfg = dataclasses.replace(cfg, cache_attention='joint', retrieval_map=f'{found[0]}:{found[0]}',
-                                  attention_layers=f'{found[0]}-{found[-1]}', context_size=1)
-    else: cfg = dataclasses.replace(cfg, cache_attention='separate', context_size=2)
+    cfg = dataclasses.replace(cfg, cache_attention=cache_attention)   # layers and context as the defaults choose (resolve_design)
     models = {'cache': add_neurocache(load_model(model_name), cfg), 'lora': add_ffn_lora(load_model(model_name), cfg)}
     vocab = models['lora'].get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch_size, seq_len))

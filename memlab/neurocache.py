@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .compat import check_frozen_4bit_stats, dequantize_weight, quant_kind
 from .core import Config, MemlabError, arg, atomic_write_text, check, native_bf16, patch_to
@@ -23,11 +25,12 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'JOINT_FAMILIES', 'SCORE_BUDGET
            'NEUROCACHE_WEIGHTS_NAME', 'CACHE_BOOKKEEPING_BYTES', 'parse_layers', 'parse_retrieval_map',
            'format_retrieval_map', 'NeurocacheConfig', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache',
            'brute_force_knn', 'dense_weight', 'attention_weights', 'CacheAttention', 'context_window',
-           'retrieval_scores', 'naive_cache_attention', 'CacheProjection', 'Neurocache', 'local_logsumexp', 'joint_mix',
-           'induction_scores', 'copying_layers', 'NeurocacheAttention', 'resolve_design', 'resolve_config',
-           'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache',
-           'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache',
-           'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache',
+           'retrieval_scores', 'naive_cache_attention', 'CacheProjection', 'Neurocache', 'FlashAttentionLse',
+           'fused_attention', 'local_logsumexp', 'joint_mix', 'induction_scores', 'copying_layers', 'joint_attention',
+           'NeurocacheAttention', 'resolve_design', 'resolve_config', 'NeurocacheModel', 'add_neurocache',
+           'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict',
+           'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'has_neurocache',
+           'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache',
            'load_saved_neurocache', 'NeurocacheCallback', 'memory_per_token', 'benchmark']
 
 # %% ../nbs/20_neurocache.ipynb
@@ -632,16 +635,74 @@ def _row_mask(rows, n:int) -> torch.Tensor:
     return rows
 
 # %% ../nbs/20_neurocache.ipynb
-def local_logsumexp(q, keys, mask=None, scaling:float=None):
+_flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
+_flash_cpu_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
+
+class FlashAttentionLse(torch.autograd.Function):
+    """Attention (B, H, T, hs) and the logsumexp of its logits (B, H, T) in one call of PyTorch's fused CPU attention kernel,
+    both with gradients. The kernel returns the logsumexp but not its gradient. Since ∂ lse_t / ∂ logit_ts = p_ts, a gradient
+    g of the logsumexp enters the kernel's own backward where it subtracts D_t = rowsum(dO_t · O_t) from each row: with a zero
+    column added to q, k and v, a 1 in dO's extra column and -g_t in O's, D_t becomes rowsum(dO_t · O_t) - g_t, and the
+    kernel returns the gradients of both outputs at once."""
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal:bool, scale:float):
+        out, lse = _flash_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        kw = dict(attn_mask=mask, scale=ctx.scale)
+        dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
+        if dlse is None:
+            dq, dk, dv = _flash_cpu_backward(dout.contiguous(), q, k, v, out, lse, 0.0, ctx.causal, **kw)
+            return dq, dk, dv, None, None, None
+        pad = lambda t: F.pad(t, (0, 1))
+        out1 = torch.cat([out, -dlse[..., None].to(out.dtype)], -1)
+        dout1 = torch.cat([dout, torch.ones_like(out[..., :1])], -1)
+        dq, dk, dv = _flash_cpu_backward(dout1, pad(q), pad(k), pad(v), out1, lse, 0.0, ctx.causal, **kw)
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], None, None, None
+
+def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> tuple:
+    """`FlashAttentionLse` with a mask as attention layers are given one: None, bool (B, 1, T, S) (True: attend) or additive;
+    k, v may have fewer heads than q (grouped-query). Returns the output (B, H, T, hs) and the logsumexp (B, H, T) in fp32,
+    -inf where a query may attend to nothing (where the kernel itself reports 0)."""
+    T, S = q.shape[2], k.shape[2]
+    if torch.is_autocast_enabled(q.device.type):          # as F.scaled_dot_product_attention runs under autocast
+        q = q.to(torch.get_autocast_dtype(q.device.type))
+    attend = None
+    if mask is not None:
+        mask = mask[..., :S]
+        attend = mask.any(-1) if mask.dtype == torch.bool else (mask > float('-inf')).any(-1)      # (B, 1, T)
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float('-inf'))
+        mask = mask.to(q.dtype).expand(q.shape[0], -1, T, S)
+    out, lse = FlashAttentionLse.apply(q, k.to(q.dtype), v.to(q.dtype), mask, causal, scale or q.shape[-1]**-0.5)
+    return out, (lse if attend is None else lse.masked_fill(~attend, float('-inf')))
+
+def _fusable(q) -> bool: return _flash_cpu is not None and q.device.type == 'cpu' and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
+
+def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the layer's
     attention sees them (rotary applied, S >= T: a KV cache's earlier tokens first); mask (B, 1, T, S) bool (True: attend)
-    or additive float, None: causal. Returns (B, T, H) in fp32 (-inf where a query may attend to nothing)."""
+    or additive float, None: causal. Returns (B, T, H) in fp32 (-inf where a query may attend to nothing). `fused` (default:
+    on CPU in fp32/bf16/fp64) takes it from the fused CPU attention kernel (`fused_attention`) instead of the logits."""
     B, H, T, hs = q.shape
     nkv, S = keys.shape[1], keys.shape[2]
-    s = torch.einsum('bngth,bnsh->bngts', q.view(B, nkv, H // nkv, T, hs), keys.to(q.dtype)).float() * (scaling or hs**-0.5)
+    if fused is None: fused = _fusable(q)
+    if fused:
+        if mask is None and S != T: mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+        k = keys.to(q.dtype)
+        return fused_attention(q, k, k.detach(), mask, mask is None, scaling)[1].transpose(1, 2)   # the output is not used
+    s = torch.einsum('bngth,bnsh->bngts', q.view(B, nkv, H // nkv, T, hs), keys.to(q.dtype))
+    s = s.to(torch.promote_types(s.dtype, torch.float32)) * (scaling or hs**-0.5)
     if mask is None: s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), float('-inf'))
     elif mask.dtype == torch.bool: s = s.masked_fill(~mask[:, :, None, :, :S], float('-inf'))
-    else: s = s + mask[:, :, None, :, :S].float()
+    else:                                  # additive: -inf entries by masked_fill, so a fully masked row gives no NaN gradient
+        m = mask[:, :, None, :, :S].to(s.dtype)
+        s = (s + m).masked_fill(m == float('-inf'), float('-inf'))
     return torch.logsumexp(s, -1).reshape(B, H, T).transpose(1, 2)
 
 def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
@@ -656,17 +717,15 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     qh = q.view(B, T, nkv, g, hs)
     s = torch.einsum('btngh,btwnh->btngw', qh, k_mem.view(B, T, W, nkv, hs).to(qh.dtype)).float() * (scaling or hs**-0.5)
     s = s.masked_fill(~ok[:, :, None, None, :], float('-inf'))
-    lse_mem = torch.logsumexp(s, -1)                                          # (B, T, nkv, g); -inf: nothing retrieved
-    p = torch.softmax(s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min), -1)
+    lse_mem = torch.logsumexp(s, -1, keepdim=True)                            # (B, T, nkv, g, 1); -inf: nothing retrieved
+    p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))             # the softmax over the retrieved (0 where none)
     out_mem = torch.einsum('btngw,btwnh->btngh', p.to(v_mem.dtype), v_mem.view(B, T, W, nkv, hs))
-    loc = lse_local.view(B, T, nkv, g)
-    z = torch.logaddexp(loc, lse_mem)
-    fin = torch.isfinite(z)                                                   # padding: nothing to attend to at all
-    a = torch.where(fin, torch.exp(loc - z.where(fin, 0.)), 1.)                # the segment's share of the softmax
-    b = torch.where(fin, torch.exp(lse_mem - z.where(fin, 0.)), 0.)           # the cache's share (0 when nothing is retrieved)
+    # the cache's share of the joint softmax, e^L_m / (e^L + e^L_m) = sigmoid(L_m - L): 0 when nothing is retrieved, 1 when
+    # the segment offers nothing (a padding query that retrieved something), 0 when neither (NaN from -inf - -inf)
+    b = torch.sigmoid(lse_mem[..., 0] - lse_local.view(B, T, nkv, g)).nan_to_num(0.)[..., None]
     wt = torch.promote_types(u.dtype, torch.float32)                         # fp32 at least (fp64 stays fp64)
-    out = a[..., None].to(wt) * u.view(B, T, nkv, g, hs).to(wt) + b[..., None].to(wt) * out_mem.to(wt)
-    return out.reshape(B, T, H * hs).to(u.dtype)
+    ul = u.view(B, T, nkv, g, hs).to(wt)
+    return (ul + b.to(wt) * (out_mem.to(wt) - ul)).reshape(B, T, H * hs).to(u.dtype)
 
 @patch_to(Neurocache)
 def capture(self, layer:int, what:str, value):
@@ -682,27 +741,33 @@ def mix(self, layer:int, attn:nn.Module, u):
           f"call its q_proj / k_proj (or was called without going through the Neurocache wrapper)")
     B, T, _ = u.shape
     H, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
-    kw = call['kwargs']
-    q, k = call['q'].view(B, T, H, hs).transpose(1, 2), call['k'].view(B, T, nkv, hs).transpose(1, 2)
-    cos, sin = kw['position_embeddings']
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    qr, kr = rotate(q, k, cos, sin)
-    pkv = kw.get('past_key_values')
-    keys = kr
-    try:                                   # a KV cache (generation): the keys of every token so far, this segment's last
-        cached = pkv.layers[attn.layer_idx].keys
-        if cached is not None and cached.shape[2] >= T and cached.shape[:2] == kr.shape[:2]: keys = cached
-    except (AttributeError, IndexError, TypeError): pass
-    lse = local_logsumexp(qr, keys, kw.get('attention_mask'), getattr(attn, 'scaling', None))
+    q = call['q'].view(B, T, H, hs)
+    lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
+    if lse is None: lse = self._local_lse(call, attn, q, rotate)
     ret = self._retrieved[r]
     if 'window' not in ret: ret['window'] = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])
     states, ok = ret['window'][:2]
     i, kvd = self.served[r].index(layer), nkv * hs
     kv = states[..., 2 * i * kvd:2 * (i + 1) * kvd]
     # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position, keys at 0)
-    cos_d, sin_d = self.rotary(q, torch.full((B, T), self.config.joint_distance, device=q.device))
-    qd = rotate(q, q, cos_d, sin_d)[0].transpose(1, 2).reshape(B, T, H * hs)
+    cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))   # one position for all
+    qd = rotate(q, q[:, :1, :1], cos_d, sin_d, unsqueeze_dim=2)[0].reshape(B, T, H * hs)
     return joint_mix(u, lse, qd, kv[..., :kvd], kv[..., kvd:], ok, getattr(attn, 'scaling', None))
+
+@patch_to(Neurocache)
+def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
+    "The segment's logsumexp (B, T, H) recomputed from the layer's q, k, mask and KV cache (when its attention ran elsewhere)."
+    B, T, H, hs = q.shape
+    kw = call['kwargs']
+    cos, sin = kw['position_embeddings']
+    qr, kr = rotate(q.transpose(1, 2), call['k'].view(B, T, -1, hs).transpose(1, 2), cos, sin)
+    keys = kr
+    try:                                   # a KV cache (generation): the keys of every token so far, this segment's last
+        cached = kw.get('past_key_values').layers[attn.layer_idx].keys
+        if cached is not None and cached.shape[2] >= T and cached.shape[:2] == kr.shape[:2]: keys = cached
+    except (AttributeError, IndexError, TypeError): pass
+    return local_logsumexp(qr, keys, kw.get('attention_mask'), getattr(attn, 'scaling', None))
 
 @patch_to(Neurocache)
 def _joint_kv(self, r:int):
@@ -736,6 +801,35 @@ def copying_layers(model:nn.Module, threshold:float=0.3) -> list:
     return (induction_scores(model).max(-1).values > threshold).nonzero().flatten().tolist()
 
 # %% ../nbs/20_neurocache.ipynb
+class _JointRoute:
+    """An attention module's `config` during one call in a joint layer: it names memlab's attention function
+    (`joint_attention`) and passes every other attribute through to the model's config."""
+    _attn_implementation = 'memlab_joint'
+    def __init__(self, config, neurocache, layer:int):
+        vars(self).update(config=config, neurocache=neurocache, layer=layer)
+    def __getattr__(self, name): return getattr(vars(self)['config'], name)
+
+def joint_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, **kwargs):
+    """A joint layer's attention (a Hugging Face attention function, registered as 'memlab_joint'): what the model's own
+    implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on CPU, one call of
+    the fused kernel gives both (`fused_attention`, SDPA's causal rule); otherwise the model's implementation runs and `mix`
+    recomputes the logsumexp."""
+    route = module.config
+    impl = route.config._attn_implementation
+    plain = (impl != 'sdpa' or not _fusable(query) or dropout or kwargs.get('output_attentions')
+             or any(kwargs.get(k) is not None for k in ('softcap', 'position_bias', 'cache', 'is_causal')))
+    if plain:
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, sys.modules[type(module).__module__].eager_attention_forward)
+        module.config = route.config                    # the implementation may read the config: the model's own
+        try: return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        finally: module.config = route
+    causal = query.shape[2] > 1 and attention_mask is None and getattr(module, 'is_causal', True)
+    out, lse = fused_attention(query, key, value, attention_mask, causal, scaling)
+    route.neurocache.capture(route.layer, 'lse', lse.transpose(1, 2))
+    return out.transpose(1, 2).contiguous(), None
+
+AttentionInterface.register('memlab_joint', joint_attention)
+
 class NeurocacheAttention(TransparentWrapper):
     "Stands in for a decoder layer's attention: calls `base_layer` unchanged and adds the Neurocache's cache attention."
     def __init__(self, base_layer:nn.Module, layer_idx:int, neurocache:Neurocache):
@@ -747,8 +841,15 @@ class NeurocacheAttention(TransparentWrapper):
         nc = self.neurocache
         x = kwargs['hidden_states'] if 'hidden_states' in kwargs else args[0]   # (B, T, C)
         if nc.enabled: nc.before_attention(self.layer_idx, x)
-        if nc.joint: nc.capture(self.layer_idx, 'kwargs', kwargs)           # the rotary embedding, mask and KV cache of this call
-        out = self.base_layer(*args, **kwargs)
+        base = self.base_layer
+        if nc.joint:
+            nc.capture(self.layer_idx, 'kwargs', kwargs)                    # the rotary embedding, mask and KV cache of this call
+            nc._calls[self.layer_idx].pop('lse', None)
+        if nc.joint and nc.enabled and self.layer_idx in nc.source:         # a joint layer: its attention through joint_attention
+            config, base.config = base.config, _JointRoute(base.config, nc, self.layer_idx)
+            try: out = base(*args, **kwargs)
+            finally: base.config = config
+        else: out = base(*args, **kwargs)
         extra = nc.attend(self.layer_idx, x) if nc.enabled else None
         if extra is None: return out
         return (out[0] + extra.to(out[0].dtype), *out[1:])

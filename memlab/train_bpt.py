@@ -471,9 +471,9 @@ def train_bpt(args:dict) -> dict:
     def describe(trainer):
         return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) "
                 f"({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
-                f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of {ds.seq_length} "
-                f"tokens per update; {len(rows['input_ids'])} rows of data; updates {trainer.step} -> {run.total_steps}; "
-                f"run folder {show_path(out)}")
+                f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of "
+                f"{ds.seq_length} tokens per update; {len(rows['input_ids'])} rows of data; "
+                f"updates {trainer.step} -> {run.total_steps}; run folder {show_path(out)}")
     def results(trainer, history, res):
         logs = [h for h in history if 'loss' in h]
         return {**res, 'tokens_seen': trainer.tokens_seen, 'parameters': n_params, 'world_size': world,

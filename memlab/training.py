@@ -337,10 +337,10 @@ def output_dir_refusal(out, resume_hint:str="resume_from='latest'", flag:str='ou
 
 def resume_plan(output_dir, resume_from=None, resume_hint:str="resume_from='latest' (--resume_from latest)",
                 flag:str='output_dir', accelerator=None):
-    """The checkpoint a run in `output_dir` continues from (None: a fresh start there), or `output_dir_refusal`'s one line.
-    'latest' with no checkpoint yet is a fresh start (a job script's first launch, `--autoresume`). The `Trainer` applies
-    it; a command calls it before building anything, naming its own flags: with an `accelerator` the main process decides
-    and every process gets the verdict."""
+    """The checkpoint a run in `output_dir` continues from (None: a fresh start there), or `output_dir_refusal`'s
+    one line. 'latest' with no checkpoint yet is a fresh start (a job script's first launch, `--autoresume`). The
+    `Trainer` applies it; a command calls it before building anything, naming its own flags: with an `accelerator`
+    the main process decides and every process gets the verdict."""
     def decide():
         if not output_dir: return resume_from, None
         r = None if str(resume_from) == 'latest' and not list_checkpoints(output_dir) else resume_from
@@ -1090,26 +1090,28 @@ def standard_results(trainer:Trainer, history:list) -> dict:
             'final': evals[-1] if evals else None}
 
 def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, describe=None, final=None, results=None,
-        save=None, report=None, plot_title:str=None, **trainer_kwargs) -> dict:
+        save=None, report=None, plot_title:str=None, fit:bool=True, folder=None, **trainer_kwargs) -> dict:
     """Train `model` as `config` says and write the run folder: the part of every command between building and reporting.
     Hooks, in the order they run: `prepare(trainer)` after the Trainer is built (resumed if asked), before fit;
     `describe(trainer) -> str` the line printed before training; `final(trainer) -> module or state dict` the exported
     weights the replica fingerprint covers (every process; kept as `trainer.final`; default: the trainable parameters);
-    `results(trainer, history, res) -> res` the recipe's entries; `save(trainer, folder) -> dict or None` writes its files
-    (every process; returned entries join the results); `report(res)` the text of results.md, or {file name: text};
-    `plot_title` the loss plot. `trainer_kwargs` go to `Trainer` (loss_fn, callbacks, optimizer, scheduler, accelerator,
-    run_config)."""
+    `results(trainer, history, res) -> res` the recipe's entries; `save(trainer, folder) -> dict or None` writes its
+    files (every process; returned entries join the results); `report(res)` the text of results.md, or {file name: text};
+    `plot_title` the loss plot. `fit=False` evaluates without training; `folder` takes the results instead of
+    `config.output_dir` (an evaluation may write no logs or checkpoints). `trainer_kwargs` go to `Trainer` (loss_fn,
+    callbacks, optimizer, scheduler, accelerator, run_config)."""
     trainer = Trainer(model, config, train_data, eval_data, **trainer_kwargs)
     if prepare is not None: prepare(trainer)
     if describe is not None: trainer.print(describe(trainer))
-    history = trainer.fit()
+    history = trainer.fit() if fit else []
     trainer.final = final(trainer) if final is not None else None
     fp = (fingerprint(trainer.final) if final is not None
           else fingerprint(trainer.unwrapped_model, trainable_only=True))
     check_replicas(fp, trainer.world_size)
     res = {**standard_results(trainer, history), 'fingerprint': fp, 'replicas_agree': True, 'history': history}
     if results is not None: res = results(trainer, history, res)
-    out = Path(trainer.config.output_dir) if trainer.config.output_dir else None
+    out = folder or trainer.config.output_dir
+    out = Path(out) if out else None
     if save is not None and out is not None: res.update(save(trainer, out) or {})
     if trainer.is_main and out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -83,7 +83,7 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
         if not trainer.is_main: return None
         if trainer.fsdp:
             warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)"); return None
-        return save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)
+        return {'saved': save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)}
     return run(model, train, train_data, eval_data, results=results, save=save, report=results_table,
                plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None,
                run_config={'task': task.to_dict()})

@@ -20,10 +20,9 @@ from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .training import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
-from .training import (check_replicas, fingerprint, load_sharded, main_process_value, output_dir_refusal,
-                             sharded_metadata)
-from .training import (TrainConfig, Trainer, launched_processes, list_checkpoints, load_strict,
-                             make_accelerator)
+from .training import load_sharded, resume_plan, sharded_metadata
+from .training import run as run_training
+from .training import TrainConfig, launched_processes, list_checkpoints, load_strict, make_accelerator
 
 # %% auto 0
 __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig', 'parse_mesh', 'parse_load', 'mesh_processes',
@@ -409,18 +408,6 @@ def read_dataset_state(path) -> dict:
         raise MemlabError(f"--load_dataset_state {p} is not valid JSON ({e.msg})") from None
 
 # %% ../nbs/11_train_bpt.ipynb
-def _resume_plan(run:BPTRunConfig, out:Path) -> tuple:
-    "(resume_from, refusal): --autoresume's latest checkpoint, else trainstate:: from --load_checkpoint, else None."
-    held = list_checkpoints(out) if out.exists() else []
-    if run.autoresume and held: return 'latest', None
-    if (refusal := output_dir_refusal(out, '--autoresume=True')): return None, refusal
-    if run.load[0] == 'trainstate':
-        p = Path(run.load[1]).expanduser()
-        if not (p/'trainer_state.json').exists():
-            return None, f"--load_checkpoint trainstate::{p} is not a memlab checkpoint (no trainer_state.json)"
-        return str(p), None
-    return None, None
-
 def full_state(trainer) -> dict:
     ("The trained model's weights as full CPU tensors with plain Hugging Face names, on every process "
      "(a collective under FSDP).")
@@ -453,8 +440,11 @@ def train_bpt(args:dict) -> dict:
     out = Path(run.output_dir or f"runs/bpt-{Path(run.load_llama_config or str(path)).stem or 'model'}")
     set_mmap_threshold(run.malloc_mmap_threshold)
     acc = make_accelerator(run.mixed_precision)
-    resume, refusal = main_process_value(_resume_plan(run, out) if acc.is_main_process else None, acc)
-    check(refusal is None, refusal)                                  # every process stops on the main one's verdict
+    resume = resume_plan(out, 'latest' if run.autoresume else None, '--autoresume=True', accelerator=acc)
+    if resume is None and kind == 'trainstate':    # a fresh folder continuing a memlab checkpoint's whole state
+        resume = str(Path(path).expanduser())
+        check((Path(resume)/'trainer_state.json').exists(),
+              f"--load_checkpoint trainstate::{resume} is not a memlab checkpoint (no trainer_state.json)")
     tok = load_bpt_tokenizer(tok_args.vocab_file)
     rows = json_rows(ds, text, tok, show_progress=run.progress and acc.is_main_process)
     model = build_model(run, llama, len(tok), ds.seq_length)
@@ -476,37 +466,33 @@ def train_bpt(args:dict) -> dict:
     run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(),
                   'world_size': world, 'mesh': {'dp': dp, 'fsdp': fsdp}, 'data': rows['counts'], 'parameters': n_params,
                   'model': model.config.to_dict()}
-    acc.wait_for_everyone()    # every process has checked the run folder before any writes to it
-    trainer = Trainer(model, tc, data, loss_fn=bpt_causal_lm_loss, callbacks=callbacks, scheduler=sched,
-                      accelerator=acc, run_config=run_config)
-    if run.load_dataset_state: data.load_state_dict(read_dataset_state(run.load_dataset_state))
-    acc.print(f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) "
-              f"({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
-              f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of {ds.seq_length} "
-              f"tokens per update; {len(rows['input_ids'])} rows of data; updates {trainer.step} -> {run.total_steps}; "
-              f"run folder {show_path(out)}")
-    history = trainer.fit()
-    state = full_state(trainer)
-    fp = fingerprint(state)
-    check_replicas(fp, world)
-    logs = [h for h in history if 'loss' in h]
-    res = {'steps': trainer.step, 'tokens_seen': trainer.tokens_seen, 'parameters': n_params, 'world_size': world,
-           'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none', 'bpt': llama.bpt.to_dict(),
-           'losses': {h['step']: h['loss'] for h in logs}, 'final_loss': logs[-1]['loss'] if logs else None,
-           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)),
-           'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
-           'checkpoints': [p.name for p in list_checkpoints(out)] if acc.is_main_process else None,
-           'fingerprint': fp, 'replicas_agree': True, 'output_dir': str(out), 'history': history}
-    if acc.is_main_process:
-        if run.export_model:
-            from transformers import AutoModelForCausalLM
-            plain = AutoModelForCausalLM.from_config(trainer.unwrapped_model.config, dtype=torch.float32)
-            load_strict(plain, state, 'exported model')
-            plain.config._attn_implementation = 'sdpa'
-            plain.save_pretrained(out/'model'); tok.save_pretrained(out/'model')
-        atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
-    acc.wait_for_everyone()
-    return res
+    def prepare(trainer):                      # after a resume: --load_dataset_state overrides its data position
+        if run.load_dataset_state: data.load_state_dict(read_dataset_state(run.load_dataset_state))
+    def describe(trainer):
+        return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) "
+                f"({'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
+                f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of "
+                f"{ds.seq_length} tokens per update; {len(rows['input_ids'])} rows of data; "
+                f"updates {trainer.step} -> {run.total_steps}; run folder {show_path(out)}")
+    def results(trainer, history, res):
+        logs = [h for h in history if 'loss' in h]
+        return {**res, 'tokens_seen': trainer.tokens_seen, 'parameters': n_params, 'world_size': world,
+                'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none',
+                'bpt': llama.bpt.to_dict(), 'losses': {h['step']: h['loss'] for h in logs},
+                'final_loss': logs[-1]['loss'] if logs else None,
+                'checkpoints': [p.name for p in list_checkpoints(out)] if trainer.is_main else None,
+                'output_dir': str(out)}
+    def save(trainer, out):                    # the trained weights as a plain Hugging Face model, with the tokenizer
+        if not (trainer.is_main and run.export_model): return
+        from transformers import AutoModelForCausalLM
+        plain = AutoModelForCausalLM.from_config(trainer.unwrapped_model.config, dtype=torch.float32)
+        load_strict(plain, trainer.final, 'exported model')
+        plain.config._attn_implementation = 'sdpa'
+        plain.save_pretrained(out/'model'); tok.save_pretrained(out/'model')
+    # the fingerprint covers the whole model, gathered as full tensors on every process (a collective under FSDP)
+    return run_training(model, tc, data, prepare=prepare, describe=describe, final=full_state, results=results,
+                        save=save, loss_fn=bpt_causal_lm_loss, callbacks=callbacks, scheduler=sched, accelerator=acc,
+                        run_config=run_config)
 
 # %% ../nbs/11_train_bpt.ipynb
 @cli_main

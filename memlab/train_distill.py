@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, fmt_bytes,
+from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, fmt_bytes,
                          parse_configs, resolve_precision, seed_everything, show_path)
 from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .training import TrainConfig, Trainer, check_replicas, fingerprint, make_accelerator, output_dir_refusal
+from .training import TrainConfig, make_accelerator, resume_plan, run
 from .training import GradientStats
 from .distill import PerplexityEvaluation, perplexity
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups,
@@ -475,8 +475,7 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs "
           "data-parallel (DDP): launch with torchrun or accelerate launch --multi_gpu, not with an FSDP config")
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not tr.resume_from_checkpoint and (refusal := output_dir_refusal(out, '--resume_from_checkpoint latest')):
-        raise MemlabError(refusal)
+    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest')   # before anything loads
     acc = make_accelerator(tr.mixed_precision)
     progress = not tr.disable_tqdm and acc.is_main_process
     say = acc.print
@@ -566,61 +565,54 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
                      save_every=tr.save_steps if tr.save_strategy == 'steps' else 0,
                      keep_checkpoints=tr.save_total_limit or 2, mixed_precision=tr.mixed_precision,
                      gradient_checkpointing=tr.gradient_checkpointing, distributed_type='ddp', seed=tr.seed,
-                     resume_from=tr.resume_from_checkpoint, report_to=tr.report_to, progress=not tr.disable_tqdm)
+                     resume_from=resume, report_to=tr.report_to, progress=not tr.disable_tqdm)
     callbacks = [PerplexityEvaluation(data.evaluators, tr.per_device_eval_batch_size, every, tr.eval_on_start)]
     if loss_fn.confidence is not None: callbacks.append(loss_fn.confidence)      # CAKLD's β: checkpointed with the run
     if eval_args.extra_grad_stats: callbacks.append(GradientStats())
     configs = {'student': student_args.to_dict(), 'teacher': teacher_args.to_dict(), 'dataset': data_args.to_dict(),
                'evaluation': eval_args.to_dict(), 'objective': objective.to_dict(), 'training': tr.to_dict()}
     n_student, n_trainable = count_parameters(student), count_parameters(student, trainable_only=True)
-    trainer = Trainer(student, tc, train_data, eval_data, loss_fn=loss_fn, callbacks=callbacks, accelerator=acc,
-                      run_config={'distill': configs, 'data': data.fingerprint})
-    say(f"memlab_distill: teacher {teacher_name} ({n_teacher:,} parameters, "
-        f"{'top-' + str(topk.k) + ' shards' if topk else 'online'}) -> student {type(student).__name__} "
-        f"({n_student:,} parameters, {n_trainable:,} trainable; {how}); {len(data.train['input_ids'])} training rows "
-        f"of {data_args.dataset_max_seq_length} tokens, {world} process(es) x {tr.per_device_train_batch_size} rows x "
-        f"{tr.gradient_accumulation_steps} micro-batches per update, {steps} updates; run folder {show_path(out)}")
-    history = trainer.fit()
-    # results
-    model = trainer.unwrapped_model
-    fp = fingerprint(model)
-    check_replicas(fp, world, 'students')
-    logs, evals = [h for h in history if 'loss' in h], [h for h in history if any(k in h for k in data.evaluators)]
-    obj_evals = [h for h in history if 'eval_loss' in h]
-    metrics = {}
-    for name in data.evaluators:
-        seen = [h for h in evals if name in h]
-        metrics[name] = {'teacher': teacher_metrics.get(name, {}).get('ppl'),
-                         'student_before': seen[0][name] if seen and seen[0]['step'] == 0 else None,
-                         'student': seen[-1][name] if seen else None,
-                         'tokens': seen[-1][f"{name}_tokens"] if seen else None}
-    peak = max((h['peak_memory_mib'] for h in logs), default=None)
-    res = {'teacher': teacher_name, 'teacher_parameters': n_teacher,
-           'teacher_outputs': f"top-{topk.k} shards ({ta.teacher_topk_dir})" if topk else 'online',
-           'student': type(model).__name__, 'student_parameters': n_student, 'trainable_parameters': n_trainable,
-           'student_init': how, 'bitnet': student_args.student_model_as_bitnet, 'dataset': data.fingerprint,
-           'train_rows': len(data.train['input_ids']), 'test_rows': len(data.test['input_ids']),
-           'objective': objective.to_dict(), 'steps': trainer.step, 'train_tokens': trainer.tokens_seen,
-           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)), 'peak_memory_mib': peak,
-           'world_size': world, 'metrics': metrics, 'eval_objective': obj_evals[-1] if obj_evals else None,
-           'fingerprint': fp, 'replicas_agree': True, 'configs': configs, 'output_dir': str(out), 'history': history}
-    if acc.is_main_process:
+    def describe(trainer):
+        return (f"memlab_distill: teacher {teacher_name} ({n_teacher:,} parameters, "
+                f"{'top-' + str(topk.k) + ' shards' if topk else 'online'}) -> student {type(student).__name__} "
+                f"({n_student:,} parameters, {n_trainable:,} trainable; {how}); {len(data.train['input_ids'])} "
+                f"training rows of {data_args.dataset_max_seq_length} tokens, {world} process(es) x "
+                f"{tr.per_device_train_batch_size} rows x {tr.gradient_accumulation_steps} micro-batches per update, "
+                f"{steps} updates; run folder {show_path(out)}")
+    def results(trainer, history, res):
+        evals = [h for h in history if any(k in h for k in data.evaluators)]
+        obj_evals = [h for h in history if 'eval_loss' in h]
+        metrics = {}
+        for name in data.evaluators:
+            seen = [h for h in evals if name in h]
+            metrics[name] = {'teacher': teacher_metrics.get(name, {}).get('ppl'),
+                             'student_before': seen[0][name] if seen and seen[0]['step'] == 0 else None,
+                             'student': seen[-1][name] if seen else None,
+                             'tokens': seen[-1][f"{name}_tokens"] if seen else None}
+        return {'teacher': teacher_name, 'teacher_parameters': n_teacher,
+                'teacher_outputs': f"top-{topk.k} shards ({ta.teacher_topk_dir})" if topk else 'online',
+                'student': type(student).__name__, 'student_parameters': n_student, 'trainable_parameters': n_trainable,
+                'student_init': how, 'bitnet': student_args.student_model_as_bitnet, 'dataset': data.fingerprint,
+                'train_rows': len(data.train['input_ids']), 'test_rows': len(data.test['input_ids']),
+                'objective': objective.to_dict(), **res, 'world_size': world, 'metrics': metrics,
+                'eval_objective': obj_evals[-1] if obj_evals else None, 'configs': configs, 'output_dir': str(out)}
+    def save(trainer, out):   # main process: the student (BitNet packed), its distillation heads, tokenizer, loss plot
+        if not trainer.is_main: return None
+        model, written = trainer.unwrapped_model, {}
         heads = save_distill_heads(model, out)
         remove_distill_heads(model)
-        if student_args.student_model_as_bitnet:
-            save_packed(model, out)
-            rep = packed_report(out)
-            res['packed'] = rep
+        if student_args.student_model_as_bitnet: save_packed(model, out); written['packed'] = packed_report(out)
         else: model.save_pretrained(out)
         tok.save_pretrained(out)
-        res['distill_heads'] = str(heads) if heads else None
-        card = distill_card(res, model, arch_teacher, objective, tr, data, rows_per_update, acc)
-        atomic_write_text(out/'README.md', card)
-        atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
-        plot_distill(history, teacher_metrics, out/'loss.png',
+        plot_distill(trainer.history, teacher_metrics, out/'loss.png',
                      title=f"{teacher_name.split('/')[-1]} -> {type(model).__name__}")
-    acc.wait_for_everyone()
-    return res
+        return {**written, 'distill_heads': str(heads) if heads else None}
+    def report(res):          # the model card
+        return {'README.md': distill_card(res, student, arch_teacher, objective, tr, data, rows_per_update, acc)}
+    # the fingerprint covers the whole student (its frozen weights too), checked equal on every process
+    return run(student, tc, train_data, eval_data, describe=describe, final=lambda trainer: trainer.unwrapped_model,
+               results=results, save=save, report=report, loss_fn=loss_fn, callbacks=callbacks, accelerator=acc,
+               run_config={'distill': configs, 'data': data.fingerprint})
 
 # %% ../nbs/42_train_distill.ipynb
 def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingArguments, data:DistillData,

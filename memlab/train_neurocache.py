@@ -22,8 +22,7 @@ from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add
                                has_neurocache, load_neurocache, memory_per_token,
                                neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import check_replicas, fingerprint, main_process_value, output_dir_refusal
-from .training import LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator, plot_history
+from .training import LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator, resume_plan, run
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
@@ -240,14 +239,6 @@ def stream_loss(model, batch:dict) -> LossOutput:
     return causal_lm_loss(model, batch)
 
 # %% ../nbs/21_train_neurocache.ipynb
-def _output_refusal(cfg:NeurocacheRunConfig):
-    "Why --output_dir cannot be used (None if it can)."
-    out = Path(cfg.output_dir)
-    if cfg.resume_from_checkpoint or cfg.save_and_quit or not out.exists(): return None
-    if cfg.only_evaluate:
-        return f"--output_dir {out} already holds results.json: choose another folder" if (out/'results.json').exists() else None
-    return output_dir_refusal(out, '--resume_from_checkpoint latest')
-
 def _full_state(trainer) -> dict:
     "The unwrapped model's state dict with full tensors (gathered under FSDP; a collective there)."
     if trainer.fsdp:
@@ -294,70 +285,75 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
         try: import wandb
         except ImportError: raise MemlabError("--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)") from None
     acc = make_accelerator(mp)
-    world = acc.num_processes
-    refusal = main_process_value(_output_refusal(cfg) if acc.is_main_process else None, acc)
-    check(refusal is None, refusal)                                   # every process stops on the main one's verdict
+    world, out = acc.num_processes, Path(cfg.output_dir)
+    training = not (cfg.only_evaluate or cfg.save_and_quit)
+    resume = cfg.resume_from_checkpoint
+    if training:   # the loop's folder rule, on the main process before anything loads
+        resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc)
+    elif cfg.only_evaluate and not resume:   # an evaluation only refuses to overwrite results
+        check(not (out/'results.json').exists(),
+              f"--output_dir {out} already holds results.json: choose another folder")
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path)
     train_data, eval_data, test_data = load_streams(cfg, tok)
     model = build_model(cfg, tok)
     trainable = count_parameters(model, trainable_only=True)
     check(trainable or cfg.only_evaluate, "nothing to train: the model has no trainable parameter")
-    check(not (cfg.resume_from_checkpoint and not trainable), "--resume_from_checkpoint needs a model with trainable weights")
-    training = not (cfg.only_evaluate or cfg.save_and_quit)
-    tc = TrainConfig(output_dir=cfg.output_dir if training or cfg.resume_from_checkpoint else None, max_steps=cfg.max_train_steps,
-                     per_device_batch_size=cfg.per_device_train_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                     lr=cfg.learning_rate, weight_decay=cfg.weight_decay, scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type],
-                     warmup_steps=cfg.num_warmup_steps, max_grad_norm=cfg.max_grad_norm, eval_every=cfg.evaluate_every_steps,
-                     max_eval_steps=cfg.max_eval_steps or None, save_every=cfg.checkpointing_steps, keep_checkpoints=cfg.keep_n_checkpoints,
-                     save_final=False, log_every=cfg.logging_steps, mixed_precision=mp,
-                     gradient_checkpointing=training and not cfg.disable_grad_checkpointing, distributed_type=cfg.distributed_type,
-                     seed=cfg.seed, resume_from=cfg.resume_from_checkpoint, report_to=cfg.report_to if cfg.with_tracking else 'none',
-                     progress=cfg.progress)
-    # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one before it knows
+    check(not (cfg.resume_from_checkpoint and not trainable),
+          "--resume_from_checkpoint needs a model with trainable weights")
+    tc = TrainConfig(output_dir=cfg.output_dir if training or resume else None, max_steps=cfg.max_train_steps,
+                     per_device_batch_size=cfg.per_device_train_batch_size,
+                     gradient_accumulation_steps=cfg.gradient_accumulation_steps, lr=cfg.learning_rate,
+                     weight_decay=cfg.weight_decay, scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type],
+                     warmup_steps=cfg.num_warmup_steps, max_grad_norm=cfg.max_grad_norm,
+                     eval_every=cfg.evaluate_every_steps, max_eval_steps=cfg.max_eval_steps or None,
+                     save_every=cfg.checkpointing_steps, keep_checkpoints=cfg.keep_n_checkpoints, save_final=False,
+                     log_every=cfg.logging_steps, mixed_precision=mp,
+                     gradient_checkpointing=training and not cfg.disable_grad_checkpointing,
+                     distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume,
+                     report_to=cfg.report_to if cfg.with_tracking else 'none', progress=cfg.progress)
+    # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
     optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
-    run_config = {'neurocache_run': cfg.to_dict(), 'world_size': world, 'mixed_precision': mp}
-    trainer = Trainer(model, tc, train_data, eval_data, loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks],
-                      optimizer=optimizer, accelerator=acc, run_config=run_config)
-    model = trainer.unwrapped_model
-    acc.print(f"memlab_neurocache: {describe_model(model)}; {world} process(es) x {cfg.per_device_train_batch_size} rows x "
-              f"{cfg.gradient_accumulation_steps} micro-batches of {cfg.sequence_length} tokens per update; precision {mp}")
-    out = Path(cfg.output_dir)
-    if cfg.save_and_quit:
+    loop = dict(loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks], optimizer=optimizer, accelerator=acc,
+                run_config={'neurocache_run': cfg.to_dict(), 'world_size': world, 'mixed_precision': mp})
+    def describe(trainer):
+        return (f"memlab_neurocache: {describe_model(trainer.unwrapped_model)}; {world} process(es) x "
+                f"{cfg.per_device_train_batch_size} rows x {cfg.gradient_accumulation_steps} micro-batches of "
+                f"{cfg.sequence_length} tokens per update; precision {mp}")
+    if cfg.save_and_quit:       # build (and resume) the model, save its Neurocache, stop: no training, no results
+        trainer = Trainer(model, tc, train_data, eval_data, **loop)
+        trainer.print(describe(trainer))
         save_run_neurocache(trainer, cfg, out)
         acc.wait_for_everyone()
         acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
         return {'saved': str(out), 'step': trainer.step}
-    history = trainer.fit() if training else []
-    evals = [h for h in history if 'eval_loss' in h]
-    final = evals[-1] if evals and evals[-1]['step'] == trainer.step else trainer.evaluate(eval_data)
-    test = trainer.evaluate(test_data, prefix='test') if test_data is not None else None
-    fp = fingerprint(model, trainable_only=True)
-    check_replicas(fp, world)
-    logs = [h for h in history if 'loss' in h]
-    nc_cfg = model.neurocache_config if has_neurocache(model) else None
-    res = {'mode': 'train' if training else 'evaluate', 'steps': trainer.step, 'tokens_seen': trainer.tokens_seen,
-           'model': describe_model(model), 'parameters': count_parameters(model), 'trainable_parameters': count_parameters(model, True),
-           'neurocache': nc_cfg.to_dict() if nc_cfg else None, 'cache_enabled': bool(nc_cfg and model.neurocache.enabled),
-           'base_4bit': any(type(m).__name__ == 'Linear4bit' for m in model.modules()),
-           'eval': {k.replace('eval_', '', 1): v for k, v in final.items()},
-           'test': {k.replace('test_', '', 1): v for k, v in test.items()} if test else None,
-           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / len(logs) if logs else None,
-           'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
-           'world_size': world, 'mixed_precision': mp, 'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none',
-           'fingerprint': fp, 'replicas_agree': True, 'output_dir': str(out),
-           'history': history}
-    if nc_cfg:
-        c = model.config
-        res['bytes_per_cached_token'] = memory_per_token(c.hidden_size, c.num_attention_heads, compression_factor=nc_cfg.compression_factor,
-                                                         cache_dtype=nc_cfg.cache_dtype)
-    if training: save_run_neurocache(trainer, cfg, out)
-    if acc.is_main_process:
-        atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
-        if training and history:
-            plot_history(history, out/'loss.png', title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}")
-    acc.wait_for_everyone()
-    return res
+    def results(trainer, history, res):   # every process: the evaluations are collectives
+        model, evals = trainer.unwrapped_model, [h for h in history if 'eval_loss' in h]
+        final = evals[-1] if evals and evals[-1]['step'] == trainer.step else trainer.evaluate(eval_data)
+        test = trainer.evaluate(test_data, prefix='test') if test_data is not None else None
+        nc_cfg = model.neurocache_config if has_neurocache(model) else None
+        res = {'mode': 'train' if training else 'evaluate', **res, 'tokens_seen': trainer.tokens_seen,
+               'model': describe_model(model), 'parameters': count_parameters(model),
+               'trainable_parameters': count_parameters(model, True),
+               'neurocache': nc_cfg.to_dict() if nc_cfg else None,
+               'cache_enabled': bool(nc_cfg and model.neurocache.enabled),
+               'base_4bit': any(type(m).__name__ == 'Linear4bit' for m in model.modules()),
+               'eval': {k.replace('eval_', '', 1): v for k, v in final.items()},
+               'test': {k.replace('test_', '', 1): v for k, v in test.items()} if test else None,
+               'world_size': world, 'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none',
+               'output_dir': str(out)}
+        if nc_cfg:
+            c = model.config
+            res['bytes_per_cached_token'] = memory_per_token(c.hidden_size, c.num_attention_heads,
+                                                             compression_factor=nc_cfg.compression_factor,
+                                                             cache_dtype=nc_cfg.cache_dtype)
+        return res
+    def save(trainer, folder):
+        if training: save_run_neurocache(trainer, cfg, folder)
+    # --only_evaluate: the same steps without training, its results.json in --output_dir (no logs, no checkpoints)
+    return run(model, tc, train_data, eval_data, describe=describe, results=results, save=save, fit=training,
+               folder=out, plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}",
+               **loop)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def summary(res:dict) -> str:

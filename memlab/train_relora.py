@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text, check, cli_main,
+from .core import (Config, MemlabError, PRECISION_NAMES, arg, check, cli_main,
                          count_parameters, parse_configs, parse_count, resolve_precision, seed_everything, show_path)
 from .loaders import TokenBatches
 from .models import llama_config, load_model, memlab_home
@@ -19,9 +19,9 @@ from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_s
                            relora_layers, reset_mode_from_flags)
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
                                pretokenized_name)
-from .training import check_replicas, fingerprint, main_process_value, output_dir_refusal
+from .training import main_process_value, resume_plan, run
 from .training import ConsolidateZeroState, ProfileCallback
-from .training import (CHECKPOINTS, TrainConfig, Trainer, find_checkpoint, list_checkpoints,
+from .training import (CHECKPOINTS, TrainConfig, find_checkpoint, list_checkpoints,
                              load_sharded, load_strict, make_accelerator, read_json, read_state, sharded_metadata)
 
 # %% auto 0
@@ -342,22 +342,13 @@ def default_save_dir(cfg:ReLoRARunConfig) -> str:
     label = Path(str(cfg.model_config or cfg.model_name_or_path)).stem or 'model'
     return str(Path('checkpoints')/f"{label}-{time.strftime('%Y-%m-%d-%H-%M-%S')}")
 
-def _prepare_save_dir(cfg:ReLoRARunConfig) -> tuple:
-    "(save_dir, resume_from, refusal) after --save_dir, --autoresume and --resume_from (decided on the main process)."
-    save_dir, resume = cfg.save_dir or default_save_dir(cfg), cfg.resume_from
-    out = Path(save_dir)
-    if not resume and out.exists():
-        held = list_checkpoints(out)
-        if cfg.autoresume and held: resume = 'latest'
-        elif (refusal := output_dir_refusal(out, '--autoresume True', 'save_dir')): return save_dir, resume, refusal
-    return save_dir, resume, None
-
 def train_relora(cfg:ReLoRARunConfig) -> dict:
     "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
     acc = make_accelerator(cfg.mixed_precision)
     world = acc.num_processes
-    save_dir, resume, refusal = main_process_value(_prepare_save_dir(cfg) if acc.is_main_process else None, acc)
-    check(refusal is None, refusal)                                   # every process stops on the main one's verdict
+    save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
+    resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
+                         'save_dir', acc)                                   # refused here, before anything is loaded
     if cfg.dataset_path is None:  # the seed's commands 2-5 give no dataset: the original streams C4
         path = main_process_value(str(default_dataset(cfg, cfg.progress)) if acc.is_main_process else None, acc)
         acc.print(f"memlab_relora: no --dataset_path: training on the embedded {DEFAULT_CORPUS} "
@@ -427,35 +418,30 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     run_config = {'relora': {k: v for k, v in cfg.to_dict().items()}, 'dataset': data_args, 'world_size': world,
                   'gradient_accumulation': accum,
                   'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
-    trainer = Trainer(model, tc, train_data, eval_data, callbacks=callbacks, optimizer=optimizer_factory(cfg, world),
-                      scheduler=sched_fn, accelerator=acc, run_config=run_config)
-    if warm and not resume: trainer.step, trainer.tokens_seen = warm['step'], warm['tokens_seen']
-    acc.wait_for_everyone()        # no process starts writing the run folder while another still checks it
-    acc.print(f"memlab_relora: {counts['trainable_parameters']:,} trainable of {counts['parameters']:,} parameters "
-              f"({len(relora_layers(model))} ReLoRA layers); {world} process(es) "
-              f"x {cfg.batch_size} rows x {accum} micro-batches "
-              f"of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; "
-              f"run folder {show_path(save_dir)}")
-    history = trainer.fit()
-    plain = merged_model(trainer.unwrapped_model)                  # every process: a collective under FSDP
-    fp = fingerprint(plain)
-    check_replicas(fp, world)
-    evals = [h for h in history if 'eval_loss' in h]
-    logs = [h for h in history if 'loss' in h]
-    res = {'steps': trainer.step, 'tokens_seen': trainer.tokens_seen, **counts,
-           'merges': next((cb.merges for cb in callbacks if isinstance(cb, ReLoRACallback)), 0),
-           'final_eval_loss': evals[-1]['eval_loss'] if evals else None,
-           'final_eval_ppl': evals[-1]['eval_ppl'] if evals else None,
-           'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / max(1, len(logs)),
-           'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
-           'world_size': world, 'distributed_type': cfg.distributed_type if world > 1 else 'none',
-           'fingerprint': fp, 'replicas_agree': True, 'save_dir': save_dir, 'history': history}
-    if acc.is_main_process:
-        if cfg.export_model:
-            plain.save_pretrained(Path(save_dir)/'model'); tok.save_pretrained(Path(save_dir)/'model')
-        atomic_write_text(Path(save_dir)/'results.json', json.dumps(res, indent=1))
-    acc.wait_for_everyone()
-    return res
+    def prepare(trainer):                       # a warm start continues its update and token counts
+        if warm: trainer.step, trainer.tokens_seen = warm['step'], warm['tokens_seen']
+    def describe(trainer):
+        return (f"memlab_relora: {counts['trainable_parameters']:,} trainable of {counts['parameters']:,} parameters "
+                f"({len(relora_layers(model))} ReLoRA layers); {world} process(es) "
+                f"x {cfg.batch_size} rows x {accum} micro-batches "
+                f"of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; "
+                f"run folder {show_path(save_dir)}")
+    def results(trainer, history, res):
+        evals = [h for h in history if 'eval_loss' in h]
+        return {**res, 'tokens_seen': trainer.tokens_seen, **counts,
+                'merges': next((cb.merges for cb in callbacks if isinstance(cb, ReLoRACallback)), 0),
+                'final_eval_loss': evals[-1]['eval_loss'] if evals else None,
+                'final_eval_ppl': evals[-1]['eval_ppl'] if evals else None,
+                'world_size': world, 'distributed_type': cfg.distributed_type if world > 1 else 'none',
+                'save_dir': save_dir}
+    def save(trainer, out):                     # the merged plain model and the tokenizer
+        if trainer.is_main and cfg.export_model:
+            trainer.final.save_pretrained(out/'model'); tok.save_pretrained(out/'model')
+    # the fingerprint covers the merged plain model (every process builds it: a collective under FSDP)
+    return run(model, tc, train_data, eval_data, prepare=prepare, describe=describe,
+               final=lambda trainer: merged_model(trainer.unwrapped_model), results=results, save=save,
+               callbacks=callbacks, optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc,
+               run_config=run_config)
 
 # %% ../nbs/31_train_relora.ipynb
 @cli_main

@@ -25,9 +25,9 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'Loss
            'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of', 'get_scheduler', 'BatchList', 'count_targets',
            'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
            'main_process_value', 'fingerprint', 'check_replicas', 'list_checkpoints', 'find_checkpoint',
-           'output_dir_refusal', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors', 'write_state',
-           'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals',
-           'Trainer', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
+           'output_dir_refusal', 'resume_plan', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors',
+           'write_state', 'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted',
+           'StopSignals', 'Trainer', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
            'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'standard_results', 'run',
            'loop_step_times', 'benchmark']
 
@@ -335,6 +335,22 @@ def output_dir_refusal(out, resume_hint:str="resume_from='latest'", flag:str='ou
     if (out/'results.json').exists(): return f"--{flag} {out} already holds a run (results.json): choose another folder"
     return None
 
+def resume_plan(output_dir, resume_from=None, resume_hint:str="resume_from='latest' (--resume_from latest)",
+                flag:str='output_dir', accelerator=None):
+    """The checkpoint a run in `output_dir` continues from (None: a fresh start there), or `output_dir_refusal`'s
+    one line. 'latest' with no checkpoint yet is a fresh start (a job script's first launch, `--autoresume`). The
+    `Trainer` applies it; a command calls it before building anything, naming its own flags: with an `accelerator`
+    the main process decides and every process gets the verdict."""
+    def decide():
+        if not output_dir: return resume_from, None
+        r = None if str(resume_from) == 'latest' and not list_checkpoints(output_dir) else resume_from
+        try: return r, None if r else output_dir_refusal(output_dir, resume_hint, flag)
+        except MemlabError as e: return None, str(e)
+    if accelerator is None: resume, refusal = decide()
+    else: resume, refusal = main_process_value(decide() if accelerator.is_main_process else None, accelerator)
+    check(refusal is None, refusal)
+    return resume
+
 def clear_unfinished_run(out) -> list:
     ("Remove what a run that stopped before its first checkpoint left in `out` "
      "(log, config, plot, half-written checkpoints).")
@@ -570,13 +586,8 @@ class Trainer:
     def _check_output_dir(self):
         "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
         c = self.config
-        if not c.output_dir: return
-        if str(c.resume_from) == 'latest' and not list_checkpoints(c.output_dir):
-            # nothing to resume yet: a job script's first start
-            self.config = c = dataclasses.replace(c, resume_from=None)
-        if c.resume_from: return
-        refusal = output_dir_refusal(c.output_dir, "resume_from='latest' (--resume_from latest)")
-        if refusal: raise MemlabError(refusal)
+        resume = resume_plan(c.output_dir, c.resume_from)   # 'latest' with nothing to resume yet: a fresh start
+        if resume != c.resume_from: self.config = dataclasses.replace(c, resume_from=resume)
 
     def _clear_unfinished_run(self):
         "After every process has checked the folder: the main process removes what an unfinished run left there."
@@ -1078,27 +1089,37 @@ def standard_results(trainer:Trainer, history:list) -> dict:
             'processes': trainer.world_size, 'fsdp': trainer.fsdp, 'mixed_precision': trainer.config.mixed_precision,
             'final': evals[-1] if evals else None}
 
-def run(model, config:TrainConfig, train_data, eval_data=None, *, results=None, save=None, report=None,
-        plot_title:str=None, describe=None, **trainer_kwargs) -> dict:
+def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, describe=None, final=None, results=None,
+        save=None, report=None, plot_title:str=None, fit:bool=True, folder=None, **trainer_kwargs) -> dict:
     """Train `model` as `config` says and write the run folder: the part of every command between building and reporting.
-    `results(trainer, history, res) -> res` adds a recipe's entries, `save(trainer, folder)` saves its model (every process),
-    `report(res) -> str` writes results.md, `plot_title` the loss plot, `describe(trainer) -> str` the line printed before training;
-    `trainer_kwargs` go to `Trainer` (loss_fn, callbacks, optimizer, accelerator, run_config)."""
+    Hooks, in the order they run: `prepare(trainer)` after the Trainer is built (resumed if asked), before fit;
+    `describe(trainer) -> str` the line printed before training; `final(trainer) -> module or state dict` the exported
+    weights the replica fingerprint covers (every process; kept as `trainer.final`; default: the trainable parameters);
+    `results(trainer, history, res) -> res` the recipe's entries; `save(trainer, folder) -> dict or None` writes its
+    files (every process; returned entries join the results); `report(res)` the text of results.md, or {file name: text};
+    `plot_title` the loss plot. `fit=False` evaluates without training; `folder` takes the results instead of
+    `config.output_dir` (an evaluation may write no logs or checkpoints). `trainer_kwargs` go to `Trainer` (loss_fn,
+    callbacks, optimizer, scheduler, accelerator, run_config)."""
     trainer = Trainer(model, config, train_data, eval_data, **trainer_kwargs)
+    if prepare is not None: prepare(trainer)
     if describe is not None: trainer.print(describe(trainer))
-    history = trainer.fit()
-    fp = fingerprint(trainer.unwrapped_model, trainable_only=True)
+    history = trainer.fit() if fit else []
+    trainer.final = final(trainer) if final is not None else None
+    fp = (fingerprint(trainer.final) if final is not None
+          else fingerprint(trainer.unwrapped_model, trainable_only=True))
     check_replicas(fp, trainer.world_size)
     res = {**standard_results(trainer, history), 'fingerprint': fp, 'replicas_agree': True, 'history': history}
     if results is not None: res = results(trainer, history, res)
-    out = Path(config.output_dir) if config.output_dir else None
-    if save is not None and out is not None:
-        saved = save(trainer, out)
-        if saved is not None: res['saved'] = saved
+    out = folder or trainer.config.output_dir
+    out = Path(out) if out else None
+    if save is not None and out is not None: res.update(save(trainer, out) or {})
     if trainer.is_main and out is not None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
-        if report is not None: atomic_write_text(out/'results.md', report(res))
+        if report is not None:
+            text = report(res)
+            for name, t in (text if isinstance(text, dict) else {'results.md': text}).items():
+                atomic_write_text(out/name, t)
         if plot_title is not None and history: plot_history(history, out/'loss.png', title=plot_title)
     trainer.accelerator.wait_for_everyone()
     return res

@@ -856,16 +856,18 @@ class NeurocacheAttention(TransparentWrapper):
 
 # %% ../nbs/20_neurocache.ipynb
 def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig:
-    """A copy of `config` with the choices that depend on the model made: cache_attention 'auto' (joint for the Llama and Mistral
-    families, else separate), context_size None (1 joint, 2 separate), and a joint cache without layers placed at the model's
-    copying layers (`copying_layers`: retrieval at the lowest, attention from it to the highest)."""
+    """A copy of `config` with the choices that depend on the model made: cache_attention 'auto' (joint for a Llama or Mistral
+    model with copying layers, else separate), context_size None (1 joint, 2 separate), and a joint cache without layers
+    placed at the model's copying layers (`copying_layers`: retrieval at the lowest, attention from it to the highest)."""
     family = _check_family(model)
-    design = config.cache_attention
-    if design == 'auto': design = 'joint' if family in JOINT_FAMILIES else 'separate'
+    design, found = config.cache_attention, None
+    if design == 'auto':               # joint reads the cache through heads that already copy: a model without them gets separate
+        found = copying_layers(model) if family in JOINT_FAMILIES else []
+        design = 'joint' if found else 'separate'
     changes = dict(cache_attention=design)
     if config.context_size is None: changes['context_size'] = 1 if design == 'joint' else 2
     if design == 'joint' and config.retrieval_map is None and config.attention_layers is None:
-        found = copying_layers(model)
+        found = copying_layers(model) if found is None else found
         if found: changes.update(retrieval_map=f"{found[0]}:{found[0]}", attention_layers=list(range(found[0], found[-1] + 1)))
     return dataclasses.replace(config, **changes)
 

@@ -536,7 +536,8 @@ def demo(out:Path, quick:bool=False) -> tuple:
             for name, cache in (('with Neurocache', recall_cache_config()), ('without cache', None))}
     w, wo = runs['with Neurocache'], runs['without cache']
     rows = [{'method': 'Neurocache', 'setting': f"tiny Llama from scratch, facts asked {task.gap}+ tokens later, 32-token segments, "
-                                                 f"{steps} updates", 'metric': 'held-out answer accuracy',
+                                                 f"{steps} updates, separate cache attention ('auto' for a model "
+                                                 f"without induction heads)", 'metric': 'held-out answer accuracy',
              'value': f"with cache {w['accuracy']:.2f}, without {wo['accuracy']:.2f} (chance {1 / task.n_values:.2f})"}]
     series = {'Neurocache: answer loss (synthetic recall)': {name: [(s, l) for s, l, _ in r['train']] for name, r in runs.items()}}
     atomic_write_text(Path(out)/'neurocache'/'demo.json', json.dumps({k: {kk: vv for kk, vv in r.items()} for k, r in runs.items()}, indent=1))

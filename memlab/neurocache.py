@@ -161,7 +161,8 @@ class NeurocacheConfig(Config):
         if self.lora_modules is not None: self.lora_modules = list(self.lora_modules)
 
     def size(self, training:bool) -> int:
-        "Entries per cache in training mode (`cache_size`) or evaluation mode (`eval_cache_size`, default `cache_size`)."
+        ("Entries per cache in training mode (`cache_size`) or evaluation mode "
+         "(`eval_cache_size`, default `cache_size`).")
         return self.cache_size if training or self.eval_cache_size is None else self.eval_cache_size
 
     @property
@@ -177,32 +178,35 @@ def neighborhood_offsets(size:int) -> list:
     return list(range(-(size // 2) + 1, size // 2 + 1)) if size > 1 else [0]
 
 def bucketed_topk(scores:torch.Tensor, k:int, num_buckets:int):
-    "The reference's approximate top-k over the last dim: best of each strided bucket, then the exact top-k of the winners."
+    ("The reference's approximate top-k over the last dim: best of each strided bucket, then the exact top-k of the "
+     "winners.")
     *lead, S = scores.shape
     nb = min(max(k, num_buckets), S)
-    best, arg = scores.view(*lead, S // nb, nb).max(dim=-2)                 # (..., nb): bucket j holds slots j, j+nb, j+2nb, ...
-    slots = arg * nb + torch.arange(nb, device=scores.device)                # (..., nb)
+    best, arg = scores.view(*lead, S // nb, nb).max(dim=-2)    # (..., nb): bucket j holds slots j, j+nb, j+2nb, ...
+    slots = arg * nb + torch.arange(nb, device=scores.device)  # (..., nb)
     if nb == k: return best, slots
     v, i = best.topk(k, dim=-1)
     return v, slots.gather(-1, i)
 
 # %% ../nbs/20_neurocache.ipynb
 class KNNCache:
-    "N caches of S slots of compressed states (one per batch row, or one shared), with exact or bucketed top-k retrieval."
+    ("N caches of S slots of compressed states (one per batch row, or one shared), with exact or bucketed top-k "
+     "retrieval.")
     def __init__(self, rows:int, size:int, dim:int, raw_dim:int=0, dtype=torch.float32, device=None,
                  neighborhood_size:int=1, similarity_fn:str='l2', cache_type:str='FIFO', topk_buckets:int=0):
         N, S = rows, size
         self.size, self.dim, self.similarity_fn, self.cache_type, self.topk_buckets = size, dim, similarity_fn, cache_type, topk_buckets
         self.offsets = neighborhood_offsets(neighborhood_size)
-        self.keys = torch.zeros(N, S, dim, dtype=dtype, device=device)                    # (N, S, d) compressed states C
-        self.raw = torch.zeros(N, S, raw_dim, dtype=dtype, device=device) if raw_dim else None  # (N, S, h) raw states, training only
-        self.sqnorm = torch.zeros(N, S, device=device)                                      # (N, S) ‖k‖² in fp32, for l2 scores
-        self.valid = torch.zeros(N, S, dtype=torch.bool, device=device)                    # (N, S) slot holds a token
-        self.time = torch.zeros(N, S, dtype=torch.long, device=device)                     # (N, S) token counter at write time
-        self.used = torch.zeros(N, S, dtype=torch.long, device=device)                     # (N, S) LRU: tick of last write or retrieval
-        self.ptr = torch.zeros(N, dtype=torch.long, device=device)                         # (N,) FIFO: next slot to write
-        self.clock = torch.zeros(N, dtype=torch.long, device=device)                       # (N,) tokens written (plus gaps between runs)
-        self.tick = torch.zeros(N, dtype=torch.long, device=device)                        # (N,) writes so far
+        self.keys = torch.zeros(N, S, dim, dtype=dtype, device=device)   # (N, S, d) compressed states C
+        # (N, S, h) raw states, training only
+        self.raw = torch.zeros(N, S, raw_dim, dtype=dtype, device=device) if raw_dim else None
+        self.sqnorm = torch.zeros(N, S, device=device)                   # (N, S) ‖k‖² in fp32, for l2 scores
+        self.valid = torch.zeros(N, S, dtype=torch.bool, device=device)  # (N, S) slot holds a token
+        self.time = torch.zeros(N, S, dtype=torch.long, device=device)   # (N, S) token counter at write time
+        self.used = torch.zeros(N, S, dtype=torch.long, device=device)   # (N, S) LRU: tick of last write or retrieval
+        self.ptr = torch.zeros(N, dtype=torch.long, device=device)       # (N,) FIFO: next slot to write
+        self.clock = torch.zeros(N, dtype=torch.long, device=device)     # (N,) tokens written (plus gaps between runs)
+        self.tick = torch.zeros(N, dtype=torch.long, device=device)      # (N,) writes so far
 
     @property
     def rows(self) -> int: return self.keys.shape[0]
@@ -243,16 +247,19 @@ class KNNCache:
 
     @torch.no_grad()
     def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1, touch:bool=True):
-        "Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity (N, Q, k·w)."
+        ("Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity "
+         "(N, Q, k·w).")
         N, Q, _ = query.shape
         S, k = self.size, min(topk, self.size)
-        # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b = 0 for
-        # dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the top-k
+        # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b =
+        # 0 for dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the
+        # top-k
         d, l2 = self.keys.shape[-1], self.similarity_fn == 'l2'
         keys = torch.empty(N, S, d + 1, device=self.device)                  # (N, S, d+1)
         keys[..., :d] = self.keys
         keys[..., d] = torch.where(self.valid, -self.sqnorm if l2 else 0., float('-inf'))
-        query = torch.cat([query.float() * (2. if l2 else 1.), query.new_ones(N, Q, 1, dtype=torch.float32)], -1)   # (N, Q, d+1)
+        # (N, Q, d+1)
+        query = torch.cat([query.float() * (2. if l2 else 1.), query.new_ones(N, Q, 1, dtype=torch.float32)], -1)
         chunk = max(1, SCORE_BUDGET // max(1, N * S))
         hits, ok = [], []
         for q in query.split(chunk, dim=1):                                   # chunks of queries, all rows at once
@@ -263,9 +270,10 @@ class KNNCache:
         if query_mask is not None: ok = ok & query_mask.to(self.device)[..., None]
         off = torch.tensor(self.offsets, device=self.device)                  # (w,)
         row = torch.arange(N, device=self.device)[:, None, None, None]
-        want = self.time[row, hits[..., None]] + off                          # (N, Q, k, w) write time of each neighbour
-        if self.cache_type == 'FIFO': slots = (hits[..., None] + off) % S     # a ring buffer holds consecutive tokens in consecutive slots
-        else:                                                                 # LRU keeps entries packed in write order: search by time
+        want = self.time[row, hits[..., None]] + off  # (N, Q, k, w) write time of each neighbour
+        # a ring buffer holds consecutive tokens in consecutive slots
+        if self.cache_type == 'FIFO': slots = (hits[..., None] + off) % S
+        else:                                         # LRU keeps entries packed in write order: search by time
             t = torch.where(self.valid, self.time, torch.iinfo(torch.long).max)
             slots = torch.searchsorted(t, want.flatten(1)).view_as(want).clamp(max=S - 1)
         valid = ok[..., None] & self.valid[row, slots] & (self.time[row, slots] == want)   # (N, Q, k, w)
@@ -279,17 +287,20 @@ class KNNCache:
         "The stored states at `slots` (N, Q, M): (N, Q, M, d) compressed states, or (N, Q, M, h) raw states when `raw`."
         src = self.raw if raw else self.keys
         check(src is not None, "this cache keeps no raw states (they are kept only by caches created in training mode)")
-        return src[torch.arange(self.rows, device=self.device)[:, None, None], slots]   # (N, Q, M, ·): no (N, Q·M, d) index tensor
+        # (N, Q, M, ·): no (N, Q·M, d) index tensor
+        return src[torch.arange(self.rows, device=self.device)[:, None, None], slots]
 
     @torch.no_grad()
     def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None, breaks:torch.Tensor=None):
-        "Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new document run starts."
+        ("Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new "
+         "document run starts.")
         N, M, _ = keys.shape
         S, dev = self.size, self.device
         keys = keys.to(dev)
         mask = torch.ones(N, M, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
         n = mask.sum(1)                                                        # (N,) tokens to store per row
-        # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any neighbourhood
+        # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any
+        # neighbourhood
         t = self.clock[:, None] + mask.long().cumsum(1) - 1
         if breaks is not None: t = t + S * breaks.to(dev).long().cumsum(1)
         self.clock = self.clock + n + (S * breaks.to(dev).long().sum(1) if breaks is not None else 0)
@@ -298,8 +309,8 @@ class KNNCache:
         row = torch.arange(N, device=dev)[:, None]
         keys, t = keys[row, order], t[row, order]
         raw = raw.to(dev)[row, order] if raw is not None and self.raw is not None else None
-        j = torch.arange(M, device=dev)[None, :]                               # (1, M) position among the row's stored tokens
-        keep = (j < n[:, None]) & (j >= n[:, None] - S)                        # only the last S tokens of a long segment survive
+        j = torch.arange(M, device=dev)[None, :]         # (1, M) position among the row's stored tokens
+        keep = (j < n[:, None]) & (j >= n[:, None] - S)  # only the last S tokens of a long segment survive
         if self.cache_type == 'FIFO':
             slot = (self.ptr[:, None] + j) % S
             self.ptr = (self.ptr + n) % S
@@ -316,7 +327,8 @@ class KNNCache:
         self.used[r, s] = self.tick[r]
 
     def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
-        "Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return the first free slot (N,)."
+        ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
+         "the first free slot (N,).")
         count = self.valid.sum(1)
         evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
         if not bool(evict.any()): return count
@@ -328,7 +340,8 @@ class KNNCache:
         order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
         keep = self.valid & (rank >= evict[:, None])
-        pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)     # kept entries first, still in insertion order
+        # kept entries first, still in insertion order
+        pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
         for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
             t = getattr(self, name)
             if t is not None: setattr(self, name, t[row, pack])
@@ -337,7 +350,8 @@ class KNNCache:
 
 # %% ../nbs/20_neurocache.ipynb
 def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', neighborhood_size:int=1) -> list:
-    "Reference search, one query at a time: per row and query, the set of slots of the `k` best valid entries and of their neighbours."
+    ("Reference search, one query at a time: per row and query, the set of slots of the `k` best valid entries and of "
+     "their neighbours.")
     offsets = neighborhood_offsets(neighborhood_size)
     out = []
     for n in range(keys.shape[0]):
@@ -354,13 +368,15 @@ def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', nei
 
 # %% ../nbs/20_neurocache.ipynb
 def dense_weight(module) -> torch.Tensor:
-    "The weight of a linear layer as a dense fp32 (out, in) matrix, also for bitsandbytes 4-/8-bit layers and GPT-2's Conv1D."
+    ("The weight of a linear layer as a dense fp32 (out, in) matrix, also for bitsandbytes 4-/8-bit layers and GPT-2's "
+     "Conv1D.")
     if quant_kind(module): return dequantize_weight(module)
     if type(module).__name__ == 'Conv1D': return module.weight.data.t().float()     # GPT-2 stores (in, out)
     return module.weight.data.float()
 
 def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
-    "(W_q, W_k, W_v, W_o) of a decoder layer's attention module, each dense (out, in): Llama/Mistral/OPT/Phi names or GPT-2's fused c_attn."
+    ("(W_q, W_k, W_v, W_o) of a decoder layer's attention module, each dense (out, in): Llama/Mistral/OPT/Phi names or "
+     "GPT-2's fused c_attn.")
     if hasattr(attn, 'c_attn'):
         q, k, v = dense_weight(attn.c_attn).split(hidden_size, dim=0)
         return q, k, v, dense_weight(attn.c_proj)
@@ -371,7 +387,8 @@ def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
 
 # %% ../nbs/20_neurocache.ipynb
 class CacheAttention(nn.Module):
-    "Attention from the segment's tokens to the states retrieved for them: Q from the layer input, K and V from the retrieved states."
+    ("Attention from the segment's tokens to the states retrieved for them: Q from the layer input, K and V from the "
+     "retrieved states.")
     def __init__(self, hidden_size:int, cache_dim:int, num_heads:int, num_kv_heads:int, head_dim:int, retrieval_bias:float=0.):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -379,12 +396,14 @@ class CacheAttention(nn.Module):
         self.k_proj = nn.Linear(cache_dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(cache_dim, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        # per-head weight of the retrieval score in the logits (None: the reference's attention, scores from W_q, W_k only)
+        # per-head weight of the retrieval score in the logits (None: the reference's attention, scores from W_q, W_k
+        # only)
         self.retrieval_scale = nn.Parameter(torch.full((num_heads,), float(retrieval_bias))) if retrieval_bias else None
 
     @torch.no_grad()
     def init_from(self, wq, wk, wv, wo):
-        "The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input columns."
+        ("The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input "
+         "columns.")
         d = self.k_proj.in_features
         for lin, w in ((self.q_proj, wq), (self.k_proj, wk[:, :d]), (self.v_proj, wv[:, :d]), (self.o_proj, wo)):
             check(lin.weight.shape == w.shape, f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
@@ -396,13 +415,15 @@ class CacheAttention(nn.Module):
         return self.attend(x, *context_window(ctx, valid, bias, context_size, prefix))
 
     def attend(self, x, ctx, ok, bias=None):
-        "x (B, T, C) attends to each token's window of states ctx (B, T, W, d) where ok (B, T, W) (`context_window` makes them)."
+        ("x (B, T, C) attends to each token's window of states ctx (B, T, W, d) where ok (B, T, W) "
+         "(`context_window` makes them).")
         B, T, _ = x.shape
         nkv, hs, d = self.num_kv_heads, self.head_dim, ctx.shape[-1]
         g = self.num_heads // nkv
         q = (self.q_proj(x) * hs**-0.5).view(B, T, nkv, g, hs)              # (B, T, nkv, g, hs)
-        # K = C W_kᵀ and V = C W_vᵀ are linear in the retrieved states C, so W_k moves onto the query (q·W_k c = (W_kᵀq)·c) and
-        # W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, W, heads, hs) keys or values are ever made
+        # K = C W_kᵀ and V = C W_vᵀ are linear in the retrieved states C, so W_k moves onto the query (q·W_k c =
+        # (W_kᵀq)·c) and W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, W, heads, hs) keys or values are
+        # ever made
         qc = torch.einsum('btngh,nhd->btngd', q, self.k_proj.weight.view(nkv, hs, d))   # (B, T, nkv, g, d)
         s = torch.einsum('btngd,btmd->btngm', qc, ctx).float()             # (B, T, nkv, g, W)
         if self.retrieval_scale is not None:
@@ -421,8 +442,8 @@ def context_window(ctx, valid, bias, context_size:int=1, prefix:int=0) -> tuple:
     T = PT - prefix
     if context_size == 1 and prefix == 0: return ctx, valid, bias         # the retrievals themselves: nothing to copy
     cs, vs, bs = [], [], []
-    for o in range(context_size):                                       # offset o: token t reads the retrievals of token t-o
-        lo = min(T, max(0, o - prefix))                                  # tokens t < lo have no token t-o
+    for o in range(context_size):        # offset o: token t reads the retrievals of token t-o
+        lo = min(T, max(0, o - prefix))  # tokens t < lo have no token t-o
         cs.append(F.pad(ctx[:, prefix + lo - o:prefix + T - o], (0, 0, 0, 0, lo, 0)))
         vs.append(torch.cat([valid.new_zeros(B, lo, M), valid[:, prefix + lo - o:prefix + T - o]], 1))
         if bias is not None: bs.append(F.pad(bias[:, prefix + lo - o:prefix + T - o], (0, 0, lo, 0)))
@@ -435,8 +456,8 @@ def retrieval_scores(query, states, neighborhood_size:int, similarity_fn:str='l2
     w, d = neighborhood_size, states.shape[-1]
     hits = states[:, :, neighborhood_offsets(w).index(0)::w].float()          # (B, T, k, d): the hits themselves
     s = torch.einsum('btd,btkd->btk', query.float(), hits)
-    if similarity_fn == 'l2': s = 2 * s - hits.pow(2).sum(-1)                 # the score retrieval ranked by: 2 q·c − ‖c‖²
-    return (s / d).repeat_interleave(w, dim=-1)                               # (B, T, k·w)
+    if similarity_fn == 'l2': s = 2 * s - hits.pow(2).sum(-1)  # the score retrieval ranked by: 2 q·c − ‖c‖²
+    return (s / d).repeat_interleave(w, dim=-1)                # (B, T, k·w)
 
 # %% ../nbs/20_neurocache.ipynb
 def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
@@ -464,7 +485,8 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
 
 # %% ../nbs/20_neurocache.ipynb
 class CacheProjection(nn.Module):
-    "W_p and its LayerNorm: C = LayerNorm(x W_p), the d = h / compression_factor features a cache stores and searches with."
+    ("W_p and its LayerNorm: C = LayerNorm(x W_p), the d = h / compression_factor features a cache stores and searches "
+     "with.")
     def __init__(self, hidden_size:int, cache_dim:int):
         super().__init__()
         self.proj = nn.Linear(hidden_size, cache_dim, bias=False)
@@ -474,7 +496,8 @@ class CacheProjection(nn.Module):
 
 # %% ../nbs/20_neurocache.ipynb
 class Neurocache(nn.Module):
-    "A Neurocache's parameters (W_p per cache, a CacheAttention per attention layer), its caches, and the state of the current forward."
+    ("A Neurocache's parameters (W_p per cache, a CacheAttention per attention layer), its caches, and the state of "
+     "the current forward.")
     def __init__(self, config:NeurocacheConfig, hidden_size:int, num_heads:int, num_kv_heads:int, head_dim:int):
         super().__init__()
         self.config, self.hidden_size = config, hidden_size
@@ -487,13 +510,14 @@ class Neurocache(nn.Module):
         self.attentions = nn.ModuleDict({} if self.joint else
                                         {str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim,
                                                                 config.retrieval_bias) for j in config.attention_layers})
-        self.stores = {}                                                       # storing layer -> retrieving layers it feeds
+        self.stores = {}  # storing layer -> retrieving layers it feeds
         self.retrieving = set(config.layer_map)
         for r, s in config.layer_map.items(): self.stores.setdefault(s, []).append(r)
         self.source = {j: max(r for r in config.layer_map if r <= j) for j in config.attention_layers}
-        self.served = {r: [j for j in config.attention_layers if self.source[j] == r] for r in config.layer_map}   # joint: K/V per slot
+        # joint: K/V per slot
+        self.served = {r: [j for j in config.attention_layers if self.source[j] == r] for r in config.layer_map}
         self.enabled, self.frozen = True, False
-        self.caches = {True: {}, False: {}}                                    # training mode -> {retrieving layer: KNNCache}
+        self.caches = {True: {}, False: {}}  # training mode -> {retrieving layer: KNNCache}
         self._tail, self.last_retrieval = {}, {}
         self.begin(None, False)
 
@@ -503,15 +527,18 @@ class Neurocache(nn.Module):
         return self.training and self.config.compression_factor > 1 and not self.joint
 
     def begin(self, token_mask=None, continuing:bool=False):
-        "Start a forward: `token_mask` (B, T) marks real tokens; `continuing` keeps the last tokens' retrievals (incremental decoding)."
+        ("Start a forward: `token_mask` (B, T) marks real tokens; `continuing` keeps the last tokens' retrievals "
+         "(incremental decoding).")
         self._mask, self._retrieved, self._queries, self._stashed, self._pending = token_mask, {}, {}, set(), []
-        self._calls = {}                                                       # joint: each attention layer's q, k, v and call
+        self._calls = {}  # joint: each attention layer's q, k, v and call
         if not continuing: self._tail = {}
 
     def _new_cache(self, r:int, rows:int, training:bool, device) -> KNNCache:
         cfg = self.config
-        raw = self.hidden_size if training and cfg.compression_factor > 1 else 0   # training caches keep raw states for W_p
-        if self.joint: raw = 2 * self.num_kv_heads * self.head_dim * len(self.served[r])   # joint: each served layer's K and V
+        # training caches keep raw states for W_p
+        raw = self.hidden_size if training and cfg.compression_factor > 1 else 0
+        # joint: each served layer's K and V
+        if self.joint: raw = 2 * self.num_kv_heads * self.head_dim * len(self.served[r])
         return KNNCache(rows, cfg.size(training), self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
                         cfg.neighborhood_size, cfg.similarity_fn, cfg.cache_type, cfg.topk_buckets)
 
@@ -531,7 +558,8 @@ class Neurocache(nn.Module):
         return m.to(device) if m is not None and tuple(m.shape) == (B, T) else torch.ones(B, T, dtype=torch.bool, device=device)
 
     def before_attention(self, layer:int, x:torch.Tensor):
-        "Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside if it stores."
+        ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
+         "if it stores.")
         if layer in self.retrieving and layer not in self._retrieved: self._retrieve(layer, x)
         if not self.frozen:
             for r in self.stores.get(layer, ()):
@@ -540,21 +568,24 @@ class Neurocache(nn.Module):
     def _retrieve(self, r:int, x:torch.Tensor):
         cfg = self.config
         B, T, _ = x.shape
-        with torch.no_grad(): c = self.projections[str(r)](x.detach())           # (B, T, d): queries need no gradient
-        if r in self.stores.get(r, ()): self._queries[r] = c                     # the same states are stored at this layer
+        with torch.no_grad(): c = self.projections[str(r)](x.detach())  # (B, T, d): queries need no gradient
+        if r in self.stores.get(r, ()): self._queries[r] = c            # the same states are stored at this layer
         cache, mask = self.cache(r, B, x.device), self._token_mask(B, T, x.device)
         N = cache.rows
         slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk, touch=not self.frozen)
         inverse = None
-        if self.reencode:                # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+        # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+        if self.reencode:
             rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
             uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
-            vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)   # (U, h), (B, T, M)
-        else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)   # (B, T, M, d); joint: the K/V
+            vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)  # (U, h), (B, T, M)
+        # (B, T, M, d); joint: the K/V
+        else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
         slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
         bias = None
-        if cfg.retrieval_bias and inverse is None and not self.joint:          # scores of the stored states, no gradient needed
-            bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)   # (B, T, M)
+        # scores of the stored states, no gradient needed
+        if cfg.retrieval_bias and inverse is None and not self.joint:
+            bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)  # (B, T, M)
         P = 0
         if cfg.context_size > 1 and inverse is None:
             tail = self._tail.get(r)
@@ -590,12 +621,14 @@ class Neurocache(nn.Module):
         proj = self.projections[str(r)]
         need_grad = self.reencode and torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters())
         win = ret.get('window')
-        # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what it did
-        # (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused when they are needed
+        # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what
+        # it did (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused
+        # when they are needed
         if win is not None and ret['maker'] != layer and (win[0].requires_grad or not need_grad): return win
         if self.reencode:
-            ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]   # (B, T, M, d): W_p learns through this
-            if self.config.retrieval_bias:                                         # and through the retrieval scores
+            # (B, T, M, d): W_p learns through this
+            ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]
+            if self.config.retrieval_bias:  # and through the retrieval scores
                 cfg = self.config
                 ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size, cfg.similarity_fn)
         else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
@@ -611,7 +644,7 @@ class Neurocache(nn.Module):
                 B, T, d = c.shape
                 cache = self.cache(r, B, c.device)
                 if self.joint: raw = self._joint_kv(r)
-                if self.config.global_cache:                                    # rows are separate documents: a break at each row start
+                if self.config.global_cache:  # rows are separate documents: a break at each row start
                     breaks = torch.zeros(B, T, dtype=torch.bool, device=c.device); breaks[:, 0] = True
                     cache.write(c.reshape(1, B * T, d), mask.reshape(1, B * T),
                                 None if raw is None else raw.reshape(1, B * T, -1), breaks.reshape(1, B * T))
@@ -622,7 +655,7 @@ class Neurocache(nn.Module):
         "Empty the caches (all, or the per-row caches of `rows`), of both modes or of `training` mode only."
         for mode in ((True, False) if training is None else (training,)):
             if rows is None: self.caches[mode] = {}
-            elif not self.config.global_cache:                                   # a global cache spans documents: never reset by row
+            elif not self.config.global_cache:  # a global cache spans documents: never reset by row
                 for c in self.caches[mode].values(): c.reset(_row_mask(rows, c.rows))
         self._tail = {}
 
@@ -695,12 +728,13 @@ def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     if fused:
         if mask is None and S != T: mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
         k = keys.to(q.dtype)
-        return fused_attention(q, k, k.detach(), mask, mask is None, scaling)[1].transpose(1, 2)   # the output is not used
+        # the output is not used
+        return fused_attention(q, k, k.detach(), mask, mask is None, scaling)[1].transpose(1, 2)
     s = torch.einsum('bngth,bnsh->bngts', q.view(B, nkv, H // nkv, T, hs), keys.to(q.dtype))
     s = s.to(torch.promote_types(s.dtype, torch.float32)) * (scaling or hs**-0.5)
     if mask is None: s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), float('-inf'))
     elif mask.dtype == torch.bool: s = s.masked_fill(~mask[:, :, None, :, :S], float('-inf'))
-    else:                                  # additive: -inf entries by masked_fill, so a fully masked row gives no NaN gradient
+    else:  # additive: -inf entries by masked_fill, so a fully masked row gives no NaN gradient
         m = mask[:, :, None, :, :S].to(s.dtype)
         s = (s + m).masked_fill(m == float('-inf'), float('-inf'))
     return torch.logsumexp(s, -1).reshape(B, H, T).transpose(1, 2)
@@ -717,11 +751,11 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     qh = q.view(B, T, nkv, g, hs)
     s = torch.einsum('btngh,btwnh->btngw', qh, k_mem.view(B, T, W, nkv, hs).to(qh.dtype)).float() * (scaling or hs**-0.5)
     s = s.masked_fill(~ok[:, :, None, None, :], float('-inf'))
-    lse_mem = torch.logsumexp(s, -1, keepdim=True)                            # (B, T, nkv, g, 1); -inf: nothing retrieved
-    p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))             # the softmax over the retrieved (0 where none)
+    lse_mem = torch.logsumexp(s, -1, keepdim=True)                 # (B, T, nkv, g, 1); -inf: nothing retrieved
+    p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))  # the softmax over the retrieved (0 where none)
     out_mem = torch.einsum('btngw,btwnh->btngh', p.to(v_mem.dtype), v_mem.view(B, T, W, nkv, hs))
-    # the cache's share of the joint softmax, e^L_m / (e^L + e^L_m) = sigmoid(L_m - L): 0 when nothing is retrieved, 1 when
-    # the segment offers nothing (a padding query that retrieved something), 0 when neither (NaN from -inf - -inf)
+    # the cache's share of the joint softmax, e^L_m / (e^L + e^L_m) = sigmoid(L_m - L): 0 when nothing is retrieved, 1
+    # when the segment offers nothing (a padding query that retrieved something), 0 when neither (NaN from -inf - -inf)
     b = torch.sigmoid(lse_mem[..., 0] - lse_local.view(B, T, nkv, g)).nan_to_num(0.)[..., None]
     wt = torch.promote_types(u.dtype, torch.float32)                         # fp32 at least (fp64 stays fp64)
     ul = u.view(B, T, nkv, g, hs).to(wt)
@@ -729,12 +763,14 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
 
 @patch_to(Neurocache)
 def capture(self, layer:int, what:str, value):
-    "Joint attention: keep layer `layer`'s q, k or v projection output (B, T, ·) and its attention call's kwargs for `mix`."
+    ("Joint attention: keep layer `layer`'s q, k or v projection output (B, T, ·) and its attention call's kwargs for "
+     "`mix`.")
     self._calls.setdefault(layer, {})[what] = value
 
 @patch_to(Neurocache)
 def mix(self, layer:int, attn:nn.Module, u):
-    "Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to the cache."
+    ("Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to "
+     "the cache.")
     call, r = self._calls.get(layer, {}), self.source.get(layer)
     if not self.enabled or r is None or r not in self._retrieved: return u
     check(all(k in call for k in ('q', 'k', 'kwargs')), f"cache_attention='joint': the attention of layer {layer} did not "
@@ -750,20 +786,23 @@ def mix(self, layer:int, attn:nn.Module, u):
     states, ok = ret['window'][:2]
     i, kvd = self.served[r].index(layer), nkv * hs
     kv = states[..., 2 * i * kvd:2 * (i + 1) * kvd]
-    # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position, keys at 0)
-    cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))   # one position for all
+    # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position,
+    # keys at 0)
+    # one position for all
+    cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))
     qd = rotate(q, q[:, :1, :1], cos_d, sin_d, unsqueeze_dim=2)[0].reshape(B, T, H * hs)
     return joint_mix(u, lse, qd, kv[..., :kvd], kv[..., kvd:], ok, getattr(attn, 'scaling', None))
 
 @patch_to(Neurocache)
 def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
-    "The segment's logsumexp (B, T, H) recomputed from the layer's q, k, mask and KV cache (when its attention ran elsewhere)."
+    ("The segment's logsumexp (B, T, H) recomputed from the layer's q, k, mask and KV cache "
+     "(when its attention ran elsewhere).")
     B, T, H, hs = q.shape
     kw = call['kwargs']
     cos, sin = kw['position_embeddings']
     qr, kr = rotate(q.transpose(1, 2), call['k'].view(B, T, -1, hs).transpose(1, 2), cos, sin)
     keys = kr
-    try:                                   # a KV cache (generation): the keys of every token so far, this segment's last
+    try:  # a KV cache (generation): the keys of every token so far, this segment's last
         cached = kw.get('past_key_values').layers[attn.layer_idx].keys
         if cached is not None and cached.shape[2] >= T and cached.shape[:2] == kr.shape[:2]: keys = cached
     except (AttributeError, IndexError, TypeError): pass
@@ -771,7 +810,8 @@ def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
 
 @patch_to(Neurocache)
 def _joint_kv(self, r:int):
-    "Joint attention: the K and V (B, T, n·2·nkv·hs) of this forward's tokens in the layers served by cache `r`, to be written."
+    ("Joint attention: the K and V (B, T, n·2·nkv·hs) of this forward's tokens in the layers served by cache `r`, to "
+     "be written.")
     parts = []
     for j in self.served[r]:
         call = self._calls.get(j, {})
@@ -789,8 +829,9 @@ def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor
     x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
     ids = torch.cat([x, x], 1).to(model.get_input_embeddings().weight.device)
     prev = getattr(model.config, '_attn_implementation', None)
-    model.set_attn_implementation('eager')                                # the only implementation that returns the weights
-    try: att = model(input_ids=ids, output_attentions=True).attentions   # per layer (1, H, 2L, 2L)
+    # the only implementation that returns the weights
+    model.set_attn_implementation('eager')
+    try: att = model(input_ids=ids, output_attentions=True).attentions  # per layer (1, H, 2L, 2L)
     finally:
         if prev: model.set_attn_implementation(prev)
     q = torch.arange(length, 2 * length - 1)
@@ -835,7 +876,8 @@ class NeurocacheAttention(TransparentWrapper):
     def __init__(self, base_layer:nn.Module, layer_idx:int, neurocache:Neurocache):
         super().__init__(base_layer)                          # state dicts keep the attention's plain names
         self.layer_idx = layer_idx
-        object.__setattr__(self, 'neurocache', neurocache)   # a reference, not a submodule: its parameters live in NeurocacheModel.neurocache
+        # a reference, not a submodule: its parameters live in NeurocacheModel.neurocache
+        object.__setattr__(self, 'neurocache', neurocache)
 
     def forward(self, *args, **kwargs):
         nc = self.neurocache
@@ -843,9 +885,10 @@ class NeurocacheAttention(TransparentWrapper):
         if nc.enabled: nc.before_attention(self.layer_idx, x)
         base = self.base_layer
         if nc.joint:
-            nc.capture(self.layer_idx, 'kwargs', kwargs)                    # the rotary embedding, mask and KV cache of this call
+            nc.capture(self.layer_idx, 'kwargs', kwargs)  # the rotary embedding, mask and KV cache of this call
             nc._calls[self.layer_idx].pop('lse', None)
-        if nc.joint and nc.enabled and self.layer_idx in nc.source:         # a joint layer: its attention through joint_attention
+        # a joint layer: its attention through joint_attention
+        if nc.joint and nc.enabled and self.layer_idx in nc.source:
             config, base.config = base.config, _JointRoute(base.config, nc, self.layer_idx)
             try: out = base(*args, **kwargs)
             finally: base.config = config
@@ -861,7 +904,7 @@ def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig
     placed at the model's copying layers (`copying_layers`: retrieval at the lowest, attention from it to the highest)."""
     family = _check_family(model)
     design, found = config.cache_attention, None
-    if design == 'auto':               # joint reads the cache through heads that already copy: a model without them gets separate
+    if design == 'auto':  # joint reads the cache through heads that already copy: a model without them gets separate
         found = copying_layers(model) if family in JOINT_FAMILIES else []
         design = 'joint' if found else 'separate'
     changes = dict(cache_attention=design)
@@ -910,7 +953,8 @@ def _lora_targets(base_model, layers, config, family) -> list:
     return targets
 
 def _add_lora(base_model, layers, config, family):
-    "Inject LoRA (PEFT, adapter 'neurocache') into the FFN linears of the attention layers; refuse if fewer layers changed than targeted."
+    ("Inject LoRA (PEFT, adapter 'neurocache') into the FFN linears of the attention layers; refuse if fewer layers "
+     "changed than targeted.")
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
     targets = _lora_targets(base_model, layers, config, family)
@@ -923,7 +967,8 @@ def _add_lora(base_model, layers, config, family):
 
 # %% ../nbs/20_neurocache.ipynb
 class NeurocacheModel(nn.Module):
-    "A causal LM with a Neurocache: `base_model` (attention wrapped, LoRA added, frozen) and `neurocache` (the method's parameters and caches)."
+    ("A causal LM with a Neurocache: `base_model` (attention wrapped, LoRA added, frozen) and `neurocache` "
+     "(the method's parameters and caches).")
     def __init__(self, base_model:nn.Module, config:NeurocacheConfig, train_base:bool=False):
         super().__init__()
         check(isinstance(config, NeurocacheConfig), f"config must be a NeurocacheConfig, got {type(config).__name__}")
@@ -957,7 +1002,7 @@ class NeurocacheModel(nn.Module):
         emb = base_model.get_input_embeddings().weight
         self.base_model = base_model
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
-        if joint:            # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
+        if joint:  # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
             self.neurocache.projections.requires_grad_(False)
             rotary = [m for m in base_model.modules() if type(m).__name__.endswith('RotaryEmbedding')]
             check(len(rotary) == 1, f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
@@ -970,7 +1015,8 @@ class NeurocacheModel(nn.Module):
         for i in self.layers:
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
         self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
-        for j in (config.attention_layers if joint else []):   # joint: see q, k, v as the attention makes them, mix before W_o
+        # joint: see q, k, v as the attention makes them, mix before W_o
+        for j in (config.attention_layers if joint else []):
             self._hooks += _joint_hooks(self.neurocache, j, getattr(layers[j], attn_name).base_layer)
         if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
         check_frozen_4bit_stats(base_model)
@@ -988,11 +1034,13 @@ class NeurocacheModel(nn.Module):
     def get_base_model(self): return self.base_model      # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
     @classmethod
     def from_pretrained(cls, path, base_model=None, **kwargs):
-        "The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by `load_model`)."
+        ("The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by "
+         "`load_model`).")
         return load_saved_neurocache(path, base_model, **kwargs)
 
     def _begin_forward(self, module, args, kwargs):
-        "Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV cache."
+        ("Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV "
+         "cache.")
         ids = kwargs.get('input_ids', args[0] if args else None)
         x = ids if ids is not None else kwargs.get('inputs_embeds')
         am = kwargs.get('attention_mask')
@@ -1003,19 +1051,22 @@ class NeurocacheModel(nn.Module):
         self.neurocache.begin(mask, continuing)
 
     def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, **kwargs):
-        "The base model's forward; rows flagged in `start_of_sequence` (B,) start a new document; the segment is cached afterwards."
+        ("The base model's forward; rows flagged in `start_of_sequence` (B,) start a new document; the segment is "
+         "cached afterwards.")
         if start_of_sequence is not None:
             B = (input_ids if input_ids is not None else kwargs['inputs_embeds']).shape[0]
             sos = _row_mask(torch.as_tensor(start_of_sequence).cpu(), B)
             if sos.any(): self.neurocache.reset(sos, training=self.training)
         saving = {getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)} - {'nothing_saveable', 'everything_saveable'}
-        # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would get wrong ones
+        # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would
+        # get wrong ones
         check(not (saving and self.training and torch.is_grad_enabled()), f"a Neurocache trains with layer remat_policy "
               f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} (a re-run layer does not repeat its retrieval)")
         try: out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         except BaseException:
             self.neurocache.begin(); raise
-        # in training a layer may be re-run in backward (checkpointing by Hugging Face, BPT or another wrapper): it reuses its retrieval
+        # in training a layer may be re-run in backward (checkpointing by Hugging Face, BPT or another wrapper): it
+        # reuses its retrieval
         self.neurocache.commit(keep_retrieved=self.training and torch.is_grad_enabled())
         return out
 
@@ -1031,7 +1082,8 @@ class NeurocacheModel(nn.Module):
         kw = activation_checkpointing_kwargs or {'use_reentrant': False}
         base = self.base_model
         if hasattr(base, 'activation_checkpointing_enable'): base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-        else: base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)   # transformers before activation_checkpointing_*
+        # transformers before activation_checkpointing_*
+        else: base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     def activation_checkpointing_disable(self):
         "Stop checkpointing the base model's decoder layers."
         base = self.base_model
@@ -1057,7 +1109,8 @@ def _allow_plain_save(model:nn.Module):
     if isinstance(vars(model).get('save_pretrained'), _SaveRefused): del model.save_pretrained
 
 def _joint_hooks(nc:Neurocache, j:int, attn:nn.Module) -> list:
-    "Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in the cache."
+    ("Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in "
+     "the cache.")
     def keep(what): return lambda mod, args, out: nc.capture(j, what, out)
     def mix(mod, args): return (nc.mix(j, attn, args[0]), *args[1:])
     return [getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv'] + [attn.o_proj.register_forward_pre_hook(mix)]
@@ -1066,7 +1119,8 @@ def _stop_gradient(module, args, kwargs):
     "Pre-hook on the lowest Neurocache layer: detach its input so the backward pass stops there."
     def cut(h):
         h = h.detach()
-        # under checkpointing, a layer whose input needs no gradient would give its own parameters none (reentrant variant)
+        # under checkpointing, a layer whose input needs no gradient would give its own parameters none (reentrant
+        # variant)
         return h.requires_grad_() if getattr(module, 'gradient_checkpointing', False) and torch.is_grad_enabled() else h
     if args: args = (cut(args[0]), *args[1:])
     elif 'hidden_states' in kwargs: kwargs = {**kwargs, 'hidden_states': cut(kwargs['hidden_states'])}
@@ -1074,11 +1128,13 @@ def _stop_gradient(module, args, kwargs):
 
 # %% ../nbs/20_neurocache.ipynb
 def add_neurocache(model:nn.Module, config:NeurocacheConfig=None, train_base:bool=False) -> NeurocacheModel:
-    "Give a Llama, Mistral, OPT, GPT-2, Phi or GPT-J causal LM a Neurocache; the base model is frozen (unless `train_base`) and changed in place."
+    ("Give a Llama, Mistral, OPT, GPT-2, Phi or GPT-J causal LM a Neurocache; the base model is frozen "
+     "(unless `train_base`) and changed in place.")
     return NeurocacheModel(model, config or NeurocacheConfig(), train_base)
 
 def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
-    "The LoRA-only baseline: freeze `model` and add LoRA (PEFT) to the FFN linears of the layers a Neurocache would attend in; no cache."
+    ("The LoRA-only baseline: freeze `model` and add LoRA (PEFT) to the FFN linears of the layers a Neurocache would "
+     "attend in; no cache.")
     family = _check_family(model)
     check(config.lora_r > 0, "the LoRA-only baseline needs lora_r > 0")
     layers = decoder_layers(model)
@@ -1088,7 +1144,7 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
     check_frozen_4bit_stats(model)
     _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: save them with save_neurocache(model, "
                               "dir, config), or remove_lora(model) first")
-    return model.train(model.training)                  # PEFT makes its new modules in training mode: keep the model's mode
+    return model.train(model.training)  # PEFT makes its new modules in training mode: keep the model's mode
 
 def _unwrap(model) -> NeurocacheModel:
     "The `NeurocacheModel` inside DDP / accelerate / torch.compile wrappers."
@@ -1107,7 +1163,8 @@ def remove_lora(model) -> nn.Module:
     return model
 
 def remove_neurocache(model) -> nn.Module:
-    "Undo `add_neurocache`: restore the attention modules, remove the hooks and the LoRA layers, restore requires_grad; return the base model."
+    ("Undo `add_neurocache`: restore the attention modules, remove the hooks and the LoRA layers, restore "
+     "requires_grad; return the base model.")
     from peft.tuners.lora import LoraLayer
     nm = _unwrap(model)
     base = nm.base_model
@@ -1126,11 +1183,13 @@ CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighbo
                 'global_cache', 'topk_buckets')
 
 def reset_cache(model, rows=None):
-    "Empty all caches of `model` (both modes), or only the per-row caches of `rows` (bool mask (B,) or list of row indices)."
+    ("Empty all caches of `model` (both modes), or only the per-row caches of `rows` "
+     "(bool mask (B,) or list of row indices).")
     _unwrap(model).neurocache.reset(rows)
 
 def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
-    "Change the cache size (and other settings without weights, see `CACHE_FIELDS`) and empty the caches; returns the new config."
+    ("Change the cache size (and other settings without weights, see `CACHE_FIELDS`) and empty the caches; returns the "
+     "new config.")
     nc = _unwrap(model).neurocache
     if cache_size is not None: changes['cache_size'] = cache_size
     bad = [k for k in changes if k not in CACHE_FIELDS]
@@ -1140,7 +1199,8 @@ def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
     return nc.config
 
 def cache_state_dict(model) -> dict:
-    "The contents of every cache of `model` ('train.<layer>.<tensor>' / 'eval.<layer>.<tensor>'), for an exactly resumable checkpoint."
+    ("The contents of every cache of `model` ('train.<layer>.<tensor>' / 'eval.<layer>.<tensor>'), for an exactly "
+     "resumable checkpoint.")
     nc = _unwrap(model).neurocache
     return {f"{'train' if mode else 'eval'}.{r}.{n}": t for mode, caches in nc.caches.items()
             for r, c in caches.items() for n, t in c.state_dict().items()}
@@ -1194,7 +1254,8 @@ def _plain(model) -> nn.Module:
     return model
 
 def neurocache_state_dict(model) -> dict:
-    "The tensors a saved Neurocache holds: the `neurocache.*` parameters and the LoRA weights (a LoRA-only model: its LoRA, keyed alike)."
+    ("The tensors a saved Neurocache holds: the `neurocache.*` parameters and the LoRA weights "
+     "(a LoRA-only model: its LoRA, keyed alike).")
     if has_neurocache(model):
         return {k: v for k, v in _unwrap(model).state_dict().items() if k.startswith('neurocache.') or '.lora_' in k}
     state = {f"base_model.{k}": v for k, v in _plain(model).state_dict().items() if '.lora_' in k}
@@ -1202,7 +1263,8 @@ def neurocache_state_dict(model) -> dict:
     return state
 
 def save_neurocache(model, save_directory, config:NeurocacheConfig=None) -> Path:
-    "Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`; a LoRA-only model needs its `config`."
+    ("Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`; a LoRA-only "
+     "model needs its `config`.")
     from safetensors.torch import save_file
     path, lora_only = Path(save_directory), not has_neurocache(model)
     if lora_only:
@@ -1227,7 +1289,8 @@ def saved_neurocache_info(path) -> dict:
           f"{path} is not a saved Neurocache (it needs {NEUROCACHE_CONFIG_NAME} and {NEUROCACHE_WEIGHTS_NAME})")
     with safe_open(str(path/NEUROCACHE_WEIGHTS_NAME), 'pt') as f: meta = f.metadata() or {}
     config = NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME)
-    if 'cache_attention' not in json.loads((path/NEUROCACHE_CONFIG_NAME).read_text()):   # saved before the choice existed
+    # saved before the choice existed
+    if 'cache_attention' not in json.loads((path/NEUROCACHE_CONFIG_NAME).read_text()):
         config = dataclasses.replace(config, cache_attention='separate')
     return {'config': config, 'lora_only': meta.get('lora_only') == 'true',
             'family': meta.get('family'), 'base_model': meta.get('base_model'), 'base_quantization': meta.get('base_quantization') or None}
@@ -1267,7 +1330,8 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
 # %% ../nbs/20_neurocache.ipynb
 def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:str=None, attn_implementation:str=None,
                           strict:bool=True, **overrides) -> nn.Module:
-    "The Neurocache (or LoRA-only baseline) saved at `path` on `base_model`: a model, or what `load_model` takes (default: the recorded one)."
+    ("The Neurocache (or LoRA-only baseline) saved at `path` on `base_model`: a model, or what `load_model` takes "
+     "(default: the recorded one).")
     info = saved_neurocache_info(path)
     if base_model is None or isinstance(base_model, (str, Path)):
         ref = base_model or info['base_model']
@@ -1289,7 +1353,8 @@ register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_sa
 def _caches_file(rank:int) -> str: return f"neurocache_caches_rank{rank}.safetensors"
 
 class NeurocacheCallback(Callback):
-    "Empty evaluation caches around each evaluation; save and restore each process's training caches with the checkpoints."
+    ("Empty evaluation caches around each evaluation; save and restore each process's training caches with the "
+     "checkpoints.")
     def _nc(self, trainer): return trainer.unwrapped_model if has_neurocache(trainer.unwrapped_model) else None
     def on_evaluate_begin(self, trainer):
         m = self._nc(trainer)
@@ -1322,7 +1387,8 @@ CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (b
 
 def memory_per_token(hidden_size:int, num_heads:int, head_dim:int=None, num_kv_heads:int=None, compression_factor:int=4,
                      cache_dtype:str='bfloat16') -> dict:
-    "Bytes per cached token: a Neurocache (evaluation, training) vs Memorizing-Transformers per-head (and per-KV-head) K/V memories."
+    ("Bytes per cached token: a Neurocache (evaluation, training) vs Memorizing-Transformers per-head "
+     "(and per-KV-head) K/V memories.")
     hd, b = head_dim or hidden_size // num_heads, torch.finfo(getattr(torch, cache_dtype)).bits // 8
     d = hidden_size // compression_factor
     return dict(neurocache=d * b + CACHE_BOOKKEEPING_BYTES, neurocache_training=(d + hidden_size) * b + CACHE_BOOKKEEPING_BYTES,
@@ -1341,7 +1407,8 @@ def _fill_cache(model, batch_size:int, seed:int=0):
     for r in nc.config.layer_map:
         c = nc.cache(r, batch_size, _nc_device(nc))
         keys = F.layer_norm(torch.randn(c.rows, c.size, c.dim, generator=g), (c.dim,))
-        raw = torch.randn(c.rows, c.size, c.raw.shape[-1], generator=g) if c.raw is not None else None   # raw states, or joint K/V
+        # raw states, or joint K/V
+        raw = torch.randn(c.rows, c.size, c.raw.shape[-1], generator=g) if c.raw is not None else None
         c.write(keys.to(c.device), raw=None if raw is None else raw.to(c.device))
         check(bool(c.valid.all()), "the cache did not fill")
 
@@ -1351,14 +1418,16 @@ def _nc_device(nc) -> torch.device:
 
 def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
                  threads:int=None, cache_attention:str='separate') -> dict:
-    "Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately (run it through `run_isolated`)."
+    ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
+     "(run it through `run_isolated`).")
     import statistics, time
     from memlab.models import load_model
     from memlab.training import causal_lm_loss
     if threads: torch.set_num_threads(threads)
     torch.manual_seed(0)
     cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32, lora_dropout=0.0)
-    cfg = dataclasses.replace(cfg, cache_attention=cache_attention)   # layers and context as the defaults choose (resolve_design)
+    # layers and context as the defaults choose (resolve_design)
+    cfg = dataclasses.replace(cfg, cache_attention=cache_attention)
     models = {'cache': add_neurocache(load_model(model_name), cfg), 'lora': add_ffn_lora(load_model(model_name), cfg)}
     vocab = models['lora'].get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch_size, seq_len))
@@ -1367,7 +1436,8 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     for m in models.values(): m.to(device)
     ids = ids.to(device); batch = {k: v.to(device) for k, v in batch.items()}
-    # bf16 autocast where bf16 is native (GPUs with bf16, CPUs with AVX512-BF16/AMX such as these), else fp32 (emulated bf16 is slower)
+    # bf16 autocast where bf16 is native (GPUs with bf16, CPUs with AVX512-BF16/AMX such as these), else fp32 (emulated
+    # bf16 is slower)
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if native_bf16(device) else contextlib.nullcontext
     def train_step(k):
         m = models[k]
@@ -1393,7 +1463,8 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
 
 def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_size:int=16384, compression_factor:int=4,
                   dtype:str='bfloat16', num_kv_heads:int=3, joint_layers:int=8) -> dict:
-    "Bytes per cached token of a filled Neurocache cache (evaluation and training) and of a Memorizing-Transformers K/V memory."
+    ("Bytes per cached token of a filled Neurocache cache (evaluation and training) and of a Memorizing-Transformers "
+     "K/V memory.")
     import gc
     dt, d, S = getattr(torch, dtype), hidden_size // compression_factor, cache_size
     out = {}
@@ -1413,7 +1484,8 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
     return out
 
 def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
-    "`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token vs Memorizing Transformers."
+    ("`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token "
+     "vs Memorizing Transformers.")
     from memlab.bench import run_isolated
     rows = []
     for design in ('separate', 'joint'):
@@ -1435,5 +1507,6 @@ def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
         rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1), 'tensor_mib': round(m['tensor_mib'], 1),
                      'rss_growth_mib': round(m['rss_growth_mib'], 1), 'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
     keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib', 'memory vs Memorizing']
-    # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None ('—')
+    # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None
+    # ('—')
     return [{k: r.get(k, None if k == 'tokens_per_s' else '') for k in keys} for r in rows], None

@@ -33,7 +33,8 @@ __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_M
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
-                   'constant': 'constant', 'constant_with_warmup': 'constant'}   # the reference's choices -> memlab's schedules
+                   # the reference's choices -> memlab's schedules
+                   'constant': 'constant', 'constant_with_warmup': 'constant'}
 MIXED_PRECISION = ('no', 'bf16', 'fp16')
 
 @dataclass
@@ -135,7 +136,8 @@ class NeurocacheRunConfig(Config):
 
 # %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
-    "--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where native (`resolve_precision`); fp16 needs a GPU."
+    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where native "
+     "(`resolve_precision`); fp16 needs a GPU.")
     mp = cfg.mixed_precision or os.environ.get('ACCELERATE_MIXED_PRECISION') or 'auto'
     check(mp in ('auto', *MIXED_PRECISION), f"mixed precision {mp!r} (from accelerate launch) is not one of no, bf16, fp16")
     check(mp != 'fp16' or torch.cuda.is_available(),
@@ -160,7 +162,8 @@ def _explicit_differences(cfg:NeurocacheRunConfig, saved:NeurocacheConfig) -> li
     return out
 
 def as_base_and_neurocache(cfg:NeurocacheRunConfig) -> NeurocacheRunConfig:
-    "A saved Neurocache (a run folder) given as --model_name_or_path read as its recorded base model + --pretrained_neurocache."
+    ("A saved Neurocache (a run folder) given as --model_name_or_path read as its recorded base model + "
+     "--pretrained_neurocache.")
     folder = Path(str(cfg.model_name_or_path)).expanduser()
     if not (folder/NEUROCACHE_CONFIG_NAME).is_file(): return cfg
     check(not cfg.pretrained_neurocache, f"--model_name_or_path {folder} is a saved Neurocache and --pretrained_neurocache is "
@@ -171,12 +174,14 @@ def as_base_and_neurocache(cfg:NeurocacheRunConfig) -> NeurocacheRunConfig:
                                nf4=cfg.nf4 or info['base_quantization'] in ('nf4', '4bit'))
 
 def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
-    "The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto the base."
+    ("The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto "
+     "the base.")
     cfg = as_base_and_neurocache(cfg)
     model = load_model(cfg.model_name_or_path, quantization='nf4' if cfg.nf4 else None)
     if tokenizer is not None: check_vocab(tokenizer, model)
     check_sequence_length(model, cfg.sequence_length)
-    if hasattr(model.config, 'use_cache'): model.config.use_cache = False    # no key/value cache of the base model: segments are independent
+    # no key/value cache of the base model: segments are independent
+    if hasattr(model.config, 'use_cache'): model.config.use_cache = False
     nc = cfg.neurocache_config()
     if cfg.pretrained_neurocache:
         info = saved_neurocache_info(cfg.pretrained_neurocache)
@@ -190,7 +195,7 @@ def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
                         f"{diff[0][2] if diff else ''} ({cfg.pretrained_neurocache}): drop the flag (the saved weights fix it)")
         model = load_neurocache(model, cfg.pretrained_neurocache, **({} if info['lora_only'] else {k: getattr(nc, k) for k in CACHE_FIELDS}))
         if cfg.disable_neurocache and has_neurocache(model):
-            model.neurocache.enabled = False                                  # its LoRA alone; the cache weights stay as loaded
+            model.neurocache.enabled = False  # its LoRA alone; the cache weights stay as loaded
             for p in model.neurocache.parameters(): p.requires_grad_(False)
         return model
     if cfg.disable_neurocache:
@@ -217,7 +222,8 @@ def describe_model(model) -> str:
 
 # %% ../nbs/21_train_neurocache.ipynb
 def load_streams(cfg:NeurocacheRunConfig, tokenizer) -> tuple:
-    "(train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without --test_split)."
+    ("(train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without "
+     "--test_split).")
     corpus = load_corpus(cfg.dataset_name, text_field=cfg.text_field, config=cfg.dataset_config)
     have = list(corpus.splits)
     for flag in ('train_split', 'eval_split', 'test_split'):
@@ -247,11 +253,12 @@ def _full_state(trainer) -> dict:
     return trainer.unwrapped_model.state_dict()
 
 def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path) -> Path:
-    "Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process; every process must call it (FSDP gathers)."
+    ("Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process; every process must call it "
+     "(FSDP gathers).")
     model = trainer.unwrapped_model
     state = _full_state(trainer) if trainer.fsdp else None
     if trainer.is_main:
-        if state is not None:                                              # sharded: save the gathered tensors into a CPU copy's slots
+        if state is not None:  # sharded: save the gathered tensors into a CPU copy's slots
             own = neurocache_state_dict(model)
             with torch.no_grad():
                 saved = {k: state[k if has_neurocache(model) else k[len('base_model.'):]] for k in own}
@@ -279,7 +286,8 @@ def _save_state(model, cfg, path, state:dict) -> Path:
 
 # %% ../nbs/21_train_neurocache.ipynb
 def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
-    "Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results (also <output_dir>/results.json)."
+    ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "
+     "(also <output_dir>/results.json).")
     mp = mixed_precision_of(cfg)
     if cfg.with_tracking and cfg.report_to == 'wandb':
         try: import wandb
@@ -366,7 +374,8 @@ def summary(res:dict) -> str:
 
 @cli_main
 def main(argv=None):
-    "memlab_neurocache: train (or evaluate) a Neurocache for a Hugging Face causal LM on long documents; train_neurocache.py's command line."
+    ("memlab_neurocache: train (or evaluate) a Neurocache for a Hugging Face causal LM on long documents; "
+     "train_neurocache.py's command line.")
     cfg = parse_configs(NeurocacheRunConfig, argv, prog='memlab_neurocache', description=main.__doc__, config_file_flag='config')
     res = train_neurocache(cfg)
     if int(os.environ.get('RANK', '0')) == 0 and 'eval' in res: print('\n' + summary(res))
@@ -374,7 +383,8 @@ def main(argv=None):
 # %% ../nbs/21_train_neurocache.ipynb
 @dataclass
 class FactRecallTask(Config):
-    "Synthetic long-range recall: facts `F key value` at a document's start, asked as `Q key value` after a gap of filler."
+    ("Synthetic long-range recall: facts `F key value` at a document's start, asked as `Q key value` after a gap of "
+     "filler.")
     n_facts: int = 8        # facts per document, each asked once
     gap: int = 48           # filler tokens between the facts and the questions
     n_keys: int = 64        # distinct keys (a document's keys are distinct)
@@ -413,13 +423,14 @@ def fact_recall_tokenizer(vocab_size:int):
     "A Hugging Face tokenizer whose tokens are the ids themselves ('5 17 42' -> [5, 17, 42]); id 0 is EOS and padding."
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {'<eos>': 0, **{str(i): i for i in range(1, vocab_size)}}           # id 0 never appears in a document's text
+    vocab = {'<eos>': 0, **{str(i): i for i in range(1, vocab_size)}}  # id 0 never appears in a document's text
     tk = Tokenizer(models.WordLevel(vocab, unk_token='<eos>'))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token='<eos>', pad_token='<eos>', unk_token='<eos>')
 
 class RecallLoss:
-    "The causal-LM loss over every token, also logging answer-token sums (answer_loss, answer_correct, answers) for the task."
+    ("The causal-LM loss over every token, also logging answer-token sums (answer_loss, answer_correct, answers) for "
+     "the task.")
     def __init__(self, task:FactRecallTask): self.task = task
     def __call__(self, model, batch:dict) -> LossOutput:
         inputs = {k: v for k, v in batch.items() if k != 'labels' and (k != 'start_of_sequence' or has_neurocache(model))}
@@ -441,15 +452,18 @@ def recall_metrics(logs:dict, prefix:str='') -> dict:
 TINY_RECALL_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256, max_positions=64)
 
 def recall_cache_config(**changes) -> NeurocacheConfig:
-    "The Neurocache of the synthetic task: retrieve and store at layer 0, attend in every layer, top-1 with its successor."
+    ("The Neurocache of the synthetic task: retrieve and store at layer 0, attend in every layer, top-1 with its "
+     "successor.")
     kw = dict(cache_size=256, cache_dtype='float32', compression_factor=2, topk=1, neighborhood_size=2, context_size=1,
-              retrieval_map='0:0', attention_layers='0-3', cache_attention='separate')   # learned from scratch with the model
+              # learned from scratch with the model
+              retrieval_map='0:0', attention_layers='0-3', cache_attention='separate')
     return NeurocacheConfig(**{**kw, **changes})
 
 def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8, sequence_length:int=32,
                       lr:float=3e-3, n_train:int=4000, n_eval:int=32, seed:int=0, eval_every:int=0, output_dir:str=None,
                       model_kw:dict=None, progress:bool=False, threads:int=1) -> dict:
-    "Train a tiny Llama from scratch on `task`, with the Neurocache `cache` (or none); answer accuracy and loss on held-out documents."
+    ("Train a tiny Llama from scratch on `task`, with the Neurocache `cache` (or none); answer accuracy and loss on "
+     "held-out documents.")
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)      # a tiny model's operations are too small to gain from a second thread
     try: return _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed, eval_every,
@@ -492,7 +506,8 @@ class RecallProbe(Config):
     seed: int = 0            # draws the names, topics and numbers
 
     def documents(self, texts, tokenizer) -> list:
-        "[(input_ids (T,), answer positions)] for each text long enough to hold the gap; answers: the restated name and number."
+        ("[(input_ids (T,), answer positions)] for each text long enough to hold the gap; answers: the restated name "
+         "and number.")
         rng, out = np.random.default_rng(self.seed), []
         for text in texts:
             first, last, topic = rng.choice(_FIRST), rng.choice(_LAST), rng.choice(_TOPICS)
@@ -516,7 +531,8 @@ class RecallProbe(Config):
 
 @torch.no_grad()
 def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
-    "(mean NLL in nats, count) of the answer tokens of `RecallProbe.documents`, read in segments (a cache carried across them) or whole."
+    ("(mean NLL in nats, count) of the answer tokens of `RecallProbe.documents`, read in segments "
+     "(a cache carried across them) or whole.")
     nc, total, n = has_neurocache(model), 0., 0
     for ids, pos in docs:
         end = int(pos.max()) + 1
@@ -530,7 +546,8 @@ def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
 
 # %% ../nbs/21_train_neurocache.ipynb
 def demo(out:Path, quick:bool=False) -> tuple:
-    "Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without a cache."
+    ("Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without "
+     "a cache.")
     task, steps = FactRecallTask(), 40 if quick else 120
     runs = {name: train_fact_recall(task, cache, steps=steps, eval_every=0)
             for name, cache in (('with Neurocache', recall_cache_config()), ('without cache', None))}

@@ -51,9 +51,11 @@ def parse_layers(value, name:str='attention_layers') -> list:
             m = re.fullmatch(r'(\d+)\s*-\s*(\d+)', part)
             if m: out += list(range(int(m.group(1)), int(m.group(2)) + 1))
             elif part.isdigit(): out.append(int(part))
-            else: raise MemlabError(f"{name} {value!r} does not parse: expected layer indices such as '18,19,20' or '18-23'")
+            else: raise MemlabError(f"{name} {value!r} does not parse: "
+                                    f"expected layer indices such as '18,19,20' or '18-23'")
         value = out
-    check(isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value),
+    check(isinstance(value, (list, tuple))
+          and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value),
           f"{name} must be a list of non-negative layer indices, got {value!r}")
     check(len(value) > 0, f"{name} is empty: give at least one layer (or None for the default)")
     return sorted(set(value))
@@ -61,8 +63,8 @@ def parse_layers(value, name:str='attention_layers') -> list:
 def parse_retrieval_map(value) -> dict:
     "{retrieving layer: storing layer} from a dict or a string such as '18:18', '12:12,18:18', '{18: 12}' or '12,18'."
     if value is None: return None
-    bad = (f"retrieval_map {value!r} does not parse: expected 'retrieving:storing' pairs such as '18:18' or '12:12,18:18' "
-           f"(or a dict {{18: 18}})")
+    bad = (f"retrieval_map {value!r} does not parse: expected 'retrieving:storing' pairs such as '18:18' or "
+           f"'12:12,18:18' (or a dict {{18: 18}})")
     if isinstance(value, str):
         s = value.strip().strip('{}').strip()
         pairs = [p.strip() for p in s.split(',') if p.strip()]
@@ -115,49 +117,65 @@ class NeurocacheConfig(Config):
 
     def __post_init__(self):
         def is_int(v): return isinstance(v, int) and not isinstance(v, bool)
-        check(is_int(self.cache_size) and self.cache_size > 0, f"cache_size must be a positive integer, got {self.cache_size!r}")
+        check(is_int(self.cache_size) and self.cache_size > 0,
+              f"cache_size must be a positive integer, got {self.cache_size!r}")
         check(self.eval_cache_size is None or (is_int(self.eval_cache_size) and self.eval_cache_size > 0),
               f"eval_cache_size must be a positive integer (or None: cache_size), got {self.eval_cache_size!r}")
         self.cache_dtype = str(self.cache_dtype).replace('torch.', '')
-        check(self.cache_dtype in CACHE_DTYPES, f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        check(self.cache_dtype in CACHE_DTYPES,
+              f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         check(is_int(self.compression_factor) and self.compression_factor >= 1,
               f"compression_factor must be an integer >= 1, got {self.compression_factor!r}")
         check(is_int(self.topk) and self.topk >= 1, f"topk must be a positive integer, got {self.topk!r}")
         check(is_int(self.neighborhood_size) and self.neighborhood_size >= 1 and
               (self.neighborhood_size == 1 or self.neighborhood_size % 2 == 0),
-              f"neighborhood_size must be 1 or an even number (hit i brings i-n/2+1 .. i+n/2), got {self.neighborhood_size!r}")
+              f"neighborhood_size must be 1 or an even number (hit i brings i-n/2+1 .. i+n/2), "
+              f"got {self.neighborhood_size!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
             if size is None: continue
             check(self.topk <= size, f"topk ({self.topk}) cannot exceed {name} ({size})")
-            check(self.neighborhood_size < size, f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
+            check(self.neighborhood_size < size,
+                  f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
         check(self.context_size is None or (is_int(self.context_size) and self.context_size >= 1),
               f"context_size must be a positive integer, got {self.context_size!r}")
         check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
-        if self.retrieval_map is not None: self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
+        if self.retrieval_map is not None:
+            self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
         self.attention_layers = parse_layers(self.attention_layers)
         self.cache_type = str(self.cache_type).upper()
         check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
         check(isinstance(self.global_cache, bool), f"global_cache must be true or false, got {self.global_cache!r}")
-        check(isinstance(self.zero_init_output, bool), f"zero_init_output must be true or false, got {self.zero_init_output!r}")
-        check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool) and self.retrieval_bias >= 0,
-              f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), got {self.retrieval_bias!r}")
+        check(isinstance(self.zero_init_output, bool),
+              f"zero_init_output must be true or false, got {self.zero_init_output!r}")
+        check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool)
+              and self.retrieval_bias >= 0,
+              f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), "
+              f"got {self.retrieval_bias!r}")
         self.retrieval_bias = float(self.retrieval_bias)
         check(self.cache_attention in ('auto', 'separate', 'joint'),
               f"cache_attention must be 'auto', 'separate' or 'joint', got {self.cache_attention!r}")
-        check(is_int(self.joint_distance) and self.joint_distance >= 0, f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
-        check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
+        check(is_int(self.joint_distance) and self.joint_distance >= 0,
+              f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
+        check(is_int(self.topk_buckets) and self.topk_buckets >= 0,
+              f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
             if self.topk_buckets and size is not None:
                 check(self.topk <= self.topk_buckets <= size and size % self.topk_buckets == 0,
-                      f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and {name} ({size}) and divide {name}")
-        check(is_int(self.lora_r) and self.lora_r >= 0, f"lora_r must be 0 (no LoRA) or a positive integer, got {self.lora_r!r}")
-        check(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, f"lora_alpha must be positive, got {self.lora_alpha!r}")
-        check(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
-        if isinstance(self.lora_modules, str): self.lora_modules = [m.strip() for m in self.lora_modules.split(',') if m.strip()]
+                      f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and {name} ({size}) "
+                      f"and divide {name}")
+        check(is_int(self.lora_r) and self.lora_r >= 0,
+              f"lora_r must be 0 (no LoRA) or a positive integer, got {self.lora_r!r}")
+        check(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0,
+              f"lora_alpha must be positive, got {self.lora_alpha!r}")
+        check(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
+              f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = [m.strip() for m in self.lora_modules.split(',') if m.strip()]
         check(self.lora_modules is None or (isinstance(self.lora_modules, (list, tuple)) and self.lora_modules and
-              all(isinstance(m, str) for m in self.lora_modules)), f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
+              all(isinstance(m, str) for m in self.lora_modules)),
+              f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
         if self.lora_modules is not None: self.lora_modules = list(self.lora_modules)
 
     def size(self, training:bool) -> int:
@@ -195,7 +213,8 @@ class KNNCache:
     def __init__(self, rows:int, size:int, dim:int, raw_dim:int=0, dtype=torch.float32, device=None,
                  neighborhood_size:int=1, similarity_fn:str='l2', cache_type:str='FIFO', topk_buckets:int=0):
         N, S = rows, size
-        self.size, self.dim, self.similarity_fn, self.cache_type, self.topk_buckets = size, dim, similarity_fn, cache_type, topk_buckets
+        (self.size, self.dim, self.similarity_fn, self.cache_type,
+         self.topk_buckets) = size, dim, similarity_fn, cache_type, topk_buckets
         self.offsets = neighborhood_offsets(neighborhood_size)
         self.keys = torch.zeros(N, S, dim, dtype=dtype, device=device)   # (N, S, d) compressed states C
         # (N, S, h) raw states, training only
@@ -235,9 +254,11 @@ class KNNCache:
         "Restore contents saved by `state_dict` into a cache of the same shape."
         for n in self._STATE:
             cur = getattr(self, n)
-            check((cur is None) == (n not in state), f"saved cache {'has' if n in state else 'lacks'} '{n}' but this cache {'does not' if cur is None else 'does'}")
+            check((cur is None) == (n not in state), f"saved cache {'has' if n in state else 'lacks'} '{n}' "
+                                                     f"but this cache {'does not' if cur is None else 'does'}")
             if cur is None: continue
-            check(state[n].shape == cur.shape, f"saved cache '{n}' has shape {tuple(state[n].shape)}, this cache {tuple(cur.shape)}")
+            check(state[n].shape == cur.shape,
+                  f"saved cache '{n}' has shape {tuple(state[n].shape)}, this cache {tuple(cur.shape)}")
             setattr(self, n, state[n].to(device=cur.device, dtype=cur.dtype).clone())
 
     def reset(self, rows=None):
@@ -279,7 +300,8 @@ class KNNCache:
         valid = ok[..., None] & self.valid[row, slots] & (self.time[row, slots] == want)   # (N, Q, k, w)
         slots, valid = slots.flatten(2), valid.flatten(2)                     # (N, Q, k·w)
         if touch and self.cache_type == 'LRU':
-            hit_count = torch.zeros(N, S, device=self.device).scatter_add_(1, slots.flatten(1), valid.flatten(1).float())
+            hit_count = torch.zeros(N, S, device=self.device).scatter_add_(1, slots.flatten(1),
+                                                                           valid.flatten(1).float())
             self.used = torch.where(hit_count > 0, self.tick[:, None] + 1, self.used)
         return slots, valid
 
@@ -362,7 +384,8 @@ def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', nei
             kk = keys[n, idx].float()
             score = -((kk - q.float())**2).sum(-1) if similarity_fn == 'l2' else kk @ q.float()
             hits = [idx[i] for i in score.argsort(descending=True)[:k].tolist()]
-            row.append({slot_of[time[n, h].item() + o] for h in hits for o in offsets if time[n, h].item() + o in slot_of})
+            row.append({slot_of[time[n, h].item() + o]
+                        for h in hits for o in offsets if time[n, h].item() + o in slot_of})
         out.append(row)
     return out
 
@@ -389,7 +412,8 @@ def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
 class CacheAttention(nn.Module):
     ("Attention from the segment's tokens to the states retrieved for them: Q from the layer input, K and V from the "
      "retrieved states.")
-    def __init__(self, hidden_size:int, cache_dim:int, num_heads:int, num_kv_heads:int, head_dim:int, retrieval_bias:float=0.):
+    def __init__(self, hidden_size:int, cache_dim:int, num_heads:int, num_kv_heads:int, head_dim:int,
+                 retrieval_bias:float=0.):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
@@ -406,7 +430,8 @@ class CacheAttention(nn.Module):
          "columns.")
         d = self.k_proj.in_features
         for lin, w in ((self.q_proj, wq), (self.k_proj, wk[:, :d]), (self.v_proj, wv[:, :d]), (self.o_proj, wo)):
-            check(lin.weight.shape == w.shape, f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
+            check(lin.weight.shape == w.shape,
+                  f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
             lin.weight.copy_(w)
 
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
@@ -428,7 +453,8 @@ class CacheAttention(nn.Module):
         s = torch.einsum('btngd,btmd->btngm', qc, ctx).float()             # (B, T, nkv, g, W)
         if self.retrieval_scale is not None:
             check(bias is not None, "this cache attention weighs retrieval scores: pass bias")
-            s = s + self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None] * bias[:, :, None, None, :].float()
+            s = s + (self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None]
+                     * bias[:, :, None, None, :].float())
         s = s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min)
         p = torch.softmax(s, dim=-1) * ok.any(-1)[:, :, None, None, None]   # nothing valid -> exactly zero output
         out = torch.einsum('btngm,btmd->btngd', p.to(ctx.dtype), ctx)       # (B, T, nkv, g, d)
@@ -478,7 +504,8 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
                 if not ks: continue
                 logits = torch.stack(ks) @ q[b, t, h] / hs**0.5
                 if attn.retrieval_scale is not None:
-                    logits = logits + attn.retrieval_scale[h] * torch.stack([bias[b, p, m] for p in pos for m in range(k.shape[2]) if valid[b, p, m]])
+                    logits = logits + attn.retrieval_scale[h] * torch.stack(
+                        [bias[b, p, m] for p in pos for m in range(k.shape[2]) if valid[b, p, m]])
                 w = torch.softmax(logits, 0)
                 out[b, t, h] = w @ torch.stack(vs)
     return attn.o_proj(out.view(B, T, nh * hs))
@@ -503,13 +530,15 @@ class Neurocache(nn.Module):
         self.config, self.hidden_size = config, hidden_size
         cf = config.compression_factor
         self.cache_dim = hidden_size // cf
-        self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1 else nn.Identity()
+        self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1
+                                                  else nn.Identity()
                                           for r in config.layer_map})
         self.joint = config.cache_attention == 'joint'
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attentions = nn.ModuleDict({} if self.joint else
-                                        {str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim,
-                                                                config.retrieval_bias) for j in config.attention_layers})
+                                        {str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads,
+                                                                head_dim, config.retrieval_bias)
+                                         for j in config.attention_layers})
         self.stores = {}  # storing layer -> retrieving layers it feeds
         self.retrieving = set(config.layer_map)
         for r, s in config.layer_map.items(): self.stores.setdefault(s, []).append(r)
@@ -555,7 +584,8 @@ class Neurocache(nn.Module):
 
     def _token_mask(self, B:int, T:int, device) -> torch.Tensor:
         m = self._mask
-        return m.to(device) if m is not None and tuple(m.shape) == (B, T) else torch.ones(B, T, dtype=torch.bool, device=device)
+        return (m.to(device) if m is not None and tuple(m.shape) == (B, T)
+                else torch.ones(B, T, dtype=torch.bool, device=device))
 
     def before_attention(self, layer:int, x:torch.Tensor):
         ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
@@ -572,7 +602,8 @@ class Neurocache(nn.Module):
         if r in self.stores.get(r, ()): self._queries[r] = c            # the same states are stored at this layer
         cache, mask = self.cache(r, B, x.device), self._token_mask(B, T, x.device)
         N = cache.rows
-        slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk, touch=not self.frozen)
+        slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk,
+                                      touch=not self.frozen)
         inverse = None
         # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
         if self.reencode:
@@ -594,7 +625,8 @@ class Neurocache(nn.Module):
                 if bias is not None: bias = torch.cat([tail[2], bias], 1)
             if not self.training:                                                 # kept for a continuation (generation)
                 keep = -(cfg.context_size - 1)
-                self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(), None if bias is None else bias[:, keep:].clone())
+                self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(),
+                                 None if bias is None else bias[:, keep:].clone())
         self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse, bias=bias,
                                   x=x.detach() if cfg.retrieval_bias and inverse is not None else None)
         self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
@@ -611,7 +643,8 @@ class Neurocache(nn.Module):
         "The cache attention's output (B, T, C) for attention layer `layer`, or None if it has none."
         r = self.source.get(layer)
         if r is None or self.joint: return None
-        check(r in self._retrieved, f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
+        check(r in self._retrieved,
+              f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
         return self.attentions[str(layer)].attend(x, *self._context(r, layer))
 
     def _context(self, r:int, layer:int) -> tuple:
@@ -630,7 +663,8 @@ class Neurocache(nn.Module):
             ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]
             if self.config.retrieval_bias:  # and through the retrieval scores
                 cfg = self.config
-                ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size, cfg.similarity_fn)
+                ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size,
+                                               cfg.similarity_fn)
         else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
         win = context_window(ctx, ret['valid'], ret['bias'], self.config.context_size, ret['prefix'])
         if 'window' not in ret: ret['window'], ret['maker'] = win, layer
@@ -664,7 +698,8 @@ def _row_mask(rows, n:int) -> torch.Tensor:
     rows = torch.as_tensor(rows)
     if rows.dtype != torch.bool:
         m = torch.zeros(n, dtype=torch.bool); m[rows.long()] = True; rows = m
-    check(rows.shape == (n,), f"start_of_sequence / rows must have one entry per batch row ({n}), got shape {tuple(rows.shape)}")
+    check(rows.shape == (n,),
+          f"start_of_sequence / rows must have one entry per batch row ({n}), got shape {tuple(rows.shape)}")
     return rows
 
 # %% ../nbs/20_neurocache.ipynb
@@ -715,7 +750,9 @@ def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> 
     out, lse = FlashAttentionLse.apply(q, k.to(q.dtype), v.to(q.dtype), mask, causal, scale or q.shape[-1]**-0.5)
     return out, (lse if attend is None else lse.masked_fill(~attend, float('-inf')))
 
-def _fusable(q) -> bool: return _flash_cpu is not None and q.device.type == 'cpu' and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
+def _fusable(q) -> bool:
+    return (_flash_cpu is not None and q.device.type == 'cpu'
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float64))
 
 def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the layer's
@@ -749,7 +786,8 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     nkv = k_mem.shape[-1] // hs
     g = H // nkv
     qh = q.view(B, T, nkv, g, hs)
-    s = torch.einsum('btngh,btwnh->btngw', qh, k_mem.view(B, T, W, nkv, hs).to(qh.dtype)).float() * (scaling or hs**-0.5)
+    s = (torch.einsum('btngh,btwnh->btngw', qh, k_mem.view(B, T, W, nkv, hs).to(qh.dtype)).float()
+         * (scaling or hs**-0.5))
     s = s.masked_fill(~ok[:, :, None, None, :], float('-inf'))
     lse_mem = torch.logsumexp(s, -1, keepdim=True)                 # (B, T, nkv, g, 1); -inf: nothing retrieved
     p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))  # the softmax over the retrieved (0 where none)
@@ -773,7 +811,8 @@ def mix(self, layer:int, attn:nn.Module, u):
      "the cache.")
     call, r = self._calls.get(layer, {}), self.source.get(layer)
     if not self.enabled or r is None or r not in self._retrieved: return u
-    check(all(k in call for k in ('q', 'k', 'kwargs')), f"cache_attention='joint': the attention of layer {layer} did not "
+    check(all(k in call for k in ('q', 'k', 'kwargs')),
+          f"cache_attention='joint': the attention of layer {layer} did not "
           f"call its q_proj / k_proj (or was called without going through the Neurocache wrapper)")
     B, T, _ = u.shape
     H, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
@@ -782,7 +821,8 @@ def mix(self, layer:int, attn:nn.Module, u):
     lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
     if lse is None: lse = self._local_lse(call, attn, q, rotate)
     ret = self._retrieved[r]
-    if 'window' not in ret: ret['window'] = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])
+    if 'window' not in ret:
+        ret['window'] = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])
     states, ok = ret['window'][:2]
     i, kvd = self.served[r].index(layer), nkv * hs
     kv = states[..., 2 * i * kvd:2 * (i + 1) * kvd]
@@ -815,7 +855,8 @@ def _joint_kv(self, r:int):
     parts = []
     for j in self.served[r]:
         call = self._calls.get(j, {})
-        check('k' in call and 'v' in call, f"cache_attention='joint': layer {j}'s attention did not call k_proj / v_proj")
+        check('k' in call and 'v' in call,
+              f"cache_attention='joint': layer {j}'s attention did not call k_proj / v_proj")
         parts += [call['k'].detach(), call['v'].detach()]
     return torch.cat(parts, -1)
 
@@ -911,7 +952,8 @@ def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig
     if config.context_size is None: changes['context_size'] = 1 if design == 'joint' else 2
     if design == 'joint' and config.retrieval_map is None and config.attention_layers is None:
         found = copying_layers(model) if found is None else found
-        if found: changes.update(retrieval_map=f"{found[0]}:{found[0]}", attention_layers=list(range(found[0], found[-1] + 1)))
+        if found: changes.update(retrieval_map=f"{found[0]}:{found[0]}",
+                                 attention_layers=list(range(found[0], found[-1] + 1)))
     return dataclasses.replace(config, **changes)
 
 def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
@@ -924,17 +966,20 @@ def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
     bad = [j for j in att if j >= L]
     if bad: raise MemlabError(f"attention layer {bad[0]} is outside the model (it has layers 0..{L - 1})")
     below = [j for j in att if j < min(rmap)]
-    if below: raise MemlabError(f"attention layer {below[0]} is below the lowest retrieving layer ({min(rmap)}): it would have nothing to attend to")
+    if below: raise MemlabError(f"attention layer {below[0]} is below the lowest retrieving layer ({min(rmap)}): "
+                                f"it would have nothing to attend to")
     idle = [r for r in rmap if not any(max(q for q in rmap if q <= j) == r for j in att)]
-    if idle: raise MemlabError(f"retrieving layer {idle[0]} serves no attention layer (each attention layer reads the cache of the "
+    if idle: raise MemlabError(f"retrieving layer {idle[0]} serves no attention layer "
+                               f"(each attention layer reads the cache of the "
                                f"nearest retrieving layer at or below it)")
     return dataclasses.replace(config, retrieval_map=format_retrieval_map(rmap), attention_layers=att)
 
 def _check_family(model) -> str:
     "The model's family, or a one-line refusal of an unsupported one."
     family = getattr(getattr(model, 'config', None), 'model_type', None)
-    check(family in SUPPORTED_FAMILIES, f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
-                                        f"{type(model).__name__} is {family!r}")
+    check(family in SUPPORTED_FAMILIES,
+          f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
+          f"{type(model).__name__} is {family!r}")
     return family
 
 def _lora_targets(base_model, layers, config, family) -> list:
@@ -948,7 +993,8 @@ def _lora_targets(base_model, layers, config, family) -> list:
     if config.lora_modules is not None:
         missing = [m for m in config.lora_modules if m not in matched]
         ffn = ', '.join(p.split('.')[-1] for p in layer_parts(layers[0])['ffn'])
-        check(not missing, f"lora_modules {', '.join(missing)} match no FFN linear of a {family} layer (they are: {ffn})")
+        check(not missing,
+              f"lora_modules {', '.join(missing)} match no FFN linear of a {family} layer (they are: {ffn})")
     check(targets, f"no FFN linear found for LoRA in layers {config.attention_layers}")
     return targets
 
@@ -972,28 +1018,33 @@ class NeurocacheModel(nn.Module):
     def __init__(self, base_model:nn.Module, config:NeurocacheConfig, train_base:bool=False):
         super().__init__()
         check(isinstance(config, NeurocacheConfig), f"config must be a NeurocacheConfig, got {type(config).__name__}")
-        check(not isinstance(base_model, NeurocacheModel) and not any(isinstance(m, NeurocacheAttention) for m in base_model.modules()),
+        check(not isinstance(base_model, NeurocacheModel)
+              and not any(isinstance(m, NeurocacheAttention) for m in base_model.modules()),
               "this model already has a Neurocache")
         family = _check_family(base_model)
         layers = decoder_layers(base_model)
         config = resolve_config(resolve_design(config, base_model), len(layers))
         hc = base_model.config
         h, nh = hc.hidden_size, hc.num_attention_heads
-        check(h % config.compression_factor == 0, f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
+        check(h % config.compression_factor == 0,
+              f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
         nkv = getattr(hc, 'num_key_value_heads', None) or nh
         check(not any(isinstance(getattr(l, 'base_layer', None), nn.Module) for l in layers),
-              f"the decoder layers are wrapped ({type(layers[0]).__name__}): add the Neurocache before converting the model "
+              f"the decoder layers are wrapped ({type(layers[0]).__name__}): "
+              f"add the Neurocache before converting the model "
               f"(e.g. add_neurocache, then add_bpt)")
         attn_name = layer_parts(layers[0])['attn']
         hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
         joint = config.cache_attention == 'joint'
         if joint:                                                                # refused before anything is changed
-            check(family in JOINT_FAMILIES, f"cache_attention='joint' works inside the attention of the {', '.join(JOINT_FAMILIES)} "
-                                            f"families (q/k/v/o projections and a rotary embedding); {family} takes 'separate'")
+            check(family in JOINT_FAMILIES,
+                  f"cache_attention='joint' works inside the attention of the {', '.join(JOINT_FAMILIES)} "
+                  f"families (q/k/v/o projections and a rotary embedding); {family} takes 'separate'")
             for j in config.attention_layers:
                 a = getattr(layers[j], attn_name)
                 check(all(isinstance(getattr(a, n, None), nn.Module) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
-                      f"cache_attention='joint' needs q_proj, k_proj, v_proj and o_proj in layer {j}'s {type(a).__name__}")
+                      f"cache_attention='joint' needs q_proj, k_proj, v_proj and o_proj "
+                      f"in layer {j}'s {type(a).__name__}")
         self.family, self._requires_grad = family, {n: p.requires_grad for n, p in base_model.named_parameters()}
         self.train_base = train_base
         if not train_base:
@@ -1005,7 +1056,8 @@ class NeurocacheModel(nn.Module):
         if joint:  # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
             self.neurocache.projections.requires_grad_(False)
             rotary = [m for m in base_model.modules() if type(m).__name__.endswith('RotaryEmbedding')]
-            check(len(rotary) == 1, f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
+            check(len(rotary) == 1,
+                  f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
             object.__setattr__(self.neurocache, 'rotary', rotary[0])   # a reference: it belongs to the base model
         for j in ([] if joint else config.attention_layers):
             a = self.neurocache.attentions[str(j)]
@@ -1018,10 +1070,12 @@ class NeurocacheModel(nn.Module):
         # joint: see q, k, v as the attention makes them, mix before W_o
         for j in (config.attention_layers if joint else []):
             self._hooks += _joint_hooks(self.neurocache, j, getattr(layers[j], attn_name).base_layer)
-        if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
+        if not train_base:
+            self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
         check_frozen_4bit_stats(base_model)
         _refuse_plain_save(base_model, "this model carries a Neurocache (cache wrappers and LoRA): save it with the "
-                           "NeurocacheModel's save_pretrained (cache, LoRA and config), or remove_neurocache(model) first")
+                           "NeurocacheModel's save_pretrained (cache, LoRA and config), "
+                           "or remove_neurocache(model) first")
         self.train(base_model.training)                                          # keep the base model's mode
 
     @property
@@ -1031,7 +1085,8 @@ class NeurocacheModel(nn.Module):
     @property
     def device(self): return self.base_model.get_input_embeddings().weight.device
     def get_input_embeddings(self): return self.base_model.get_input_embeddings()
-    def get_base_model(self): return self.base_model      # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
+    def get_base_model(self):  # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
+        return self.base_model
     @classmethod
     def from_pretrained(cls, path, base_model=None, **kwargs):
         ("The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by "
@@ -1057,11 +1112,14 @@ class NeurocacheModel(nn.Module):
             B = (input_ids if input_ids is not None else kwargs['inputs_embeds']).shape[0]
             sos = _row_mask(torch.as_tensor(start_of_sequence).cpu(), B)
             if sos.any(): self.neurocache.reset(sos, training=self.training)
-        saving = {getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)} - {'nothing_saveable', 'everything_saveable'}
+        saving = ({getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)}
+                  - {'nothing_saveable', 'everything_saveable'})
         # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would
         # get wrong ones
-        check(not (saving and self.training and torch.is_grad_enabled()), f"a Neurocache trains with layer remat_policy "
-              f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} (a re-run layer does not repeat its retrieval)")
+        check(not (saving and self.training and torch.is_grad_enabled()),
+              f"a Neurocache trains with layer remat_policy "
+              f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} "
+              f"(a re-run layer does not repeat its retrieval)")
         try: out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         except BaseException:
             self.neurocache.begin(); raise
@@ -1081,7 +1139,8 @@ class NeurocacheModel(nn.Module):
         "Checkpoint the base model's decoder layers (non-reentrant by default)."
         kw = activation_checkpointing_kwargs or {'use_reentrant': False}
         base = self.base_model
-        if hasattr(base, 'activation_checkpointing_enable'): base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        if hasattr(base, 'activation_checkpointing_enable'):
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
         # transformers before activation_checkpointing_*
         else: base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     def activation_checkpointing_disable(self):
@@ -1089,7 +1148,8 @@ class NeurocacheModel(nn.Module):
         base = self.base_model
         if hasattr(base, 'activation_checkpointing_disable'): base.activation_checkpointing_disable()
         else: base.gradient_checkpointing_disable()
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs:dict=None): self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs:dict=None):
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
     def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
 
     def save_pretrained(self, save_directory, **kwargs):
@@ -1113,7 +1173,8 @@ def _joint_hooks(nc:Neurocache, j:int, attn:nn.Module) -> list:
      "the cache.")
     def keep(what): return lambda mod, args, out: nc.capture(j, what, out)
     def mix(mod, args): return (nc.mix(j, attn, args[0]), *args[1:])
-    return [getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv'] + [attn.o_proj.register_forward_pre_hook(mix)]
+    return ([getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv']
+            + [attn.o_proj.register_forward_pre_hook(mix)])
 
 def _stop_gradient(module, args, kwargs):
     "Pre-hook on the lowest Neurocache layer: detach its input so the backward pass stops there."
@@ -1142,7 +1203,8 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
     for p in model.parameters(): p.requires_grad_(False)
     _add_lora(model, layers, config, family)
     check_frozen_4bit_stats(model)
-    _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: save them with save_neurocache(model, "
+    _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: "
+                              "save them with save_neurocache(model, "
                               "dir, config), or remove_lora(model) first")
     return model.train(model.training)  # PEFT makes its new modules in training mode: keep the model's mode
 
@@ -1179,8 +1241,8 @@ def remove_neurocache(model) -> nn.Module:
     return base
 
 # %% ../nbs/20_neurocache.ipynb
-CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size', 'similarity_fn', 'cache_type',
-                'global_cache', 'topk_buckets')
+CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size',
+                'similarity_fn', 'cache_type', 'global_cache', 'topk_buckets')
 
 def reset_cache(model, rows=None):
     ("Empty all caches of `model` (both modes), or only the per-row caches of `rows` "
@@ -1193,7 +1255,8 @@ def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
     nc = _unwrap(model).neurocache
     if cache_size is not None: changes['cache_size'] = cache_size
     bad = [k for k in changes if k not in CACHE_FIELDS]
-    if bad: raise MemlabError(f"resize_cache cannot change {', '.join(bad)} (it changes weights); it changes {', '.join(CACHE_FIELDS)}")
+    if bad: raise MemlabError(f"resize_cache cannot change {', '.join(bad)} (it changes weights); "
+                              f"it changes {', '.join(CACHE_FIELDS)}")
     nc.config = dataclasses.replace(nc.config, **changes)
     nc.reset()
     return nc.config
@@ -1212,7 +1275,8 @@ def load_cache_state_dict(model, state:dict):
     device = next(nc.parameters(), torch.empty(0)).device
     for key in {k.rsplit('.', 1)[0] for k in state}:
         mode, r = key.split('.')
-        check(mode in ('train', 'eval') and int(r) in nc.config.layer_map, f"saved caches hold {key}, which this Neurocache has not")
+        check(mode in ('train', 'eval') and int(r) in nc.config.layer_map,
+              f"saved caches hold {key}, which this Neurocache has not")
         part = {k.rsplit('.', 1)[1]: v for k, v in state.items() if k.rsplit('.', 1)[0] == key}
         n, size = part['keys'].shape[1], nc.config.size(mode == 'train')
         check(n == size, f"the saved {mode} caches have {n} slots but this Neurocache's {mode} caches have {size}: "
@@ -1293,7 +1357,8 @@ def saved_neurocache_info(path) -> dict:
     if 'cache_attention' not in json.loads((path/NEUROCACHE_CONFIG_NAME).read_text()):
         config = dataclasses.replace(config, cache_attention='separate')
     return {'config': config, 'lora_only': meta.get('lora_only') == 'true',
-            'family': meta.get('family'), 'base_model': meta.get('base_model'), 'base_quantization': meta.get('base_quantization') or None}
+            'family': meta.get('family'), 'base_model': meta.get('base_model'),
+            'base_quantization': meta.get('base_quantization') or None}
 
 def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     """Add the Neurocache saved at `path` to `base_model` (a `NeurocacheModel`; a LoRA-only save gives `base_model` with its LoRA);
@@ -1320,7 +1385,8 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     wrong = [k for k in state if state[k].shape != expected[k].shape]
     if wrong:
         undo()
-        raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model expects "
+        raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                          f"the model expects "
                           f"{tuple(expected[wrong[0]].shape)}")
     if info['lora_only']: state = {k[len('base_model.'):]: v for k, v in state.items()}
     res = model.load_state_dict(state, strict=False)
@@ -1339,7 +1405,8 @@ def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:s
         try: base_model = load_model(ref, dtype=dtype, quantization=quantization or info['base_quantization'],
                                      attn_implementation=attn_implementation, strict=strict)
         except MemlabError as e:
-            raise MemlabError(f"cannot load {ref}, the base model of the Neurocache in {path} ({e}): pass base_model=...") from None
+            raise MemlabError(f"cannot load {ref}, the base model of the Neurocache in {path} ({e}): "
+                              f"pass base_model=...") from None
     return load_neurocache(base_model, path, **overrides).eval()
 
 def _is_saved_neurocache(folder) -> bool:
@@ -1373,7 +1440,8 @@ class NeurocacheCallback(Callback):
         if m is None: return
         from safetensors.torch import load_file
         f = Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)
-        check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches for process {trainer.accelerator.process_index} ({f.name})")
+        check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches "
+                          f"for process {trainer.accelerator.process_index} ({f.name})")
         load_cache_state_dict(m, load_file(str(f)))
 
 def _training_callbacks(self) -> list:
@@ -1391,7 +1459,8 @@ def memory_per_token(hidden_size:int, num_heads:int, head_dim:int=None, num_kv_h
      "(and per-KV-head) K/V memories.")
     hd, b = head_dim or hidden_size // num_heads, torch.finfo(getattr(torch, cache_dtype)).bits // 8
     d = hidden_size // compression_factor
-    return dict(neurocache=d * b + CACHE_BOOKKEEPING_BYTES, neurocache_training=(d + hidden_size) * b + CACHE_BOOKKEEPING_BYTES,
+    return dict(neurocache=d * b + CACHE_BOOKKEEPING_BYTES,
+                neurocache_training=(d + hidden_size) * b + CACHE_BOOKKEEPING_BYTES,
                 memorizing=2 * num_heads * hd * b, memorizing_kv_heads=2 * (num_kv_heads or num_heads) * hd * b)
 
 # %% ../nbs/20_neurocache.ipynb
@@ -1425,7 +1494,8 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     from memlab.training import causal_lm_loss
     if threads: torch.set_num_threads(threads)
     torch.manual_seed(0)
-    cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32, lora_dropout=0.0)
+    cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32,
+                           lora_dropout=0.0)
     # layers and context as the defaults choose (resolve_design)
     cfg = dataclasses.replace(cfg, cache_attention=cache_attention)
     models = {'cache': add_neurocache(load_model(model_name), cfg), 'lora': add_ffn_lora(load_model(model_name), cfg)}
@@ -1470,8 +1540,9 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
     out = {}
     for name, make in (('neurocache', lambda: KNNCache(1, S, d, dtype=dt).state_dict()),
                        ('neurocache_training', lambda: KNNCache(1, S, d, raw_dim=hidden_size, dtype=dt).state_dict()),
-                       ('neurocache_joint', lambda: KNNCache(1, S, d, raw_dim=joint_layers * 2 * num_kv_heads * head_dim,
-                                                             dtype=dt).state_dict()),
+                       ('neurocache_joint',
+                        lambda: KNNCache(1, S, d, raw_dim=joint_layers * 2 * num_kv_heads * head_dim,
+                                         dtype=dt).state_dict()),
                        ('memorizing', lambda: {'keys': torch.empty(S, num_heads, head_dim, dtype=dt),
                                                'values': torch.empty(S, num_heads, head_dim, dtype=dt)})):
         gc.collect(); before = _rss()
@@ -1490,8 +1561,8 @@ def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
     rows = []
     for design in ('separate', 'joint'):
         for n in threads or ((1,) if quick else (1, torch.get_num_threads())):
-            sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3,
-                              threads=n, cache_attention=design)
+            sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512,
+                              repeats=1 if quick else 3, threads=n, cache_attention=design)
             for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
                 what = f"{label}, {n} thread(s), {sp['precision']}"
                 rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
@@ -1504,9 +1575,11 @@ def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
                      ('neurocache_training', 'memory: Neurocache cache (training, with raw states), 16K tokens'),
                      ('neurocache_joint', "memory: joint Neurocache cache (8 layers' keys and values), 16K tokens")):
         m = mem[k]
-        rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1), 'tensor_mib': round(m['tensor_mib'], 1),
-                     'rss_growth_mib': round(m['rss_growth_mib'], 1), 'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
-    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib', 'memory vs Memorizing']
+        rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1),
+                     'tensor_mib': round(m['tensor_mib'], 1), 'rss_growth_mib': round(m['rss_growth_mib'], 1),
+                     'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
+    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib',
+            'memory vs Memorizing']
     # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None
     # ('—')
     return [{k: r.get(k, None if k == 'tokens_per_s' else '') for k in keys} for r in rows], None

@@ -230,11 +230,15 @@ def is_latent_weight_layer(m:nn.Module) -> bool:
 
 
 # %% ../nbs/04_models.ipynb
-def unwrap(model:nn.Module) -> nn.Module:
-    "The model inside training wrappers: DDP's and FSDP1's `.module`, torch.compile's `._orig_mod` (any nesting)."
+def unwrap(model:nn.Module, peft:bool=False) -> nn.Module:
+    ("The model inside training wrappers: DDP's and FSDP1's `.module`, torch.compile's `._orig_mod` (any nesting); "
+     "with `peft`, also through PEFT's (and Neurocache's) `get_base_model()` to the Hugging Face model.")
     while True:
-        inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
-        if not isinstance(inner, nn.Module): return model
+        inner = getattr(model, 'module', None)
+        if not isinstance(inner, nn.Module): inner = getattr(model, '_orig_mod', None)
+        if peft and not isinstance(inner, nn.Module) and hasattr(model, 'get_base_model'):
+            inner = model.get_base_model()
+        if not isinstance(inner, nn.Module) or inner is model: return model
         model = inner
 
 
@@ -633,11 +637,12 @@ def layer_parts(layer) -> dict:
     attn = next((n for n in _ATTN_NAMES if hasattr(layer, n)), None)
     check(attn is not None, f"{type(layer).__name__} has no attention submodule memlab recognises")
     mlp = next((n for n in MLP_NAMES if hasattr(layer, n)), None)
-    ffn = ([f"{mlp}.{n}" for n, m in getattr(layer, mlp).named_children() if _is_linear(m)] if mlp else
+    ffn = ([f"{mlp}.{n}" for n, m in getattr(layer, mlp).named_children() if _is_linear_or_conv1d(m)] if mlp else
            [n for n in ('fc1', 'fc2') if hasattr(layer, n)])
     return {'attn': attn, 'ffn': ffn}
 
-def _is_linear(m) -> bool:
+def _is_linear_or_conv1d(m) -> bool:
+    "A linear layer of an FFN: nn.Linear (bitsandbytes' 4/8-bit layers too) or GPT-2's Conv1D."
     return isinstance(m, nn.Linear) or type(m).__name__ in ('Conv1D', 'Linear4bit', 'Linear8bitLt')
 
 # %% ../nbs/04_models.ipynb

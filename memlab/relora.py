@@ -140,7 +140,7 @@ def relora_parameters(model:nn.Module) -> list:
     "The adapter parameters of `model` (names starting with `relora_`): the ones whose optimizer state ReLoRA resets."
     return [p for n, p in model.named_parameters() if n.rsplit('.', 1)[-1].startswith('relora_')]
 
-def _is_linear(m) -> bool: return isinstance(m, nn.Linear)  # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear
+def _is_nn_linear(m) -> bool: return isinstance(m, nn.Linear)  # Linear4bit / Linear8bitLt subclass it; Conv1D does not
 
 def _expected_targets(model) -> dict:
     "The attention and MLP linears of every decoder layer: {id(module): name}, or None when the layers cannot be found."
@@ -150,10 +150,10 @@ def _expected_targets(model) -> dict:
     out = {}
     for layer in layers:
         parts = layer_parts(layer)
-        mods = [m for m in getattr(layer, parts['attn']).modules() if _is_linear(m)]
+        mods = [m for m in getattr(layer, parts['attn']).modules() if _is_nn_linear(m)]
         mlp = next((getattr(layer, n) for n in MLP_NAMES if hasattr(layer, n)), None)
         ffn = [mlp] if mlp is not None else [layer.get_submodule(n) for n in parts['ffn']]
-        mods += [m for f in ffn for m in f.modules() if _is_linear(m)]  # wrapped linears too (a BitLinear's base_layer)
+        mods += [m for f in ffn for m in f.modules() if _is_nn_linear(m)]  # wrapped ones too (a BitLinear's base_layer)
         out.update({id(m): names.get(id(m), '?') for m in mods})
     return out
 
@@ -167,7 +167,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
     targets, not_linear = [], []
     for name, mod in model.named_modules():
         if not name or not any(p in name for p in pats): continue
-        if _is_linear(mod): targets.append(name)
+        if _is_nn_linear(mod): targets.append(name)
         elif type(mod).__name__ == 'Conv1D': not_linear.append(f"{name} (Conv1D)")
     check(targets, f"add_relora: no nn.Linear layer of {type(model).__name__} matches target_modules {pats}"
           + (f"; matched but not nn.Linear: {', '.join(not_linear[:3])}" if not_linear else '')
@@ -306,7 +306,7 @@ def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
             W = (_full(base.weight).float() if quant_kind(base) is None else base_weight_fp32(base))
             s = _full(m.relora_scaling).float().tanh() if m.trainable_scaling else m.scaling
             sd[f"{key}.weight"] = W + (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s
-        elif _is_linear(m) and quant_kind(m) is not None: sd[f"{key}.weight"] = base_weight_fp32(m)
+        elif _is_nn_linear(m) and quant_kind(m) is not None: sd[f"{key}.weight"] = base_weight_fp32(m)
         else: continue
         if m.bias is not None: sd[f"{key}.bias"] = _full(m.bias).float()
         done.append(name + '.'); keys.append(key + '.')

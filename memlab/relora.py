@@ -17,7 +17,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from .compat import dequantize_weight, quant_kind, quantized_linear, store_weight_
 from .core import Config, MemlabError, arg, check
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
-                           is_latent_weight_layer, layer_parts, plain_config, register_method, state_names, MLP_NAMES)
+                           is_latent_weight_layer, layer_parts, plain_config, register_method, replace_module,
+                           state_names, MLP_NAMES)
 from .schedules import Cosine, CosineRestarts, Linear, lambda_scheduler
 from .training import Callback
 
@@ -194,9 +195,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
               f"weights of BitNet layers (e.g. {in_bitnet[0]}): BitNet trains them in full precision")
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     for name in targets:
-        parent_name, _, child = name.rpartition('.')
-        parent = model.get_submodule(parent_name)
-        base = getattr(parent, child)
+        base = model.get_submodule(name)
         training = base.training
         if not config.keep_original_weights:
             check(quant_kind(base) is None,
@@ -208,7 +207,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
         # W = 0 and B = 0 would be a dead network
         if not config.keep_original_weights: _kaiming_(layer.relora_B.data, g)
         layer.train(training)  # an eval-mode model stays in eval mode
-        setattr(parent, child, layer)
+        replace_module(model, name, layer)
     assert len(relora_layers(model)) == len(targets)
     return attach_method(model, 'relora', config.to_dict())
 
@@ -283,8 +282,7 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
     check(layers, "remove_relora: the model has no ReLoRA layers")
     for name, m in layers:
         if merge: merge_layer_(m, reinit=False, name=name)
-        parent_name, _, child = name.rpartition('.')
-        setattr(model.get_submodule(parent_name), child, m.base_layer)
+        replace_module(model, name, m.base_layer)
         if quant_kind(m.base_layer) is None: m.base_layer.weight.requires_grad_(True)
     return detach_method(model, 'relora')
 

@@ -51,9 +51,11 @@ def parse_layers(value, name:str='attention_layers') -> list:
             m = re.fullmatch(r'(\d+)\s*-\s*(\d+)', part)
             if m: out += list(range(int(m.group(1)), int(m.group(2)) + 1))
             elif part.isdigit(): out.append(int(part))
-            else: raise MemlabError(f"{name} {value!r} does not parse: expected layer indices such as '18,19,20' or '18-23'")
+            else: raise MemlabError(f"{name} {value!r} does not parse: "
+                                    f"expected layer indices such as '18,19,20' or '18-23'")
         value = out
-    check(isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value),
+    check(isinstance(value, (list, tuple))
+          and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value),
           f"{name} must be a list of non-negative layer indices, got {value!r}")
     check(len(value) > 0, f"{name} is empty: give at least one layer (or None for the default)")
     return sorted(set(value))
@@ -61,8 +63,8 @@ def parse_layers(value, name:str='attention_layers') -> list:
 def parse_retrieval_map(value) -> dict:
     "{retrieving layer: storing layer} from a dict or a string such as '18:18', '12:12,18:18', '{18: 12}' or '12,18'."
     if value is None: return None
-    bad = (f"retrieval_map {value!r} does not parse: expected 'retrieving:storing' pairs such as '18:18' or '12:12,18:18' "
-           f"(or a dict {{18: 18}})")
+    bad = (f"retrieval_map {value!r} does not parse: expected 'retrieving:storing' pairs such as '18:18' or "
+           f"'12:12,18:18' (or a dict {{18: 18}})")
     if isinstance(value, str):
         s = value.strip().strip('{}').strip()
         pairs = [p.strip() for p in s.split(',') if p.strip()]
@@ -115,53 +117,70 @@ class NeurocacheConfig(Config):
 
     def __post_init__(self):
         def is_int(v): return isinstance(v, int) and not isinstance(v, bool)
-        check(is_int(self.cache_size) and self.cache_size > 0, f"cache_size must be a positive integer, got {self.cache_size!r}")
+        check(is_int(self.cache_size) and self.cache_size > 0,
+              f"cache_size must be a positive integer, got {self.cache_size!r}")
         check(self.eval_cache_size is None or (is_int(self.eval_cache_size) and self.eval_cache_size > 0),
               f"eval_cache_size must be a positive integer (or None: cache_size), got {self.eval_cache_size!r}")
         self.cache_dtype = str(self.cache_dtype).replace('torch.', '')
-        check(self.cache_dtype in CACHE_DTYPES, f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        check(self.cache_dtype in CACHE_DTYPES,
+              f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         check(is_int(self.compression_factor) and self.compression_factor >= 1,
               f"compression_factor must be an integer >= 1, got {self.compression_factor!r}")
         check(is_int(self.topk) and self.topk >= 1, f"topk must be a positive integer, got {self.topk!r}")
         check(is_int(self.neighborhood_size) and self.neighborhood_size >= 1 and
               (self.neighborhood_size == 1 or self.neighborhood_size % 2 == 0),
-              f"neighborhood_size must be 1 or an even number (hit i brings i-n/2+1 .. i+n/2), got {self.neighborhood_size!r}")
+              f"neighborhood_size must be 1 or an even number (hit i brings i-n/2+1 .. i+n/2), "
+              f"got {self.neighborhood_size!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
             if size is None: continue
             check(self.topk <= size, f"topk ({self.topk}) cannot exceed {name} ({size})")
-            check(self.neighborhood_size < size, f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
+            check(self.neighborhood_size < size,
+                  f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
         check(self.context_size is None or (is_int(self.context_size) and self.context_size >= 1),
               f"context_size must be a positive integer, got {self.context_size!r}")
         check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
-        if self.retrieval_map is not None: self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
+        if self.retrieval_map is not None:
+            self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
         self.attention_layers = parse_layers(self.attention_layers)
         self.cache_type = str(self.cache_type).upper()
         check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
         check(isinstance(self.global_cache, bool), f"global_cache must be true or false, got {self.global_cache!r}")
-        check(isinstance(self.zero_init_output, bool), f"zero_init_output must be true or false, got {self.zero_init_output!r}")
-        check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool) and self.retrieval_bias >= 0,
-              f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), got {self.retrieval_bias!r}")
+        check(isinstance(self.zero_init_output, bool),
+              f"zero_init_output must be true or false, got {self.zero_init_output!r}")
+        check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool)
+              and self.retrieval_bias >= 0,
+              f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), "
+              f"got {self.retrieval_bias!r}")
         self.retrieval_bias = float(self.retrieval_bias)
         check(self.cache_attention in ('auto', 'separate', 'joint'),
               f"cache_attention must be 'auto', 'separate' or 'joint', got {self.cache_attention!r}")
-        check(is_int(self.joint_distance) and self.joint_distance >= 0, f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
-        check(is_int(self.topk_buckets) and self.topk_buckets >= 0, f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
+        check(is_int(self.joint_distance) and self.joint_distance >= 0,
+              f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
+        check(is_int(self.topk_buckets) and self.topk_buckets >= 0,
+              f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
         for name in ('cache_size', 'eval_cache_size'):
             size = getattr(self, name)
             if self.topk_buckets and size is not None:
                 check(self.topk <= self.topk_buckets <= size and size % self.topk_buckets == 0,
-                      f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and {name} ({size}) and divide {name}")
-        check(is_int(self.lora_r) and self.lora_r >= 0, f"lora_r must be 0 (no LoRA) or a positive integer, got {self.lora_r!r}")
-        check(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, f"lora_alpha must be positive, got {self.lora_alpha!r}")
-        check(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
-        if isinstance(self.lora_modules, str): self.lora_modules = [m.strip() for m in self.lora_modules.split(',') if m.strip()]
+                      f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and {name} ({size}) "
+                      f"and divide {name}")
+        check(is_int(self.lora_r) and self.lora_r >= 0,
+              f"lora_r must be 0 (no LoRA) or a positive integer, got {self.lora_r!r}")
+        check(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0,
+              f"lora_alpha must be positive, got {self.lora_alpha!r}")
+        check(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
+              f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = [m.strip() for m in self.lora_modules.split(',') if m.strip()]
         check(self.lora_modules is None or (isinstance(self.lora_modules, (list, tuple)) and self.lora_modules and
-              all(isinstance(m, str) for m in self.lora_modules)), f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
+              all(isinstance(m, str) for m in self.lora_modules)),
+              f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
         if self.lora_modules is not None: self.lora_modules = list(self.lora_modules)
 
     def size(self, training:bool) -> int:
-        "Entries per cache in training mode (`cache_size`) or evaluation mode (`eval_cache_size`, default `cache_size`)."
+        ("Entries per cache in training mode (`cache_size`) or evaluation mode "
+         "(`eval_cache_size`, default `cache_size`).")
         return self.cache_size if training or self.eval_cache_size is None else self.eval_cache_size
 
     @property
@@ -177,32 +196,36 @@ def neighborhood_offsets(size:int) -> list:
     return list(range(-(size // 2) + 1, size // 2 + 1)) if size > 1 else [0]
 
 def bucketed_topk(scores:torch.Tensor, k:int, num_buckets:int):
-    "The reference's approximate top-k over the last dim: best of each strided bucket, then the exact top-k of the winners."
+    ("The reference's approximate top-k over the last dim: best of each strided bucket, then the exact top-k of the "
+     "winners.")
     *lead, S = scores.shape
     nb = min(max(k, num_buckets), S)
-    best, arg = scores.view(*lead, S // nb, nb).max(dim=-2)                 # (..., nb): bucket j holds slots j, j+nb, j+2nb, ...
-    slots = arg * nb + torch.arange(nb, device=scores.device)                # (..., nb)
+    best, arg = scores.view(*lead, S // nb, nb).max(dim=-2)    # (..., nb): bucket j holds slots j, j+nb, j+2nb, ...
+    slots = arg * nb + torch.arange(nb, device=scores.device)  # (..., nb)
     if nb == k: return best, slots
     v, i = best.topk(k, dim=-1)
     return v, slots.gather(-1, i)
 
 # %% ../nbs/20_neurocache.ipynb
 class KNNCache:
-    "N caches of S slots of compressed states (one per batch row, or one shared), with exact or bucketed top-k retrieval."
+    ("N caches of S slots of compressed states (one per batch row, or one shared), with exact or bucketed top-k "
+     "retrieval.")
     def __init__(self, rows:int, size:int, dim:int, raw_dim:int=0, dtype=torch.float32, device=None,
                  neighborhood_size:int=1, similarity_fn:str='l2', cache_type:str='FIFO', topk_buckets:int=0):
         N, S = rows, size
-        self.size, self.dim, self.similarity_fn, self.cache_type, self.topk_buckets = size, dim, similarity_fn, cache_type, topk_buckets
+        (self.size, self.dim, self.similarity_fn, self.cache_type,
+         self.topk_buckets) = size, dim, similarity_fn, cache_type, topk_buckets
         self.offsets = neighborhood_offsets(neighborhood_size)
-        self.keys = torch.zeros(N, S, dim, dtype=dtype, device=device)                    # (N, S, d) compressed states C
-        self.raw = torch.zeros(N, S, raw_dim, dtype=dtype, device=device) if raw_dim else None  # (N, S, h) raw states, training only
-        self.sqnorm = torch.zeros(N, S, device=device)                                      # (N, S) ‖k‖² in fp32, for l2 scores
-        self.valid = torch.zeros(N, S, dtype=torch.bool, device=device)                    # (N, S) slot holds a token
-        self.time = torch.zeros(N, S, dtype=torch.long, device=device)                     # (N, S) token counter at write time
-        self.used = torch.zeros(N, S, dtype=torch.long, device=device)                     # (N, S) LRU: tick of last write or retrieval
-        self.ptr = torch.zeros(N, dtype=torch.long, device=device)                         # (N,) FIFO: next slot to write
-        self.clock = torch.zeros(N, dtype=torch.long, device=device)                       # (N,) tokens written (plus gaps between runs)
-        self.tick = torch.zeros(N, dtype=torch.long, device=device)                        # (N,) writes so far
+        self.keys = torch.zeros(N, S, dim, dtype=dtype, device=device)   # (N, S, d) compressed states C
+        # (N, S, h) raw states, training only
+        self.raw = torch.zeros(N, S, raw_dim, dtype=dtype, device=device) if raw_dim else None
+        self.sqnorm = torch.zeros(N, S, device=device)                   # (N, S) ‖k‖² in fp32, for l2 scores
+        self.valid = torch.zeros(N, S, dtype=torch.bool, device=device)  # (N, S) slot holds a token
+        self.time = torch.zeros(N, S, dtype=torch.long, device=device)   # (N, S) token counter at write time
+        self.used = torch.zeros(N, S, dtype=torch.long, device=device)   # (N, S) LRU: tick of last write or retrieval
+        self.ptr = torch.zeros(N, dtype=torch.long, device=device)       # (N,) FIFO: next slot to write
+        self.clock = torch.zeros(N, dtype=torch.long, device=device)     # (N,) tokens written (plus gaps between runs)
+        self.tick = torch.zeros(N, dtype=torch.long, device=device)      # (N,) writes so far
 
     @property
     def rows(self) -> int: return self.keys.shape[0]
@@ -231,9 +254,11 @@ class KNNCache:
         "Restore contents saved by `state_dict` into a cache of the same shape."
         for n in self._STATE:
             cur = getattr(self, n)
-            check((cur is None) == (n not in state), f"saved cache {'has' if n in state else 'lacks'} '{n}' but this cache {'does not' if cur is None else 'does'}")
+            check((cur is None) == (n not in state), f"saved cache {'has' if n in state else 'lacks'} '{n}' "
+                                                     f"but this cache {'does not' if cur is None else 'does'}")
             if cur is None: continue
-            check(state[n].shape == cur.shape, f"saved cache '{n}' has shape {tuple(state[n].shape)}, this cache {tuple(cur.shape)}")
+            check(state[n].shape == cur.shape,
+                  f"saved cache '{n}' has shape {tuple(state[n].shape)}, this cache {tuple(cur.shape)}")
             setattr(self, n, state[n].to(device=cur.device, dtype=cur.dtype).clone())
 
     def reset(self, rows=None):
@@ -243,16 +268,19 @@ class KNNCache:
 
     @torch.no_grad()
     def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1, touch:bool=True):
-        "Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity (N, Q, k·w)."
+        ("Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity "
+         "(N, Q, k·w).")
         N, Q, _ = query.shape
         S, k = self.size, min(topk, self.size)
-        # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b = 0 for
-        # dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the top-k
+        # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b =
+        # 0 for dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the
+        # top-k
         d, l2 = self.keys.shape[-1], self.similarity_fn == 'l2'
         keys = torch.empty(N, S, d + 1, device=self.device)                  # (N, S, d+1)
         keys[..., :d] = self.keys
         keys[..., d] = torch.where(self.valid, -self.sqnorm if l2 else 0., float('-inf'))
-        query = torch.cat([query.float() * (2. if l2 else 1.), query.new_ones(N, Q, 1, dtype=torch.float32)], -1)   # (N, Q, d+1)
+        # (N, Q, d+1)
+        query = torch.cat([query.float() * (2. if l2 else 1.), query.new_ones(N, Q, 1, dtype=torch.float32)], -1)
         chunk = max(1, SCORE_BUDGET // max(1, N * S))
         hits, ok = [], []
         for q in query.split(chunk, dim=1):                                   # chunks of queries, all rows at once
@@ -263,15 +291,17 @@ class KNNCache:
         if query_mask is not None: ok = ok & query_mask.to(self.device)[..., None]
         off = torch.tensor(self.offsets, device=self.device)                  # (w,)
         row = torch.arange(N, device=self.device)[:, None, None, None]
-        want = self.time[row, hits[..., None]] + off                          # (N, Q, k, w) write time of each neighbour
-        if self.cache_type == 'FIFO': slots = (hits[..., None] + off) % S     # a ring buffer holds consecutive tokens in consecutive slots
-        else:                                                                 # LRU keeps entries packed in write order: search by time
+        want = self.time[row, hits[..., None]] + off  # (N, Q, k, w) write time of each neighbour
+        # a ring buffer holds consecutive tokens in consecutive slots
+        if self.cache_type == 'FIFO': slots = (hits[..., None] + off) % S
+        else:                                         # LRU keeps entries packed in write order: search by time
             t = torch.where(self.valid, self.time, torch.iinfo(torch.long).max)
             slots = torch.searchsorted(t, want.flatten(1)).view_as(want).clamp(max=S - 1)
         valid = ok[..., None] & self.valid[row, slots] & (self.time[row, slots] == want)   # (N, Q, k, w)
         slots, valid = slots.flatten(2), valid.flatten(2)                     # (N, Q, k·w)
         if touch and self.cache_type == 'LRU':
-            hit_count = torch.zeros(N, S, device=self.device).scatter_add_(1, slots.flatten(1), valid.flatten(1).float())
+            hit_count = torch.zeros(N, S, device=self.device).scatter_add_(1, slots.flatten(1),
+                                                                           valid.flatten(1).float())
             self.used = torch.where(hit_count > 0, self.tick[:, None] + 1, self.used)
         return slots, valid
 
@@ -279,17 +309,20 @@ class KNNCache:
         "The stored states at `slots` (N, Q, M): (N, Q, M, d) compressed states, or (N, Q, M, h) raw states when `raw`."
         src = self.raw if raw else self.keys
         check(src is not None, "this cache keeps no raw states (they are kept only by caches created in training mode)")
-        return src[torch.arange(self.rows, device=self.device)[:, None, None], slots]   # (N, Q, M, ·): no (N, Q·M, d) index tensor
+        # (N, Q, M, ·): no (N, Q·M, d) index tensor
+        return src[torch.arange(self.rows, device=self.device)[:, None, None], slots]
 
     @torch.no_grad()
     def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None, breaks:torch.Tensor=None):
-        "Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new document run starts."
+        ("Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new "
+         "document run starts.")
         N, M, _ = keys.shape
         S, dev = self.size, self.device
         keys = keys.to(dev)
         mask = torch.ones(N, M, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
         n = mask.sum(1)                                                        # (N,) tokens to store per row
-        # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any neighbourhood
+        # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any
+        # neighbourhood
         t = self.clock[:, None] + mask.long().cumsum(1) - 1
         if breaks is not None: t = t + S * breaks.to(dev).long().cumsum(1)
         self.clock = self.clock + n + (S * breaks.to(dev).long().sum(1) if breaks is not None else 0)
@@ -298,8 +331,8 @@ class KNNCache:
         row = torch.arange(N, device=dev)[:, None]
         keys, t = keys[row, order], t[row, order]
         raw = raw.to(dev)[row, order] if raw is not None and self.raw is not None else None
-        j = torch.arange(M, device=dev)[None, :]                               # (1, M) position among the row's stored tokens
-        keep = (j < n[:, None]) & (j >= n[:, None] - S)                        # only the last S tokens of a long segment survive
+        j = torch.arange(M, device=dev)[None, :]         # (1, M) position among the row's stored tokens
+        keep = (j < n[:, None]) & (j >= n[:, None] - S)  # only the last S tokens of a long segment survive
         if self.cache_type == 'FIFO':
             slot = (self.ptr[:, None] + j) % S
             self.ptr = (self.ptr + n) % S
@@ -316,7 +349,8 @@ class KNNCache:
         self.used[r, s] = self.tick[r]
 
     def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
-        "Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return the first free slot (N,)."
+        ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
+         "the first free slot (N,).")
         count = self.valid.sum(1)
         evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
         if not bool(evict.any()): return count
@@ -328,7 +362,8 @@ class KNNCache:
         order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
         keep = self.valid & (rank >= evict[:, None])
-        pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)     # kept entries first, still in insertion order
+        # kept entries first, still in insertion order
+        pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
         for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
             t = getattr(self, name)
             if t is not None: setattr(self, name, t[row, pack])
@@ -337,7 +372,8 @@ class KNNCache:
 
 # %% ../nbs/20_neurocache.ipynb
 def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', neighborhood_size:int=1) -> list:
-    "Reference search, one query at a time: per row and query, the set of slots of the `k` best valid entries and of their neighbours."
+    ("Reference search, one query at a time: per row and query, the set of slots of the `k` best valid entries and of "
+     "their neighbours.")
     offsets = neighborhood_offsets(neighborhood_size)
     out = []
     for n in range(keys.shape[0]):
@@ -348,19 +384,22 @@ def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', nei
             kk = keys[n, idx].float()
             score = -((kk - q.float())**2).sum(-1) if similarity_fn == 'l2' else kk @ q.float()
             hits = [idx[i] for i in score.argsort(descending=True)[:k].tolist()]
-            row.append({slot_of[time[n, h].item() + o] for h in hits for o in offsets if time[n, h].item() + o in slot_of})
+            row.append({slot_of[time[n, h].item() + o]
+                        for h in hits for o in offsets if time[n, h].item() + o in slot_of})
         out.append(row)
     return out
 
 # %% ../nbs/20_neurocache.ipynb
 def dense_weight(module) -> torch.Tensor:
-    "The weight of a linear layer as a dense fp32 (out, in) matrix, also for bitsandbytes 4-/8-bit layers and GPT-2's Conv1D."
+    ("The weight of a linear layer as a dense fp32 (out, in) matrix, also for bitsandbytes 4-/8-bit layers and GPT-2's "
+     "Conv1D.")
     if quant_kind(module): return dequantize_weight(module)
     if type(module).__name__ == 'Conv1D': return module.weight.data.t().float()     # GPT-2 stores (in, out)
     return module.weight.data.float()
 
 def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
-    "(W_q, W_k, W_v, W_o) of a decoder layer's attention module, each dense (out, in): Llama/Mistral/OPT/Phi names or GPT-2's fused c_attn."
+    ("(W_q, W_k, W_v, W_o) of a decoder layer's attention module, each dense (out, in): Llama/Mistral/OPT/Phi names or "
+     "GPT-2's fused c_attn.")
     if hasattr(attn, 'c_attn'):
         q, k, v = dense_weight(attn.c_attn).split(hidden_size, dim=0)
         return q, k, v, dense_weight(attn.c_proj)
@@ -371,23 +410,28 @@ def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
 
 # %% ../nbs/20_neurocache.ipynb
 class CacheAttention(nn.Module):
-    "Attention from the segment's tokens to the states retrieved for them: Q from the layer input, K and V from the retrieved states."
-    def __init__(self, hidden_size:int, cache_dim:int, num_heads:int, num_kv_heads:int, head_dim:int, retrieval_bias:float=0.):
+    ("Attention from the segment's tokens to the states retrieved for them: Q from the layer input, K and V from the "
+     "retrieved states.")
+    def __init__(self, hidden_size:int, cache_dim:int, num_heads:int, num_kv_heads:int, head_dim:int,
+                 retrieval_bias:float=0.):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(cache_dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(cache_dim, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        # per-head weight of the retrieval score in the logits (None: the reference's attention, scores from W_q, W_k only)
+        # per-head weight of the retrieval score in the logits (None: the reference's attention, scores from W_q, W_k
+        # only)
         self.retrieval_scale = nn.Parameter(torch.full((num_heads,), float(retrieval_bias))) if retrieval_bias else None
 
     @torch.no_grad()
     def init_from(self, wq, wk, wv, wo):
-        "The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input columns."
+        ("The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input "
+         "columns.")
         d = self.k_proj.in_features
         for lin, w in ((self.q_proj, wq), (self.k_proj, wk[:, :d]), (self.v_proj, wv[:, :d]), (self.o_proj, wo)):
-            check(lin.weight.shape == w.shape, f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
+            check(lin.weight.shape == w.shape,
+                  f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
             lin.weight.copy_(w)
 
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
@@ -396,18 +440,21 @@ class CacheAttention(nn.Module):
         return self.attend(x, *context_window(ctx, valid, bias, context_size, prefix))
 
     def attend(self, x, ctx, ok, bias=None):
-        "x (B, T, C) attends to each token's window of states ctx (B, T, W, d) where ok (B, T, W) (`context_window` makes them)."
+        ("x (B, T, C) attends to each token's window of states ctx (B, T, W, d) where ok (B, T, W) "
+         "(`context_window` makes them).")
         B, T, _ = x.shape
         nkv, hs, d = self.num_kv_heads, self.head_dim, ctx.shape[-1]
         g = self.num_heads // nkv
         q = (self.q_proj(x) * hs**-0.5).view(B, T, nkv, g, hs)              # (B, T, nkv, g, hs)
-        # K = C W_kᵀ and V = C W_vᵀ are linear in the retrieved states C, so W_k moves onto the query (q·W_k c = (W_kᵀq)·c) and
-        # W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, W, heads, hs) keys or values are ever made
+        # K = C W_kᵀ and V = C W_vᵀ are linear in the retrieved states C, so W_k moves onto the query (q·W_k c =
+        # (W_kᵀq)·c) and W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, W, heads, hs) keys or values are
+        # ever made
         qc = torch.einsum('btngh,nhd->btngd', q, self.k_proj.weight.view(nkv, hs, d))   # (B, T, nkv, g, d)
         s = torch.einsum('btngd,btmd->btngm', qc, ctx).float()             # (B, T, nkv, g, W)
         if self.retrieval_scale is not None:
             check(bias is not None, "this cache attention weighs retrieval scores: pass bias")
-            s = s + self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None] * bias[:, :, None, None, :].float()
+            s = s + (self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None]
+                     * bias[:, :, None, None, :].float())
         s = s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min)
         p = torch.softmax(s, dim=-1) * ok.any(-1)[:, :, None, None, None]   # nothing valid -> exactly zero output
         out = torch.einsum('btngm,btmd->btngd', p.to(ctx.dtype), ctx)       # (B, T, nkv, g, d)
@@ -421,8 +468,8 @@ def context_window(ctx, valid, bias, context_size:int=1, prefix:int=0) -> tuple:
     T = PT - prefix
     if context_size == 1 and prefix == 0: return ctx, valid, bias         # the retrievals themselves: nothing to copy
     cs, vs, bs = [], [], []
-    for o in range(context_size):                                       # offset o: token t reads the retrievals of token t-o
-        lo = min(T, max(0, o - prefix))                                  # tokens t < lo have no token t-o
+    for o in range(context_size):        # offset o: token t reads the retrievals of token t-o
+        lo = min(T, max(0, o - prefix))  # tokens t < lo have no token t-o
         cs.append(F.pad(ctx[:, prefix + lo - o:prefix + T - o], (0, 0, 0, 0, lo, 0)))
         vs.append(torch.cat([valid.new_zeros(B, lo, M), valid[:, prefix + lo - o:prefix + T - o]], 1))
         if bias is not None: bs.append(F.pad(bias[:, prefix + lo - o:prefix + T - o], (0, 0, lo, 0)))
@@ -435,8 +482,8 @@ def retrieval_scores(query, states, neighborhood_size:int, similarity_fn:str='l2
     w, d = neighborhood_size, states.shape[-1]
     hits = states[:, :, neighborhood_offsets(w).index(0)::w].float()          # (B, T, k, d): the hits themselves
     s = torch.einsum('btd,btkd->btk', query.float(), hits)
-    if similarity_fn == 'l2': s = 2 * s - hits.pow(2).sum(-1)                 # the score retrieval ranked by: 2 q·c − ‖c‖²
-    return (s / d).repeat_interleave(w, dim=-1)                               # (B, T, k·w)
+    if similarity_fn == 'l2': s = 2 * s - hits.pow(2).sum(-1)  # the score retrieval ranked by: 2 q·c − ‖c‖²
+    return (s / d).repeat_interleave(w, dim=-1)                # (B, T, k·w)
 
 # %% ../nbs/20_neurocache.ipynb
 def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
@@ -457,14 +504,16 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
                 if not ks: continue
                 logits = torch.stack(ks) @ q[b, t, h] / hs**0.5
                 if attn.retrieval_scale is not None:
-                    logits = logits + attn.retrieval_scale[h] * torch.stack([bias[b, p, m] for p in pos for m in range(k.shape[2]) if valid[b, p, m]])
+                    logits = logits + attn.retrieval_scale[h] * torch.stack(
+                        [bias[b, p, m] for p in pos for m in range(k.shape[2]) if valid[b, p, m]])
                 w = torch.softmax(logits, 0)
                 out[b, t, h] = w @ torch.stack(vs)
     return attn.o_proj(out.view(B, T, nh * hs))
 
 # %% ../nbs/20_neurocache.ipynb
 class CacheProjection(nn.Module):
-    "W_p and its LayerNorm: C = LayerNorm(x W_p), the d = h / compression_factor features a cache stores and searches with."
+    ("W_p and its LayerNorm: C = LayerNorm(x W_p), the d = h / compression_factor features a cache stores and searches "
+     "with.")
     def __init__(self, hidden_size:int, cache_dim:int):
         super().__init__()
         self.proj = nn.Linear(hidden_size, cache_dim, bias=False)
@@ -474,26 +523,30 @@ class CacheProjection(nn.Module):
 
 # %% ../nbs/20_neurocache.ipynb
 class Neurocache(nn.Module):
-    "A Neurocache's parameters (W_p per cache, a CacheAttention per attention layer), its caches, and the state of the current forward."
+    ("A Neurocache's parameters (W_p per cache, a CacheAttention per attention layer), its caches, and the state of "
+     "the current forward.")
     def __init__(self, config:NeurocacheConfig, hidden_size:int, num_heads:int, num_kv_heads:int, head_dim:int):
         super().__init__()
         self.config, self.hidden_size = config, hidden_size
         cf = config.compression_factor
         self.cache_dim = hidden_size // cf
-        self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1 else nn.Identity()
+        self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1
+                                                  else nn.Identity()
                                           for r in config.layer_map})
         self.joint = config.cache_attention == 'joint'
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attentions = nn.ModuleDict({} if self.joint else
-                                        {str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads, head_dim,
-                                                                config.retrieval_bias) for j in config.attention_layers})
-        self.stores = {}                                                       # storing layer -> retrieving layers it feeds
+                                        {str(j): CacheAttention(hidden_size, self.cache_dim, num_heads, num_kv_heads,
+                                                                head_dim, config.retrieval_bias)
+                                         for j in config.attention_layers})
+        self.stores = {}  # storing layer -> retrieving layers it feeds
         self.retrieving = set(config.layer_map)
         for r, s in config.layer_map.items(): self.stores.setdefault(s, []).append(r)
         self.source = {j: max(r for r in config.layer_map if r <= j) for j in config.attention_layers}
-        self.served = {r: [j for j in config.attention_layers if self.source[j] == r] for r in config.layer_map}   # joint: K/V per slot
+        # joint: K/V per slot
+        self.served = {r: [j for j in config.attention_layers if self.source[j] == r] for r in config.layer_map}
         self.enabled, self.frozen = True, False
-        self.caches = {True: {}, False: {}}                                    # training mode -> {retrieving layer: KNNCache}
+        self.caches = {True: {}, False: {}}  # training mode -> {retrieving layer: KNNCache}
         self._tail, self.last_retrieval = {}, {}
         self.begin(None, False)
 
@@ -503,15 +556,18 @@ class Neurocache(nn.Module):
         return self.training and self.config.compression_factor > 1 and not self.joint
 
     def begin(self, token_mask=None, continuing:bool=False):
-        "Start a forward: `token_mask` (B, T) marks real tokens; `continuing` keeps the last tokens' retrievals (incremental decoding)."
+        ("Start a forward: `token_mask` (B, T) marks real tokens; `continuing` keeps the last tokens' retrievals "
+         "(incremental decoding).")
         self._mask, self._retrieved, self._queries, self._stashed, self._pending = token_mask, {}, {}, set(), []
-        self._calls = {}                                                       # joint: each attention layer's q, k, v and call
+        self._calls = {}  # joint: each attention layer's q, k, v and call
         if not continuing: self._tail = {}
 
     def _new_cache(self, r:int, rows:int, training:bool, device) -> KNNCache:
         cfg = self.config
-        raw = self.hidden_size if training and cfg.compression_factor > 1 else 0   # training caches keep raw states for W_p
-        if self.joint: raw = 2 * self.num_kv_heads * self.head_dim * len(self.served[r])   # joint: each served layer's K and V
+        # training caches keep raw states for W_p
+        raw = self.hidden_size if training and cfg.compression_factor > 1 else 0
+        # joint: each served layer's K and V
+        if self.joint: raw = 2 * self.num_kv_heads * self.head_dim * len(self.served[r])
         return KNNCache(rows, cfg.size(training), self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
                         cfg.neighborhood_size, cfg.similarity_fn, cfg.cache_type, cfg.topk_buckets)
 
@@ -528,10 +584,12 @@ class Neurocache(nn.Module):
 
     def _token_mask(self, B:int, T:int, device) -> torch.Tensor:
         m = self._mask
-        return m.to(device) if m is not None and tuple(m.shape) == (B, T) else torch.ones(B, T, dtype=torch.bool, device=device)
+        return (m.to(device) if m is not None and tuple(m.shape) == (B, T)
+                else torch.ones(B, T, dtype=torch.bool, device=device))
 
     def before_attention(self, layer:int, x:torch.Tensor):
-        "Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside if it stores."
+        ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
+         "if it stores.")
         if layer in self.retrieving and layer not in self._retrieved: self._retrieve(layer, x)
         if not self.frozen:
             for r in self.stores.get(layer, ()):
@@ -540,21 +598,25 @@ class Neurocache(nn.Module):
     def _retrieve(self, r:int, x:torch.Tensor):
         cfg = self.config
         B, T, _ = x.shape
-        with torch.no_grad(): c = self.projections[str(r)](x.detach())           # (B, T, d): queries need no gradient
-        if r in self.stores.get(r, ()): self._queries[r] = c                     # the same states are stored at this layer
+        with torch.no_grad(): c = self.projections[str(r)](x.detach())  # (B, T, d): queries need no gradient
+        if r in self.stores.get(r, ()): self._queries[r] = c            # the same states are stored at this layer
         cache, mask = self.cache(r, B, x.device), self._token_mask(B, T, x.device)
         N = cache.rows
-        slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk, touch=not self.frozen)
+        slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk,
+                                      touch=not self.frozen)
         inverse = None
-        if self.reencode:                # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+        # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+        if self.reencode:
             rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
             uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
-            vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)   # (U, h), (B, T, M)
-        else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)   # (B, T, M, d); joint: the K/V
+            vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)  # (U, h), (B, T, M)
+        # (B, T, M, d); joint: the K/V
+        else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
         slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
         bias = None
-        if cfg.retrieval_bias and inverse is None and not self.joint:          # scores of the stored states, no gradient needed
-            bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)   # (B, T, M)
+        # scores of the stored states, no gradient needed
+        if cfg.retrieval_bias and inverse is None and not self.joint:
+            bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)  # (B, T, M)
         P = 0
         if cfg.context_size > 1 and inverse is None:
             tail = self._tail.get(r)
@@ -563,7 +625,8 @@ class Neurocache(nn.Module):
                 if bias is not None: bias = torch.cat([tail[2], bias], 1)
             if not self.training:                                                 # kept for a continuation (generation)
                 keep = -(cfg.context_size - 1)
-                self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(), None if bias is None else bias[:, keep:].clone())
+                self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(),
+                                 None if bias is None else bias[:, keep:].clone())
         self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse, bias=bias,
                                   x=x.detach() if cfg.retrieval_bias and inverse is not None else None)
         self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
@@ -580,7 +643,8 @@ class Neurocache(nn.Module):
         "The cache attention's output (B, T, C) for attention layer `layer`, or None if it has none."
         r = self.source.get(layer)
         if r is None or self.joint: return None
-        check(r in self._retrieved, f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
+        check(r in self._retrieved,
+              f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
         return self.attentions[str(layer)].attend(x, *self._context(r, layer))
 
     def _context(self, r:int, layer:int) -> tuple:
@@ -590,14 +654,17 @@ class Neurocache(nn.Module):
         proj = self.projections[str(r)]
         need_grad = self.reencode and torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters())
         win = ret.get('window')
-        # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what it did
-        # (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused when they are needed
+        # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what
+        # it did (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused
+        # when they are needed
         if win is not None and ret['maker'] != layer and (win[0].requires_grad or not need_grad): return win
         if self.reencode:
-            ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]   # (B, T, M, d): W_p learns through this
-            if self.config.retrieval_bias:                                         # and through the retrieval scores
+            # (B, T, M, d): W_p learns through this
+            ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]
+            if self.config.retrieval_bias:  # and through the retrieval scores
                 cfg = self.config
-                ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size, cfg.similarity_fn)
+                ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size,
+                                               cfg.similarity_fn)
         else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
         win = context_window(ctx, ret['valid'], ret['bias'], self.config.context_size, ret['prefix'])
         if 'window' not in ret: ret['window'], ret['maker'] = win, layer
@@ -611,7 +678,7 @@ class Neurocache(nn.Module):
                 B, T, d = c.shape
                 cache = self.cache(r, B, c.device)
                 if self.joint: raw = self._joint_kv(r)
-                if self.config.global_cache:                                    # rows are separate documents: a break at each row start
+                if self.config.global_cache:  # rows are separate documents: a break at each row start
                     breaks = torch.zeros(B, T, dtype=torch.bool, device=c.device); breaks[:, 0] = True
                     cache.write(c.reshape(1, B * T, d), mask.reshape(1, B * T),
                                 None if raw is None else raw.reshape(1, B * T, -1), breaks.reshape(1, B * T))
@@ -622,7 +689,7 @@ class Neurocache(nn.Module):
         "Empty the caches (all, or the per-row caches of `rows`), of both modes or of `training` mode only."
         for mode in ((True, False) if training is None else (training,)):
             if rows is None: self.caches[mode] = {}
-            elif not self.config.global_cache:                                   # a global cache spans documents: never reset by row
+            elif not self.config.global_cache:  # a global cache spans documents: never reset by row
                 for c in self.caches[mode].values(): c.reset(_row_mask(rows, c.rows))
         self._tail = {}
 
@@ -631,7 +698,8 @@ def _row_mask(rows, n:int) -> torch.Tensor:
     rows = torch.as_tensor(rows)
     if rows.dtype != torch.bool:
         m = torch.zeros(n, dtype=torch.bool); m[rows.long()] = True; rows = m
-    check(rows.shape == (n,), f"start_of_sequence / rows must have one entry per batch row ({n}), got shape {tuple(rows.shape)}")
+    check(rows.shape == (n,),
+          f"start_of_sequence / rows must have one entry per batch row ({n}), got shape {tuple(rows.shape)}")
     return rows
 
 # %% ../nbs/20_neurocache.ipynb
@@ -682,7 +750,9 @@ def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> 
     out, lse = FlashAttentionLse.apply(q, k.to(q.dtype), v.to(q.dtype), mask, causal, scale or q.shape[-1]**-0.5)
     return out, (lse if attend is None else lse.masked_fill(~attend, float('-inf')))
 
-def _fusable(q) -> bool: return _flash_cpu is not None and q.device.type == 'cpu' and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
+def _fusable(q) -> bool:
+    return (_flash_cpu is not None and q.device.type == 'cpu'
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float64))
 
 def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the layer's
@@ -695,12 +765,13 @@ def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     if fused:
         if mask is None and S != T: mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
         k = keys.to(q.dtype)
-        return fused_attention(q, k, k.detach(), mask, mask is None, scaling)[1].transpose(1, 2)   # the output is not used
+        # the output is not used
+        return fused_attention(q, k, k.detach(), mask, mask is None, scaling)[1].transpose(1, 2)
     s = torch.einsum('bngth,bnsh->bngts', q.view(B, nkv, H // nkv, T, hs), keys.to(q.dtype))
     s = s.to(torch.promote_types(s.dtype, torch.float32)) * (scaling or hs**-0.5)
     if mask is None: s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), float('-inf'))
     elif mask.dtype == torch.bool: s = s.masked_fill(~mask[:, :, None, :, :S], float('-inf'))
-    else:                                  # additive: -inf entries by masked_fill, so a fully masked row gives no NaN gradient
+    else:  # additive: -inf entries by masked_fill, so a fully masked row gives no NaN gradient
         m = mask[:, :, None, :, :S].to(s.dtype)
         s = (s + m).masked_fill(m == float('-inf'), float('-inf'))
     return torch.logsumexp(s, -1).reshape(B, H, T).transpose(1, 2)
@@ -715,13 +786,14 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     nkv = k_mem.shape[-1] // hs
     g = H // nkv
     qh = q.view(B, T, nkv, g, hs)
-    s = torch.einsum('btngh,btwnh->btngw', qh, k_mem.view(B, T, W, nkv, hs).to(qh.dtype)).float() * (scaling or hs**-0.5)
+    s = (torch.einsum('btngh,btwnh->btngw', qh, k_mem.view(B, T, W, nkv, hs).to(qh.dtype)).float()
+         * (scaling or hs**-0.5))
     s = s.masked_fill(~ok[:, :, None, None, :], float('-inf'))
-    lse_mem = torch.logsumexp(s, -1, keepdim=True)                            # (B, T, nkv, g, 1); -inf: nothing retrieved
-    p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))             # the softmax over the retrieved (0 where none)
+    lse_mem = torch.logsumexp(s, -1, keepdim=True)                 # (B, T, nkv, g, 1); -inf: nothing retrieved
+    p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))  # the softmax over the retrieved (0 where none)
     out_mem = torch.einsum('btngw,btwnh->btngh', p.to(v_mem.dtype), v_mem.view(B, T, W, nkv, hs))
-    # the cache's share of the joint softmax, e^L_m / (e^L + e^L_m) = sigmoid(L_m - L): 0 when nothing is retrieved, 1 when
-    # the segment offers nothing (a padding query that retrieved something), 0 when neither (NaN from -inf - -inf)
+    # the cache's share of the joint softmax, e^L_m / (e^L + e^L_m) = sigmoid(L_m - L): 0 when nothing is retrieved, 1
+    # when the segment offers nothing (a padding query that retrieved something), 0 when neither (NaN from -inf - -inf)
     b = torch.sigmoid(lse_mem[..., 0] - lse_local.view(B, T, nkv, g)).nan_to_num(0.)[..., None]
     wt = torch.promote_types(u.dtype, torch.float32)                         # fp32 at least (fp64 stays fp64)
     ul = u.view(B, T, nkv, g, hs).to(wt)
@@ -729,15 +801,18 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
 
 @patch_to(Neurocache)
 def capture(self, layer:int, what:str, value):
-    "Joint attention: keep layer `layer`'s q, k or v projection output (B, T, ·) and its attention call's kwargs for `mix`."
+    ("Joint attention: keep layer `layer`'s q, k or v projection output (B, T, ·) and its attention call's kwargs for "
+     "`mix`.")
     self._calls.setdefault(layer, {})[what] = value
 
 @patch_to(Neurocache)
 def mix(self, layer:int, attn:nn.Module, u):
-    "Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to the cache."
+    ("Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to "
+     "the cache.")
     call, r = self._calls.get(layer, {}), self.source.get(layer)
     if not self.enabled or r is None or r not in self._retrieved: return u
-    check(all(k in call for k in ('q', 'k', 'kwargs')), f"cache_attention='joint': the attention of layer {layer} did not "
+    check(all(k in call for k in ('q', 'k', 'kwargs')),
+          f"cache_attention='joint': the attention of layer {layer} did not "
           f"call its q_proj / k_proj (or was called without going through the Neurocache wrapper)")
     B, T, _ = u.shape
     H, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
@@ -746,24 +821,28 @@ def mix(self, layer:int, attn:nn.Module, u):
     lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
     if lse is None: lse = self._local_lse(call, attn, q, rotate)
     ret = self._retrieved[r]
-    if 'window' not in ret: ret['window'] = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])
+    if 'window' not in ret:
+        ret['window'] = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])
     states, ok = ret['window'][:2]
     i, kvd = self.served[r].index(layer), nkv * hs
     kv = states[..., 2 * i * kvd:2 * (i + 1) * kvd]
-    # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position, keys at 0)
-    cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))   # one position for all
+    # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position,
+    # keys at 0)
+    # one position for all
+    cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))
     qd = rotate(q, q[:, :1, :1], cos_d, sin_d, unsqueeze_dim=2)[0].reshape(B, T, H * hs)
     return joint_mix(u, lse, qd, kv[..., :kvd], kv[..., kvd:], ok, getattr(attn, 'scaling', None))
 
 @patch_to(Neurocache)
 def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
-    "The segment's logsumexp (B, T, H) recomputed from the layer's q, k, mask and KV cache (when its attention ran elsewhere)."
+    ("The segment's logsumexp (B, T, H) recomputed from the layer's q, k, mask and KV cache "
+     "(when its attention ran elsewhere).")
     B, T, H, hs = q.shape
     kw = call['kwargs']
     cos, sin = kw['position_embeddings']
     qr, kr = rotate(q.transpose(1, 2), call['k'].view(B, T, -1, hs).transpose(1, 2), cos, sin)
     keys = kr
-    try:                                   # a KV cache (generation): the keys of every token so far, this segment's last
+    try:  # a KV cache (generation): the keys of every token so far, this segment's last
         cached = kw.get('past_key_values').layers[attn.layer_idx].keys
         if cached is not None and cached.shape[2] >= T and cached.shape[:2] == kr.shape[:2]: keys = cached
     except (AttributeError, IndexError, TypeError): pass
@@ -771,11 +850,13 @@ def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
 
 @patch_to(Neurocache)
 def _joint_kv(self, r:int):
-    "Joint attention: the K and V (B, T, n·2·nkv·hs) of this forward's tokens in the layers served by cache `r`, to be written."
+    ("Joint attention: the K and V (B, T, n·2·nkv·hs) of this forward's tokens in the layers served by cache `r`, to "
+     "be written.")
     parts = []
     for j in self.served[r]:
         call = self._calls.get(j, {})
-        check('k' in call and 'v' in call, f"cache_attention='joint': layer {j}'s attention did not call k_proj / v_proj")
+        check('k' in call and 'v' in call,
+              f"cache_attention='joint': layer {j}'s attention did not call k_proj / v_proj")
         parts += [call['k'].detach(), call['v'].detach()]
     return torch.cat(parts, -1)
 
@@ -789,8 +870,9 @@ def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor
     x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
     ids = torch.cat([x, x], 1).to(model.get_input_embeddings().weight.device)
     prev = getattr(model.config, '_attn_implementation', None)
-    model.set_attn_implementation('eager')                                # the only implementation that returns the weights
-    try: att = model(input_ids=ids, output_attentions=True).attentions   # per layer (1, H, 2L, 2L)
+    # the only implementation that returns the weights
+    model.set_attn_implementation('eager')
+    try: att = model(input_ids=ids, output_attentions=True).attentions  # per layer (1, H, 2L, 2L)
     finally:
         if prev: model.set_attn_implementation(prev)
     q = torch.arange(length, 2 * length - 1)
@@ -835,7 +917,8 @@ class NeurocacheAttention(TransparentWrapper):
     def __init__(self, base_layer:nn.Module, layer_idx:int, neurocache:Neurocache):
         super().__init__(base_layer)                          # state dicts keep the attention's plain names
         self.layer_idx = layer_idx
-        object.__setattr__(self, 'neurocache', neurocache)   # a reference, not a submodule: its parameters live in NeurocacheModel.neurocache
+        # a reference, not a submodule: its parameters live in NeurocacheModel.neurocache
+        object.__setattr__(self, 'neurocache', neurocache)
 
     def forward(self, *args, **kwargs):
         nc = self.neurocache
@@ -843,9 +926,10 @@ class NeurocacheAttention(TransparentWrapper):
         if nc.enabled: nc.before_attention(self.layer_idx, x)
         base = self.base_layer
         if nc.joint:
-            nc.capture(self.layer_idx, 'kwargs', kwargs)                    # the rotary embedding, mask and KV cache of this call
+            nc.capture(self.layer_idx, 'kwargs', kwargs)  # the rotary embedding, mask and KV cache of this call
             nc._calls[self.layer_idx].pop('lse', None)
-        if nc.joint and nc.enabled and self.layer_idx in nc.source:         # a joint layer: its attention through joint_attention
+        # a joint layer: its attention through joint_attention
+        if nc.joint and nc.enabled and self.layer_idx in nc.source:
             config, base.config = base.config, _JointRoute(base.config, nc, self.layer_idx)
             try: out = base(*args, **kwargs)
             finally: base.config = config
@@ -861,14 +945,15 @@ def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig
     placed at the model's copying layers (`copying_layers`: retrieval at the lowest, attention from it to the highest)."""
     family = _check_family(model)
     design, found = config.cache_attention, None
-    if design == 'auto':               # joint reads the cache through heads that already copy: a model without them gets separate
+    if design == 'auto':  # joint reads the cache through heads that already copy: a model without them gets separate
         found = copying_layers(model) if family in JOINT_FAMILIES else []
         design = 'joint' if found else 'separate'
     changes = dict(cache_attention=design)
     if config.context_size is None: changes['context_size'] = 1 if design == 'joint' else 2
     if design == 'joint' and config.retrieval_map is None and config.attention_layers is None:
         found = copying_layers(model) if found is None else found
-        if found: changes.update(retrieval_map=f"{found[0]}:{found[0]}", attention_layers=list(range(found[0], found[-1] + 1)))
+        if found: changes.update(retrieval_map=f"{found[0]}:{found[0]}",
+                                 attention_layers=list(range(found[0], found[-1] + 1)))
     return dataclasses.replace(config, **changes)
 
 def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
@@ -881,17 +966,20 @@ def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
     bad = [j for j in att if j >= L]
     if bad: raise MemlabError(f"attention layer {bad[0]} is outside the model (it has layers 0..{L - 1})")
     below = [j for j in att if j < min(rmap)]
-    if below: raise MemlabError(f"attention layer {below[0]} is below the lowest retrieving layer ({min(rmap)}): it would have nothing to attend to")
+    if below: raise MemlabError(f"attention layer {below[0]} is below the lowest retrieving layer ({min(rmap)}): "
+                                f"it would have nothing to attend to")
     idle = [r for r in rmap if not any(max(q for q in rmap if q <= j) == r for j in att)]
-    if idle: raise MemlabError(f"retrieving layer {idle[0]} serves no attention layer (each attention layer reads the cache of the "
+    if idle: raise MemlabError(f"retrieving layer {idle[0]} serves no attention layer "
+                               f"(each attention layer reads the cache of the "
                                f"nearest retrieving layer at or below it)")
     return dataclasses.replace(config, retrieval_map=format_retrieval_map(rmap), attention_layers=att)
 
 def _check_family(model) -> str:
     "The model's family, or a one-line refusal of an unsupported one."
     family = getattr(getattr(model, 'config', None), 'model_type', None)
-    check(family in SUPPORTED_FAMILIES, f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
-                                        f"{type(model).__name__} is {family!r}")
+    check(family in SUPPORTED_FAMILIES,
+          f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
+          f"{type(model).__name__} is {family!r}")
     return family
 
 def _lora_targets(base_model, layers, config, family) -> list:
@@ -905,12 +993,14 @@ def _lora_targets(base_model, layers, config, family) -> list:
     if config.lora_modules is not None:
         missing = [m for m in config.lora_modules if m not in matched]
         ffn = ', '.join(p.split('.')[-1] for p in layer_parts(layers[0])['ffn'])
-        check(not missing, f"lora_modules {', '.join(missing)} match no FFN linear of a {family} layer (they are: {ffn})")
+        check(not missing,
+              f"lora_modules {', '.join(missing)} match no FFN linear of a {family} layer (they are: {ffn})")
     check(targets, f"no FFN linear found for LoRA in layers {config.attention_layers}")
     return targets
 
 def _add_lora(base_model, layers, config, family):
-    "Inject LoRA (PEFT, adapter 'neurocache') into the FFN linears of the attention layers; refuse if fewer layers changed than targeted."
+    ("Inject LoRA (PEFT, adapter 'neurocache') into the FFN linears of the attention layers; refuse if fewer layers "
+     "changed than targeted.")
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
     targets = _lora_targets(base_model, layers, config, family)
@@ -923,32 +1013,38 @@ def _add_lora(base_model, layers, config, family):
 
 # %% ../nbs/20_neurocache.ipynb
 class NeurocacheModel(nn.Module):
-    "A causal LM with a Neurocache: `base_model` (attention wrapped, LoRA added, frozen) and `neurocache` (the method's parameters and caches)."
+    ("A causal LM with a Neurocache: `base_model` (attention wrapped, LoRA added, frozen) and `neurocache` "
+     "(the method's parameters and caches).")
     def __init__(self, base_model:nn.Module, config:NeurocacheConfig, train_base:bool=False):
         super().__init__()
         check(isinstance(config, NeurocacheConfig), f"config must be a NeurocacheConfig, got {type(config).__name__}")
-        check(not isinstance(base_model, NeurocacheModel) and not any(isinstance(m, NeurocacheAttention) for m in base_model.modules()),
+        check(not isinstance(base_model, NeurocacheModel)
+              and not any(isinstance(m, NeurocacheAttention) for m in base_model.modules()),
               "this model already has a Neurocache")
         family = _check_family(base_model)
         layers = decoder_layers(base_model)
         config = resolve_config(resolve_design(config, base_model), len(layers))
         hc = base_model.config
         h, nh = hc.hidden_size, hc.num_attention_heads
-        check(h % config.compression_factor == 0, f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
+        check(h % config.compression_factor == 0,
+              f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
         nkv = getattr(hc, 'num_key_value_heads', None) or nh
         check(not any(isinstance(getattr(l, 'base_layer', None), nn.Module) for l in layers),
-              f"the decoder layers are wrapped ({type(layers[0]).__name__}): add the Neurocache before converting the model "
+              f"the decoder layers are wrapped ({type(layers[0]).__name__}): "
+              f"add the Neurocache before converting the model "
               f"(e.g. add_neurocache, then add_bpt)")
         attn_name = layer_parts(layers[0])['attn']
         hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
         joint = config.cache_attention == 'joint'
         if joint:                                                                # refused before anything is changed
-            check(family in JOINT_FAMILIES, f"cache_attention='joint' works inside the attention of the {', '.join(JOINT_FAMILIES)} "
-                                            f"families (q/k/v/o projections and a rotary embedding); {family} takes 'separate'")
+            check(family in JOINT_FAMILIES,
+                  f"cache_attention='joint' works inside the attention of the {', '.join(JOINT_FAMILIES)} "
+                  f"families (q/k/v/o projections and a rotary embedding); {family} takes 'separate'")
             for j in config.attention_layers:
                 a = getattr(layers[j], attn_name)
                 check(all(isinstance(getattr(a, n, None), nn.Module) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
-                      f"cache_attention='joint' needs q_proj, k_proj, v_proj and o_proj in layer {j}'s {type(a).__name__}")
+                      f"cache_attention='joint' needs q_proj, k_proj, v_proj and o_proj "
+                      f"in layer {j}'s {type(a).__name__}")
         self.family, self._requires_grad = family, {n: p.requires_grad for n, p in base_model.named_parameters()}
         self.train_base = train_base
         if not train_base:
@@ -957,10 +1053,11 @@ class NeurocacheModel(nn.Module):
         emb = base_model.get_input_embeddings().weight
         self.base_model = base_model
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
-        if joint:            # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
+        if joint:  # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
             self.neurocache.projections.requires_grad_(False)
             rotary = [m for m in base_model.modules() if type(m).__name__.endswith('RotaryEmbedding')]
-            check(len(rotary) == 1, f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
+            check(len(rotary) == 1,
+                  f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
             object.__setattr__(self.neurocache, 'rotary', rotary[0])   # a reference: it belongs to the base model
         for j in ([] if joint else config.attention_layers):
             a = self.neurocache.attentions[str(j)]
@@ -970,12 +1067,15 @@ class NeurocacheModel(nn.Module):
         for i in self.layers:
             setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
         self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
-        for j in (config.attention_layers if joint else []):   # joint: see q, k, v as the attention makes them, mix before W_o
+        # joint: see q, k, v as the attention makes them, mix before W_o
+        for j in (config.attention_layers if joint else []):
             self._hooks += _joint_hooks(self.neurocache, j, getattr(layers[j], attn_name).base_layer)
-        if not train_base: self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
+        if not train_base:
+            self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
         check_frozen_4bit_stats(base_model)
         _refuse_plain_save(base_model, "this model carries a Neurocache (cache wrappers and LoRA): save it with the "
-                           "NeurocacheModel's save_pretrained (cache, LoRA and config), or remove_neurocache(model) first")
+                           "NeurocacheModel's save_pretrained (cache, LoRA and config), "
+                           "or remove_neurocache(model) first")
         self.train(base_model.training)                                          # keep the base model's mode
 
     @property
@@ -985,14 +1085,17 @@ class NeurocacheModel(nn.Module):
     @property
     def device(self): return self.base_model.get_input_embeddings().weight.device
     def get_input_embeddings(self): return self.base_model.get_input_embeddings()
-    def get_base_model(self): return self.base_model      # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
+    def get_base_model(self):  # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
+        return self.base_model
     @classmethod
     def from_pretrained(cls, path, base_model=None, **kwargs):
-        "The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by `load_model`)."
+        ("The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by "
+         "`load_model`).")
         return load_saved_neurocache(path, base_model, **kwargs)
 
     def _begin_forward(self, module, args, kwargs):
-        "Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV cache."
+        ("Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV "
+         "cache.")
         ids = kwargs.get('input_ids', args[0] if args else None)
         x = ids if ids is not None else kwargs.get('inputs_embeds')
         am = kwargs.get('attention_mask')
@@ -1003,19 +1106,25 @@ class NeurocacheModel(nn.Module):
         self.neurocache.begin(mask, continuing)
 
     def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, **kwargs):
-        "The base model's forward; rows flagged in `start_of_sequence` (B,) start a new document; the segment is cached afterwards."
+        ("The base model's forward; rows flagged in `start_of_sequence` (B,) start a new document; the segment is "
+         "cached afterwards.")
         if start_of_sequence is not None:
             B = (input_ids if input_ids is not None else kwargs['inputs_embeds']).shape[0]
             sos = _row_mask(torch.as_tensor(start_of_sequence).cpu(), B)
             if sos.any(): self.neurocache.reset(sos, training=self.training)
-        saving = {getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)} - {'nothing_saveable', 'everything_saveable'}
-        # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would get wrong ones
-        check(not (saving and self.training and torch.is_grad_enabled()), f"a Neurocache trains with layer remat_policy "
-              f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} (a re-run layer does not repeat its retrieval)")
+        saving = ({getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)}
+                  - {'nothing_saveable', 'everything_saveable'})
+        # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would
+        # get wrong ones
+        check(not (saving and self.training and torch.is_grad_enabled()),
+              f"a Neurocache trains with layer remat_policy "
+              f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} "
+              f"(a re-run layer does not repeat its retrieval)")
         try: out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         except BaseException:
             self.neurocache.begin(); raise
-        # in training a layer may be re-run in backward (checkpointing by Hugging Face, BPT or another wrapper): it reuses its retrieval
+        # in training a layer may be re-run in backward (checkpointing by Hugging Face, BPT or another wrapper): it
+        # reuses its retrieval
         self.neurocache.commit(keep_retrieved=self.training and torch.is_grad_enabled())
         return out
 
@@ -1030,14 +1139,17 @@ class NeurocacheModel(nn.Module):
         "Checkpoint the base model's decoder layers (non-reentrant by default)."
         kw = activation_checkpointing_kwargs or {'use_reentrant': False}
         base = self.base_model
-        if hasattr(base, 'activation_checkpointing_enable'): base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-        else: base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)   # transformers before activation_checkpointing_*
+        if hasattr(base, 'activation_checkpointing_enable'):
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        # transformers before activation_checkpointing_*
+        else: base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     def activation_checkpointing_disable(self):
         "Stop checkpointing the base model's decoder layers."
         base = self.base_model
         if hasattr(base, 'activation_checkpointing_disable'): base.activation_checkpointing_disable()
         else: base.gradient_checkpointing_disable()
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs:dict=None): self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs:dict=None):
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
     def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
 
     def save_pretrained(self, save_directory, **kwargs):
@@ -1057,16 +1169,19 @@ def _allow_plain_save(model:nn.Module):
     if isinstance(vars(model).get('save_pretrained'), _SaveRefused): del model.save_pretrained
 
 def _joint_hooks(nc:Neurocache, j:int, attn:nn.Module) -> list:
-    "Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in the cache."
+    ("Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in "
+     "the cache.")
     def keep(what): return lambda mod, args, out: nc.capture(j, what, out)
     def mix(mod, args): return (nc.mix(j, attn, args[0]), *args[1:])
-    return [getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv'] + [attn.o_proj.register_forward_pre_hook(mix)]
+    return ([getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv']
+            + [attn.o_proj.register_forward_pre_hook(mix)])
 
 def _stop_gradient(module, args, kwargs):
     "Pre-hook on the lowest Neurocache layer: detach its input so the backward pass stops there."
     def cut(h):
         h = h.detach()
-        # under checkpointing, a layer whose input needs no gradient would give its own parameters none (reentrant variant)
+        # under checkpointing, a layer whose input needs no gradient would give its own parameters none (reentrant
+        # variant)
         return h.requires_grad_() if getattr(module, 'gradient_checkpointing', False) and torch.is_grad_enabled() else h
     if args: args = (cut(args[0]), *args[1:])
     elif 'hidden_states' in kwargs: kwargs = {**kwargs, 'hidden_states': cut(kwargs['hidden_states'])}
@@ -1074,11 +1189,13 @@ def _stop_gradient(module, args, kwargs):
 
 # %% ../nbs/20_neurocache.ipynb
 def add_neurocache(model:nn.Module, config:NeurocacheConfig=None, train_base:bool=False) -> NeurocacheModel:
-    "Give a Llama, Mistral, OPT, GPT-2, Phi or GPT-J causal LM a Neurocache; the base model is frozen (unless `train_base`) and changed in place."
+    ("Give a Llama, Mistral, OPT, GPT-2, Phi or GPT-J causal LM a Neurocache; the base model is frozen "
+     "(unless `train_base`) and changed in place.")
     return NeurocacheModel(model, config or NeurocacheConfig(), train_base)
 
 def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
-    "The LoRA-only baseline: freeze `model` and add LoRA (PEFT) to the FFN linears of the layers a Neurocache would attend in; no cache."
+    ("The LoRA-only baseline: freeze `model` and add LoRA (PEFT) to the FFN linears of the layers a Neurocache would "
+     "attend in; no cache.")
     family = _check_family(model)
     check(config.lora_r > 0, "the LoRA-only baseline needs lora_r > 0")
     layers = decoder_layers(model)
@@ -1086,9 +1203,10 @@ def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
     for p in model.parameters(): p.requires_grad_(False)
     _add_lora(model, layers, config, family)
     check_frozen_4bit_stats(model)
-    _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: save them with save_neurocache(model, "
+    _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: "
+                              "save them with save_neurocache(model, "
                               "dir, config), or remove_lora(model) first")
-    return model.train(model.training)                  # PEFT makes its new modules in training mode: keep the model's mode
+    return model.train(model.training)  # PEFT makes its new modules in training mode: keep the model's mode
 
 def _unwrap(model) -> NeurocacheModel:
     "The `NeurocacheModel` inside DDP / accelerate / torch.compile wrappers."
@@ -1107,7 +1225,8 @@ def remove_lora(model) -> nn.Module:
     return model
 
 def remove_neurocache(model) -> nn.Module:
-    "Undo `add_neurocache`: restore the attention modules, remove the hooks and the LoRA layers, restore requires_grad; return the base model."
+    ("Undo `add_neurocache`: restore the attention modules, remove the hooks and the LoRA layers, restore "
+     "requires_grad; return the base model.")
     from peft.tuners.lora import LoraLayer
     nm = _unwrap(model)
     base = nm.base_model
@@ -1122,25 +1241,29 @@ def remove_neurocache(model) -> nn.Module:
     return base
 
 # %% ../nbs/20_neurocache.ipynb
-CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size', 'similarity_fn', 'cache_type',
-                'global_cache', 'topk_buckets')
+CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size',
+                'similarity_fn', 'cache_type', 'global_cache', 'topk_buckets')
 
 def reset_cache(model, rows=None):
-    "Empty all caches of `model` (both modes), or only the per-row caches of `rows` (bool mask (B,) or list of row indices)."
+    ("Empty all caches of `model` (both modes), or only the per-row caches of `rows` "
+     "(bool mask (B,) or list of row indices).")
     _unwrap(model).neurocache.reset(rows)
 
 def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
-    "Change the cache size (and other settings without weights, see `CACHE_FIELDS`) and empty the caches; returns the new config."
+    ("Change the cache size (and other settings without weights, see `CACHE_FIELDS`) and empty the caches; returns the "
+     "new config.")
     nc = _unwrap(model).neurocache
     if cache_size is not None: changes['cache_size'] = cache_size
     bad = [k for k in changes if k not in CACHE_FIELDS]
-    if bad: raise MemlabError(f"resize_cache cannot change {', '.join(bad)} (it changes weights); it changes {', '.join(CACHE_FIELDS)}")
+    if bad: raise MemlabError(f"resize_cache cannot change {', '.join(bad)} (it changes weights); "
+                              f"it changes {', '.join(CACHE_FIELDS)}")
     nc.config = dataclasses.replace(nc.config, **changes)
     nc.reset()
     return nc.config
 
 def cache_state_dict(model) -> dict:
-    "The contents of every cache of `model` ('train.<layer>.<tensor>' / 'eval.<layer>.<tensor>'), for an exactly resumable checkpoint."
+    ("The contents of every cache of `model` ('train.<layer>.<tensor>' / 'eval.<layer>.<tensor>'), for an exactly "
+     "resumable checkpoint.")
     nc = _unwrap(model).neurocache
     return {f"{'train' if mode else 'eval'}.{r}.{n}": t for mode, caches in nc.caches.items()
             for r, c in caches.items() for n, t in c.state_dict().items()}
@@ -1152,7 +1275,8 @@ def load_cache_state_dict(model, state:dict):
     device = next(nc.parameters(), torch.empty(0)).device
     for key in {k.rsplit('.', 1)[0] for k in state}:
         mode, r = key.split('.')
-        check(mode in ('train', 'eval') and int(r) in nc.config.layer_map, f"saved caches hold {key}, which this Neurocache has not")
+        check(mode in ('train', 'eval') and int(r) in nc.config.layer_map,
+              f"saved caches hold {key}, which this Neurocache has not")
         part = {k.rsplit('.', 1)[1]: v for k, v in state.items() if k.rsplit('.', 1)[0] == key}
         n, size = part['keys'].shape[1], nc.config.size(mode == 'train')
         check(n == size, f"the saved {mode} caches have {n} slots but this Neurocache's {mode} caches have {size}: "
@@ -1194,7 +1318,8 @@ def _plain(model) -> nn.Module:
     return model
 
 def neurocache_state_dict(model) -> dict:
-    "The tensors a saved Neurocache holds: the `neurocache.*` parameters and the LoRA weights (a LoRA-only model: its LoRA, keyed alike)."
+    ("The tensors a saved Neurocache holds: the `neurocache.*` parameters and the LoRA weights "
+     "(a LoRA-only model: its LoRA, keyed alike).")
     if has_neurocache(model):
         return {k: v for k, v in _unwrap(model).state_dict().items() if k.startswith('neurocache.') or '.lora_' in k}
     state = {f"base_model.{k}": v for k, v in _plain(model).state_dict().items() if '.lora_' in k}
@@ -1202,7 +1327,8 @@ def neurocache_state_dict(model) -> dict:
     return state
 
 def save_neurocache(model, save_directory, config:NeurocacheConfig=None) -> Path:
-    "Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`; a LoRA-only model needs its `config`."
+    ("Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`; a LoRA-only "
+     "model needs its `config`.")
     from safetensors.torch import save_file
     path, lora_only = Path(save_directory), not has_neurocache(model)
     if lora_only:
@@ -1227,10 +1353,12 @@ def saved_neurocache_info(path) -> dict:
           f"{path} is not a saved Neurocache (it needs {NEUROCACHE_CONFIG_NAME} and {NEUROCACHE_WEIGHTS_NAME})")
     with safe_open(str(path/NEUROCACHE_WEIGHTS_NAME), 'pt') as f: meta = f.metadata() or {}
     config = NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME)
-    if 'cache_attention' not in json.loads((path/NEUROCACHE_CONFIG_NAME).read_text()):   # saved before the choice existed
+    # saved before the choice existed
+    if 'cache_attention' not in json.loads((path/NEUROCACHE_CONFIG_NAME).read_text()):
         config = dataclasses.replace(config, cache_attention='separate')
     return {'config': config, 'lora_only': meta.get('lora_only') == 'true',
-            'family': meta.get('family'), 'base_model': meta.get('base_model'), 'base_quantization': meta.get('base_quantization') or None}
+            'family': meta.get('family'), 'base_model': meta.get('base_model'),
+            'base_quantization': meta.get('base_quantization') or None}
 
 def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     """Add the Neurocache saved at `path` to `base_model` (a `NeurocacheModel`; a LoRA-only save gives `base_model` with its LoRA);
@@ -1257,7 +1385,8 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     wrong = [k for k in state if state[k].shape != expected[k].shape]
     if wrong:
         undo()
-        raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model expects "
+        raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                          f"the model expects "
                           f"{tuple(expected[wrong[0]].shape)}")
     if info['lora_only']: state = {k[len('base_model.'):]: v for k, v in state.items()}
     res = model.load_state_dict(state, strict=False)
@@ -1267,7 +1396,8 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
 # %% ../nbs/20_neurocache.ipynb
 def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:str=None, attn_implementation:str=None,
                           strict:bool=True, **overrides) -> nn.Module:
-    "The Neurocache (or LoRA-only baseline) saved at `path` on `base_model`: a model, or what `load_model` takes (default: the recorded one)."
+    ("The Neurocache (or LoRA-only baseline) saved at `path` on `base_model`: a model, or what `load_model` takes "
+     "(default: the recorded one).")
     info = saved_neurocache_info(path)
     if base_model is None or isinstance(base_model, (str, Path)):
         ref = base_model or info['base_model']
@@ -1275,7 +1405,8 @@ def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:s
         try: base_model = load_model(ref, dtype=dtype, quantization=quantization or info['base_quantization'],
                                      attn_implementation=attn_implementation, strict=strict)
         except MemlabError as e:
-            raise MemlabError(f"cannot load {ref}, the base model of the Neurocache in {path} ({e}): pass base_model=...") from None
+            raise MemlabError(f"cannot load {ref}, the base model of the Neurocache in {path} ({e}): "
+                              f"pass base_model=...") from None
     return load_neurocache(base_model, path, **overrides).eval()
 
 def _is_saved_neurocache(folder) -> bool:
@@ -1289,7 +1420,8 @@ register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_sa
 def _caches_file(rank:int) -> str: return f"neurocache_caches_rank{rank}.safetensors"
 
 class NeurocacheCallback(Callback):
-    "Empty evaluation caches around each evaluation; save and restore each process's training caches with the checkpoints."
+    ("Empty evaluation caches around each evaluation; save and restore each process's training caches with the "
+     "checkpoints.")
     def _nc(self, trainer): return trainer.unwrapped_model if has_neurocache(trainer.unwrapped_model) else None
     def on_evaluate_begin(self, trainer):
         m = self._nc(trainer)
@@ -1308,7 +1440,8 @@ class NeurocacheCallback(Callback):
         if m is None: return
         from safetensors.torch import load_file
         f = Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)
-        check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches for process {trainer.accelerator.process_index} ({f.name})")
+        check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches "
+                          f"for process {trainer.accelerator.process_index} ({f.name})")
         load_cache_state_dict(m, load_file(str(f)))
 
 def _training_callbacks(self) -> list:
@@ -1322,10 +1455,12 @@ CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (b
 
 def memory_per_token(hidden_size:int, num_heads:int, head_dim:int=None, num_kv_heads:int=None, compression_factor:int=4,
                      cache_dtype:str='bfloat16') -> dict:
-    "Bytes per cached token: a Neurocache (evaluation, training) vs Memorizing-Transformers per-head (and per-KV-head) K/V memories."
+    ("Bytes per cached token: a Neurocache (evaluation, training) vs Memorizing-Transformers per-head "
+     "(and per-KV-head) K/V memories.")
     hd, b = head_dim or hidden_size // num_heads, torch.finfo(getattr(torch, cache_dtype)).bits // 8
     d = hidden_size // compression_factor
-    return dict(neurocache=d * b + CACHE_BOOKKEEPING_BYTES, neurocache_training=(d + hidden_size) * b + CACHE_BOOKKEEPING_BYTES,
+    return dict(neurocache=d * b + CACHE_BOOKKEEPING_BYTES,
+                neurocache_training=(d + hidden_size) * b + CACHE_BOOKKEEPING_BYTES,
                 memorizing=2 * num_heads * hd * b, memorizing_kv_heads=2 * (num_kv_heads or num_heads) * hd * b)
 
 # %% ../nbs/20_neurocache.ipynb
@@ -1341,7 +1476,8 @@ def _fill_cache(model, batch_size:int, seed:int=0):
     for r in nc.config.layer_map:
         c = nc.cache(r, batch_size, _nc_device(nc))
         keys = F.layer_norm(torch.randn(c.rows, c.size, c.dim, generator=g), (c.dim,))
-        raw = torch.randn(c.rows, c.size, c.raw.shape[-1], generator=g) if c.raw is not None else None   # raw states, or joint K/V
+        # raw states, or joint K/V
+        raw = torch.randn(c.rows, c.size, c.raw.shape[-1], generator=g) if c.raw is not None else None
         c.write(keys.to(c.device), raw=None if raw is None else raw.to(c.device))
         check(bool(c.valid.all()), "the cache did not fill")
 
@@ -1351,14 +1487,17 @@ def _nc_device(nc) -> torch.device:
 
 def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
                  threads:int=None, cache_attention:str='separate') -> dict:
-    "Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately (run it through `run_isolated`)."
+    ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
+     "(run it through `run_isolated`).")
     import statistics, time
     from memlab.models import load_model
     from memlab.training import causal_lm_loss
     if threads: torch.set_num_threads(threads)
     torch.manual_seed(0)
-    cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32, lora_dropout=0.0)
-    cfg = dataclasses.replace(cfg, cache_attention=cache_attention)   # layers and context as the defaults choose (resolve_design)
+    cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32,
+                           lora_dropout=0.0)
+    # layers and context as the defaults choose (resolve_design)
+    cfg = dataclasses.replace(cfg, cache_attention=cache_attention)
     models = {'cache': add_neurocache(load_model(model_name), cfg), 'lora': add_ffn_lora(load_model(model_name), cfg)}
     vocab = models['lora'].get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch_size, seq_len))
@@ -1367,7 +1506,8 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     for m in models.values(): m.to(device)
     ids = ids.to(device); batch = {k: v.to(device) for k, v in batch.items()}
-    # bf16 autocast where bf16 is native (GPUs with bf16, CPUs with AVX512-BF16/AMX such as these), else fp32 (emulated bf16 is slower)
+    # bf16 autocast where bf16 is native (GPUs with bf16, CPUs with AVX512-BF16/AMX such as these), else fp32 (emulated
+    # bf16 is slower)
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if native_bf16(device) else contextlib.nullcontext
     def train_step(k):
         m = models[k]
@@ -1393,14 +1533,16 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
 
 def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_size:int=16384, compression_factor:int=4,
                   dtype:str='bfloat16', num_kv_heads:int=3, joint_layers:int=8) -> dict:
-    "Bytes per cached token of a filled Neurocache cache (evaluation and training) and of a Memorizing-Transformers K/V memory."
+    ("Bytes per cached token of a filled Neurocache cache (evaluation and training) and of a Memorizing-Transformers "
+     "K/V memory.")
     import gc
     dt, d, S = getattr(torch, dtype), hidden_size // compression_factor, cache_size
     out = {}
     for name, make in (('neurocache', lambda: KNNCache(1, S, d, dtype=dt).state_dict()),
                        ('neurocache_training', lambda: KNNCache(1, S, d, raw_dim=hidden_size, dtype=dt).state_dict()),
-                       ('neurocache_joint', lambda: KNNCache(1, S, d, raw_dim=joint_layers * 2 * num_kv_heads * head_dim,
-                                                             dtype=dt).state_dict()),
+                       ('neurocache_joint',
+                        lambda: KNNCache(1, S, d, raw_dim=joint_layers * 2 * num_kv_heads * head_dim,
+                                         dtype=dt).state_dict()),
                        ('memorizing', lambda: {'keys': torch.empty(S, num_heads, head_dim, dtype=dt),
                                                'values': torch.empty(S, num_heads, head_dim, dtype=dt)})):
         gc.collect(); before = _rss()
@@ -1413,13 +1555,14 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
     return out
 
 def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
-    "`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token vs Memorizing Transformers."
+    ("`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token "
+     "vs Memorizing Transformers.")
     from memlab.bench import run_isolated
     rows = []
     for design in ('separate', 'joint'):
         for n in threads or ((1,) if quick else (1, torch.get_num_threads())):
-            sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512, repeats=1 if quick else 3,
-                              threads=n, cache_attention=design)
+            sp = run_isolated('memlab.neurocache:_bench_speed', seq_len=128 if quick else 512,
+                              repeats=1 if quick else 3, threads=n, cache_attention=design)
             for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
                 what = f"{label}, {n} thread(s), {sp['precision']}"
                 rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
@@ -1432,8 +1575,11 @@ def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
                      ('neurocache_training', 'memory: Neurocache cache (training, with raw states), 16K tokens'),
                      ('neurocache_joint', "memory: joint Neurocache cache (8 layers' keys and values), 16K tokens")):
         m = mem[k]
-        rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1), 'tensor_mib': round(m['tensor_mib'], 1),
-                     'rss_growth_mib': round(m['rss_growth_mib'], 1), 'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
-    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib', 'memory vs Memorizing']
-    # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None ('—')
+        rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1),
+                     'tensor_mib': round(m['tensor_mib'], 1), 'rss_growth_mib': round(m['rss_growth_mib'], 1),
+                     'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
+    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib',
+            'memory vs Memorizing']
+    # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None
+    # ('—')
     return [{k: r.get(k, None if k == 'tokens_per_s' else '') for k in keys} for r in rows], None

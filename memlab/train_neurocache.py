@@ -33,7 +33,8 @@ __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_M
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
-                   'constant': 'constant', 'constant_with_warmup': 'constant'}   # the reference's choices -> memlab's schedules
+                   # the reference's choices -> memlab's schedules
+                   'constant': 'constant', 'constant_with_warmup': 'constant'}
 MIXED_PRECISION = ('no', 'bf16', 'fp16')
 
 @dataclass
@@ -102,53 +103,67 @@ class NeurocacheRunConfig(Config):
     def __post_init__(self):
         for name in ('model_name_or_path', 'dataset_name', 'output_dir'):
             check(getattr(self, name) not in (None, ''), f"--{name} is required")
-        for name in ('per_device_train_batch_size', 'per_device_eval_batch_size', 'max_train_steps', 'gradient_accumulation_steps',
-                     'logging_steps', 'keep_n_checkpoints'):
+        for name in ('per_device_train_batch_size', 'per_device_eval_batch_size', 'max_train_steps',
+                     'gradient_accumulation_steps', 'logging_steps', 'keep_n_checkpoints'):
             check(getattr(self, name) >= 1, f"--{name} must be positive, got {getattr(self, name)}")
         check(self.sequence_length >= 2, f"--sequence_length must be at least 2, got {self.sequence_length}")
         for name in ('max_eval_steps', 'evaluate_every_steps', 'checkpointing_steps', 'num_warmup_steps'):
             check(getattr(self, name) >= 0, f"--{name} must be 0 or positive, got {getattr(self, name)}")
-        check(self.lr_scheduler_type in SCHEDULER_TYPES, f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, "
-                                                         f"got {self.lr_scheduler_type!r}")
-        check(self.mixed_precision in (None, 'auto', *MIXED_PRECISION), f"--mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
-        check(self.distributed_type in ('auto', 'ddp', 'fsdp'), f"--distributed_type must be auto, ddp or fsdp, got {self.distributed_type!r}")
-        check(self.report_to in ('tensorboard', 'wandb'), f"--report_to must be tensorboard or wandb, got {self.report_to!r}")
-        check(not (self.nf4 and self.distributed_type == 'fsdp'), "--nf4 with --distributed_type fsdp is not supported: FSDP2 cannot "
-                                                                  "shard bitsandbytes weights; use ddp")
+        check(self.lr_scheduler_type in SCHEDULER_TYPES,
+              f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, "
+              f"got {self.lr_scheduler_type!r}")
+        check(self.mixed_precision in (None, 'auto', *MIXED_PRECISION),
+              f"--mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+        check(self.distributed_type in ('auto', 'ddp', 'fsdp'),
+              f"--distributed_type must be auto, ddp or fsdp, got {self.distributed_type!r}")
+        check(self.report_to in ('tensorboard', 'wandb'),
+              f"--report_to must be tensorboard or wandb, got {self.report_to!r}")
+        check(not (self.nf4 and self.distributed_type == 'fsdp'),
+              "--nf4 with --distributed_type fsdp is not supported: FSDP2 cannot "
+              "shard bitsandbytes weights; use ddp")
         check(self.only_evaluate or not (self.disable_neurocache and self.disable_lora),
-              "--disable_neurocache with --disable_lora leaves nothing to train: add --only_evaluate to evaluate the base model")
+              "--disable_neurocache with --disable_lora leaves nothing to train: "
+              "add --only_evaluate to evaluate the base model")
         check(not (self.save_and_quit and self.only_evaluate), "give --save_and_quit or --only_evaluate, not both")
         if self.test_split in ('', 'none', 'None'): self.test_split = None
         self.neurocache_config()                      # every Neurocache setting checked now, one line each
 
     def neurocache_config(self) -> NeurocacheConfig:
         "The `NeurocacheConfig` the flags describe (layers resolved later, against the model)."
-        return NeurocacheConfig(cache_size=self.cache_size, eval_cache_size=self.eval_cache_size, cache_dtype=self.cache_dtype,
-                                compression_factor=self.compression_factor, topk=self.topk, neighborhood_size=self.neighborhood_size,
-                                context_size=self.context_size, similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
-                                attention_layers=self.attention_layers, cache_type=self.cache_type, global_cache=self.global_cache,
+        return NeurocacheConfig(cache_size=self.cache_size, eval_cache_size=self.eval_cache_size,
+                                cache_dtype=self.cache_dtype, compression_factor=self.compression_factor,
+                                topk=self.topk, neighborhood_size=self.neighborhood_size, context_size=self.context_size,
+                                similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
+                                attention_layers=self.attention_layers, cache_type=self.cache_type,
+                                global_cache=self.global_cache,
                                 topk_buckets=self.topk_buckets, zero_init_output=self.zero_init_output,
                                 retrieval_bias=self.retrieval_bias, cache_attention=self.cache_attention,
                                 joint_distance=self.joint_distance,
                                 lora_r=0 if self.disable_lora else self.lora_r,
-                                lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, lora_modules=self.lora_modules)
+                                lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                                lora_modules=self.lora_modules)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
-    "--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where native (`resolve_precision`); fp16 needs a GPU."
+    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where native "
+     "(`resolve_precision`); fp16 needs a GPU.")
     mp = cfg.mixed_precision or os.environ.get('ACCELERATE_MIXED_PRECISION') or 'auto'
-    check(mp in ('auto', *MIXED_PRECISION), f"mixed precision {mp!r} (from accelerate launch) is not one of no, bf16, fp16")
+    check(mp in ('auto', *MIXED_PRECISION),
+          f"mixed precision {mp!r} (from accelerate launch) is not one of no, bf16, fp16")
     check(mp != 'fp16' or torch.cuda.is_available(),
-          "fp16 mixed precision (--mixed_precision fp16, or accelerate launch --mixed_precision fp16) needs a GPU: on a CPU the "
+          "fp16 mixed precision (--mixed_precision fp16, or accelerate launch --mixed_precision fp16) needs a GPU: "
+          "on a CPU the "
           "autocast would silently compute in fp32; use bf16 (or no)")
     return resolve_precision(mp)
 
 # %% ../nbs/21_train_neurocache.ipynb
-WEIGHT_FIELDS = ('compression_factor', 'retrieval_map', 'attention_layers', 'cache_attention', 'lora_r', 'lora_alpha', 'lora_modules')
+WEIGHT_FIELDS = ('compression_factor', 'retrieval_map', 'attention_layers', 'cache_attention', 'lora_r', 'lora_alpha',
+                 'lora_modules')
 
 def _explicit_differences(cfg:NeurocacheRunConfig, saved:NeurocacheConfig) -> list:
     "Weight-shaping flags the user set (away from their defaults) that differ from a saved Neurocache's."
-    given, defaults = cfg.neurocache_config(), NeurocacheRunConfig(**{k: getattr(cfg, k) for k in ('model_name_or_path', 'dataset_name', 'output_dir')})
+    given, defaults = cfg.neurocache_config(), NeurocacheRunConfig(
+        **{k: getattr(cfg, k) for k in ('model_name_or_path', 'dataset_name', 'output_dir')})
     default_nc = defaults.neurocache_config()
     out = []
     for k in WEIGHT_FIELDS:
@@ -160,37 +175,47 @@ def _explicit_differences(cfg:NeurocacheRunConfig, saved:NeurocacheConfig) -> li
     return out
 
 def as_base_and_neurocache(cfg:NeurocacheRunConfig) -> NeurocacheRunConfig:
-    "A saved Neurocache (a run folder) given as --model_name_or_path read as its recorded base model + --pretrained_neurocache."
+    ("A saved Neurocache (a run folder) given as --model_name_or_path read as its recorded base model + "
+     "--pretrained_neurocache.")
     folder = Path(str(cfg.model_name_or_path)).expanduser()
     if not (folder/NEUROCACHE_CONFIG_NAME).is_file(): return cfg
-    check(not cfg.pretrained_neurocache, f"--model_name_or_path {folder} is a saved Neurocache and --pretrained_neurocache is "
+    check(not cfg.pretrained_neurocache,
+          f"--model_name_or_path {folder} is a saved Neurocache and --pretrained_neurocache is "
           f"{cfg.pretrained_neurocache}: give the saved Neurocache once, as either")
     info = saved_neurocache_info(folder)
-    check(info['base_model'], f"{folder} does not record its base model: pass --model_name_or_path BASE --pretrained_neurocache {folder}")
+    check(info['base_model'], f"{folder} does not record its base model: "
+                              f"pass --model_name_or_path BASE --pretrained_neurocache {folder}")
     return dataclasses.replace(cfg, model_name_or_path=info['base_model'], pretrained_neurocache=str(folder),
                                nf4=cfg.nf4 or info['base_quantization'] in ('nf4', '4bit'))
 
 def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
-    "The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto the base."
+    ("The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto "
+     "the base.")
     cfg = as_base_and_neurocache(cfg)
     model = load_model(cfg.model_name_or_path, quantization='nf4' if cfg.nf4 else None)
     if tokenizer is not None: check_vocab(tokenizer, model)
     check_sequence_length(model, cfg.sequence_length)
-    if hasattr(model.config, 'use_cache'): model.config.use_cache = False    # no key/value cache of the base model: segments are independent
+    # no key/value cache of the base model: segments are independent
+    if hasattr(model.config, 'use_cache'): model.config.use_cache = False
     nc = cfg.neurocache_config()
     if cfg.pretrained_neurocache:
         info = saved_neurocache_info(cfg.pretrained_neurocache)
         if info['lora_only']:
-            check(cfg.disable_neurocache, f"--pretrained_neurocache {cfg.pretrained_neurocache} is a LoRA-only baseline (trained with "
-                                          f"--disable_neurocache): add --disable_neurocache to evaluate or train it")
-        check(not (cfg.disable_lora and info['config'].lora_r), f"--pretrained_neurocache {cfg.pretrained_neurocache} holds LoRA "
+            check(cfg.disable_neurocache,
+                  f"--pretrained_neurocache {cfg.pretrained_neurocache} is a LoRA-only baseline (trained with "
+                  f"--disable_neurocache): add --disable_neurocache to evaluate or train it")
+        check(not (cfg.disable_lora and info['config'].lora_r),
+              f"--pretrained_neurocache {cfg.pretrained_neurocache} holds LoRA "
               f"weights (r={info['config'].lora_r}): drop --disable_lora")
         diff = _explicit_differences(cfg, info['config'])
-        check(not diff, f"--{diff[0][0] if diff else ''} {diff[0][1] if diff else ''} differs from the saved Neurocache's "
-                        f"{diff[0][2] if diff else ''} ({cfg.pretrained_neurocache}): drop the flag (the saved weights fix it)")
-        model = load_neurocache(model, cfg.pretrained_neurocache, **({} if info['lora_only'] else {k: getattr(nc, k) for k in CACHE_FIELDS}))
+        check(not diff, f"--{diff[0][0] if diff else ''} {diff[0][1] if diff else ''} "
+                        f"differs from the saved Neurocache's "
+                        f"{diff[0][2] if diff else ''} ({cfg.pretrained_neurocache}): "
+                        f"drop the flag (the saved weights fix it)")
+        model = load_neurocache(model, cfg.pretrained_neurocache,
+                                **({} if info['lora_only'] else {k: getattr(nc, k) for k in CACHE_FIELDS}))
         if cfg.disable_neurocache and has_neurocache(model):
-            model.neurocache.enabled = False                                  # its LoRA alone; the cache weights stay as loaded
+            model.neurocache.enabled = False  # its LoRA alone; the cache weights stay as loaded
             for p in model.neurocache.parameters(): p.requires_grad_(False)
         return model
     if cfg.disable_neurocache:
@@ -202,7 +227,8 @@ def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
 def _layer_span(layers) -> str:
     "22-29 for a contiguous run of layers, else 22, 25, 28."
     layers = list(layers)
-    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1 else ', '.join(map(str, layers))
+    return (f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1
+            else ', '.join(map(str, layers)))
 
 def describe_model(model) -> str:
     "One line: what was built."
@@ -210,14 +236,18 @@ def describe_model(model) -> str:
     if has_neurocache(model):
         c = model.neurocache_config
         what = (f"Neurocache (retrieval {c.retrieval_map}, attention in {_layer_span(c.attention_layers)}, "
-                f"{c.cache_size:,}-entry {c.cache_type} cache" + (f", {c.eval_cache_size:,} in evaluation" if c.eval_cache_size else '') +
-                (f", LoRA r={c.lora_r}" if c.lora_r else ', no LoRA') + (', cache disabled' if not model.neurocache.enabled else '') + ')')
+                f"{c.cache_size:,}-entry {c.cache_type} cache"
+                + (f", {c.eval_cache_size:,} in evaluation" if c.eval_cache_size else '')
+                + (f", LoRA r={c.lora_r}" if c.lora_r else ', no LoRA')
+                + (', cache disabled' if not model.neurocache.enabled else '') + ')')
     else: what = 'LoRA only (no cache)' if t else 'base model (nothing trainable)'
-    return f"{type(model.base_model if has_neurocache(model) else model).__name__} + {what}: {t:,} trainable of {n:,} parameters"
+    return (f"{type(model.base_model if has_neurocache(model) else model).__name__} + {what}: "
+            f"{t:,} trainable of {n:,} parameters")
 
 # %% ../nbs/21_train_neurocache.ipynb
 def load_streams(cfg:NeurocacheRunConfig, tokenizer) -> tuple:
-    "(train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without --test_split)."
+    ("(train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without "
+     "--test_split).")
     corpus = load_corpus(cfg.dataset_name, text_field=cfg.text_field, config=cfg.dataset_config)
     have = list(corpus.splits)
     for flag in ('train_split', 'eval_split', 'test_split'):
@@ -225,9 +255,11 @@ def load_streams(cfg:NeurocacheRunConfig, tokenizer) -> tuple:
         if name is None or (flag == 'train_split' and cfg.only_evaluate): continue
         try: n = len(corpus.split(name))
         except (KeyError, MemlabError): n = 0
-        check(n > 0, f"--{flag} {name!r}: {cfg.dataset_name} has no such split (or it is empty); it has {', '.join(have)}")
+        check(n > 0, f"--{flag} {name!r}: {cfg.dataset_name} has no such split (or it is empty); "
+                     f"it has {', '.join(have)}")
     kw = dict(sequence_length=cfg.sequence_length)
-    train = None if cfg.only_evaluate else DocumentStream(corpus.split(cfg.train_split), tokenizer, cfg.per_device_train_batch_size,
+    train = None if cfg.only_evaluate else DocumentStream(corpus.split(cfg.train_split), tokenizer,
+                                                          cfg.per_device_train_batch_size,
                                                           shuffle=True, seed=cfg.seed, loop=True, **kw)
     evals = [DocumentStream(corpus.split(s), tokenizer, cfg.per_device_eval_batch_size, loop=False, **kw) if s else None
              for s in (cfg.eval_split, cfg.test_split)]
@@ -247,11 +279,12 @@ def _full_state(trainer) -> dict:
     return trainer.unwrapped_model.state_dict()
 
 def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path) -> Path:
-    "Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process; every process must call it (FSDP gathers)."
+    ("Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process; every process must call it "
+     "(FSDP gathers).")
     model = trainer.unwrapped_model
     state = _full_state(trainer) if trainer.fsdp else None
     if trainer.is_main:
-        if state is not None:                                              # sharded: save the gathered tensors into a CPU copy's slots
+        if state is not None:  # sharded: save the gathered tensors into a CPU copy's slots
             own = neurocache_state_dict(model)
             with torch.no_grad():
                 saved = {k: state[k if has_neurocache(model) else k[len('base_model.'):]] for k in own}
@@ -272,14 +305,16 @@ def _save_state(model, cfg, path, state:dict) -> Path:
     conf = model.neurocache_config if has_neurocache(model) else _resolved(model, cfg)
     base = model.base_model if has_neurocache(model) else model
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path/NEUROCACHE_WEIGHTS_NAME),
-              metadata={'format': 'pt', 'family': str(base.config.model_type), 'lora_only': str(not has_neurocache(model)).lower(),
+              metadata={'format': 'pt', 'family': str(base.config.model_type),
+                        'lora_only': str(not has_neurocache(model)).lower(),
                         'base_model': str(getattr(base.config, '_name_or_path', '') or '')})
     atomic_write_text(path/NEUROCACHE_CONFIG_NAME, conf.to_json())
     return path
 
 # %% ../nbs/21_train_neurocache.ipynb
 def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
-    "Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results (also <output_dir>/results.json)."
+    ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "
+     "(also <output_dir>/results.json).")
     mp = mixed_precision_of(cfg)
     if cfg.with_tracking and cfg.report_to == 'wandb':
         check(importlib.util.find_spec('wandb') is not None,
@@ -359,22 +394,26 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
 def summary(res:dict) -> str:
     "The final lines a run prints."
     e, t = res['eval'], res['test']
-    s = (f"memlab_neurocache: {res['steps']} updates, {res['tokens_seen']:,} training tokens; validation perplexity {e['ppl']:.3f} "
+    s = (f"memlab_neurocache: {res['steps']} updates, {res['tokens_seen']:,} training tokens; "
+         f"validation perplexity {e['ppl']:.3f} "
          f"({e['bits_per_token']:.4f} bits/token over {e['tokens']:,} tokens)")
     if t: s += f"; test perplexity {t['ppl']:.3f} ({t['bits_per_token']:.4f} bits/token over {t['tokens']:,} tokens)"
     return s + f"; results in {show_path(res['output_dir'])}/results.json"
 
 @cli_main
 def main(argv=None):
-    "memlab_neurocache: train (or evaluate) a Neurocache for a Hugging Face causal LM on long documents; train_neurocache.py's command line."
-    cfg = parse_configs(NeurocacheRunConfig, argv, prog='memlab_neurocache', description=main.__doc__, config_file_flag='config')
+    ("memlab_neurocache: train (or evaluate) a Neurocache for a Hugging Face causal LM on long documents; "
+     "train_neurocache.py's command line.")
+    cfg = parse_configs(NeurocacheRunConfig, argv, prog='memlab_neurocache', description=main.__doc__,
+                        config_file_flag='config')
     res = train_neurocache(cfg)
     if int(os.environ.get('RANK', '0')) == 0 and 'eval' in res: print('\n' + summary(res))
 
 # %% ../nbs/21_train_neurocache.ipynb
 @dataclass
 class FactRecallTask(Config):
-    "Synthetic long-range recall: facts `F key value` at a document's start, asked as `Q key value` after a gap of filler."
+    ("Synthetic long-range recall: facts `F key value` at a document's start, asked as `Q key value` after a gap of "
+     "filler.")
     n_facts: int = 8        # facts per document, each asked once
     gap: int = 48           # filler tokens between the facts and the questions
     n_keys: int = 64        # distinct keys (a document's keys are distinct)
@@ -391,11 +430,13 @@ class FactRecallTask(Config):
 
     def document(self, rng) -> list:
         "The token ids of one document."
-        keys, values = rng.choice(self.n_keys, self.n_facts, replace=False), rng.integers(0, self.n_values, self.n_facts)
+        keys, values = (rng.choice(self.n_keys, self.n_facts, replace=False),
+                        rng.integers(0, self.n_values, self.n_facts))
         ids = []
         for k, v in zip(keys, values): ids += [self.FACT, self.key0 + int(k), self.value0 + int(v)]
         ids += [int(t) for t in self.value0 + self.n_values + rng.integers(0, self.n_filler, self.gap)]
-        for i in rng.permutation(self.n_facts): ids += [self.QUERY, self.key0 + int(keys[i]), self.value0 + int(values[i])]
+        for i in rng.permutation(self.n_facts):
+            ids += [self.QUERY, self.key0 + int(keys[i]), self.value0 + int(values[i])]
         return ids
 
     def documents(self, n:int, seed:int=0) -> list:
@@ -413,23 +454,26 @@ def fact_recall_tokenizer(vocab_size:int):
     "A Hugging Face tokenizer whose tokens are the ids themselves ('5 17 42' -> [5, 17, 42]); id 0 is EOS and padding."
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {'<eos>': 0, **{str(i): i for i in range(1, vocab_size)}}           # id 0 never appears in a document's text
+    vocab = {'<eos>': 0, **{str(i): i for i in range(1, vocab_size)}}  # id 0 never appears in a document's text
     tk = Tokenizer(models.WordLevel(vocab, unk_token='<eos>'))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token='<eos>', pad_token='<eos>', unk_token='<eos>')
 
 class RecallLoss:
-    "The causal-LM loss over every token, also logging answer-token sums (answer_loss, answer_correct, answers) for the task."
+    ("The causal-LM loss over every token, also logging answer-token sums (answer_loss, answer_correct, answers) for "
+     "the task.")
     def __init__(self, task:FactRecallTask): self.task = task
     def __call__(self, model, batch:dict) -> LossOutput:
-        inputs = {k: v for k, v in batch.items() if k != 'labels' and (k != 'start_of_sequence' or has_neurocache(model))}
+        inputs = {k: v for k, v in batch.items()
+                  if k != 'labels' and (k != 'start_of_sequence' or has_neurocache(model))}
         logits = model(**inputs).logits.float()                                    # (B, T, V)
         labels = batch['labels'].to(logits.device)
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction='none').view_as(labels)
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                             reduction='none').view_as(labels)
         ans = self.task.answer_mask(batch['input_ids'].to(labels.device)) & (labels != -100)
         correct = ((logits.argmax(-1) == labels) & ans).sum().float()
-        return LossOutput(ce.sum(), (labels != -100).sum(), {'answer_loss': (ce * ans).sum().detach(), 'answer_correct': correct,
-                                                           'answers': ans.sum().float()})
+        return LossOutput(ce.sum(), (labels != -100).sum(), {'answer_loss': (ce * ans).sum().detach(),
+                                                           'answer_correct': correct, 'answers': ans.sum().float()})
 
 def recall_metrics(logs:dict, prefix:str='') -> dict:
     "Answer accuracy and answer loss (nats) from a log or evaluation entry of `RecallLoss` sums."
@@ -438,36 +482,46 @@ def recall_metrics(logs:dict, prefix:str='') -> dict:
     return {'accuracy': logs[f'{prefix}answer_correct'] / n, 'answer_loss': logs[f'{prefix}answer_loss'] / n}
 
 # %% ../nbs/21_train_neurocache.ipynb
-TINY_RECALL_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256, max_positions=64)
+TINY_RECALL_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256,
+                         max_positions=64)
 
 def recall_cache_config(**changes) -> NeurocacheConfig:
-    "The Neurocache of the synthetic task: retrieve and store at layer 0, attend in every layer, top-1 with its successor."
+    ("The Neurocache of the synthetic task: retrieve and store at layer 0, attend in every layer, top-1 with its "
+     "successor.")
     kw = dict(cache_size=256, cache_dtype='float32', compression_factor=2, topk=1, neighborhood_size=2, context_size=1,
-              retrieval_map='0:0', attention_layers='0-3', cache_attention='separate')   # learned from scratch with the model
+              # learned from scratch with the model
+              retrieval_map='0:0', attention_layers='0-3', cache_attention='separate')
     return NeurocacheConfig(**{**kw, **changes})
 
-def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8, sequence_length:int=32,
-                      lr:float=3e-3, n_train:int=4000, n_eval:int=32, seed:int=0, eval_every:int=0, output_dir:str=None,
+def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8,
+                      sequence_length:int=32, lr:float=3e-3, n_train:int=4000, n_eval:int=32, seed:int=0,
+                      eval_every:int=0, output_dir:str=None,
                       model_kw:dict=None, progress:bool=False, threads:int=1) -> dict:
-    "Train a tiny Llama from scratch on `task`, with the Neurocache `cache` (or none); answer accuracy and loss on held-out documents."
+    ("Train a tiny Llama from scratch on `task`, with the Neurocache `cache` (or none); answer accuracy and loss on "
+     "held-out documents.")
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)      # a tiny model's operations are too small to gain from a second thread
-    try: return _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed, eval_every,
-                                   output_dir, model_kw, progress)
+    try: return _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed,
+                                   eval_every, output_dir, model_kw, progress)
     finally: torch.set_num_threads(prev)
 
-def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed, eval_every, output_dir, model_kw,
-                       progress) -> dict:
+def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed, eval_every,
+                       output_dir, model_kw, progress) -> dict:
     tok = fact_recall_tokenizer(task.vocab_size)
     from memlab.models import tiny_model
-    model = tiny_model('llama', seed=seed, vocab_size=task.vocab_size, **{**TINY_RECALL_MODEL, **(model_kw or {})}).train()
+    model = tiny_model('llama', seed=seed, vocab_size=task.vocab_size,
+                       **{**TINY_RECALL_MODEL, **(model_kw or {})}).train()
     if cache is not None: model = add_neurocache(model, cache, train_base=True)
-    train = DocumentStream(task.documents(n_train, seed), tok, batch_size, sequence_length, seed=seed, add_special_tokens=False)
-    ev = DocumentStream(task.documents(n_eval, seed + 10_000), tok, batch_size, sequence_length, loop=False, add_special_tokens=False)
-    tc = TrainConfig(output_dir=output_dir, max_steps=steps, per_device_batch_size=batch_size, lr=lr, warmup_steps=min(20, steps // 5),
-                     log_every=max(1, steps // 15), eval_every=eval_every, report_to='none', progress=progress, seed=seed, save_final=False)
+    train = DocumentStream(task.documents(n_train, seed), tok, batch_size, sequence_length, seed=seed,
+                           add_special_tokens=False)
+    ev = DocumentStream(task.documents(n_eval, seed + 10_000), tok, batch_size, sequence_length, loop=False,
+                        add_special_tokens=False)
+    tc = TrainConfig(output_dir=output_dir, max_steps=steps, per_device_batch_size=batch_size, lr=lr,
+                     warmup_steps=min(20, steps // 5), log_every=max(1, steps // 15), eval_every=eval_every,
+                     report_to='none', progress=progress, seed=seed, save_final=False)
     t0 = time.time()
-    trainer = Trainer(model, tc, train, ev, loss_fn=RecallLoss(task), callbacks=[NeurocacheCallback()] if cache is not None else [])
+    trainer = Trainer(model, tc, train, ev, loss_fn=RecallLoss(task),
+                      callbacks=[NeurocacheCallback()] if cache is not None else [])
     history = trainer.fit()
     final = [h for h in history if 'eval_loss' in h][-1]
     return {'cache': cache.to_dict() if cache is not None else None, 'steps': steps, 'seconds': time.time() - t0,
@@ -478,10 +532,12 @@ def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_tr
                      for h in history if 'eval_loss' in h]}
 
 # %% ../nbs/21_train_neurocache.ipynb
-_FIRST = ('Ingrid', 'Tobias', 'Marisol', 'Radek', 'Oluwaseun', 'Henrike', 'Casimir', 'Philippa', 'Anselm', 'Dagny', 'Leocadia',
-          'Barnaby', 'Ximena', 'Evander', 'Saoirse', 'Ottoline', 'Thaddeus', 'Wilhelmina', 'Ignatius', 'Ysolde')
-_LAST = ('Valtersen', 'Quillfeather', 'Abernathy', 'Moravcik', 'Adeyemi', 'Lindqvist', 'Pendergast', 'Okonkwo', 'Fairbrother',
-         'Castellanos', 'Ravensworth', 'Szymanski', 'Thistlewood', 'Kowalczyk', 'Blackwood', 'Vandermeer', 'Zielinski', 'Haverford')
+_FIRST = ('Ingrid', 'Tobias', 'Marisol', 'Radek', 'Oluwaseun', 'Henrike', 'Casimir', 'Philippa', 'Anselm', 'Dagny',
+          'Leocadia', 'Barnaby', 'Ximena', 'Evander', 'Saoirse', 'Ottoline', 'Thaddeus', 'Wilhelmina', 'Ignatius',
+          'Ysolde')
+_LAST = ('Valtersen', 'Quillfeather', 'Abernathy', 'Moravcik', 'Adeyemi', 'Lindqvist', 'Pendergast', 'Okonkwo',
+         'Fairbrother', 'Castellanos', 'Ravensworth', 'Szymanski', 'Thistlewood', 'Kowalczyk', 'Blackwood',
+         'Vandermeer', 'Zielinski', 'Haverford')
 _TOPICS = ('parser', 'scheduler', 'archive', 'profiler', 'resolver', 'allocator', 'tracer', 'validator')
 
 @dataclass
@@ -492,7 +548,8 @@ class RecallProbe(Config):
     seed: int = 0            # draws the names, topics and numbers
 
     def documents(self, texts, tokenizer) -> list:
-        "[(input_ids (T,), answer positions)] for each text long enough to hold the gap; answers: the restated name and number."
+        ("[(input_ids (T,), answer positions)] for each text long enough to hold the gap; answers: the restated name "
+         "and number.")
         rng, out = np.random.default_rng(self.seed), []
         for text in texts:
             first, last, topic = rng.choice(_FIRST), rng.choice(_LAST), rng.choice(_TOPICS)
@@ -509,14 +566,16 @@ class RecallProbe(Config):
             asked = len(head) + cut + 2                                       # the restatement starts here (characters)
             spans = [(text.index(s, asked), text.index(s, asked) + len(s)) for s in (f"{first} {last}", str(number))]
             enc = tokenizer(text, return_offsets_mapping=True)
-            pos = [i for i, (s, e) in enumerate(enc['offset_mapping']) if e > s and any(s < c1 and e > c0 for c0, c1 in spans)]
+            pos = [i for i, (s, e) in enumerate(enc['offset_mapping'])
+                   if e > s and any(s < c1 and e > c0 for c0, c1 in spans)]
             pos = [p for p in pos if p % self.segment]                       # not the first token of a segment
             out.append((torch.tensor(enc['input_ids']), torch.tensor(pos)))
         return out
 
 @torch.no_grad()
 def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
-    "(mean NLL in nats, count) of the answer tokens of `RecallProbe.documents`, read in segments (a cache carried across them) or whole."
+    ("(mean NLL in nats, count) of the answer tokens of `RecallProbe.documents`, read in segments "
+     "(a cache carried across them) or whole.")
     nc, total, n = has_neurocache(model), 0., 0
     for ids, pos in docs:
         end = int(pos.max()) + 1
@@ -530,17 +589,21 @@ def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
 
 # %% ../nbs/21_train_neurocache.ipynb
 def demo(out:Path, quick:bool=False) -> tuple:
-    "Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without a cache."
+    ("Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without "
+     "a cache.")
     task, steps = FactRecallTask(), 40 if quick else 120
     runs = {name: train_fact_recall(task, cache, steps=steps, eval_every=0)
             for name, cache in (('with Neurocache', recall_cache_config()), ('without cache', None))}
     w, wo = runs['with Neurocache'], runs['without cache']
-    rows = [{'method': 'Neurocache', 'setting': f"tiny Llama from scratch, facts asked {task.gap}+ tokens later, 32-token segments, "
-                                                 f"{steps} updates, separate cache attention ('auto' for a model "
-                                                 f"without induction heads)", 'metric': 'held-out answer accuracy',
+    rows = [{'method': 'Neurocache',
+             'setting': f"tiny Llama from scratch, facts asked {task.gap}+ tokens later, 32-token segments, "
+                        f"{steps} updates, separate cache attention ('auto' for a model "
+                        f"without induction heads)", 'metric': 'held-out answer accuracy',
              'value': f"with cache {w['accuracy']:.2f}, without {wo['accuracy']:.2f} (chance {1 / task.n_values:.2f})"}]
-    series = {'Neurocache: answer loss (synthetic recall)': {name: [(s, l) for s, l, _ in r['train']] for name, r in runs.items()}}
-    atomic_write_text(Path(out)/'neurocache'/'demo.json', json.dumps({k: {kk: vv for kk, vv in r.items()} for k, r in runs.items()}, indent=1))
+    series = {'Neurocache: answer loss (synthetic recall)': {name: [(s, l) for s, l, _ in r['train']]
+                                                             for name, r in runs.items()}}
+    atomic_write_text(Path(out)/'neurocache'/'demo.json',
+                      json.dumps({k: {kk: vv for kk, vv in r.items()} for k, r in runs.items()}, indent=1))
     return rows, series
 
 # %% ../nbs/21_train_neurocache.ipynb

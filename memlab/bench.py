@@ -8,7 +8,7 @@ import importlib, json, multiprocessing as mp, queue, statistics, time
 
 import torch
 
-from .core import MemlabError, cli_main, peak_memory, atomic_write_text
+from .core import MemlabError, cli_main, markdown_table, peak_memory, atomic_write_text
 from .models import enable_activation_checkpointing
 
 # %% auto 0
@@ -71,7 +71,7 @@ def ratio_table(rows:list, baseline:str=None, key:str='config', columns=('peak_m
     base = next((r for r in rows if r.get(key) == baseline), None) if baseline else None
     extra = [k for k in rows[0] if k not in columns and k != key] if rows else []
     head = [key] + extra + [h for c in columns for h in ((c, f'{c} ratio') if base else (c,))]
-    lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+    table = []
     for r in rows:
         cells = [str(r.get(key))] + [str(r.get(k, '')) for k in extra]
         for c in columns:
@@ -80,8 +80,8 @@ def ratio_table(rows:list, baseline:str=None, key:str='config', columns=('peak_m
             if base:
                 b = base.get(c)
                 cells.append('—' if v is None or not b else f'{v / b:.2f}×')
-        lines.append('| ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines)
+        table.append(cells)
+    return '\n'.join(markdown_table(head, table))
 
 # %% ../nbs/06_bench.ipynb
 def reference_llama_config(vocab_size:int=8192):

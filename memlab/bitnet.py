@@ -19,7 +19,8 @@ from .compat import QUANTIZED_LINEARS, quant_kind
 from .core import Config, MemlabError, check, atomic_write_text
 from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers,
                            detach_method, folder_methods, load_model, load_saved_methods, model_methods,
-                           is_weight_delta_layer, register_folder, register_method, state_names, write_memlab_folder)
+                           is_weight_delta_layer, register_folder, register_method, replace_module, state_names,
+                           write_memlab_folder)
 
 # %% auto 0
 __all__ = ['revert_bitnet', 'weight_quant', 'activation_quant', 'ste', 'rms_norm', 'BitLinear', 'BitNetConfig', 'bitnet_modules',
@@ -175,10 +176,6 @@ def bitnet_modules(model:nn.Module) -> dict:
     "The BitLinear modules of `model` by dotted name."
     return {n: m for n, m in model.named_modules() if isinstance(m, BitLinear)}
 
-def _parent(model, name):
-    parent, _, child = name.rpartition('.')
-    return (model.get_submodule(parent) if parent else model), child
-
 def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
     ("Replace the target linear layers of `model` (any family, GPT-2 Conv1D included) by `BitLinear`, in place; "
      "refuse if nothing matches.")
@@ -220,13 +217,12 @@ def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
     for n in targets:
         if linears[n] == 'relora': _check_relora_base(model.get_submodule(n), n)
     for n in targets:
-        parent, child = _parent(model, n)
-        base = getattr(parent, child)
+        base = model.get_submodule(n)
         if not cfg.keep_weights:
             with torch.no_grad():
                 nn.init.xavier_uniform_(base.weight)
                 if base.bias is not None: base.bias.zero_()
-        setattr(parent, child, BitLinear(base, norm_eps=cfg.norm_eps))
+        replace_module(model, n, BitLinear(base, norm_eps=cfg.norm_eps))
     return attach_method(model, 'bitnet', dataclasses.replace(cfg, expected=len(targets)).to_dict())
 
 def convert_to_bitnet(model:nn.Module,
@@ -248,8 +244,7 @@ def remove_bitnet(model:nn.Module) -> nn.Module:
     check(not frozen, f"{len(frozen)} BitLinear modules (e.g. {frozen[0] if frozen else ''}) are frozen: "
           "their latent weights were dropped, there is nothing to revert to")
     for n, m in mods.items():
-        parent, child = _parent(model, n)
-        setattr(parent, child, m.base_layer)
+        replace_module(model, n, m.base_layer)
     return detach_method(model, 'bitnet')
 
 revert_bitnet = remove_bitnet   # the name before the method contract

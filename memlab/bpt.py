@@ -20,7 +20,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import slice_logits_to_keep
 
 from .core import Config, check
-from .models import MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method, register_method
+from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
+                           register_method, unwrap)
 from .training import LossOutput, model_inputs
 
 # %% auto 0
@@ -702,20 +703,9 @@ class BPTLossHooks:
 BPT_FAMILIES = ('llama', 'mistral')
 _STATE = '_memlab_bpt'   # attribute of a converted Hugging Face model: its BPTHandle (what to undo)
 
-def _hf_model(model) -> nn.Module:
-    "The Hugging Face model inside DDP/FSDP (`.module`), `torch.compile` (`._orig_mod`) and PEFT wrappers."
-    for _ in range(8):
-        if isinstance(getattr(model, 'module', None), nn.Module): inner = model.module
-        elif isinstance(getattr(model, '_orig_mod', None), nn.Module): inner = model._orig_mod
-        elif hasattr(model, 'get_base_model'): inner = model.get_base_model()
-        else: return model
-        if inner is model: return model
-        model = inner
-    return model
-
 def _handle(model):
     "The `BPTHandle` of a converted model (through wrappers), or None."
-    return vars(_hf_model(model)).get(_STATE)
+    return vars(unwrap(model, peft=True)).get(_STATE)
 
 class BPTHandle:
     "What `add_bpt` changed in a model (kept on the model); `remove_bpt(model)` undoes it."
@@ -738,7 +728,7 @@ def add_bpt(model, config:BPTConfig=None):
     ("Convert a Hugging Face Llama-family causal LM to BPT in place "
      "(blockwise attention, chunked FFN or fused layers); return it.")
     config = BPTConfig() if config is None else config
-    hf = _hf_model(model)
+    hf = unwrap(model, peft=True)
     family = getattr(getattr(hf, 'config', None), 'model_type', None)
     check(family in BPT_FAMILIES, f"BPT converts Llama-family causal LMs ({', '.join(BPT_FAMILIES)}, e.g. SmolLM2); "
           f"{type(hf).__name__} (model_type={family!r}) is not one")
@@ -778,7 +768,7 @@ apply_bpt = add_bpt   # the older name
 
 def remove_bpt(model):
     "Undo `add_bpt` on `model`: the plain model again (its modules, attention implementation and `save_pretrained`)."
-    hf = _hf_model(model)
+    hf = unwrap(model, peft=True)
     check(_handle(hf) is not None, "this model is not converted by add_bpt")
     _handle(hf).remove()
     detach_method(hf, 'bpt')

@@ -17,7 +17,8 @@ __all__ = ['VALUE_RULES', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check
            'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
            'check_writable', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
            'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
-           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision', 'patch_to', 'show_path']
+           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision', 'patch_to', 'show_path',
+           'markdown_table']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -533,3 +534,9 @@ def show_path(path) -> str:
         return prefix + str(rel) if str(rel) != '.' else (prefix.rstrip('/') or '.')
     return str(full)
 
+
+# %% ../nbs/00_core.ipynb
+def markdown_table(header, rows) -> list:
+    "The lines of a Markdown table: the column names `header`, then one line per row of `rows` (cells as `str`)."
+    line = lambda cells: '| ' + ' | '.join(str(c) for c in cells) + ' |'
+    return [line(header), '|' + '---|' * len(header)] + [line(r) for r in rows]

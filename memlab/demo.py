@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, time
 from pathlib import Path
 
-from .core import check, cli_main, atomic_write_text
+from .core import check, cli_main, atomic_write_text, markdown_table
 from .training import TrainConfig
 
 # %% auto 0
@@ -155,9 +155,8 @@ def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
 
 def demo_table(rows:list) -> str:
     "Markdown table of demo rows."
-    lines = ['| method | setting | metric | value |', '|---|---|---|---|']
-    lines += [f"| {r['method']} | {r['setting']} | {r['metric']} | {r['value']} |" for r in rows]
-    return '\n'.join(lines)
+    cols = ('method', 'setting', 'metric', 'value')
+    return '\n'.join(markdown_table(cols, [[r[c] for c in cols] for r in rows]))
 
 def plot_series(series:dict, path):
     "One panel per series (x, y pairs) in a single figure."

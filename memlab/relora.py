@@ -17,7 +17,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from .compat import dequantize_weight, quant_kind, quantized_linear, store_weight_
 from .core import Config, MemlabError, arg, check
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
-                           is_latent_weight_layer, layer_parts, plain_config, register_method, state_names, MLP_NAMES)
+                           is_latent_weight_layer, layer_parts, plain_config, register_method, replace_module,
+                           state_names, MLP_NAMES)
 from .schedules import Cosine, CosineRestarts, Linear, lambda_scheduler
 from .training import Callback
 
@@ -140,7 +141,7 @@ def relora_parameters(model:nn.Module) -> list:
     "The adapter parameters of `model` (names starting with `relora_`): the ones whose optimizer state ReLoRA resets."
     return [p for n, p in model.named_parameters() if n.rsplit('.', 1)[-1].startswith('relora_')]
 
-def _is_linear(m) -> bool: return isinstance(m, nn.Linear)  # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear
+def _is_nn_linear(m) -> bool: return isinstance(m, nn.Linear)  # Linear4bit / Linear8bitLt subclass it; Conv1D does not
 
 def _expected_targets(model) -> dict:
     "The attention and MLP linears of every decoder layer: {id(module): name}, or None when the layers cannot be found."
@@ -150,10 +151,10 @@ def _expected_targets(model) -> dict:
     out = {}
     for layer in layers:
         parts = layer_parts(layer)
-        mods = [m for m in getattr(layer, parts['attn']).modules() if _is_linear(m)]
+        mods = [m for m in getattr(layer, parts['attn']).modules() if _is_nn_linear(m)]
         mlp = next((getattr(layer, n) for n in MLP_NAMES if hasattr(layer, n)), None)
         ffn = [mlp] if mlp is not None else [layer.get_submodule(n) for n in parts['ffn']]
-        mods += [m for f in ffn for m in f.modules() if _is_linear(m)]  # wrapped linears too (a BitLinear's base_layer)
+        mods += [m for f in ffn for m in f.modules() if _is_nn_linear(m)]  # wrapped ones too (a BitLinear's base_layer)
         out.update({id(m): names.get(id(m), '?') for m in mods})
     return out
 
@@ -167,7 +168,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
     targets, not_linear = [], []
     for name, mod in model.named_modules():
         if not name or not any(p in name for p in pats): continue
-        if _is_linear(mod): targets.append(name)
+        if _is_nn_linear(mod): targets.append(name)
         elif type(mod).__name__ == 'Conv1D': not_linear.append(f"{name} (Conv1D)")
     check(targets, f"add_relora: no nn.Linear layer of {type(model).__name__} matches target_modules {pats}"
           + (f"; matched but not nn.Linear: {', '.join(not_linear[:3])}" if not_linear else '')
@@ -194,9 +195,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
               f"weights of BitNet layers (e.g. {in_bitnet[0]}): BitNet trains them in full precision")
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     for name in targets:
-        parent_name, _, child = name.rpartition('.')
-        parent = model.get_submodule(parent_name)
-        base = getattr(parent, child)
+        base = model.get_submodule(name)
         training = base.training
         if not config.keep_original_weights:
             check(quant_kind(base) is None,
@@ -208,7 +207,7 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
         # W = 0 and B = 0 would be a dead network
         if not config.keep_original_weights: _kaiming_(layer.relora_B.data, g)
         layer.train(training)  # an eval-mode model stays in eval mode
-        setattr(parent, child, layer)
+        replace_module(model, name, layer)
     assert len(relora_layers(model)) == len(targets)
     return attach_method(model, 'relora', config.to_dict())
 
@@ -283,8 +282,7 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
     check(layers, "remove_relora: the model has no ReLoRA layers")
     for name, m in layers:
         if merge: merge_layer_(m, reinit=False, name=name)
-        parent_name, _, child = name.rpartition('.')
-        setattr(model.get_submodule(parent_name), child, m.base_layer)
+        replace_module(model, name, m.base_layer)
         if quant_kind(m.base_layer) is None: m.base_layer.weight.requires_grad_(True)
     return detach_method(model, 'relora')
 
@@ -306,7 +304,7 @@ def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
             W = (_full(base.weight).float() if quant_kind(base) is None else base_weight_fp32(base))
             s = _full(m.relora_scaling).float().tanh() if m.trainable_scaling else m.scaling
             sd[f"{key}.weight"] = W + (_full(m.relora_B).float() @ _full(m.relora_A).float()) * s
-        elif _is_linear(m) and quant_kind(m) is not None: sd[f"{key}.weight"] = base_weight_fp32(m)
+        elif _is_nn_linear(m) and quant_kind(m) is not None: sd[f"{key}.weight"] = base_weight_fp32(m)
         else: continue
         if m.bias is not None: sd[f"{key}.bias"] = _full(m.bias).float()
         done.append(name + '.'); keys.append(key + '.')

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         show_path)
+                         markdown_table, show_path)
 from .data import load_corpus
 from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
                            state_names)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import TrainConfig, default_output_dir, run
+from .training import TrainConfig, default_output_dir, run, run_summary
 
 # %% auto 0
 __all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_INFO', 'LMTaskConfig', 'add_lora', 'train_lm',
@@ -168,14 +168,11 @@ register_folder('peft-adapter', _is_adapter, load_adapter_folder)
 # %% ../nbs/07_train.ipynb
 def results_table(res:dict) -> str:
     "Markdown table of a `train_lm` result."
-    rows = [('before training', res.get('before')), ('after training', res.get('after'))]
-    lines = ['| model | eval loss | perplexity | bits/token | eval tokens |', '|---|---|---|---|---|']
-    for name, e in rows:
-        if e:
-            lines.append(f"| {name} | {e['eval_loss']:.4f} | {e['eval_ppl']:.3f} | {e['eval_bits_per_token']:.4f} | "
-                         f"{e['eval_tokens']:,} |")
-    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, "
-              f"{res['tokens_per_s']:.0f} tokens/s, peak memory {res['peak_memory_mib']:.0f} MiB, "
+    evals = [('before training', res.get('before')), ('after training', res.get('after'))]
+    rows = [(name, f"{e['eval_loss']:.4f}", f"{e['eval_ppl']:.3f}", f"{e['eval_bits_per_token']:.4f}",
+             f"{e['eval_tokens']:,}") for name, e in evals if e]
+    lines = markdown_table(['model', 'eval loss', 'perplexity', 'bits/token', 'eval tokens'], rows)
+    lines += ['', f"{run_summary(res)}, peak memory {res['peak_memory_mib']:.0f} MiB, "
               f"{res['trainable_parameters']:,} trainable of {res['parameters']:,} parameters."]
     return '\n'.join(lines) + '\n'
 

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, fmt_bytes,
-                         parse_configs, resolve_precision, seed_everything, show_path)
+                         markdown_table, parse_configs, resolve_precision, seed_everything, show_path)
 from .data import load_corpus
 from .loaders import TokenBatches
 from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .training import TrainConfig, make_accelerator, resume_plan, run
+from .training import TrainConfig, make_accelerator, resume_plan, run, run_summary
 from .training import GradientStats
 from .distill import PerplexityEvaluation, perplexity
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups,
@@ -686,11 +686,10 @@ def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):
 def results_table(res:dict) -> str:
     "Markdown table of a `distill` run: perplexity of teacher, student before and after, per evaluator."
     f = lambda v: '—' if v is None else f"{v:.2f}"
-    lines = ['| evaluator | teacher | student before | student after |', '|---|---|---|---|']
-    lines += [f"| {n} | {f(m['teacher'])} | {f(m['student_before'])} | {f(m['student'])} |"
-              for n, m in res['metrics'].items()]
-    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, "
-              f"{res['tokens_per_s']:.0f} tokens/s, peak memory {res['peak_memory_mib']:.0f} MiB; "
+    lines = markdown_table(['evaluator', 'teacher', 'student before', 'student after'],
+                           [(n, f(m['teacher']), f(m['student_before']), f(m['student']))
+                            for n, m in res['metrics'].items()])
+    lines += ['', f"{run_summary(res)}, peak memory {res['peak_memory_mib']:.0f} MiB; "
               f"student {res['student_parameters']:,} parameters, teacher {res['teacher_parameters']:,}."]
     return '\n'.join(lines) + '\n'
 

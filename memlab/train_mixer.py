@@ -13,14 +13,14 @@ from torch import nn
 
 import memlab.mixer as mixer
 from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, field_docs,
-                         parse_configs, seed_everything, show_path, str2bool)
+                         markdown_table, parse_configs, seed_everything, show_path, str2bool)
 from .data import load_corpus
 from .loaders import TokenBatches
 from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits, normalized_loss, information,
                           objective_loss)
 from .models import load_model, load_tokenizer
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
-from .training import Trainer, TrainConfig, default_output_dir, make_accelerator, run
+from .training import Trainer, TrainConfig, default_output_dir, make_accelerator, run, run_summary
 
 # %% auto 0
 __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',
@@ -277,15 +277,13 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
 def results_table(res:dict) -> str:
     "Markdown summary of a `train_mixer` result."
     f = res.get('final') or {}
-    row = lambda *c: '| ' + ' | '.join(str(x) for x in c) + ' |'
-    lines = [row('model', 'objective', 'eval loss', 'token accuracy', 'information', 'normalized loss', 'parameters'),
-             '|---' * 7 + '|',
-             row(res['architecture'], res['objective'], f"{f['eval_loss']:.4f}" if f else '—',
-                 f"{f['eval_accuracy']:.4f}" if 'eval_accuracy' in f else '—',
-                 f"{res['information']:.4f}" if 'information' in res else '—',
-                 f"{res['normalized_loss']:.4f}" if 'normalized_loss' in res else '—', f"{res['parameters']:,}")]
-    lines += ['', f"{res['steps']} updates, {res['train_tokens']:,} training tokens, "
-              f"{res['tokens_per_s']:.0f} tokens/s, {res['processes']} process(es){' (FSDP)' if res['fsdp'] else ''}."]
+    lines = markdown_table(
+        ['model', 'objective', 'eval loss', 'token accuracy', 'information', 'normalized loss', 'parameters'],
+        [(res['architecture'], res['objective'], f"{f['eval_loss']:.4f}" if f else '—',
+          f"{f['eval_accuracy']:.4f}" if 'eval_accuracy' in f else '—',
+          f"{res['information']:.4f}" if 'information' in res else '—',
+          f"{res['normalized_loss']:.4f}" if 'normalized_loss' in res else '—', f"{res['parameters']:,}")])
+    lines += ['', f"{run_summary(res)}, {res['processes']} process(es){' (FSDP)' if res['fsdp'] else ''}."]
     return '\n'.join(lines) + '\n'
 
 # %% ../nbs/51_train_mixer.ipynb

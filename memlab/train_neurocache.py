@@ -4,7 +4,7 @@
 
 # %% ../nbs/21_train_neurocache.ipynb 2
 from __future__ import annotations
-import dataclasses, json, os, time
+import dataclasses, importlib.util, json, os, time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,10 +317,8 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
      "(also <output_dir>/results.json).")
     mp = mixed_precision_of(cfg)
     if cfg.with_tracking and cfg.report_to == 'wandb':
-        try: import wandb
-        except ImportError:
-            raise MemlabError("--report_to wandb needs wandb: pip install wandb "
-                              "(or use --report_to tensorboard)") from None
+        check(importlib.util.find_spec('wandb') is not None,
+              "--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)")
     acc = make_accelerator(mp)
     world, out = acc.num_processes, Path(cfg.output_dir)
     training = not (cfg.only_evaluate or cfg.save_and_quit)

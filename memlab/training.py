@@ -17,7 +17,7 @@ from torch import nn
 from .compat import accelerator_precision, reset_accelerator_precision
 from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, patch_to,
                          peak_memory, resolve_precision, rng_state, set_rng_state)
-from .models import enable_activation_checkpointing, to_state_names
+from .models import as_dtype, enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
 # %% auto 0
@@ -29,7 +29,7 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'Loss
            'write_state', 'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted',
            'StopSignals', 'Trainer', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
            'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'standard_results', 'run',
-           'loop_step_times', 'benchmark']
+           'run_summary', 'loop_step_times', 'benchmark']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -1125,6 +1125,11 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
     return res
 
 # %% ../nbs/05_training.ipynb
+def run_summary(res:dict) -> str:
+    "The start of every command's closing line: updates, training tokens and tokens/s of a `run` result."
+    return f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s"
+
+# %% ../nbs/05_training.ipynb
 def _bench_model_and_batches(rows:int, seq_len:int, steps:int, vocab:int, seed:int=0) -> tuple:
     "The reference Llama of `memlab_bench hf` and `steps` loop-style batches of random tokens."
     import transformers
@@ -1156,7 +1161,7 @@ def loop_step_times(kind:str, rows:int=8, seq_len:int=256, steps:int=12, vocab:i
         dev = 'cuda' if torch.cuda.is_available() else 'cpu'
         model.to(dev).train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(precision)
+        dtype = as_dtype(precision) if precision in ('bf16', 'fp16') else None
         for b in batches:
             b = {k: v.to(dev) for k, v in b.items()}
             with torch.autocast(dev, dtype=dtype or torch.float32, enabled=dtype is not None):

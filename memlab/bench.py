@@ -122,7 +122,7 @@ BENCHMARKS = {
              "memlab's training loop vs a bare PyTorch loop: same model, batches and precision"),
     'bpt': ('memlab.bpt:benchmark',
             'BPT vs HF attention: peak memory and tokens/s vs sequence length, longest sequence in a budget'),
-    'neurocache': ('memlab.neurocache:benchmark',
+    'neurocache': ('memlab.benchmarks.neurocache:benchmark',
                    'tokens/s with and without a 16K cache; memory per cached token vs Memorizing Transformers'),
     'relora': ('memlab.relora:benchmark',
                'ReLoRA vs full-rank: trainable parameters, optimizer memory, peak memory, tokens/s'),

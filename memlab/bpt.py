@@ -25,13 +25,11 @@ from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_laye
 from .training import LossOutput, model_inputs
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'BENCH_BPT',
-           'BENCH_CONFIGS', 'STEP_CONFIGS', 'ALLOCATORS', 'remat', 'torch_block', 'sdpa_block', 'flash_block',
-           'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy',
-           'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer',
-           'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits',
-           'bpt_causal_lm_loss', 'set_mmap_threshold', 'bench_model', 'step_measurement', 'step_measurements',
-           'benchmark']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'remat', 'torch_block',
+           'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward',
+           'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer',
+           'BPTRematLayer', 'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt',
+           'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss', 'set_mmap_threshold']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -823,75 +821,3 @@ def set_mmap_threshold(nbytes:int=1 << 20) -> bool:
         libc.gnu_get_libc_version                     # glibc only: mallopt's numbering is glibc's
         return bool(libc.mallopt(-3, int(nbytes)))    # M_MMAP_THRESHOLD = -3; also stops glibc moving the threshold
     except (OSError, AttributeError): return False
-
-# %% ../nbs/10_bpt.ipynb
-# BPT's setting in the benchmark
-BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)
-BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
-STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits',)                       # what step_measurement measures
-ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}  # the benchmark's mmap thresholds (0: glibc's own)
-
-def bench_model(model:str='reference', attn:str='sdpa'):
-    ("The benchmark's model in fp32: the reference Llama (seeded random weights) "
-     "or a built-in pretrained one (smollm2-135m).")
-    import transformers
-    from memlab.bench import reference_llama_config
-    if model == 'reference':
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(reference_llama_config(), attn_implementation=attn)
-    from memlab.models import load_model
-    return load_model(model, attn_implementation=attn)
-
-def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None,
-                     mmap_threshold:int=0) -> dict:
-    ("Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` "
-     "(one of STEP_CONFIGS).")
-    from memlab.bench import measure_step
-    from memlab.models import enable_activation_checkpointing
-    check(config in STEP_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(STEP_CONFIGS)}")
-    fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
-    m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').train()
-    if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
-    if config.startswith('bpt'): add_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
-    V = m.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (1, seq_len + 1), generator=g)
-    labels = ids[:, 1:].clone(); labels[:, -1] = -100                   # the T - 1 targets Hugging Face's own loss uses
-    batch = {'input_ids': ids[:, :-1], 'labels': labels}
-    losses = []
-    def step():
-        if config == 'bpt':
-            out = bpt_causal_lm_loss(m, batch)
-            loss = out.loss_sum / out.n_tokens
-        else:
-            with full_logits(m) if config == 'bpt full logits' else contextlib.nullcontext():
-                # HF shifts the labels itself
-                loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss
-        loss.backward()
-        m.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    r = measure_step(step, seq_len, warmup=warmup, repeats=repeats)
-    return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1],
-            'mmap_threshold': mmap_threshold if fixed else 0}
-
-def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
-    ("`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: "
-     "a quick demonstration.")
-    out = []
-    for T in sorted(seq_lens):
-        r = step_measurement(model, T, config, warmup=0, bpt=bpt)
-        out.append({'seq_len': T, **r})
-    return out
-
-def benchmark(quick:bool=False):
-    ("`memlab_bench bpt`: peak memory and tokens/s of a training step of the reference Llama, HF vs BPT, "
-     "two allocator settings.")
-    from memlab.bench import run_isolated
-    rows = []
-    for T in ((2048,) if quick else (2048, 8192)):
-        for alloc, nbytes in ALLOCATORS.items():
-            for c in BENCH_CONFIGS:
-                r = run_isolated('memlab.bpt:step_measurement', 'reference', T, c, repeats=1 if quick else 2,
-                                 mmap_threshold=nbytes)
-                rows.append({'config': c, 'allocator': alloc, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
-    return rows, 'sdpa'

@@ -11,9 +11,8 @@ from .core import check, cli_main, atomic_write_text, markdown_table
 from .training import TrainConfig
 
 # %% auto 0
-__all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'PRECISION_METHODS', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora',
-           'demo_mixer', 'demo_neurocache', 'demo_distill', 'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main',
-           'precision_step_times', 'precision_benchmark']
+__all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora', 'demo_mixer',
+           'demo_neurocache', 'demo_distill', 'demo_bpt', 'run_demo', 'demo_table', 'plot_series', 'main']
 
 # %% ../nbs/90_demo.ipynb
 def demo_lm(out:Path, quick:bool=False) -> tuple:
@@ -186,78 +185,6 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='fewer steps (a smoke run)')
     args = p.parse_args(argv)
     run_demo(args.out, args.sections.split(',') if args.sections else None, quick=args.quick)
-
-# %% ../nbs/90_demo.ipynb
-PRECISION_METHODS = ('plain', 'neurocache', 'relora', 'bitnet', 'bpt', 'mixer')
-
-def _method_model(method:str, seq_len:int, vocab:int):
-    "The reference Llama (or, for 'mixer', a masked-mixer LM) with `method` applied, as its benchmark trains it."
-    import transformers
-    from memlab.bench import reference_llama_config
-    if method == 'mixer':
-        from memlab.mixer import MaskedMixerConfig, MaskedMixerForCausalLM
-        return MaskedMixerForCausalLM(MaskedMixerConfig(vocab_size=vocab, hidden_size=256, num_layers=4,
-                                                        length=seq_len, kernel=1))
-    model = transformers.AutoModelForCausalLM.from_config(reference_llama_config(vocab), attn_implementation='sdpa')
-    if method == 'neurocache':
-        from memlab.neurocache import NeurocacheConfig, add_neurocache
-        model = add_neurocache(model, NeurocacheConfig(cache_size=4096, compression_factor=4, topk=16, lora_r=32,
-                                                       lora_dropout=0.0))
-    elif method == 'relora':
-        from memlab.relora import ReLoRAConfig, add_relora
-        add_relora(model, ReLoRAConfig(r=64, lora_dropout=0.0))
-    elif method == 'bitnet':
-        from memlab.bitnet import add_bitnet
-        add_bitnet(model)
-    elif method == 'bpt':
-        from memlab.bpt import BPTConfig, add_bpt
-        chunk = max(1, seq_len // 4)
-        add_bpt(model, BPTConfig(q_chunk_size=chunk, k_chunk_size=chunk, ffn_chunk_size=chunk))
-    else: check(method == 'plain', f"unknown method {method!r}: one of {', '.join(PRECISION_METHODS)}")
-    return model
-
-def precision_step_times(method:str, precision:str, rows:int=4, seq_len:int=256, steps:int=6, vocab:int=8192) -> dict:
-    ("Train `method`'s model `steps` updates in `precision` ('no' or 'bf16'); "
-     "tokens/s after the first two, and the losses.")
-    import time, torch
-    from memlab.training import causal_lm_loss
-    check(steps >= 4, f"steps must be at least 4 (the first two are not timed), got {steps}")
-    torch.manual_seed(0)
-    model = _method_model(method, seq_len, vocab).train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    g = torch.Generator().manual_seed(1)
-    losses, stamps = [], []
-    for i in range(steps):
-        ids = torch.randint(0, vocab, (rows, seq_len + 1), generator=g)
-        batch = {'input_ids': ids[:, :-1], 'labels': ids[:, 1:]}
-        if method == 'neurocache': batch['start_of_sequence'] = torch.full((rows,), i == 0)
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=precision == 'bf16'):
-            out = causal_lm_loss(model, batch)
-        loss = out.loss_sum / out.n_tokens
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach())); stamps.append(time.perf_counter())
-    timed = stamps[2:]
-    return {'tokens_per_s': (len(timed) - 1) * rows * seq_len / (timed[-1] - timed[0]), 'losses': losses}
-
-def precision_benchmark(quick:bool=False, methods=PRECISION_METHODS):
-    ("`memlab_bench precision`: each method's training step in fp32 and under bf16 autocast "
-     "(fresh processes, alternately).")
-    import statistics
-    from memlab.bench import run_isolated
-    from memlab.core import native_bf16
-    kw = dict(rows=2, seq_len=64, steps=4, vocab=512) if quick else {}
-    rows = []
-    for method in methods:
-        speeds, losses = {'no': [], 'bf16': []}, {}
-        for _ in range(1 if quick else 2):
-            for p in ('no', 'bf16'):
-                r = run_isolated('memlab.demo:precision_step_times', method, p, **kw)
-                speeds[p].append(r['tokens_per_s']); losses[p] = r['losses']
-        fp32, bf16 = statistics.median(speeds['no']), statistics.median(speeds['bf16'])
-        diff = max(abs(a - b) / abs(a) for a, b in zip(losses['no'], losses['bf16']))
-        rows.append({'method': method, 'fp32 tokens/s': round(fp32, 1), 'bf16 autocast tokens/s': round(bf16, 1),
-                     'bf16 / fp32': f"{bf16 / fp32:.2f}x", 'max relative loss difference': f"{diff:.1e}"})
-    return rows, f"native bf16 on this machine: {native_bf16()}"
 
 # %% ../nbs/90_demo.ipynb
 #| eval: false

@@ -32,7 +32,7 @@ __all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'PROJECTORS', 'NORMS', 'FEAT
            'TopKTeacher', 'generate_teacher_topk', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads',
            'save_distill_heads', 'load_distill_heads', 'output_vocab_size', 'DistillLoss', 'perplexity',
            'PerplexityEvaluation', 'student_config', 'copy_plan', 'weight_groups', 'xavier_reinitialize',
-           'build_student', 'describe_objective', 'model_card', 'benchmark']
+           'build_student', 'describe_objective', 'model_card']
 
 # %% ../nbs/41_distill.ipynb
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -1097,71 +1097,3 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     L += ['', '## Framework versions', '', f"- memlab {memlab.__version__}", f"- PyTorch {torch.__version__}",
           f"- Transformers {transformers.__version__}", f"- Python {platform.python_version()}", '']
     return '\n'.join(L)
-
-# %% ../nbs/41_distill.ipynb
-def _loss_measurement(path:str, n_tokens:int=2048, vocab:int=49152, width:int=576, chunk_size:int=None) -> dict:
-    ("Peak memory and tokens/s of forward + backward of the KL loss alone "
-     "(`path`: dense, chunked or fused), inputs excluded.")
-    from memlab.bench import measure_step
-    torch.set_num_threads(1); torch.manual_seed(0)
-    h, W = torch.randn(n_tokens, width), torch.randn(vocab, width) / width ** 0.5
-    ht, Wt = torch.randn(n_tokens, width), torch.randn(vocab, width) / width ** 0.5
-    if path == 'fused': s_in, t_in = Hidden(h.requires_grad_(), W.requires_grad_()), Hidden(ht, Wt)
-    else:
-        with torch.no_grad(): s_in, t_in = (h @ W.T).requires_grad_(), ht @ Wt.T      # (N, V) each: the models' logits
-    chunk = None if path == 'dense' else (chunk_size or auto_chunk_size(vocab))
-    def step():
-        total, n = loss_sum('kl', s_in, t_in, chunk_size=chunk)
-        total.backward()
-        for x in (h, W, s_in if not isinstance(s_in, Hidden) else None):
-            if x is not None: x.grad = None
-    return measure_step(step, n_tokens, warmup=1, repeats=2)
-
-def _step_measurement(kind:str, quick:bool=False, seq_len:int=512) -> dict:
-    ("Peak memory and tokens/s of one training step (forward, backward, AdamW) of the half-depth student; "
-     "`kind` picks the objective.")
-    import tempfile
-    from memlab.bench import measure_step
-    from memlab.models import tiny_model
-    torch.set_num_threads(1); torch.manual_seed(0)
-    teacher = (tiny_model('llama', vocab_size=8192, num_layers=4) if quick
-               else load_model('smollm2-135m')).eval().requires_grad_(False)
-    V, L = teacher.config.vocab_size, len(decoder_layers(teacher))
-    student = build_student(teacher, {'num_hidden_layers': L // 2}).train()
-    ids = torch.randint(0, V, (1, seq_len + 1))
-    batch = {'input_ids': ids[:, :-1], 'labels': ids[:, 1:], 'attention_mask': torch.ones(1, seq_len, dtype=torch.long)}
-    with tempfile.TemporaryDirectory() as d:
-        if kind == 'CE (no teacher)':
-            loss_fn = DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1), student)
-        elif kind == 'KL, top-64 shards':
-            generate_teacher_topk(teacher, [batch], d, k=64)
-            loss_fn = DistillLoss(TopKTeacher(d), DistillationObjective(), student)
-            del teacher
-        else: loss_fn = DistillLoss(teacher, DistillationObjective(fused=kind.endswith('fused')), student)
-        opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
-        def step():
-            out = loss_fn(student, batch)
-            (out.loss_sum / out.n_tokens).backward()
-            opt.step(); opt.zero_grad(set_to_none=True)
-        return measure_step(step, seq_len, warmup=1, repeats=2)
-
-def benchmark(quick:bool=False) -> tuple:
-    ("Distillation vs CE training steps, and the dense vs chunked vs fused loss at vocabulary 49,152 "
-     "(`memlab_bench distill`).")
-    from memlab.bench import run_isolated
-    rows, N = [], 512 if quick else 2048
-    for path in ('dense', 'chunked', 'fused'):
-        r = run_isolated('memlab.distill:_loss_measurement', path, n_tokens=N)
-        rows.append({'config': f"{path} KL loss", 'group': f"loss alone, {N} tokens x 49152",
-                     **{k: round(v, 2) for k, v in r.items()}})
-    for kind in ('CE (no teacher)', 'KL, online teacher', 'KL, online teacher, fused', 'KL, top-64 shards'):
-        r = run_isolated('memlab.distill:_step_measurement', kind, quick=quick)
-        rows.append({'config': f"{kind} step",
-                     'group': 'training step, 512 tokens' + (' (tiny models)' if quick else ', SmolLM2 -> 15 layers'),
-                     **{k: round(v, 2) for k, v in r.items()}})
-    for group in dict.fromkeys(r['group'] for r in rows):   # each measurement relative to the first row of its group
-        g = [r for r in rows if r['group'] == group]
-        for r in g:
-            r['peak_ratio'], r['speed_ratio'] = (round(r['peak_mib'] / g[0]['peak_mib'], 3),
-                                                 round(r['tokens_per_s'] / g[0]['tokens_per_s'], 3))
-    return rows, None

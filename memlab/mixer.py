@@ -32,7 +32,7 @@ __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', '
            'autoencoder_loss', 'load_mixer', 'random_token_batch', 'RandomTokenBatches', 'memory_format',
            'OracleMemoryModel', 'ParallelMemoryModel', 'RecurrentMemoryModel', 'copy_batch', 'objective_batches',
            'objective_loss', 'token_accuracy', 'bits_per_byte', 'normalized_loss', 'information', 'info_nce',
-           'count_model_parameters', 'match_parameters', 'llama_matching', 'mixer_step_measurement', 'benchmark']
+           'count_model_parameters', 'match_parameters']
 
 # %% ../nbs/50_mixer.ipynb
 MIXER_TYPES = ('conv', 'linear')
@@ -787,54 +787,3 @@ def match_parameters(config:MaskedMixerConfig, n_params:int, model_cls=None, fie
         if best_err is None or err < best_err: best, best_err = cfg, err
     check(best is not None, f"no valid value of {field} among the candidates")
     return best
-
-# %% ../nbs/50_mixer.ipynb
-def llama_matching(n_params:int, vocab_size:int, num_layers:int, length:int, heads:int=4,
-                   expansion:int=4) -> LlamaConfig:
-    "The `LlamaConfig` (num_layers layers, `heads` heads, FFN expansion·d) whose parameter count is nearest `n_params`."
-    best, best_err = None, None
-    for d in range(2 * heads, 8193, 2 * heads):  # even head size for the rotary embedding
-        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d, intermediate_size=expansion * d,
-                          num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
-                          max_position_embeddings=length, tie_word_embeddings=False)
-        # embeddings, blocks, final norm
-        n = 2 * vocab_size * d + num_layers * (4 * d * d + 3 * expansion * d * d + 2 * d) + d
-        if best_err is not None and n - n_params > best_err: break
-        if best_err is None or abs(n - n_params) < best_err: best, best_err = cfg, abs(n - n_params)
-    return best
-
-def mixer_step_measurement(kind:str, seq_len:int, rows:int, hidden_size:int=256, num_layers:int=4, vocab_size:int=8192,
-                           kernel:int=1, repeats:int=2) -> dict:
-    ("Tokens/s and peak memory of one training step of a masked-mixer LM ('mixer') "
-     "or its equal-parameter Llama ('llama').")
-    from memlab.bench import measure_step
-    from transformers import LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = MaskedMixerConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, length=seq_len,
-                            kernel=kernel)
-    if kind == 'mixer': model = MaskedMixerForCausalLM(cfg)
-    else:
-        n = count_model_parameters(MaskedMixerForCausalLM, cfg)
-        model = LlamaForCausalLM._from_config(llama_matching(n, vocab_size, num_layers, seq_len),
-                                              attn_implementation='sdpa')
-    ids = torch.randint(0, vocab_size, (rows, seq_len))
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
-    res = measure_step(step, rows * seq_len, warmup=1, repeats=repeats)
-    return {'parameters': count_parameters(model), 'width': model.config.hidden_size, **res}
-
-def benchmark(quick:bool=False):
-    "memlab_bench mixer: masked-mixer LM vs the equal-parameter Llama, tokens/s and peak memory per sequence length."
-    from memlab.bench import run_isolated
-    seq_lens, tokens = ((512,), 2048) if quick else ((512, 1024, 2048), 4096)
-    rows = []
-    for T in seq_lens:
-        r = {k: run_isolated('memlab.mixer:mixer_step_measurement', k, T, max(1, tokens // T))
-             for k in ('llama', 'mixer')}
-        for k in ('llama', 'mixer'):
-            rows.append({'config': k, 'seq_len': T, 'width': r[k]['width'], 'parameters': r[k]['parameters'],
-                         'speed_vs_llama': round(r[k]['tokens_per_s'] / r['llama']['tokens_per_s'], 2),
-                         'memory_vs_llama': round(r[k]['peak_mib'] / max(r['llama']['peak_mib'], 1e-9), 2),
-                         'peak_mib': round(r[k]['peak_mib'], 1), 'tokens_per_s': round(r[k]['tokens_per_s'], 1)})
-    return rows, None  # the ratios are per length (columns *_vs_llama), not against one baseline row

@@ -32,7 +32,7 @@ __all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'ReLo
            'add_relora', 'base_weight_fp32', 'merge_layer_', 'merge_and_reinit', 'remove_relora', 'merged_model',
            'save_merged', 'get_cosine_schedule_with_restarts', 'get_linear_schedule', 'get_cosine_schedule',
            'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer', 'rebuild_optimizer', 'ReLoRACallback',
-           'WarmStartCallback', 'benchmark']
+           'WarmStartCallback']
 
 # %% ../nbs/30_relora.ipynb
 DEFAULT_TARGETS = ('attn', 'attention', 'mlp')
@@ -622,51 +622,3 @@ class WarmStartCallback(Callback):
 
     def state_dict(self) -> dict: return {'switched': self.switched}
     def load_state_dict(self, state:dict): self.switched = state['switched']
-
-# %% ../nbs/30_relora.ipynb
-def _bench_config(model_name:str, relora_r:int=0, seq_len:int=256, batch_size:int=2, vocab_size:int=32100,
-                  repeats:int=2) -> dict:
-    ("One measurement (run it through `run_isolated`): full-rank (`relora_r=0`) "
-     "or ReLoRA training of the Llama `model_name`.")
-    import statistics, time
-    from transformers import AutoModelForCausalLM
-    from memlab.core import peak_memory, count_parameters
-    from memlab.models import llama_config
-    torch.manual_seed(0)
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len))
-    times = []
-    with peak_memory() as pm:
-        model = AutoModelForCausalLM.from_config(llama_config(model_name, vocab_size=vocab_size,
-                                                              max_position_embeddings=seq_len))
-        if relora_r: add_relora(model, ReLoRAConfig(r=relora_r, lora_alpha=32), seed=0)
-        model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        for i in range(1 + repeats):  # the first update allocates the optimizer state: not timed
-            t0 = time.perf_counter()
-            with torch.autocast('cuda' if torch.cuda.is_available() else 'cpu', dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-            del loss
-            if i: times.append(time.perf_counter() - t0)
-    state = sum(v.numel() * v.element_size() for s in opt.state.values()
-                for v in s.values() if torch.is_tensor(v) and v.ndim)
-    return {'trainable_params': count_parameters(model, trainable_only=True), 'optimizer_state_mib': state / 2**20,
-            'peak_mib': pm.mib, 'tokens_per_s': batch_size * seq_len / statistics.median(times)}
-
-def benchmark(quick:bool=False) -> tuple:
-    ("ReLoRA (r=128) versus full-rank training of llama_60m and llama_130m at sequence length 256: "
-     "`(rows, baseline)` for `memlab_bench relora`.")
-    from memlab.bench import run_isolated
-    models, rows = (['llama_60m'] if quick else ['llama_60m', 'llama_130m']), []
-    for name in models:
-        full = run_isolated('memlab.relora:_bench_config', name, 0, repeats=1 if quick else 2)
-        rel = run_isolated('memlab.relora:_bench_config', name, 128, repeats=1 if quick else 2)
-        for label, r in (('full-rank', full), ('ReLoRA r=128', rel)):
-            rows.append({'config': f"{name} {label}", 'trainable_params': f"{r['trainable_params']:,}",
-                         'optimizer_state_mib': round(r['optimizer_state_mib'], 1),
-                         'trainable ratio': f"{r['trainable_params'] / full['trainable_params']:.2f}x",
-                         'optimizer state ratio': f"{r['optimizer_state_mib'] / full['optimizer_state_mib']:.2f}x",
-                         'peak ratio': f"{r['peak_mib'] / full['peak_mib']:.2f}x",
-                         'speed ratio': f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x",
-                         'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s']})
-    return rows, None

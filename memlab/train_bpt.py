@@ -515,7 +515,7 @@ def demo(out:Path, quick:bool=False) -> tuple:
     old = os.environ.get('MALLOC_MMAP_THRESHOLD_')
     # both measured as memlab_bpt runs: freed blocks leave resident memory at once
     os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 20)
-    try: res = {c: run_isolated('memlab.bpt:step_measurements', 'reference', lens, c) for c in ('sdpa + ckpt', 'bpt')}
+    try: res = {c: run_isolated('memlab.benchmarks.bpt:step_measurements', 'reference', lens, c) for c in ('sdpa + ckpt', 'bpt')}
     finally:
         if old is None: os.environ.pop('MALLOC_MMAP_THRESHOLD_', None)
         else: os.environ['MALLOC_MMAP_THRESHOLD_'] = old

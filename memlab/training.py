@@ -17,7 +17,7 @@ from torch import nn
 from .compat import accelerator_precision, reset_accelerator_precision
 from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, patch_to,
                          peak_memory, resolve_precision, rng_state, set_rng_state)
-from .models import as_dtype, enable_activation_checkpointing, to_state_names
+from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
 # %% auto 0
@@ -29,7 +29,7 @@ __all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'Loss
            'write_state', 'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted',
            'StopSignals', 'Trainer', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
            'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'standard_results', 'run',
-           'run_summary', 'loop_step_times', 'benchmark']
+           'run_summary']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -1128,65 +1128,3 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
 def run_summary(res:dict) -> str:
     "The start of every command's closing line: updates, training tokens and tokens/s of a `run` result."
     return f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s"
-
-# %% ../nbs/05_training.ipynb
-def _bench_model_and_batches(rows:int, seq_len:int, steps:int, vocab:int, seed:int=0) -> tuple:
-    "The reference Llama of `memlab_bench hf` and `steps` loop-style batches of random tokens."
-    import transformers
-    from memlab.bench import reference_llama_config
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(reference_llama_config(vocab), attn_implementation='sdpa')
-    g = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (rows, seq_len + 1), generator=g)
-        batches.append({'input_ids': ids[:, :-1], 'labels': ids[:, 1:],
-                        'attention_mask': torch.ones(rows, seq_len, dtype=torch.long)})
-    return model, batches
-
-def loop_step_times(kind:str, rows:int=8, seq_len:int=256, steps:int=12, vocab:int=8192, precision:str='auto') -> dict:
-    ("Train `steps` updates with memlab's `Trainer` (kind 'memlab') or a bare PyTorch loop ('bare'); "
-     "tokens/s after the first two.")
-    precision = resolve_precision(precision)
-    model, batches = _bench_model_and_batches(rows, seq_len, steps, vocab)
-    stamps = []
-    if kind == 'memlab':
-        class Clock(Callback):
-            def on_step_end(self, trainer): stamps.append(time.perf_counter())
-        cfg = TrainConfig(max_steps=steps, per_device_batch_size=rows, lr=1e-4, scheduler='constant', max_grad_norm=1.0,
-                          log_every=steps, report_to='none', progress=False, save_final=False,
-                          mixed_precision=precision)
-        Trainer(model, cfg, BatchList(batches), callbacks=[Clock()]).fit()
-    else:
-        dev = 'cuda' if torch.cuda.is_available() else 'cpu'
-        model.to(dev).train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        dtype = as_dtype(precision) if precision in ('bf16', 'fp16') else None
-        for b in batches:
-            b = {k: v.to(dev) for k, v in b.items()}
-            with torch.autocast(dev, dtype=dtype or torch.float32, enabled=dtype is not None):
-                logits = model(input_ids=b['input_ids'], attention_mask=b['attention_mask']).logits
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), b['labels'].flatten(), ignore_index=-100)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step(); opt.zero_grad(set_to_none=True)
-            stamps.append(time.perf_counter())
-    timed = stamps[2:]
-    return {'tokens_per_s': (len(timed) - 1) * rows * seq_len / (timed[-1] - timed[0]), 'precision': precision}
-
-def benchmark(quick:bool=False, repeats:int=None):
-    ("`memlab_bench loop`: memlab's loop vs a bare PyTorch loop, same model, batches and precision, "
-     "alternating fresh processes.")
-    from memlab.bench import run_isolated
-    import statistics
-    repeats = repeats or (1 if quick else 3)
-    kw = dict(rows=4, seq_len=128, steps=8) if quick else {}
-    speeds = {'bare PyTorch loop': [], 'memlab Trainer': []}
-    for _ in range(repeats):
-        for name, kind in (('bare PyTorch loop', 'bare'), ('memlab Trainer', 'memlab')):
-            r = run_isolated('memlab.training:loop_step_times', kind, **kw)
-            speeds[name].append(r['tokens_per_s']); precision = r['precision']
-    rows = [{'config': f"{name} ({precision})", 'tokens_per_s': round(statistics.median(v), 1),
-             'spread': f"{min(v):.0f}-{max(v):.0f}", 'repeats': len(v)} for name, v in speeds.items()]
-    return rows, rows[0]['config']
-

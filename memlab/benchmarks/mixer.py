@@ -17,7 +17,7 @@ __all__ = ['llama_matching', 'mixer_step_measurement', 'benchmark']
 # %% ../../nbs/benchmarks/50_mixer.ipynb
 def llama_matching(n_params:int, vocab_size:int, num_layers:int, length:int, heads:int=4,
                    expansion:int=4) -> LlamaConfig:
-    "The `LlamaConfig` (num_layers layers, `heads` heads, FFN expansion·d) whose parameter count is nearest `n_params`."
+    "The `LlamaConfig` (num_layers layers, `heads` heads, FFN expansion·d) with the parameter count nearest `n_params`."
     best, best_err = None, None
     for d in range(2 * heads, 8193, 2 * heads):  # even head size for the rotary embedding
         cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d, intermediate_size=expansion * d,

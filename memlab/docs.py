@@ -278,6 +278,7 @@ def site_pages(root='.') -> list:
     for p in lib:
         sec = 'Foundations' if p.name[0] == '0' else ('Project' if p.name[0] == '9' else 'Methods')
         pages.append((sec, p, p.stem + '.md'))
+    pages += [('Benchmarks', p, 'benchmarks/' + p.stem + '.md') for p in sorted((nbs/'benchmarks').glob('[!_]*.ipynb'))]
     pages += [('Experiments', p, 'experiments/' + p.stem + '.md')
               for p in sorted((nbs/'experiments').glob('[!_]*.ipynb'))]
     return pages

@@ -4,8 +4,8 @@
 
 # %% ../nbs/00_core.ipynb 2
 from __future__ import annotations
-import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, sys, \
-    tempfile, threading, types, typing, warnings
+import argparse, ast, contextlib, dataclasses, errno, functools, hashlib, inspect, io, json, logging, os, platform, \
+    random, re, sys, tempfile, threading, time, types, typing, warnings
 from pathlib import Path
 from typing import Optional
 
@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['VALUE_RULES', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check', 'environment_error', 'requested_processes',
-           'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
-           'check_writable', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
-           'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
-           'peak_memory', 'fmt_bytes', 'count_parameters', 'native_bf16', 'resolve_precision', 'patch_to', 'show_path',
-           'markdown_table']
+__all__ = ['VALUE_RULES', 'BF16_MIN_SPEEDUP', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check', 'environment_error',
+           'requested_processes', 'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg',
+           'Config', 'atomic_write_text', 'check_writable', 'str2bool', 'parse_literal', 'parse_count',
+           'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything',
+           'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes', 'count_parameters', 'memlab_home',
+           'bf16_matmul_speedup', 'cpu_bf16_speedup', 'native_bf16', 'resolve_precision', 'precision_reason',
+           'patch_to', 'show_path', 'markdown_table']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -485,14 +486,59 @@ def count_parameters(model, trainable_only:bool=False) -> int:
     return n
 
 # %% ../nbs/00_core.ipynb
+def memlab_home() -> Path:
+    "Root of memlab's cache: `$MEMLAB_HOME` or `~/.cache/memlab`."
+    return Path(os.environ.get('MEMLAB_HOME', Path.home()/'.cache'/'memlab'))
+
+def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
+    "fp32 time over bf16 time of a (`size` x `size`) matrix product on the CPU: the best of `repeats` each, interleaved."
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
+    pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
+    best = dict.fromkeys(pairs, float('inf'))
+    for x, y in pairs.values(): x @ y                 # the first product builds the kernel
+    for _ in range(repeats):                          # interleaved and best-of: a busy machine slows both alike
+        for dt, (x, y) in pairs.items():
+            t = time.perf_counter(); x @ y; best[dt] = min(best[dt], time.perf_counter() - t)
+    return best[torch.float32] / best[torch.bfloat16]
+
+BF16_MIN_SPEEDUP = 1.25  # bf16 products must beat fp32 by this much before autocast's casts are worth it
+
+def _cpu_signature() -> str:
+    "What the bf16 measurement depends on: the CPU model and flags, torch's version and the thread count."
+    try: info = Path('/proc/cpuinfo').read_text()
+    except OSError: info = ''
+    first = lambda key: next((l.split(':', 1)[-1].strip() for l in info.splitlines() if l.startswith(key)), '')
+    flags = hashlib.sha1(first('flags').encode()).hexdigest()[:12]
+    return f"{first('model name') or platform.processor()} | flags {flags} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+def cpu_bf16_speedup() -> float:
+    "`bf16_matmul_speedup()` on this CPU, measured once per `_cpu_signature()` and kept in `memlab_home()/machine.json`."
+    path, key = memlab_home()/'machine.json', _cpu_signature()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix('.lock'), 'a+') as lock:
+        try:
+            import fcntl; fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together measure once and agree
+        except ImportError: pass                           # no fcntl (Windows): each process measures
+        try: known = json.loads(path.read_text())
+        except (OSError, ValueError): known = {}
+        if key not in known.get('bf16_matmul_speedup', {}):
+            known.setdefault('bf16_matmul_speedup', {})[key] = round(bf16_matmul_speedup(), 3)
+            atomic_write_text(path, json.dumps(known, indent=1))
+        return known['bf16_matmul_speedup'][key]
+
+def _cpu_bf16_instructions() -> bool:
+    "Whether the CPU has bf16 instructions (AVX512-BF16 or AMX); elsewhere oneDNN emulates bf16, several times slower."
+    try: return any(f in Path('/proc/cpuinfo').read_text().split() for f in ('avx512_bf16', 'amx_bf16'))
+    except OSError: return False                           # not Linux: no way to tell here, so no
+
 def native_bf16(device=None) -> bool:
-    "Whether bf16 matrix products are native (fast) on `device` (default: CUDA if available, else the CPU)."
+    ("Whether bf16 matrix products are faster than fp32 on `device` (default: CUDA if available, else the CPU): "
+     "on a CPU, measured once.")
     dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     if dev.type == 'cuda': return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if dev.type != 'cpu': return False
-    try: flags = Path('/proc/cpuinfo').read_text()
-    except OSError: return False                           # not Linux: no way to tell here, so no
-    return any(f in flags.split() for f in ('avx512_bf16', 'amx_bf16'))
+    return _cpu_bf16_instructions() and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
 
 # %% ../nbs/00_core.ipynb
 PRECISIONS = ('auto', 'no', 'bf16', 'fp16')
@@ -502,7 +548,7 @@ PRECISION_NAMES = {'auto': 'auto', 'no': 'no', 'fp32': 'no', 'float32': 'no', 'b
 
 def resolve_precision(precision:str='auto', device=None) -> str:
     ("'no', 'bf16' or 'fp16' from a setting: explicit values stay; 'auto'/None = accelerate launch's choice, "
-     "else bf16 where native.")
+     "else bf16 where native_bf16 measured it faster.")
     p = 'auto' if precision is None else str(precision)
     check(p in PRECISION_NAMES, f"mixed precision must be one of {', '.join(PRECISION_NAMES)}, got {precision!r}")
     p = PRECISION_NAMES[p]
@@ -513,6 +559,18 @@ def resolve_precision(precision:str='auto', device=None) -> str:
                                  "silently compute in fp32; use bf16 (or no)")
     return p
 
+
+# %% ../nbs/00_core.ipynb
+def precision_reason(device=None) -> str:
+    "One line for a run's log: what `auto` precision is on `device` and why."
+    p = resolve_precision('auto', device)
+    if os.environ.get('ACCELERATE_MIXED_PRECISION'): return f"{p} (set by accelerate launch --mixed_precision)"
+    name = {'no': 'fp32', 'bf16': 'bf16 autocast', 'fp16': 'fp16 autocast'}[p]
+    dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    if dev.type == 'cpu' and _cpu_bf16_instructions():
+        return (f"{name}: bf16 matrix products measured {cpu_bf16_speedup():.2f}x of fp32 on this CPU "
+                f"(auto takes bf16 from {BF16_MIN_SPEEDUP}x)")
+    return f"{name}: {'bf16 is native' if p == 'bf16' else 'no native bf16'} on {dev.type}"
 
 # %% ../nbs/00_core.ipynb
 def patch_to(cls):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, time
 from pathlib import Path
 
-from .core import check, cli_main, atomic_write_text, markdown_table
+from .core import check, cli_main, atomic_write_text, markdown_table, precision_reason
 from .training import TrainConfig
 
 # %% auto 0
@@ -135,6 +135,8 @@ def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
     check(not run_dir.exists(), f"{run_dir} exists; wait a second and run again")
     run_dir.mkdir(parents=True)
     rows, series, timings = [], {}, {}
+    precision = precision_reason()
+    print(f"precision: {precision}", flush=True)
     for name in sections:
         print(f"\n=== memlab demo: {name} — {SECTIONS[name].__doc__}", flush=True)
         t = time.time()
@@ -143,7 +145,7 @@ def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
         rows += r; series.update(s)
     table = demo_table(rows)
     atomic_write_text(run_dir/'results.md', table + '\n')
-    atomic_write_text(run_dir/'results.json', json.dumps({'rows': rows, 'seconds': timings}, indent=1))
+    atomic_write_text(run_dir/'results.json', json.dumps({'rows': rows, 'seconds': timings, 'precision': precision}, indent=1))
     plot_series(series, run_dir/'demo.png')
     link = root/'demo'
     if link.is_symlink() or not link.exists():

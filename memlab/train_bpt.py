@@ -43,7 +43,7 @@ class BPTRunConfig(Config):
     load_llama_config: str = ''            # Llama preset (debug, 3b, 7b, 13b, 30b, 65b), ReLoRA family name (llama_9m .. llama_7b) or a JSON config file
     update_llama_config: dict = None       # dict of LlamaConfig fields to change, e.g. "{'hidden_size': 64, 'num_hidden_layers': 2}" ('': none)
     mesh_dim: str = '1,-1,1'               # data-parallel, FSDP and tensor-parallel sizes (one -1 takes the remaining processes): dp > 1 -> DDP, fsdp > 1 -> FSDP; tensor parallel is refused
-    dtype: str = 'auto'                    # auto (bf16 where native, else fp32: resolve_precision) | fp32 | bf16 (autocast, fp32 master weights) | fp16 (GPU)
+    dtype: str = 'auto'                    # auto (bf16 where measured faster, else fp32: resolve_precision) | fp32 | bf16 (autocast, fp32 master weights) | fp16 (GPU)
     total_steps: int = 10000               # optimizer updates to train for (counted from 0, a resumed run's included)
     log_freq: int = 50                     # log (loss, lr, tokens/s, peak memory) every N updates
     save_model_freq: int = 0  # checkpoint every N updates, replacing the previous such checkpoint (0: only at the end)

@@ -65,7 +65,7 @@ class NeurocacheRunConfig(Config):
     evaluate_every_steps: int = 500        # evaluate every N updates (and at the end)
     num_warmup_steps: int = 1000           # linear warm-up of the learning rate, in updates
     lr_scheduler_type: str = 'cosine'      # linear | cosine | cosine_with_restarts (one cycle: cosine) | polynomial | constant | constant_with_warmup
-    mixed_precision: str = None            # auto | no | bf16 | fp16 (GPU only); default: accelerate launch's choice, else bf16 where native
+    mixed_precision: str = None            # auto | no | bf16 | fp16 (GPU only); default: accelerate launch's choice, else bf16 where measured faster
     distributed_type: str = 'auto'         # with several processes: ddp | fsdp (FSDP2, one shard per decoder layer) | auto (fsdp under an accelerate FSDP config)
     resume_from_checkpoint: str = None     # continue a run exactly: a checkpoints/step-* folder, the run folder, or 'latest' (in --output_dir)
     checkpointing_steps: int = 2000        # write a resumable checkpoint every N updates
@@ -145,7 +145,7 @@ class NeurocacheRunConfig(Config):
 
 # %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
-    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where native "
+    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where measured faster "
      "(`resolve_precision`); fp16 needs a GPU.")
     mp = cfg.mixed_precision or os.environ.get('ACCELERATE_MIXED_PRECISION') or 'auto'
     check(mp in ('auto', *MIXED_PRECISION),

@@ -77,7 +77,7 @@ class ReLoRARunConfig(Config):
     keep_checkpoints: int = None           # keep only the newest N checkpoints (default: all)
     tags: list[str] = None                 # comma-separated tags, recorded in run_config.json (and given to wandb)
     comment: str = None                    # a note on the run, recorded in run_config.json (wandb notes)
-    dtype: str = 'auto'                    # auto (bf16 where native, else float32: resolve_precision) | bf16 (autocast, fp32 master weights) | float32 | float16 (GPU)
+    dtype: str = 'auto'                    # auto (bf16 where measured faster, else float32: resolve_precision) | bf16 (autocast, fp32 master weights) | float32 | float16 (GPU)
     quantize: str = None  # store the frozen base weights in 4bit (nf4) or 8bit (bitsandbytes; needs --use_peft)
     distributed_type: str = 'ddp'  # ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded by layer)
     profile: bool = False                  # record torch.profiler traces of a few updates in <save_dir>/profiler_logs

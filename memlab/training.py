@@ -109,7 +109,7 @@ class TrainConfig(Config):
     keep_checkpoints: int = 2              # checkpoints kept (older ones are deleted)
     save_final: bool = True                # checkpoint at the end of training
     log_every: int = 10                    # log every N updates
-    mixed_precision: str = 'auto'          # auto | no | bf16 | fp16 (autocast; master weights fp32); auto: bf16 where native (resolve_precision)
+    mixed_precision: str = 'auto'          # auto | no | bf16 | fp16 (autocast; master weights fp32); auto: bf16 where measured faster (resolve_precision)
     gradient_checkpointing: bool = False   # recompute activations in backward (non-reentrant)
     distributed_type: str = 'auto'         # auto | ddp | fsdp (FSDP2, one shard unit per layer); auto = fsdp when launched with an accelerate FSDP config
     fsdp_layer_cls: list[str] = None       # class names FSDP shards separately (default: the model's decoder layer, or the accelerate config's)

@@ -67,7 +67,7 @@ def benchmark(quick:bool=False, methods=PRECISION_METHODS):
      "(fresh processes, alternately).")
     import statistics
     from memlab.bench import run_isolated
-    from memlab.core import native_bf16
+    from memlab.core import precision_reason
     kw = dict(rows=2, seq_len=64, steps=4, vocab=512) if quick else {}
     rows = []
     for method in methods:
@@ -80,4 +80,4 @@ def benchmark(quick:bool=False, methods=PRECISION_METHODS):
         diff = max(abs(a - b) / abs(a) for a, b in zip(losses['no'], losses['bf16']))
         rows.append({'method': method, 'fp32 tokens/s': round(fp32, 1), 'bf16 autocast tokens/s': round(bf16, 1),
                      'bf16 / fp32': f"{bf16 / fp32:.2f}x", 'max relative loss difference': f"{diff:.1e}"})
-    return rows, f"native bf16 on this machine: {native_bf16()}"
+    return rows, f"memlab's default here: {precision_reason()}"

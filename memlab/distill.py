@@ -31,9 +31,9 @@ __all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'PROJECTORS', 'NORMS', 'FEAT
            'feature_loss', 'hidden_state_loss', 'attention_loss', 'tokenizer_fingerprint', 'dataset_fingerprint',
            'TopKTeacher', 'generate_teacher_topk', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads',
            'save_distill_heads', 'load_distill_heads', 'output_vocab_size', 'LossSchedule', 'DistillLoss',
-           'on_policy_step', 'sample_continuations', 'OnPolicyBatches', 'perplexity', 'PerplexityEvaluation',
-           'student_config', 'copy_plan', 'weight_groups', 'xavier_reinitialize', 'build_student', 'describe_objective',
-           'model_card']
+           'on_policy_step', 'on_policy_lengths', 'sample_continuations', 'OnPolicyBatches', 'perplexity',
+           'PerplexityEvaluation', 'student_config', 'copy_plan', 'weight_groups', 'xavier_reinitialize',
+           'build_student', 'describe_objective', 'model_card']
 
 # %% ../nbs/41_distill.ipynb
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -628,10 +628,10 @@ class DistillationObjective(Config):
     chunk_size: int = -1  # tokens per chunk of the logit term: -1 = auto (about 2M logits per chunk), 0 = dense
     fused: bool = False  # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
     kl_warmup_steps: int = 0  # train the first N updates under forward KL, then under logits_loss_fn (a warm-up for reverse_kl, jsd...; 0: off)
-    on_policy_fraction: float = 0.0  # GKD's λ: this fraction of the training micro-batches are the student's own continuations of a prefix of the row, scored by the online teacher (0: off)
+    on_policy_fraction: float = 0.0  # GKD's λ: this fraction of the training micro-batches are the student's own continuations of a prefix of the row, scored by the online teacher (needs no top-k shards and ce_weight 0; 0: off)
     on_policy_prompt_length: Optional[int] = None  # on-policy batches: tokens of the row's text kept as the prompt (None: half the row)
     on_policy_new_tokens: Optional[int] = None  # on-policy batches: tokens the student samples after the prompt, the only ones the loss covers (None: the rest of the row)
-    on_policy_temperature: float = 1.0  # on-policy batches: temperature the student samples at (the loss's own is `temperature`)
+    on_policy_temperature: float = 1.0  # on-policy batches: temperature the student samples at (the loss's own is temperature)
 
     def __post_init__(self):
         # Distily writes an unset feature option as None (`--hs_norm None`): read it as memlab's name for "nothing"
@@ -880,6 +880,14 @@ def on_policy_step(k:int, fraction:float) -> bool:
     "Whether micro-batch `k` (0-based) is on-policy: exactly ⌊nλ⌋ of the first n micro-batches are, evenly spread."
     return math.floor((k + 1) * fraction + 1e-9) > math.floor(k * fraction + 1e-9)
 
+def on_policy_lengths(seq_len:int, prompt_length:int=None, new_tokens:int=None) -> tuple:
+    "(prompt, new tokens) of an on-policy batch made from rows of `seq_len` tokens: by default half the row, then the rest."
+    P = prompt_length or seq_len // 2
+    N = new_tokens or seq_len - P
+    check(P >= 1 and N >= 1 and P + N <= seq_len, f"on_policy_prompt_length ({P}) + on_policy_new_tokens ({N}) must "
+                                                  f"fit in a row of {seq_len} tokens, with at least 1 of each")
+    return P, N
+
 @torch.no_grad()
 def sample_continuations(model, prompt:torch.Tensor, new_tokens:int, temperature:float=1.0,
                          generator:torch.Generator=None) -> torch.Tensor:
@@ -912,14 +920,6 @@ class OnPolicyBatches:
         self.rank, self.world_size = getattr(batches, 'rank', 0), getattr(batches, 'world_size', None)
         self.k = 0   # micro-batches served so far
 
-    def lengths(self, seq_len:int) -> tuple:
-        "(prompt, new tokens) for rows of `seq_len` tokens."
-        P = self.prompt_length or seq_len // 2
-        N = self.new_tokens or seq_len - P
-        check(P >= 1 and N >= 1 and P + N <= seq_len, f"on-policy prompt ({P}) + new tokens ({N}) must fit in a row "
-                                                      f"of {seq_len} tokens, with at least 1 of each")
-        return P, N
-
     def generator(self, k:int) -> torch.Generator:
         "The sampler's generator for micro-batch `k`: seeded from (seed, k, rank) alone, so a resumed run draws the same."
         key = hashlib.blake2b(f"{self.seed},{k},{self.rank}".encode(), digest_size=8).digest()
@@ -928,7 +928,7 @@ class OnPolicyBatches:
     def generate(self, batch:dict, k:int) -> dict:
         "The on-policy batch made from `batch` (the k-th micro-batch): prompt, the student's sample, labels on the sample."
         ids, mask = batch['input_ids'], batch.get('attention_mask')
-        P, N = self.lengths(ids.shape[1])
+        P, N = on_policy_lengths(ids.shape[1], self.prompt_length, self.new_tokens)
         dev = _device(self.student)
         seq = sample_continuations(self.student, ids[:, :P].to(dev), N, self.temperature, self.generator(k))  # (B, P+N)
         labels = torch.full_like(seq, -100)

@@ -670,11 +670,12 @@ class DistillationObjective(Config):
         check(self.kl_warmup_steps >= 0, f"kl_warmup_steps must be >= 0, got {self.kl_warmup_steps}")
         check(0 <= self.on_policy_fraction <= 1, f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
         for f in ('on_policy_prompt_length', 'on_policy_new_tokens'):
-            check(getattr(self, f) is None or getattr(self, f) >= 1, f"{f} must be >= 1 or None, got {getattr(self, f)}")
+            v = getattr(self, f)
+            check(v is None or v >= 1, f"{f} must be >= 1 or None, got {v}")
         check(self.on_policy_temperature > 0, f"on_policy_temperature must be > 0, got {self.on_policy_temperature}")
         check(not (self.on_policy_fraction > 0 and self.ce_weight > 0),
-              "ce_weight > 0 with on_policy_fraction > 0: the labels of a generated batch are the student's own samples, "
-              "and a CE on them trains the student to repeat itself; set one of them to 0")
+              "ce_weight > 0 with on_policy_fraction > 0: the labels of a generated batch are the student's own "
+              "samples, and a CE on them trains the student to repeat itself; set one of them to 0")
 
 # %% ../nbs/41_distill.ipynb
 HEADS_ATTR = 'distill'
@@ -810,7 +811,7 @@ class DistillLoss:
         return [c for c in (self.confidence, self.schedule) if c is not None]
 
     def loss_name(self, training:bool=True) -> str:
-        "The logit term's divergence now: forward KL in a training update before `kl_warmup_steps`, else `logits_loss_fn`."
+        "The logit term's divergence now: forward KL in a training update before `kl_warmup_steps`, else the chosen."
         obj = self.objective
         if not (training and obj.kl_warmup_steps > 0): return obj.logits_loss_fn
         check(self.step is not None, "kl_warmup_steps needs the update count: pass the loss's callbacks to the loop "
@@ -881,7 +882,7 @@ def on_policy_step(k:int, fraction:float) -> bool:
     return math.floor((k + 1) * fraction + 1e-9) > math.floor(k * fraction + 1e-9)
 
 def on_policy_lengths(seq_len:int, prompt_length:int=None, new_tokens:int=None) -> tuple:
-    "(prompt, new tokens) of an on-policy batch made from rows of `seq_len` tokens: by default half the row, then the rest."
+    "(prompt, new tokens) of an on-policy batch made from rows of `seq_len` tokens: by default half the row, the rest."
     P = prompt_length or seq_len // 2
     N = new_tokens or seq_len - P
     check(P >= 1 and N >= 1 and P + N <= seq_len, f"on_policy_prompt_length ({P}) + on_policy_new_tokens ({N}) must "
@@ -921,12 +922,12 @@ class OnPolicyBatches:
         self.k = 0   # micro-batches served so far
 
     def generator(self, k:int) -> torch.Generator:
-        "The sampler's generator for micro-batch `k`: seeded from (seed, k, rank) alone, so a resumed run draws the same."
+        "The sampler's generator for micro-batch `k`, seeded from (seed, k, rank) alone: a resumed run draws the same."
         key = hashlib.blake2b(f"{self.seed},{k},{self.rank}".encode(), digest_size=8).digest()
         return torch.Generator(device=_device(self.student)).manual_seed(int.from_bytes(key, 'little'))
 
     def generate(self, batch:dict, k:int) -> dict:
-        "The on-policy batch made from `batch` (the k-th micro-batch): prompt, the student's sample, labels on the sample."
+        "The on-policy batch made from `batch` (the k-th micro-batch): prompt, the student's sample, its labels."
         ids, mask = batch['input_ids'], batch.get('attention_mask')
         P, N = on_policy_lengths(ids.shape[1], self.prompt_length, self.new_tokens)
         dev = _device(self.student)

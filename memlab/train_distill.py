@@ -473,7 +473,8 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     check(not (ta.teacher_topk_dir and feature_terms), "--teacher_topk_dir stores the teacher's logits only: "
           "hidden-state and attention terms (--hs_weight, --attn_weight) need an online teacher")
     check(not (ta.teacher_topk_dir and objective.on_policy_fraction > 0), "--on_policy_fraction needs an online "
-          "teacher to score the student's own sequences: drop --teacher_topk_dir (its shards cover only the dataset's rows)")
+          "teacher to score the student's own sequences: drop --teacher_topk_dir "
+          "(its shards cover only the dataset's rows)")
     if objective.on_policy_fraction > 0:   # the prompt and the sample must fit in a row (lengths() says why not)
         on_policy_lengths(data_args.dataset_max_seq_length, objective.on_policy_prompt_length,
                           objective.on_policy_new_tokens)
@@ -559,8 +560,9 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     eval_data = (TokenBatches(data.test, tr.per_device_eval_batch_size, loop=False, **kw)
                  if len(data.test['input_ids']) else None)
     if objective.on_policy_fraction > 0:   # GKD: this fraction of the micro-batches are the student's own continuations
-        train_data = OnPolicyBatches(train_data, student, objective.on_policy_fraction, objective.on_policy_prompt_length,
-                                     objective.on_policy_new_tokens, objective.on_policy_temperature, seed=tr.seed)
+        train_data = OnPolicyBatches(train_data, student, objective.on_policy_fraction,
+                                     objective.on_policy_prompt_length, objective.on_policy_new_tokens,
+                                     objective.on_policy_temperature, seed=tr.seed)
     rows_per_update = tr.per_device_train_batch_size * world * tr.gradient_accumulation_steps
     steps = (tr.max_steps if tr.max_steps > 0
              else max(1, math.ceil(tr.num_train_epochs * len(data.train['input_ids']) / rows_per_update)))

@@ -20,7 +20,7 @@ from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
 from .training import TrainConfig, make_accelerator, resume_plan, run, run_summary
 from .training import GradientStats
-from .distill import PerplexityEvaluation, perplexity
+from .distill import OnPolicyBatches, PerplexityEvaluation, on_policy_lengths, perplexity
 from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups,
                             xavier_reinitialize, dataset_fingerprint, generate_teacher_topk, model_card,
                             remove_distill_heads, save_distill_heads, student_config, tokenizer_fingerprint)
@@ -472,6 +472,12 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     feature_terms = objective.hs_weight > 0 or objective.attn_weight > 0
     check(not (ta.teacher_topk_dir and feature_terms), "--teacher_topk_dir stores the teacher's logits only: "
           "hidden-state and attention terms (--hs_weight, --attn_weight) need an online teacher")
+    check(not (ta.teacher_topk_dir and objective.on_policy_fraction > 0), "--on_policy_fraction needs an online "
+          "teacher to score the student's own sequences: drop --teacher_topk_dir "
+          "(its shards cover only the dataset's rows)")
+    if objective.on_policy_fraction > 0:   # the prompt and the sample must fit in a row (lengths() says why not)
+        on_policy_lengths(data_args.dataset_max_seq_length, objective.on_policy_prompt_length,
+                          objective.on_policy_new_tokens)
     check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs "
           "data-parallel (DDP): launch with torchrun or accelerate launch --multi_gpu, not with an FSDP config")
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -553,6 +559,10 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
                               seed=data_args.dataset_shuffle_seed, **kw)
     eval_data = (TokenBatches(data.test, tr.per_device_eval_batch_size, loop=False, **kw)
                  if len(data.test['input_ids']) else None)
+    if objective.on_policy_fraction > 0:   # GKD: this fraction of the micro-batches are the student's own continuations
+        train_data = OnPolicyBatches(train_data, student, objective.on_policy_fraction,
+                                     objective.on_policy_prompt_length, objective.on_policy_new_tokens,
+                                     objective.on_policy_temperature, seed=tr.seed)
     rows_per_update = tr.per_device_train_batch_size * world * tr.gradient_accumulation_steps
     steps = (tr.max_steps if tr.max_steps > 0
              else max(1, math.ceil(tr.num_train_epochs * len(data.train['input_ids']) / rows_per_update)))
@@ -567,18 +577,21 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
                      gradient_checkpointing=tr.gradient_checkpointing, distributed_type='ddp', seed=tr.seed,
                      resume_from=resume, report_to=tr.report_to, progress=not tr.disable_tqdm)
     callbacks = [PerplexityEvaluation(data.evaluators, tr.per_device_eval_batch_size, every, tr.eval_on_start)]
-    if loss_fn.confidence is not None: callbacks.append(loss_fn.confidence)      # CAKLD's β: checkpointed with the run
+    callbacks += loss_fn.callbacks   # CAKLD's β (checkpointed with the run), the forward-KL warm-up's update count
     if eval_args.extra_grad_stats: callbacks.append(GradientStats())
     configs = {'student': student_args.to_dict(), 'teacher': teacher_args.to_dict(), 'dataset': data_args.to_dict(),
                'evaluation': eval_args.to_dict(), 'objective': objective.to_dict(), 'training': tr.to_dict()}
     n_student, n_trainable = count_parameters(student), count_parameters(student, trainable_only=True)
+    extra = (f", the first {objective.kl_warmup_steps} under forward KL" if objective.kl_warmup_steps else '') + (
+        f", {objective.on_policy_fraction:.0%} of the micro-batches sampled from the student (on-policy)"
+        if objective.on_policy_fraction else '')
     def describe(trainer):
         return (f"memlab_distill: teacher {teacher_name} ({n_teacher:,} parameters, "
                 f"{'top-' + str(topk.k) + ' shards' if topk else 'online'}) -> student {type(student).__name__} "
                 f"({n_student:,} parameters, {n_trainable:,} trainable; {how}); {len(data.train['input_ids'])} "
                 f"training rows of {data_args.dataset_max_seq_length} tokens, {world} process(es) x "
                 f"{tr.per_device_train_batch_size} rows x {tr.gradient_accumulation_steps} micro-batches per update, "
-                f"{steps} updates; run folder {show_path(out)}")
+                f"{steps} updates{extra}; run folder {show_path(out)}")
     def results(trainer, history, res):
         evals = [h for h in history if any(k in h for k in data.evaluators)]
         obj_evals = [h for h in history if 'eval_loss' in h]

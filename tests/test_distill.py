@@ -1,7 +1,8 @@
 """Integration tests of memlab_distill (memlab.train_distill, Distily's command line) as real processes on tiny models and the
 embedded corpus: one process and `accelerate launch` on 2 CPU processes train the same student (replicas agree); the model card
 lists the measured metrics; top-k teacher shards are generated once (k = vocabulary: the same training as the online teacher) and
-reused; a BitNet student exports packed weights that reload to the evaluated model; bad input is one line, exit 2, nothing written."""
+reused; on-policy distillation with a forward-KL warm-up runs on 2 processes with equal replicas, reproducibly; a BitNet
+student exports packed weights that reload to the evaluated model; bad input is one line, exit 2, nothing written."""
 import json, sys
 from pathlib import Path
 import pytest
@@ -69,6 +70,22 @@ def test_accelerate_launch_two_processes_agree(teacher, online, tmp_path):
     assert two['metrics']['pydocs_ppl']['student'] == pytest.approx(one['metrics']['pydocs_ppl']['student'], rel=1e-5)
     assert two['fingerprint'] == pytest.approx(one['fingerprint'], rel=1e-5)
 
+def test_on_policy_under_accelerate_launch(teacher, tmp_path):
+    """On-policy reverse KL after a forward-KL warm-up on 2 processes: each samples its own rows from its unwrapped student,
+    the replicas stay equal, and the run is reproducible (the same command twice gives the same losses)."""
+    gkd = ['--per_device_train_batch_size', 2, '--on_policy_fraction', 0.5, '--on_policy_prompt_length', 16,
+           '--logits_loss_fn', 'reverse_kl', '--kl_warmup_steps', 2]
+    outs = [tmp_path/'gkd1', tmp_path/'gkd2']
+    for out in outs:
+        run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', 2, '--num_machines', 1, '--mixed_precision', 'no',
+             '--dynamo_backend', 'no', '--main_process_port', free_port(), '-m', 'memlab.train_distill',
+             *args(teacher, out, *gkd)], ACCELERATE_USE_CPU=1)
+    a, b = results(outs[0]), results(outs[1])
+    assert a['world_size'] == 2 and a['replicas_agree'] and a['teacher_outputs'] == 'online'
+    assert (a['objective']['on_policy_fraction'], a['objective']['kl_warmup_steps']) == (0.5, 2)
+    assert len(losses(a)) == 6 and losses(a) == losses(b)
+    assert a['metrics']['pydocs_ppl']['student'] < a['metrics']['pydocs_ppl']['student_before']
+
 def test_topk_shards_generated_once_then_reused(teacher, online, tmp_path):
     "--teacher_topk_only writes the shards; a run reads them back (k = vocabulary, fp32: the online run's training, exactly)."
     shards = tmp_path/'topk'
@@ -134,6 +151,8 @@ def test_bad_input_is_one_line(teacher, tmp_path):
           '--hs_weight', 1, '--hs_projector', 'orthogonal'], 'student width <= teacher width'),
         (['--teacher_model_name_or_path', other_tok, '--teacher_topk_dir', shards], 'were made with tokenizer'),
         (['--dataset_uri', 'wikimedia/wikipedia'], 'unreachable'),
+        (['--teacher_topk_dir', shards, '--on_policy_fraction', 0.5], '--on_policy_fraction needs an online teacher'),
+        (['--on_policy_fraction', 0.5, '--ce_weight', 0.1], "the student's own samples"),
     ]
     argvs = [[str(a) for a in args(teacher, tmp_path/f'bad{i}', *bad)] for i, (bad, _) in enumerate(cases)]
     code = ("import json, sys\nfrom accelerate.state import AcceleratorState\nfrom memlab.core import run_cli\n"
@@ -158,5 +177,6 @@ def test_help_has_every_distily_flag():
                  'attn_weight', 'attn_loss_fn', 'attn_layer_mapper', 'attn_norm', 'attn_projector', 'eval_teacher_metrics',
                  'output_dir', 'learning_rate', 'per_device_train_batch_size', 'per_device_eval_batch_size', 'gradient_accumulation_steps',
                  'num_train_epochs', 'max_steps', 'warmup_ratio', 'lr_scheduler_type', 'bf16', 'gradient_checkpointing',
-                 'logging_steps', 'eval_steps', 'eval_on_start', 'save_steps', 'report_to', 'optim', 'max_grad_norm'):
+                 'logging_steps', 'eval_steps', 'eval_on_start', 'save_steps', 'report_to', 'optim', 'max_grad_norm',
+                 'kl_warmup_steps', 'on_policy_fraction', 'on_policy_prompt_length', 'on_policy_new_tokens', 'on_policy_temperature'):
         assert f"--{flag} " in r.stdout, flag

@@ -160,6 +160,6 @@ def main():
     res = f(quick=args.quick)
     rows, baseline = res if isinstance(res, tuple) else (res, None)
     cols = [c for c in ('peak_mib', 'tokens_per_s') if any(c in r for r in rows)]
-    key = 'config' if not rows or 'config' in rows[0] else next(iter(rows[0]))     # precision's rows are keyed by method
+    key = 'config' if not rows or 'config' in rows[0] else next(iter(rows[0]))   # precision's: keyed by method
     print(ratio_table(rows, baseline=baseline, key=key, columns=cols))
     if args.out: atomic_write_text(args.out, json.dumps(rows, indent=1))

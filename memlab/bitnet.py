@@ -153,8 +153,10 @@ def _check_relora_base(layer:nn.Module, name:str=''):
 @dataclass
 class BitNetConfig(Config):
     "Which linears become BitLinear and how (the config of `add_bitnet`)."
-    target_modules: list[str] | None = None  # names of linears to convert (dotted-name components); None = every linear but `exclude`
-    exclude: list[str] = field(default_factory=lambda: ['lm_head'])  # names never converted (full-precision output head by default)
+    target_modules: list[str] | None = None  # names of linears to convert (dotted-name components); None = every linear
+                                             # but `exclude`
+    exclude: list[str] = field(default_factory=lambda: ['lm_head'])  # names never converted (full-precision output head
+                                                                     # by default)
     keep_weights: bool = True  # start from the model's own weights (True) or re-initialise them (False)
     norm_eps: float = 1e-6  # epsilon of the RMSNorm inside every BitLinear
     expected: int | None = None  # refuse unless exactly this many modules are converted (None = no count check)

@@ -451,15 +451,25 @@ def fused_linear_cross_entropy(hidden:torch.Tensor, weight:torch.Tensor, targets
 class BPTConfig(Config):
     "Blockwise Parallel Transformer settings (the seed's `--llama.*` fields); a chunk size of -1 disables that stage."
     q_chunk_size: int = 1024                 # query block length of blockwise attention (-1: the whole sequence)
-    k_chunk_size: int = 1024                 # key/value block length of blockwise attention (-1: the whole sequence; q and k both -1: Hugging Face's attention)
-    ffn_chunk_size: int = 1024               # tokens per chunk of the feed-forward network (-1: no chunking, i.e. a memory-efficient transformer)
-    head_chunk_size: int = -1                # tokens per chunk of the LM head, fused with the loss (-1: off unless loss_chunk_size is set)
-    loss_chunk_size: int = -1                # tokens per chunk of the loss, fused with the LM head (-1: off unless head_chunk_size is set)
-    remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable or everything_saveable
+    k_chunk_size: int = 1024                 # key/value block length of blockwise attention (-1: the whole sequence; q
+                                             # and k both -1: Hugging Face's attention)
+    ffn_chunk_size: int = 1024               # tokens per chunk of the feed-forward network (-1: no chunking, i.e. a
+                                             # memory-efficient transformer)
+    head_chunk_size: int = -1                # tokens per chunk of the LM head, fused with the loss (-1: off unless
+                                             # loss_chunk_size is set)
+    loss_chunk_size: int = -1                # tokens per chunk of the loss, fused with the LM head (-1: off unless
+                                             # head_chunk_size is set)
+    remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable,
+                                             # dots_with_no_batch_dims_saveable or everything_saveable
     float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
-    attention_kernel: str = 'flash'          # per-block attention kernel: flash (PyTorch's fused CPU operator; torch elsewhere), torch (plain PyTorch) or sdpa (F.scaled_dot_product_attention)
-    fused: bool = False                      # run each decoder layer one query block at a time: attention, o_proj, residual, norm, FFN, residual (the paper's Algorithm 1)
-    layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as the reference remats every block (False: each layer keeps its (B, T, C) activations)
+    attention_kernel: str = 'flash'          # per-block attention kernel: flash (PyTorch's fused CPU operator; torch
+                                             # elsewhere), torch (plain PyTorch) or sdpa
+                                             # (F.scaled_dot_product_attention)
+    fused: bool = False                      # run each decoder layer one query block at a time: attention, o_proj,
+                                             # residual, norm, FFN, residual (the paper's Algorithm 1)
+    layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as
+                                             # the reference remats every block (False: each layer keeps its (B, T, C)
+                                             # activations)
 
     def __post_init__(self):
         for name in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size'):

@@ -142,19 +142,25 @@ warnings.filterwarnings('ignore', message='`is_gradient_checkpointing` is deprec
 
 # %% ../nbs/00_core.ipynb
 _FIELD_RE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$")
+# a comment-only line right below a field's comment, its '#' under that comment's '#', continues it
+_MORE_RE = re.compile(r"^(\s+)#\s*(.*)$")
 
 @functools.lru_cache(None)
 def field_docs(cls) -> dict:
-    "Trailing-comment documentation of each field of dataclass `cls` (and its bases)."
+    "Trailing-comment documentation of each field of dataclass `cls` (and its bases), continued on comment lines below."
     docs = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object: continue
         try: src = inspect.getsource(klass)
         except (OSError, TypeError): continue
         names = {f.name for f in dataclasses.fields(klass)}
+        last, col = None, None                 # the field whose comment continues below, and its '#' column
         for line in src.splitlines():
-            m = _FIELD_RE.match(line)
-            if m and m.group(1) in names and m.group(2): docs[m.group(1)] = m.group(2).strip()
+            m, more = _FIELD_RE.match(line), _MORE_RE.match(line)
+            if m and m.group(1) in names and m.group(2):
+                docs[last := m.group(1)], col = m.group(2).strip(), line.index('#')
+            elif more and last is not None and len(more.group(1)) == col: docs[last] += ' ' + more.group(2).strip()
+            else: last = None
     return docs
 
 # %% ../nbs/00_core.ipynb
@@ -346,9 +352,10 @@ def check_ranges(cfg, prefix:str=''):
 
 def parse_configs(configs, argv=None, prog:str=None, description:str=None, config_file_flag:str=None, extra=None,
                   defaults:dict=None, skip:dict=None):
-    """Parse `argv` into instances of the config dataclasses in `configs` (a class, a list of classes, or {prefix: class}).
-    Returns one instance, a list, or a dict, mirroring `configs`; with `extra(parser)` adding flags, `(configs, namespace_of_extras)`.
-    `defaults` maps a class to {field: default} overriding its defaults for this command; `skip` maps a class to fields not offered as flags."""
+    """Parse `argv` into instances of the config dataclasses in `configs` (a class, a list of classes, or {prefix:
+    class}). Returns one instance, a list, or a dict, mirroring `configs`; with `extra(parser)` adding flags, `(configs,
+    namespace_of_extras)`. `defaults` maps a class to {field: default} overriding its defaults for this command; `skip`
+    maps a class to fields not offered as flags."""
     single = isinstance(configs, type)
     items = {'': configs} if single else (dict(configs) if isinstance(configs, dict)
                                           else {str(i): c for i, c in enumerate(configs)})
@@ -491,7 +498,7 @@ def memlab_home() -> Path:
     return Path(os.environ.get('MEMLAB_HOME', Path.home()/'.cache'/'memlab'))
 
 def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
-    "fp32 time over bf16 time of a (`size` x `size`) matrix product on the CPU: the best of `repeats` each, interleaved."
+    "fp32 time over bf16 time of a (`size` x `size`) matrix product on the CPU: best of `repeats` each, interleaved."
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
@@ -510,10 +517,11 @@ def _cpu_signature() -> str:
     except OSError: info = ''
     first = lambda key: next((l.split(':', 1)[-1].strip() for l in info.splitlines() if l.startswith(key)), '')
     flags = hashlib.sha1(first('flags').encode()).hexdigest()[:12]
-    return f"{first('model name') or platform.processor()} | flags {flags} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    cpu = first('model name') or platform.processor()
+    return f"{cpu} | flags {flags} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 def cpu_bf16_speedup() -> float:
-    "`bf16_matmul_speedup()` on this CPU, measured once per `_cpu_signature()` and kept in `memlab_home()/machine.json`."
+    "`bf16_matmul_speedup()` on this CPU, measured once per `_cpu_signature()`, kept in `memlab_home()/machine.json`."
     path, key = memlab_home()/'machine.json', _cpu_signature()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix('.lock'), 'a+') as lock:

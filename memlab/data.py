@@ -212,8 +212,9 @@ def _positional_splits(n:int, split_ratios) -> list:
     return [name for name, c in zip(SPLITS, counts) for _ in range(c)]
 
 def _text_records(path:Path, separator:str=None, split_ratios=(0.9, 0.05, 0.05)):
-    """Documents of one text file: cut at `separator` (split by the hash rule, like any documents), else one text cut at paragraph
-    breaks into >= 20 consecutive pieces of up to ~TEXT_PIECE_CHARS characters, split by position (the end is held out)."""
+    """Documents of one text file: cut at `separator` (split by the hash rule, like any documents), else one text cut at
+    paragraph breaks into >= 20 consecutive pieces of up to ~TEXT_PIECE_CHARS characters, split by position (the end is
+    held out)."""
     text = path.read_text(encoding='utf-8', errors='replace')
     if separator is not None:
         return [{'id': f"{path.name}#{k}", 'text': t.strip('\n')}

@@ -145,7 +145,8 @@ def run_demo(out='runs', sections=None, quick:bool=False) -> dict:
         rows += r; series.update(s)
     table = demo_table(rows)
     atomic_write_text(run_dir/'results.md', table + '\n')
-    atomic_write_text(run_dir/'results.json', json.dumps({'rows': rows, 'seconds': timings, 'precision': precision}, indent=1))
+    record = {'rows': rows, 'seconds': timings, 'precision': precision}
+    atomic_write_text(run_dir/'results.json', json.dumps(record, indent=1))
     plot_series(series, run_dir/'demo.png')
     link = root/'demo'
     if link.is_symlink() or not link.exists():

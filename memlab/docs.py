@@ -8,7 +8,7 @@ import json, re, sys
 from pathlib import Path
 from typing import Optional
 
-from .core import cli_main, atomic_write_text, check, markdown_table
+from .core import cli_main, atomic_write_text, check, field_docs, markdown_table
 
 # %% auto 0
 __all__ = ['SECTIONS', 'FILE_WORKER_JS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown',
@@ -57,8 +57,9 @@ def _fix_links(md:str, link_base:str='', ext:str='.ipynb') -> str:
 
 def notebook_markdown(path, skip_title:bool=False, link_base:str='', ext:str='.ipynb', api_hook=None,
                       image_hook=None) -> str:
-    """Render notebook `path` as Markdown (no Quarto needed). `api_hook(source)` may return Markdown to insert after a code cell
-    (API documentation of what it exports); `image_hook(png_base64)` may return the link to use for an image output."""
+    """Render notebook `path` as Markdown (no Quarto needed). `api_hook(source)` may return Markdown to insert after a
+    code cell (API documentation of what it exports); `image_hook(png_base64)` may return the link to use for an image
+    output."""
     nb = json.loads(Path(path).read_text())
     parts = []
     for i, cell in enumerate(nb['cells']):
@@ -106,7 +107,7 @@ def write_readme(root='.') -> Path:
     return root/'README.md'
 
 # %% ../nbs/99_docs.ipynb
-import ast, html, importlib, inspect
+import ast, dataclasses, html, importlib, inspect
 
 def _exported_names(source:str) -> list:
     "Top-level public names defined in a code cell."
@@ -128,6 +129,8 @@ def _param_rows(obj) -> list:
         from fastcore.docments import docments
         docs = docments(obj, full=True)
     except Exception: docs = {}
+    # a config's field comments may run over several lines, which field_docs joins
+    fields = field_docs(obj) if isinstance(obj, type) and dataclasses.is_dataclass(obj) else {}
     try: sig = _signature(obj)
     except (TypeError, ValueError): return []
     rows = []
@@ -137,7 +140,7 @@ def _param_rows(obj) -> list:
         ann = '' if p.annotation is inspect._empty else (p.annotation if isinstance(p.annotation, str)
                                                          else getattr(p.annotation, '__name__', str(p.annotation)))
         default = '' if p.default is inspect._empty else repr(p.default)
-        rows.append((name, str(ann), default, d.get('docment') or ''))
+        rows.append((name, str(ann), default, fields.get(name) or d.get('docment') or ''))
     return rows
 
 def _markdown(text:str, inline:bool=False) -> str:
@@ -216,9 +219,10 @@ import base64, hashlib, subprocess
 
 SECTIONS = (('Foundations', '0'), ('Methods', '1-5'), ('Project', '9'))
 
-FILE_WORKER_JS = r'''// memlab: lets the site's search run when the site is opened from the file system (file://), where browsers refuse to start
-// a Web Worker from a file. It stands in for `Worker` there: the worker's script runs in a hidden same-origin iframe, and
-// messages pass between the page and that frame as they would between a page and a worker. Served over http it does nothing.
+FILE_WORKER_JS = r'''// memlab: lets the site's search run when the site is opened from the file system (file://), where
+// browsers refuse to start a Web Worker from a file. It stands in for `Worker` there: the worker's script runs in a
+// hidden same-origin iframe, and messages pass between the page and that frame as they would between a page and a
+// worker. Served over http it does nothing.
 (function () {
   if (location.protocol !== 'file:') return;
   class FileWorker extends EventTarget {
@@ -234,7 +238,9 @@ FILE_WORKER_JS = r'''// memlab: lets the site's search run when the site is open
       const script = w.document.createElement('script');
       script.src = new URL(url, location.href).href;
       script.onload = () => { this._ready = true; this._queue.splice(0).forEach((d) => this.postMessage(d)); };
-      script.onerror = (e) => { const ev = new Event('error'); this.dispatchEvent(ev); if (this.onerror) this.onerror(ev); };
+      script.onerror = (e) => {
+        const ev = new Event('error'); this.dispatchEvent(ev); if (this.onerror) this.onerror(ev);
+      };
       w.document.head.appendChild(script);
       this._element = frame;
     }

@@ -18,8 +18,9 @@ __all__ = ['dist_rank_world', 'shift_labels', 'TokenBatches', 'lm_batches', 'Doc
 
 # %% ../nbs/03_loaders.ipynb
 def dist_rank_world(rank:int=None, world_size:int=None) -> tuple:
-    """(rank, world_size): the given values, else torch.distributed's when initialized, else the launcher's `RANK`/`WORLD_SIZE`
-    environment (torchrun and accelerate launch set them before the process group exists), else (0, 1)."""
+    """(rank, world_size): the given values, else torch.distributed's when initialized, else the launcher's
+    `RANK`/`WORLD_SIZE` environment (torchrun and accelerate launch set them before the process group exists), else (0,
+    1)."""
     if rank is None or world_size is None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -427,8 +427,9 @@ FOLDER_MARKERS = {'bitnet.json': ('bitnet-v1', 'memlab.bitnet'),        # file: 
 RUN_MODEL_DIRS = ('model', 'adapter')   # where commands put a run's model: the (merged) model, else the adapter
 
 def register_folder(name:str, detect:Callable, load:Callable, base:Callable=None):
-    """Teach `load_model` a kind of folder: `detect(folder)` recognises it, `load(folder, **kw)` loads it; `base(folder)` names
-    the model it was saved on, whose tokenizer `load_tokenizer(folder)` loads when the folder holds none."""
+    """Teach `load_model` a kind of folder: `detect(folder)` recognises it, `load(folder, **kw)` loads it;
+    `base(folder)` names the model it was saved on, whose tokenizer `load_tokenizer(folder)` loads when the folder holds
+    none."""
     _FOLDER_LOADERS[name] = (detect, load, base)
 
 def folder_loader(folder) -> Optional[Callable]:

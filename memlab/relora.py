@@ -43,9 +43,12 @@ class ReLoRAConfig(Config):
     r: int = arg(128, 'lora_r')  # rank of each low-rank update B·A
     lora_alpha: float = 32  # the update is scaled by s = lora_alpha / r (0.25 at the defaults)
     lora_dropout: float = 0.1  # dropout on the adapter's input (the frozen path has none)
-    target_modules: list[str] = arg(lambda: list(DEFAULT_TARGETS))  # wrap every nn.Linear whose qualified name contains one of these
-    trainable_scaling: bool = arg(False, 'train_scaling')  # learn the scale per layer as tanh(p), p starting at 1, instead of lora_alpha / r
-    keep_original_weights: bool = True  # keep the base weights (warm start); False starts them at zero (and draws B like A), the reference's mode without a warm start
+    target_modules: list[str] = arg(lambda: list(DEFAULT_TARGETS))  # wrap every nn.Linear whose qualified name contains
+                                                                    # one of these
+    trainable_scaling: bool = arg(False, 'train_scaling')  # learn the scale per layer as tanh(p), p starting at 1,
+                                                           # instead of lora_alpha / r
+    keep_original_weights: bool = True  # keep the base weights (warm start); False starts them at zero (and draws B
+                                        # like A), the reference's mode without a warm start
     quantize: Optional[str] = None  # store the frozen base weights with bitsandbytes: '4bit' (nf4) or '8bit'
 
     def __post_init__(self):

@@ -116,12 +116,14 @@ def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, s
 @dataclass
 class TrainTokenizerConfig(Config):
     "Train a byte-level BPE tokenizer on a corpus's train split and save it as a Hugging Face tokenizer folder."
-    dataset: str                  # corpus: 'pydocs', a local file/folder (one .txt: ~20K-char pieces at blank lines), or a hub name[:config]
+    dataset: str                  # corpus: 'pydocs', a local file/folder (one .txt: ~20K-char pieces at blank lines),
+                                  # or a hub name[:config]
     save_dir: str                 # folder to write the tokenizer to (must not exist or be empty)
     dataset_config: str = None    # Hugging Face dataset config (e.g. wikitext-2-v1)
     text_field: str = 'text'      # field holding the text in the dataset's records
     vocab_size: int = 8000        # entries in the vocabulary, special tokens included
-    base_tokenizer: str = None    # retrain this fast tokenizer's BPE (folder, built-in name or Hub id) instead of starting from scratch
+    base_tokenizer: str = None    # retrain this fast tokenizer's BPE (folder, built-in name or Hub id) instead of
+                                  # starting from scratch
     take: int = None              # use only the first N training documents
     def __post_init__(self):
         check(self.vocab_size > 257, f"--vocab_size must exceed 257, got {self.vocab_size}")
@@ -348,14 +350,16 @@ class PretokenizeConfig(Config):
     ("Tokenize a corpus once into fixed-length rows (packed or padded) saved as a DatasetDict with train/validation "
      "splits and args.json.")
     tokenizer: str  # tokenizer: a folder, a built-in name (smollm2-135m) or a Hugging Face id
-    dataset: str                                   # corpus: 'pydocs', a local file/folder (one .txt: ~20K-char pieces at blank lines), or a hub name[:config]
+    dataset: str                                   # corpus: 'pydocs', a local file/folder (one .txt: ~20K-char pieces
+                                                   # at blank lines), or a hub name[:config]
     dataset_config: str = None                     # Hugging Face dataset config (e.g. wikitext-2-v1)
     text_field: str = 'text'                       # field holding the text in the dataset's records
     sequence_length: int = 2048                    # tokens per row
     num_cpu: int = 1                               # worker processes for tokenization
     save_dir: str = '.'                            # parent folder of the output folder
     take: int = None                               # use only the first N documents of each split
-    mode: Literal['packed', 'padded'] = 'packed'   # packed: documents concatenated (EOS-separated) and cut; padded: one row per document
+    mode: Literal['packed', 'padded'] = 'packed'   # packed: documents concatenated (EOS-separated) and cut; padded: one
+                                                   # row per document
     padding_side: Literal['right', 'left'] = 'right'  # padded mode: where the padding goes
     output_name: str = None  # output folder name (default <dataset>[_<config>]_<tokenizer>_<length>)
     def __post_init__(self):

@@ -27,16 +27,19 @@ __all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_IN
 @dataclass
 class LMTaskConfig(Config):
     "What to train on what: model, tokenizer, corpus and adapters."
-    model_name_or_path: str = arg('smollm2-135m', 'model')  # model: built-in name (smollm2-135m, llama_20m, tiny-llama), folder, GGUF file or hub id
+    model_name_or_path: str = arg('smollm2-135m', 'model')  # model: built-in name (smollm2-135m, llama_20m,
+                                                            # tiny-llama), folder, GGUF file or hub id
     tokenizer_name: str = arg(None, 'tokenizer')          # tokenizer (default: the model's)
-    dataset_name: str = arg('pydocs', 'dataset')          # corpus: pydocs (embedded), a local file/folder (one .txt: ~20K-char pieces cut at blank lines), or a hub name[:config]
+    dataset_name: str = arg('pydocs', 'dataset')          # corpus: pydocs (embedded), a local file/folder (one .txt:
+                                                          # ~20K-char pieces cut at blank lines), or a hub name[:config]
     dataset_config: str = None                            # hub dataset configuration (e.g. wikitext-2-v1)
     text_field: str = 'text'                              # field holding the text in .jsonl/.parquet/hub datasets
     sequence_length: int = 256  # tokens per training row (documents are packed, EOS between them)
     lora_r: int = 16  # LoRA rank on every linear layer of the blocks (0: train all weights)
     lora_alpha: int = 32                                  # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.0                             # LoRA dropout
-    lora_modules: list[str] = arg(lambda: ['all-linear'])   # modules that get LoRA (PEFT names; all-linear = every linear but the head)
+    lora_modules: list[str] = arg(lambda: ['all-linear'])   # modules that get LoRA (PEFT names; all-linear = every
+                                                            # linear but the head)
     nf4: bool = False                                     # load the base model in 4-bit nf4 (bitsandbytes; needs LoRA)
     save_merged: bool = False                             # with LoRA, also write the fp32-merged model to <run>/model
     plot: bool = True                                     # write loss.png in the output folder

@@ -40,23 +40,33 @@ LOAD_KINDS = ('trainstate', 'trainstate_params', 'params')
 @dataclass
 class BPTRunConfig(Config):
     "llamabpt.train's top-level flags: model, mesh, precision, steps, logging and checkpoints."
-    load_llama_config: str = ''            # Llama preset (debug, 3b, 7b, 13b, 30b, 65b), ReLoRA family name (llama_9m .. llama_7b) or a JSON config file
-    update_llama_config: dict = None       # dict of LlamaConfig fields to change, e.g. "{'hidden_size': 64, 'num_hidden_layers': 2}" ('': none)
-    mesh_dim: str = '1,-1,1'               # data-parallel, FSDP and tensor-parallel sizes (one -1 takes the remaining processes): dp > 1 -> DDP, fsdp > 1 -> FSDP; tensor parallel is refused
-    dtype: str = 'auto'                    # auto (bf16 where measured faster, else fp32: resolve_precision) | fp32 | bf16 (autocast, fp32 master weights) | fp16 (GPU)
+    load_llama_config: str = ''            # Llama preset (debug, 3b, 7b, 13b, 30b, 65b), ReLoRA family name (llama_9m
+                                           # .. llama_7b) or a JSON config file
+    update_llama_config: dict = None       # dict of LlamaConfig fields to change, e.g. "{'hidden_size': 64,
+                                           # 'num_hidden_layers': 2}" ('': none)
+    mesh_dim: str = '1,-1,1'               # data-parallel, FSDP and tensor-parallel sizes (one -1 takes the remaining
+                                           # processes): dp > 1 -> DDP, fsdp > 1 -> FSDP; tensor parallel is refused
+    dtype: str = 'auto'                    # auto (bf16 where measured faster, else fp32: resolve_precision) | fp32 |
+                                           # bf16 (autocast, fp32 master weights) | fp16 (GPU)
     total_steps: int = 10000               # optimizer updates to train for (counted from 0, a resumed run's included)
     log_freq: int = 50                     # log (loss, lr, tokens/s, peak memory) every N updates
     save_model_freq: int = 0  # checkpoint every N updates, replacing the previous such checkpoint (0: only at the end)
     save_milestone_freq: int = 0           # checkpoint every N updates and keep it (0: no milestones)
-    load_checkpoint: str = ''              # trainstate::DIR continues a memlab checkpoint exactly; params::DIR or trainstate_params::DIR starts from the weights of a checkpoint, a Hugging Face model folder or a built-in name
+    load_checkpoint: str = ''              # trainstate::DIR continues a memlab checkpoint exactly; params::DIR or
+                                           # trainstate_params::DIR starts from the weights of a checkpoint, a Hugging
+                                           # Face model folder or a built-in name
     load_dataset_state: str = ''           # data position to start from: a checkpoint folder or its dataset_state.json
-    autoresume: bool = False               # when --output_dir holds checkpoints, continue from the latest one (before --load_checkpoint)
-    output_dir: str = arg(None, 'logger.output_dir')  # run folder: checkpoints, log.jsonl, results.json, model (default runs/bpt-<load_llama_config>)
+    autoresume: bool = False               # when --output_dir holds checkpoints, continue from the latest one (before
+                                           # --load_checkpoint)
+    output_dir: str = arg(None, 'logger.output_dir')  # run folder: checkpoints, log.jsonl, results.json, model (default
+                                                      # runs/bpt-<load_llama_config>)
     seed: int = 42                         # seed of the initialisation and everything else
-    export_model: bool = True              # at the end, save the trained model without BPT as a plain Hugging Face model in <output_dir>/model
+    export_model: bool = True              # at the end, save the trained model without BPT as a plain Hugging Face
+                                           # model in <output_dir>/model
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (log.jsonl is always written)
     progress: bool = True                  # show a progress bar (main process)
-    malloc_mmap_threshold: int = 1 << 20   # CPU with glibc: serve blocks above this many bytes with mmap, so freed blocks leave resident memory at once (0: glibc's default)
+    malloc_mmap_threshold: int = 1 << 20   # CPU with glibc: serve blocks above this many bytes with mmap, so freed
+                                           # blocks leave resident memory at once (0: glibc's default)
 
     def __post_init__(self):
         for name in ('total_steps', 'log_freq'):
@@ -123,18 +133,28 @@ class LlamaBPTArgs(Config):
     ("The seed's --llama.* fields: BPT's chunk sizes, rematerialisation and precision, "
      "plus the JAX-only fields it accepts.")
     q_chunk_size: int = 1024                 # query block length of blockwise attention (-1: the whole sequence)
-    k_chunk_size: int = 1024                 # key/value block length (-1: the whole sequence; q and k both -1: Hugging Face's SDPA attention)
+    k_chunk_size: int = 1024                 # key/value block length (-1: the whole sequence; q and k both -1: Hugging
+                                             # Face's SDPA attention)
     ffn_chunk_size: int = 1024  # tokens per FFN chunk (-1: no chunking, i.e. a memory-efficient transformer)
-    head_chunk_size: int = -1                # tokens per chunk of the LM head fused with the loss (-1: off unless loss_chunk_size is set)
-    loss_chunk_size: int = -1                # tokens per chunk of the loss fused with the LM head (-1: off unless head_chunk_size is set)
-    remat_policy: str = 'nothing_saveable'   # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable | everything_saveable (no recomputation)
+    head_chunk_size: int = -1                # tokens per chunk of the LM head fused with the loss (-1: off unless
+                                             # loss_chunk_size is set)
+    loss_chunk_size: int = -1                # tokens per chunk of the loss fused with the LM head (-1: off unless
+                                             # head_chunk_size is set)
+    remat_policy: str = 'nothing_saveable'   # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable |
+                                             # everything_saveable (no recomputation)
     float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
-    max_sequence_length: int = None          # positions the model supports (default: the config's, raised to --train_dataset.json_dataset.seq_length)
-    scan_layers: bool = True                 # accepted for the seed's command lines; does nothing here (JAX's scan over layers; PyTorch runs layers in a loop)
-    param_scan_axis: int = 0                 # accepted for the seed's command lines; does nothing here (the stacking axis of JAX's scanned parameters)
-    attention_kernel: str = 'flash'          # memlab: per-block attention kernel: flash (PyTorch's fused CPU operator; torch on other devices), torch or sdpa
-    fused: bool = False                      # memlab: the paper's fused layer, one query block at a time through attention, o_proj, norm and FFN
-    layer_remat: bool = True                 # memlab: also rematerialise each decoder layer as a whole under remat_policy (as the reference remats each block)
+    max_sequence_length: int = None          # positions the model supports (default: the config's, raised to
+                                             # --train_dataset.json_dataset.seq_length)
+    scan_layers: bool = True                 # accepted for the seed's command lines; does nothing here (JAX's scan over
+                                             # layers; PyTorch runs layers in a loop)
+    param_scan_axis: int = 0                 # accepted for the seed's command lines; does nothing here (the stacking
+                                             # axis of JAX's scanned parameters)
+    attention_kernel: str = 'flash'          # memlab: per-block attention kernel: flash (PyTorch's fused CPU operator;
+                                             # torch on other devices), torch or sdpa
+    fused: bool = False                      # memlab: the paper's fused layer, one query block at a time through
+                                             # attention, o_proj, norm and FFN
+    layer_remat: bool = True                 # memlab: also rematerialise each decoder layer as a whole under
+                                             # remat_policy (as the reference remats each block)
 
     def __post_init__(self):
         check(self.max_sequence_length is None or self.max_sequence_length >= 1,
@@ -230,7 +250,8 @@ class JsonDatasetArgs(Config):
 @dataclass
 class TokenizerArgs(Config):
     "The seed's --tokenizer.* group."
-    vocab_file: str = None                   # a SentencePiece .model, a tokenizer.json, a tokenizer folder or a built-in name such as smollm2-135m (required)
+    vocab_file: str = None                   # a SentencePiece .model, a tokenizer.json, a tokenizer folder or a
+                                             # built-in name such as smollm2-135m (required)
     def __post_init__(self):
         check(self.vocab_file, "--tokenizer.vocab_file is required: a SentencePiece .model, a tokenizer.json, "
                                "a tokenizer folder or a built-in name")
@@ -238,7 +259,8 @@ class TokenizerArgs(Config):
 @dataclass
 class CheckpointerArgs(Config):
     "The seed's --checkpointer.* group."
-    save_optimizer_state: bool = True        # write AdamW's moments into checkpoints (False: a resume restarts them; the reference's default)
+    save_optimizer_state: bool = True        # write AdamW's moments into checkpoints (False: a resume restarts them;
+                                             # the reference's default)
 
 FLAG_GROUPS = {'': BPTRunConfig, 'llama': LlamaBPTArgs, 'optimizer': OptimizerArgs,
                'optimizer.adamw_optimizer': AdamWArgs, 'train_dataset': DatasetArgs,
@@ -515,7 +537,8 @@ def demo(out:Path, quick:bool=False) -> tuple:
     old = os.environ.get('MALLOC_MMAP_THRESHOLD_')
     # both measured as memlab_bpt runs: freed blocks leave resident memory at once
     os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 20)
-    try: res = {c: run_isolated('memlab.benchmarks.bpt:step_measurements', 'reference', lens, c) for c in ('sdpa + ckpt', 'bpt')}
+    try: res = {c: run_isolated('memlab.benchmarks.bpt:step_measurements', 'reference', lens, c)
+                for c in ('sdpa + ckpt', 'bpt')}
     finally:
         if old is None: os.environ.pop('MALLOC_MMAP_THRESHOLD_', None)
         else: os.environ['MALLOC_MMAP_THRESHOLD_'] = old

@@ -59,13 +59,17 @@ CHUNKED = ('parallel', 'recurrent')
 class MixerTaskConfig(Config):
     "What to train on what: the kind of model, its data, the objective's special tokens, and what to write."
     model: str = 'lm'  # lm | autoencoder | oracle | parallel | recurrent (no-memory baseline: parallel --no_memory)
-    dataset_path: str = arg(None, 'pretokenized')       # rows pretokenized by memlab_pretokenize (packed or padded); overrides dataset_name
-    dataset_name: str = arg('pydocs', 'dataset')        # corpus tokenized on the fly: pydocs, a local file/folder (one .txt: ~20K-char pieces at blank lines), a hub name
+    dataset_path: str = arg(None, 'pretokenized')       # rows pretokenized by memlab_pretokenize (packed or padded);
+                                                        # overrides dataset_name
+    dataset_name: str = arg('pydocs', 'dataset')        # corpus tokenized on the fly: pydocs, a local file/folder (one
+                                                        # .txt: ~20K-char pieces at blank lines), a hub name
     dataset_config: str = None                          # hub dataset configuration
     text_field: str = 'text'                            # field holding the text in .jsonl/.parquet/hub datasets
-    tokenizer: str = 'smollm2-135m'                     # tokenizer for on-the-fly data: a folder (e.g. an 8k BPE from memlab_train_tokenizer) or a built-in name
+    tokenizer: str = 'smollm2-135m'                     # tokenizer for on-the-fly data: a folder (e.g. an 8k BPE from
+                                                        # memlab_train_tokenizer) or a built-in name
     take: int = None                                    # on-the-fly data: only the first N documents of each split
-    sequence_length: int = None                         # on-the-fly data: tokens per row (default: the model's input, length or n_chunks × length)
+    sequence_length: int = None                         # on-the-fly data: tokens per row (default: the model's input,
+                                                        # length or n_chunks × length)
     vocab_size: int = arg(None, 'n_vocab')  # model vocabulary (default: the tokenizer's, or the pretokenized data's)
     delimiter_id: int = None                            # copy objectives: the token closing each half (default: EOS)
     blank_id: int = None  # blank copy: the token filling the second half (default: the pad token)

@@ -40,16 +40,20 @@ MIXED_PRECISION = ('no', 'bf16', 'fp16')
 @dataclass
 class NeurocacheRunConfig(Config):
     "train_neurocache.py's flags: task, training, output, Neurocache and LoRA."
-    model_name_or_path: str                # causal LM to extend: built-in name (smollm2-135m), folder or hub id; Llama, Mistral, OPT, GPT-2 or Phi
-    dataset_name: str                      # long documents: pydocs (embedded), a local file/folder (one .txt: ~20K-char pieces cut at blank lines), a hub name[:config]
-    output_dir: str                        # run folder: Neurocache weights + adapter + config, results.json, loss.png, log.jsonl, checkpoints/
+    model_name_or_path: str                # causal LM to extend: built-in name (smollm2-135m), folder or hub id; Llama,
+                                           # Mistral, OPT, GPT-2 or Phi
+    dataset_name: str                      # long documents: pydocs (embedded), a local file/folder (one .txt: ~20K-char
+                                           # pieces cut at blank lines), a hub name[:config]
+    output_dir: str                        # run folder: Neurocache weights + adapter + config, results.json, loss.png,
+                                           # log.jsonl, checkpoints/
     dataset_config: str = None             # hub dataset configuration (or give it as name:config)
     text_field: str = 'text'               # field holding the text in .jsonl/.parquet/hub datasets
     tokenizer_name: str = None             # tokenizer (default: the model's)
     train_split: str = 'train'             # split to train on (shuffled by document, read in a loop)
     eval_split: str = 'validation'         # split evaluated during and after training (documents in order)
     test_split: str = 'test'               # split evaluated once at the end ('none': skip)
-    per_device_train_batch_size: int = arg(2, 'per_device_batch_size')  # rows per process in training; each row streams its own documents
+    per_device_train_batch_size: int = arg(2, 'per_device_batch_size')  # rows per process in training; each row streams
+                                                                        # its own documents
     per_device_eval_batch_size: int = 4    # rows per process in evaluation
     sequence_length: int = 1024            # tokens per segment (the base model's attention sees one segment)
     max_train_steps: int = 25_000          # optimizer updates
@@ -57,17 +61,24 @@ class NeurocacheRunConfig(Config):
     seed: int = 1234567                    # seed of the data order, LoRA dropout and Neurocache initialisation
     nf4: bool = False                      # load the base model in 4-bit nf4 (bitsandbytes); it stays frozen
     max_grad_norm: float = 1.0             # clip the global gradient norm (0: off)
-    only_evaluate: bool = False            # evaluate the eval and test splits without training (e.g. with --pretrained_neurocache)
+    only_evaluate: bool = False            # evaluate the eval and test splits without training (e.g. with
+                                           # --pretrained_neurocache)
     learning_rate: float = 1e-4            # peak learning rate (AdamW)
     weight_decay: float = 0.0              # AdamW weight decay (not on norms and biases)
-    disable_grad_checkpointing: bool = False  # do not recompute the decoder layers in the backward pass (faster, more memory)
-    gradient_accumulation_steps: int = 8   # micro-batches per update; keep it > 1 (the reference: training drifts otherwise)
+    disable_grad_checkpointing: bool = False  # do not recompute the decoder layers in the backward pass (faster, more
+                                              # memory)
+    gradient_accumulation_steps: int = 8   # micro-batches per update; keep it > 1 (the reference: training drifts
+                                           # otherwise)
     evaluate_every_steps: int = 500        # evaluate every N updates (and at the end)
     num_warmup_steps: int = 1000           # linear warm-up of the learning rate, in updates
-    lr_scheduler_type: str = 'cosine'      # linear | cosine | cosine_with_restarts (one cycle: cosine) | polynomial | constant | constant_with_warmup
-    mixed_precision: str = None            # auto | no | bf16 | fp16 (GPU only); default: accelerate launch's choice, else bf16 where measured faster
-    distributed_type: str = 'auto'         # with several processes: ddp | fsdp (FSDP2, one shard per decoder layer) | auto (fsdp under an accelerate FSDP config)
-    resume_from_checkpoint: str = None     # continue a run exactly: a checkpoints/step-* folder, the run folder, or 'latest' (in --output_dir)
+    lr_scheduler_type: str = 'cosine'      # linear | cosine | cosine_with_restarts (one cycle: cosine) | polynomial |
+                                           # constant | constant_with_warmup
+    mixed_precision: str = None            # auto | no | bf16 | fp16 (GPU only); default: accelerate launch's choice,
+                                           # else bf16 where measured faster
+    distributed_type: str = 'auto'         # with several processes: ddp | fsdp (FSDP2, one shard per decoder layer) |
+                                           # auto (fsdp under an accelerate FSDP config)
+    resume_from_checkpoint: str = None     # continue a run exactly: a checkpoints/step-* folder, the run folder, or
+                                           # 'latest' (in --output_dir)
     checkpointing_steps: int = 2000        # write a resumable checkpoint every N updates
     keep_n_checkpoints: int = 2            # checkpoints kept (older ones are deleted)
     logging_steps: int = 100               # log the training loss every N updates
@@ -75,30 +86,42 @@ class NeurocacheRunConfig(Config):
     with_tracking: bool = False            # log metrics to --report_to (log.jsonl is always written)
     save_and_quit: bool = False            # build (and resume) the model, save its Neurocache to --output_dir and stop
     progress: bool = True                  # show progress bars (main process)
-    pretrained_neurocache: str = None      # start from (or evaluate) a saved Neurocache: a folder written by a previous run
+    pretrained_neurocache: str = None      # start from (or evaluate) a saved Neurocache: a folder written by a previous
+                                           # run
     disable_neurocache: bool = False       # no cache: the LoRA-only baseline (with --disable_lora: the base model)
-    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18' or '12:12,18:18' (two caches); default ⌊3L/4⌋ (joint: the model's lowest copying layer)
-    attention_layers: str = None           # layers with cache attention, e.g. '18,19,20,21,22,23' or '18-23'; default lowest retrieving layer .. L-1 (joint: .. the highest copying layer)
+    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18' or '12:12,18:18' (two
+                                                    # caches); default ⌊3L/4⌋ (joint: the model's lowest copying layer)
+    attention_layers: str = None           # layers with cache attention, e.g. '18,19,20,21,22,23' or '18-23'; default
+                                           # lowest retrieving layer .. L-1 (joint: .. the highest copying layer)
     cache_size: int = 16384                # entries per cache (one cache per batch row) in training
-    eval_cache_size: int = None            # entries per cache in evaluation (default: --cache_size), e.g. 131072 after training at 16384
+    eval_cache_size: int = None            # entries per cache in evaluation (default: --cache_size), e.g. 131072 after
+                                           # training at 16384
     cache_type: str = 'FIFO'               # eviction: FIFO (ring buffer) or LRU (least recently retrieved first)
     cache_dtype: str = 'bfloat16'          # storage dtype of the cache: float32, bfloat16 or float16
     compression_factor: int = 4            # cached states have hidden_size / compression_factor features
-    context_size: int = None               # token t also attends to the retrievals of tokens t-c+1 .. t; default 2 (separate) or 1 (joint)
+    context_size: int = None               # token t also attends to the retrievals of tokens t-c+1 .. t; default 2
+                                           # (separate) or 1 (joint)
     neighborhood_size: int = 2             # consecutive cache entries fetched per hit (even, or 1)
     topk: int = 16                         # cache entries retrieved per token
     similarity_fn: str = 'l2'              # l2 or dot
     global_cache: bool = False             # one cache shared by the rows of a batch instead of one per row
     topk_buckets: int = 0                  # 0: exact top-k; N: the reference library's approximate top-k over N buckets
-    zero_init_output: bool = True          # start the cache attention's W_o at zero: an untrained cache leaves the model unchanged (false: the reference's copy of the layer's W_o)
-    retrieval_bias: float = 8.0            # starting per-head weight of the retrieval score in the cache-attention logits, learned (0: none, the reference)
-    joint_distance: int = 256              # joint: each query meets the cached keys this many positions back under the rotary embedding
-    cache_attention: str = 'auto'          # separate: a cache attention of its own in each attention layer (the reference); joint: the layer's own heads attend to the retrieved keys and values in the same softmax as the segment (Llama, Mistral); auto: joint where it works, else separate
+    zero_init_output: bool = True          # start the cache attention's W_o at zero: an untrained cache leaves the
+                                           # model unchanged (false: the reference's copy of the layer's W_o)
+    retrieval_bias: float = 8.0            # starting per-head weight of the retrieval score in the cache-attention
+                                           # logits, learned (0: none, the reference)
+    joint_distance: int = 256              # joint: each query meets the cached keys this many positions back under the
+                                           # rotary embedding
+    cache_attention: str = 'auto'          # separate: a cache attention of its own in each attention layer (the
+                                           # reference); joint: the layer's own heads attend to the retrieved keys and
+                                           # values in the same softmax as the segment (Llama, Mistral); auto: joint
+                                           # where it works, else separate
     disable_lora: bool = False             # train the Neurocache without LoRA
     lora_r: int = 32                       # LoRA rank on the FFN linears of the cache-attention layers
     lora_alpha: int = 64                   # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.1              # LoRA dropout
-    lora_modules: str = None               # FFN linears that get LoRA, e.g. gate_proj,up_proj,down_proj or fc1,fc2; default: all FFN linears of the family
+    lora_modules: str = None               # FFN linears that get LoRA, e.g. gate_proj,up_proj,down_proj or fc1,fc2;
+                                           # default: all FFN linears of the family
 
     def __post_init__(self):
         for name in ('model_name_or_path', 'dataset_name', 'output_dir'):
@@ -132,7 +155,8 @@ class NeurocacheRunConfig(Config):
         "The `NeurocacheConfig` the flags describe (layers resolved later, against the model)."
         return NeurocacheConfig(cache_size=self.cache_size, eval_cache_size=self.eval_cache_size,
                                 cache_dtype=self.cache_dtype, compression_factor=self.compression_factor,
-                                topk=self.topk, neighborhood_size=self.neighborhood_size, context_size=self.context_size,
+                                topk=self.topk, neighborhood_size=self.neighborhood_size,
+                                context_size=self.context_size,
                                 similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
                                 attention_layers=self.attention_layers, cache_type=self.cache_type,
                                 global_cache=self.global_cache,

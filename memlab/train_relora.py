@@ -36,19 +36,27 @@ OPTIMIZERS = ('adam', 'adam_zero')
 @dataclass
 class ReLoRARunConfig(Config):
     "torchrun_main.py's flags: model, data, batches, ReLoRA, optimizer and schedule, checkpoints."
-    model_config: str = None               # Llama config: a JSON file or a family name llama_9m .. llama_7b (configs/llama_250m.json resolves by its stem)
-    model_name_or_path: str = None         # a causal LM to start from instead of --model_config: built-in name (smollm2-135m), folder or hub id
-    warmed_up_model: str = arg(None, 'continue_from')  # warm start: weights, step, token count and data position of a memlab checkpoint (or run folder), or a Hugging Face model folder; not the optimizer
-    resume_from: str = None                # continue a run exactly from one of its checkpoints (a checkpoints/step-* folder, or 'latest' in --save_dir)
+    model_config: str = None               # Llama config: a JSON file or a family name llama_9m .. llama_7b
+                                           # (configs/llama_250m.json resolves by its stem)
+    model_name_or_path: str = None         # a causal LM to start from instead of --model_config: built-in name
+                                           # (smollm2-135m), folder or hub id
+    warmed_up_model: str = arg(None, 'continue_from')  # warm start: weights, step, token count and data position of a
+                                                       # memlab checkpoint (or run folder), or a Hugging Face model
+                                                       # folder; not the optimizer
+    resume_from: str = None                # continue a run exactly from one of its checkpoints (a checkpoints/step-*
+                                           # folder, or 'latest' in --save_dir)
     autoresume: bool = False               # when --save_dir already holds checkpoints, resume from the latest one
-    dataset_path: str = None               # pretokenized DatasetDict (train/validation, args.json) from memlab_pretokenize; default: the embedded pydocs corpus
+    dataset_path: str = None               # pretokenized DatasetDict (train/validation, args.json) from
+                                           # memlab_pretokenize; default: the embedded pydocs corpus
     tokenizer: str = None  # tokenizer (default: the one args.json names); its vocabulary must be the data's
     max_length: int = 512                  # tokens per row: must equal the pretokenized sequence length
     workers: int = 8  # accepted for compatibility: rows are read from the memory-mapped dataset in the training process
     batch_size: int = None                 # rows per process per micro-batch (required)
     gradient_accumulation: int = None      # micro-batches per update (instead of --total_batch_size)
-    total_batch_size: int = None           # rows per update over all processes: gradient accumulation = total / (batch_size × processes)
-    max_train_tokens: str = None           # train on this many tokens (rows × max_length; K/M/B suffixes): sets --num_training_steps
+    total_batch_size: int = None           # rows per update over all processes: gradient accumulation = total /
+                                           # (batch_size × processes)
+    max_train_tokens: str = None           # train on this many tokens (rows × max_length; K/M/B suffixes): sets
+                                           # --num_training_steps
     num_training_steps: int = 10_000       # optimizer updates, counted from 0 (a warm start's updates included)
     use_peft: bool = False  # train low-rank adapters on every attention and MLP linear instead of the full weights
     lora_r: int = 128                      # adapter rank
@@ -56,10 +64,15 @@ class ReLoRARunConfig(Config):
     relora: int = None # merge the adapters into the weights and restart them every N updates (ReLoRA; needs --use_peft)
     train_scaling: bool = False            # learn each adapter's scale as tanh(p) instead of alpha / r
     reset_optimizer_on_relora: bool = True  # at every merge, zero the adapters' Adam moments
-    optimizer_random_pruning: float = 0.0  # at every merge, zero this random fraction of the adapters' Adam moments instead
-    optimizer_magnitude_pruning: float = 0.0  # at every merge, zero the smallest-magnitude fraction of the adapters' Adam moments instead
-    force_keep_original: bool = False      # with --use_peft but neither --relora nor a warm start: keep the initial weights under the adapters (default: a pure low-rank network, as the reference)
-    optimizer: str = 'Adam'                # Adam (AdamW) or adam_zero (ZeroRedundancyOptimizer over AdamW: state partitioned over DDP processes)
+    optimizer_random_pruning: float = 0.0  # at every merge, zero this random fraction of the adapters' Adam moments
+                                           # instead
+    optimizer_magnitude_pruning: float = 0.0  # at every merge, zero the smallest-magnitude fraction of the adapters'
+                                              # Adam moments instead
+    force_keep_original: bool = False      # with --use_peft but neither --relora nor a warm start: keep the initial
+                                           # weights under the adapters (default: a pure low-rank network, as the
+                                           # reference)
+    optimizer: str = 'Adam'                # Adam (AdamW) or adam_zero (ZeroRedundancyOptimizer over AdamW: state
+                                           # partitioned over DDP processes)
     lr: float = 1e-4                       # peak learning rate
     adam_beta1: float = 0.9                # AdamW beta1
     adam_beta2: float = 0.999              # AdamW beta2
@@ -77,15 +90,18 @@ class ReLoRARunConfig(Config):
     keep_checkpoints: int = None           # keep only the newest N checkpoints (default: all)
     tags: list[str] = None                 # comma-separated tags, recorded in run_config.json (and given to wandb)
     comment: str = None                    # a note on the run, recorded in run_config.json (wandb notes)
-    dtype: str = 'auto'                    # auto (bf16 where measured faster, else float32: resolve_precision) | bf16 (autocast, fp32 master weights) | float32 | float16 (GPU)
+    dtype: str = 'auto'                    # auto (bf16 where measured faster, else float32: resolve_precision) | bf16
+                                           # (autocast, fp32 master weights) | float32 | float16 (GPU)
     quantize: str = None  # store the frozen base weights in 4bit (nf4) or 8bit (bitsandbytes; needs --use_peft)
     distributed_type: str = 'ddp'  # ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded by layer)
     profile: bool = False                  # record torch.profiler traces of a few updates in <save_dir>/profiler_logs
-    skip_batches: list[int] = None         # comma-separated update numbers whose data is dropped (the reference's update_step: updates before it, skipped ones included)
+    skip_batches: list[int] = None         # comma-separated update numbers whose data is dropped (the reference's
+                                           # update_step: updates before it, skipped ones included)
     seed: int = 0                          # seed of the model's initialisation, data order, dropout and adapter draws
     max_eval_tokens: str = '10M'           # tokens per evaluation (K/M/B suffixes; the reference's fixed 10M)
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (log.jsonl is always written)
-    export_model: bool = True              # at the end, save the trained model (adapters merged) as a plain Hugging Face model in <save_dir>/model
+    export_model: bool = True              # at the end, save the trained model (adapters merged) as a plain Hugging
+                                           # Face model in <save_dir>/model
     progress: bool = True                  # show a progress bar (main process)
 
     def __post_init__(self):

@@ -89,7 +89,8 @@ class TrainConfig(Config):
     output_dir: str = None                 # where checkpoints, logs and results go (None: write nothing)
     max_steps: int = 100                   # optimizer updates to train for
     per_device_batch_size: int = 1         # rows per process per micro-batch
-    total_batch_size: int = None           # rows per optimizer update over all processes and micro-batches (default: one micro-batch)
+    total_batch_size: int = None           # rows per optimizer update over all processes and micro-batches (default:
+                                           # one micro-batch)
     gradient_accumulation_steps: int = None  # micro-batches per update (alternative to total_batch_size)
     lr: float = 1e-4                       # peak learning rate (AdamW)
     weight_decay: float = 0.0              # AdamW weight decay (not applied to biases and norms)
@@ -109,10 +110,13 @@ class TrainConfig(Config):
     keep_checkpoints: int = 2              # checkpoints kept (older ones are deleted)
     save_final: bool = True                # checkpoint at the end of training
     log_every: int = 10                    # log every N updates
-    mixed_precision: str = 'auto'          # auto | no | bf16 | fp16 (autocast; master weights fp32); auto: bf16 where measured faster (resolve_precision)
+    mixed_precision: str = 'auto'          # auto | no | bf16 | fp16 (autocast; master weights fp32); auto: bf16 where
+                                           # measured faster (resolve_precision)
     gradient_checkpointing: bool = False   # recompute activations in backward (non-reentrant)
-    distributed_type: str = 'auto'         # auto | ddp | fsdp (FSDP2, one shard unit per layer); auto = fsdp when launched with an accelerate FSDP config
-    fsdp_layer_cls: list[str] = None       # class names FSDP shards separately (default: the model's decoder layer, or the accelerate config's)
+    distributed_type: str = 'auto'         # auto | ddp | fsdp (FSDP2, one shard unit per layer); auto = fsdp when
+                                           # launched with an accelerate FSDP config
+    fsdp_layer_cls: list[str] = None       # class names FSDP shards separately (default: the model's decoder layer, or
+                                           # the accelerate config's)
     seed: int = 0                          # seed of everything (data order included)
     resume_from: str = None                # checkpoint folder, or 'latest' (in output_dir) to continue a run exactly
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (the JSON log is always written)
@@ -324,8 +328,9 @@ def find_checkpoint(resume_from, output_dir=None) -> Path:
 UNFINISHED_RUN_FILES = ('run_config.json', 'log.jsonl', 'loss.png', 'tensorboard')
 
 def output_dir_refusal(out, resume_hint:str="resume_from='latest'", flag:str='output_dir') -> Optional[str]:
-    """Why a new run cannot start in `out` (None if it can). A finished run (results.json) or one with checkpoints is never
-    overwritten; a run that stopped before its first checkpoint left nothing worth keeping, so its folder is reused."""
+    """Why a new run cannot start in `out` (None if it can). A finished run (results.json) or one with checkpoints is
+    never overwritten; a run that stopped before its first checkpoint left nothing worth keeping, so its folder is
+    reused."""
     out = Path(out)
     if not out.exists(): return None
     check(out.is_dir(), f"--{flag} {out} is a file: pass a folder")
@@ -642,9 +647,9 @@ class Trainer:
 # %% ../nbs/05_training.ipynb
 @patch_to(Trainer)
 def reconfigure(self, modify):
-    """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in place;
-    the model is re-wrapped for DDP (its set of trainable parameters changed) and a fresh optimizer is built whose schedule
-    continues at the current step (`replace_optimizer` can then install a method's own)."""
+    """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in
+    place; the model is re-wrapped for DDP (its set of trainable parameters changed) and a fresh optimizer is built
+    whose schedule continues at the current step (`replace_optimizer` can then install a method's own)."""
     check(not self.fsdp,
           "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
     model = self.accelerator.unwrap_model(self.model)
@@ -656,8 +661,8 @@ def reconfigure(self, modify):
 
 @patch_to(Trainer)
 def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
-    """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured schedule,
-    continuing at the current step)."""
+    """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured
+    schedule, continuing at the current step)."""
     self.accelerator._optimizers.clear()
     for g in optimizer.param_groups: g.setdefault('initial_lr', g['lr'])
     self._acc_optimizer = self.accelerator.prepare_optimizer(optimizer)
@@ -1091,14 +1096,14 @@ def standard_results(trainer:Trainer, history:list) -> dict:
 
 def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, describe=None, final=None, results=None,
         save=None, report=None, plot_title:str=None, fit:bool=True, folder=None, **trainer_kwargs) -> dict:
-    """Train `model` as `config` says and write the run folder: the part of every command between building and reporting.
-    Hooks, in the order they run: `prepare(trainer)` after the Trainer is built (resumed if asked), before fit;
-    `describe(trainer) -> str` the line printed before training; `final(trainer) -> module or state dict` the exported
-    weights the replica fingerprint covers (every process; kept as `trainer.final`; default: the trainable parameters);
-    `results(trainer, history, res) -> res` the recipe's entries; `save(trainer, folder) -> dict or None` writes its
-    files (every process; returned entries join the results); `report(res)` the text of results.md, or {file name: text};
-    `plot_title` the loss plot. `fit=False` evaluates without training; `folder` takes the results instead of
-    `config.output_dir` (an evaluation may write no logs or checkpoints). `trainer_kwargs` go to `Trainer` (loss_fn,
+    """Train `model` as `config` says and write the run folder: the part of every command between building and
+    reporting. Hooks, in the order they run: `prepare(trainer)` after the Trainer is built (resumed if asked), before
+    fit; `describe(trainer) -> str` the line printed before training; `final(trainer) -> module or state dict` the
+    exported weights the replica fingerprint covers (every process; kept as `trainer.final`; default: the trainable
+    parameters); `results(trainer, history, res) -> res` the recipe's entries; `save(trainer, folder) -> dict or None`
+    writes its files (every process; returned entries join the results); `report(res)` the text of results.md, or {file
+    name: text}; `plot_title` the loss plot. `fit=False` evaluates without training; `folder` takes the results instead
+    of `config.output_dir` (an evaluation may write no logs or checkpoints). `trainer_kwargs` go to `Trainer` (loss_fn,
     callbacks, optimizer, scheduler, accelerator, run_config)."""
     trainer = Trainer(model, config, train_data, eval_data, **trainer_kwargs)
     if prepare is not None: prepare(trainer)

@@ -66,8 +66,9 @@ class CacheAttention(nn.Module):
             lin.weight.copy_(w)
 
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
-        """x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens; valid (B, P+T, M);
-        bias (B, P+T, M): the retrieval score of each state, weighted per head by `retrieval_scale` and added to the logits."""
+        """x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens;
+        valid (B, P+T, M); bias (B, P+T, M): the retrieval score of each state, weighted per head by `retrieval_scale`
+        and added to the logits."""
         return self.attend(x, *context_window(ctx, valid, bias, context_size, prefix))
 
     def attend(self, x, ctx, ok, bias=None):
@@ -122,11 +123,11 @@ _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cp
 _flash_cpu_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
 
 class FlashAttentionLse(torch.autograd.Function):
-    """Attention (B, H, T, hs) and the logsumexp of its logits (B, H, T) in one call of PyTorch's fused CPU attention kernel,
-    both with gradients. The kernel returns the logsumexp but not its gradient. Since ∂ lse_t / ∂ logit_ts = p_ts, a gradient
-    g of the logsumexp enters the kernel's own backward where it subtracts D_t = rowsum(dO_t · O_t) from each row: with a zero
-    column added to q, k and v, a 1 in dO's extra column and -g_t in O's, D_t becomes rowsum(dO_t · O_t) - g_t, and the
-    kernel returns the gradients of both outputs at once."""
+    """Attention (B, H, T, hs) and the logsumexp of its logits (B, H, T) in one call of PyTorch's fused CPU attention
+    kernel, both with gradients. The kernel returns the logsumexp but not its gradient. Since ∂ lse_t / ∂ logit_ts =
+    p_ts, a gradient g of the logsumexp enters the kernel's own backward where it subtracts D_t = rowsum(dO_t · O_t)
+    from each row: with a zero column added to q, k and v, a 1 in dO's extra column and -g_t in O's, D_t becomes
+    rowsum(dO_t · O_t) - g_t, and the kernel returns the gradients of both outputs at once."""
     @staticmethod
     def forward(ctx, q, k, v, mask, causal:bool, scale:float):
         out, lse = _flash_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
@@ -149,9 +150,9 @@ class FlashAttentionLse(torch.autograd.Function):
         return dq[..., :-1], dk[..., :-1], dv[..., :-1], None, None, None
 
 def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> tuple:
-    """`FlashAttentionLse` with a mask as attention layers are given one: None, bool (B, 1, T, S) (True: attend) or additive;
-    k, v may have fewer heads than q (grouped-query). Returns the output (B, H, T, hs) and the logsumexp (B, H, T) in fp32,
-    -inf where a query may attend to nothing (where the kernel itself reports 0)."""
+    """`FlashAttentionLse` with a mask as attention layers are given one: None, bool (B, 1, T, S) (True: attend) or
+    additive; k, v may have fewer heads than q (grouped-query). Returns the output (B, H, T, hs) and the logsumexp (B,
+    H, T) in fp32, -inf where a query may attend to nothing (where the kernel itself reports 0)."""
     T, S = q.shape[2], k.shape[2]
     if torch.is_autocast_enabled(q.device.type):          # as F.scaled_dot_product_attention runs under autocast
         q = q.to(torch.get_autocast_dtype(q.device.type))
@@ -170,10 +171,11 @@ def _fusable(q) -> bool:
             and q.dtype in (torch.float32, torch.bfloat16, torch.float64))
 
 def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
-    """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the layer's
-    attention sees them (rotary applied, S >= T: a KV cache's earlier tokens first); mask (B, 1, T, S) bool (True: attend)
-    or additive float, None: causal. Returns (B, T, H) in fp32 (-inf where a query may attend to nothing). `fused` (default:
-    on CPU in fp32/bf16/fp64) takes it from the fused CPU attention kernel (`fused_attention`) instead of the logits."""
+    """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the
+    layer's attention sees them (rotary applied, S >= T: a KV cache's earlier tokens first); mask (B, 1, T, S) bool
+    (True: attend) or additive float, None: causal. Returns (B, T, H) in fp32 (-inf where a query may attend to
+    nothing). `fused` (default: on CPU in fp32/bf16/fp64) takes it from the fused CPU attention kernel
+    (`fused_attention`) instead of the logits."""
     B, H, T, hs = q.shape
     nkv, S = keys.shape[1], keys.shape[2]
     if fused is None: fused = _fusable(q)
@@ -192,9 +194,10 @@ def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     return torch.logsumexp(s, -1).reshape(B, H, T).transpose(1, 2)
 
 def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
-    """The joint softmax of the segment and the cache, head by head: u (B, T, H·hs) the layer's attention output over the
-    segment (before W_o), lse_local (B, T, H) its logsumexp, q (B, T, H·hs) the queries before the rotary embedding,
-    k_mem, v_mem (B, T, W, nkv·hs) each token's retrieved keys and values, ok (B, T, W) which are real. Returns (B, T, H·hs)."""
+    """The joint softmax of the segment and the cache, head by head: u (B, T, H·hs) the layer's attention output over
+    the segment (before W_o), lse_local (B, T, H) its logsumexp, q (B, T, H·hs) the queries before the rotary embedding,
+    k_mem, v_mem (B, T, W, nkv·hs) each token's retrieved keys and values, ok (B, T, W) which are real. Returns (B, T,
+    H·hs)."""
     B, T, W = ok.shape
     H = lse_local.shape[-1]
     hs = u.shape[-1] // H
@@ -217,9 +220,9 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
 # %% ../../nbs/20_neurocache.ipynb 46
 def joint_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, **kwargs):
     """A joint layer's attention (a Hugging Face attention function, registered as 'memlab_joint'): what the model's own
-    implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on CPU, one call of
-    the fused kernel gives both (`fused_attention`, SDPA's causal rule); otherwise the model's implementation runs and `mix`
-    recomputes the logsumexp."""
+    implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on CPU, one
+    call of the fused kernel gives both (`fused_attention`, SDPA's causal rule); otherwise the model's implementation
+    runs and `mix` recomputes the logsumexp."""
     route = module.config
     impl = route.config._attn_implementation
     plain = (impl != 'sdpa' or not _fusable(query) or dropout or kwargs.get('output_attentions')

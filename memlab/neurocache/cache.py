@@ -216,8 +216,9 @@ def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', nei
 
 # %% ../../nbs/20_neurocache.ipynb 28
 def context_window(ctx, valid, bias, context_size:int=1, prefix:int=0) -> tuple:
-    """Each of the T tokens' window: the M states retrieved for it and for each of the c−1 tokens before it, (B, T, c·M, d), with
-    its validity (B, T, c·M) and retrieval scores (or None); positions before the first token are invalid zeros."""
+    """Each of the T tokens' window: the M states retrieved for it and for each of the c−1 tokens before it, (B, T, c·M,
+    d), with its validity (B, T, c·M) and retrieval scores (or None); positions before the first token are invalid
+    zeros."""
     B, PT, M, d = ctx.shape
     T = PT - prefix
     if context_size == 1 and prefix == 0: return ctx, valid, bias         # the retrievals themselves: nothing to copy

@@ -73,27 +73,46 @@ def format_retrieval_map(layer_map:dict) -> str:
 @dataclass
 class NeurocacheConfig(Config):
     "Settings of a Neurocache; defaults are the reference library's."
-    cache_size: int = 8192             # entries (tokens) per cache; may differ between training and evaluation (see eval_cache_size, resize_cache)
-    eval_cache_size: int = None        # entries per cache in evaluation mode (model.eval()); None = cache_size. Train at 16K, evaluate at 128K
+    cache_size: int = 8192             # entries (tokens) per cache; may differ between training and evaluation (see
+                                       # eval_cache_size, resize_cache)
+    eval_cache_size: int = None        # entries per cache in evaluation mode (model.eval()); None = cache_size. Train
+                                       # at 16K, evaluate at 128K
     cache_dtype: str = 'float32'       # storage dtype of the cache: float32, bfloat16 or float16
-    compression_factor: int = 8        # cached states have d = hidden_size / compression_factor features; 1 stores the states as they are
+    compression_factor: int = 8        # cached states have d = hidden_size / compression_factor features; 1 stores the
+                                       # states as they are
     topk: int = 32                     # nearest cache entries retrieved per token
     neighborhood_size: int = 2         # consecutive entries fetched per hit (2: i, i+1; 4: i-1 .. i+2); even, or 1
-    context_size: int = None           # token t also attends to the retrievals of tokens t-c+1 .. t of its segment; None = 2 (separate, the reference) or 1 (joint)
-    similarity_fn: str = 'l2'          # l2 (nearest in Euclidean distance: score 2q·k − ‖k‖²) or dot (largest inner product)
-    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18', '12:12,18:18' or '12,18'; None = ⌊3L/4⌋:⌊3L/4⌋ (joint: the lowest copying layer, see copying_layers)
-    attention_layers: list = None      # layers that get cache attention, e.g. '18-23'; None = lowest retrieving layer .. L-1 (joint: .. the highest copying layer)
-    cache_type: str = 'FIFO'           # eviction order: FIFO (ring buffer) or LRU (evict the least recently retrieved entry)
-    global_cache: bool = False         # one cache shared by all batch rows (never reset by start_of_sequence) instead of one per row
-    topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided buckets; it used 512)
-    zero_init_output: bool = True      # start each cache attention's W_o at zero: until it trains, the model predicts exactly as without a cache (False: the reference's copy of the layer's W_o)
-    retrieval_bias: float = 8.0        # starting per-head weight of the retrieval score in the cache-attention logits, learned; 0 = no such term (the reference)
-    joint_distance: int = 256          # joint: retrieved tokens are presented to the rotary embedding this many positions before each query (their keys carry none of their own)
-    cache_attention: str = 'auto'      # separate: each attention layer gets a cache attention of its own, added to its output (the reference); joint: the layer's own heads attend to the retrieved tokens' keys and values in the same softmax as the segment (Llama, Mistral); auto: joint where it works, else separate
-    lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the training CLI uses 32)
+    context_size: int = None           # token t also attends to the retrievals of tokens t-c+1 .. t of its segment;
+                                       # None = 2 (separate, the reference) or 1 (joint)
+    similarity_fn: str = 'l2'          # l2 (nearest in Euclidean distance: score 2q·k − ‖k‖²) or dot (largest inner
+                                       # product)
+    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18', '12:12,18:18' or
+                                                    # '12,18'; None = ⌊3L/4⌋:⌊3L/4⌋ (joint: the lowest copying layer,
+                                                    # see copying_layers)
+    attention_layers: list = None      # layers that get cache attention, e.g. '18-23'; None = lowest retrieving layer
+                                       # .. L-1 (joint: .. the highest copying layer)
+    cache_type: str = 'FIFO'           # eviction order: FIFO (ring buffer) or LRU (evict the least recently retrieved
+                                       # entry)
+    global_cache: bool = False         # one cache shared by all batch rows (never reset by start_of_sequence) instead
+                                       # of one per row
+    topk_buckets: int = 0              # 0 = exact top-k; N > 0 = the reference's approximate top-k (best of N strided
+                                       # buckets; it used 512)
+    zero_init_output: bool = True      # start each cache attention's W_o at zero: until it trains, the model predicts
+                                       # exactly as without a cache (False: the reference's copy of the layer's W_o)
+    retrieval_bias: float = 8.0        # starting per-head weight of the retrieval score in the cache-attention logits,
+                                       # learned; 0 = no such term (the reference)
+    joint_distance: int = 256          # joint: retrieved tokens are presented to the rotary embedding this many
+                                       # positions before each query (their keys carry none of their own)
+    cache_attention: str = 'auto'      # separate: each attention layer gets a cache attention of its own, added to its
+                                       # output (the reference); joint: the layer's own heads attend to the retrieved
+                                       # tokens' keys and values in the same softmax as the segment (Llama, Mistral);
+                                       # auto: joint where it works, else separate
+    lora_r: int = 0                    # LoRA rank on the FFN linears of the cache-attention layers; 0 = no LoRA (the
+                                       # training CLI uses 32)
     lora_alpha: int = 64               # LoRA alpha (scale alpha / r)
     lora_dropout: float = 0.1          # LoRA dropout
-    lora_modules: list = None          # FFN linears to adapt, e.g. 'gate_proj,up_proj,down_proj' or 'fc1,fc2'; None = all FFN linears
+    lora_modules: list = None          # FFN linears to adapt, e.g. 'gate_proj,up_proj,down_proj' or 'fc1,fc2'; None =
+                                       # all FFN linears
 
     def __post_init__(self):
         def is_int(v): return isinstance(v, int) and not isinstance(v, bool)

@@ -161,8 +161,8 @@ class Neurocache(nn.Module):
         return self.attentions[str(layer)].attend(x, *self._context(r, layer))
 
     def _context(self, r:int, layer:int) -> tuple:
-        """The window of retrieved states of cache `r` as the attention layers read them (re-projected through W_p in training):
-        (states (B, T, W, d), valid (B, T, W), retrieval scores or None), made once per forward."""
+        """The window of retrieved states of cache `r` as the attention layers read them (re-projected through W_p in
+        training): (states (B, T, W, d), valid (B, T, W), retrieval scores or None), made once per forward."""
         ret = self._retrieved[r]
         proj = self.projections[str(r)]
         need_grad = self.reencode and torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters())
@@ -280,8 +280,8 @@ def _joint_kv(self, r:int):
 # %% ../../nbs/20_neurocache.ipynb 44
 @torch.no_grad()
 def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor:
-    """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length` tokens
-    to the successor of their first occurrence (near 1: an induction head)."""
+    """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length`
+    tokens to the successor of their first occurrence (near 1: an induction head)."""
     model = getattr(model, 'base_model', model) if isinstance(model, NeurocacheModel) else model
     V = model.get_input_embeddings().num_embeddings
     x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
@@ -337,9 +337,10 @@ class NeurocacheAttention(TransparentWrapper):
 
 # %% ../../nbs/20_neurocache.ipynb 49
 def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig:
-    """A copy of `config` with the choices that depend on the model made: cache_attention 'auto' (joint for a Llama or Mistral
-    model with copying layers, else separate), context_size None (1 joint, 2 separate), and a joint cache without layers
-    placed at the model's copying layers (`copying_layers`: retrieval at the lowest, attention from it to the highest)."""
+    """A copy of `config` with the choices that depend on the model made: cache_attention 'auto' (joint for a Llama or
+    Mistral model with copying layers, else separate), context_size None (1 joint, 2 separate), and a joint cache
+    without layers placed at the model's copying layers (`copying_layers`: retrieval at the lowest, attention from it to
+    the highest)."""
     family = _check_family(model)
     design, found = config.cache_attention, None
     if design == 'auto':  # joint reads the cache through heads that already copy: a model without them gets separate
@@ -758,8 +759,8 @@ def saved_neurocache_info(path) -> dict:
             'base_quantization': meta.get('base_quantization') or None}
 
 def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
-    """Add the Neurocache saved at `path` to `base_model` (a `NeurocacheModel`; a LoRA-only save gives `base_model` with its LoRA);
-    `overrides` change settings such as cache_size. Fails on any key mismatch."""
+    """Add the Neurocache saved at `path` to `base_model` (a `NeurocacheModel`; a LoRA-only save gives `base_model` with
+    its LoRA); `overrides` change settings such as cache_size. Fails on any key mismatch."""
     from safetensors.torch import load_file
     path = Path(path)
     info = saved_neurocache_info(path)

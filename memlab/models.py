@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_models.ipynb 2
 from __future__ import annotations
-import contextlib, copy, dataclasses, importlib, json, os, shutil, subprocess, sys, tempfile, warnings, zipfile
+import contextlib, copy, dataclasses, importlib, json, shutil, subprocess, sys, tempfile, warnings, zipfile
 from pathlib import Path
 from typing import Callable, Optional
 

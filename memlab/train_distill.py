@@ -20,10 +20,12 @@ from .models import decoder_layers, load_model, load_tokenizer, resolve_model
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
 from .training import TrainConfig, make_accelerator, resume_plan, run, run_summary
 from .training import GradientStats
-from .distill import OnPolicyBatches, PerplexityEvaluation, on_policy_lengths, perplexity
-from .distill import (DistillationObjective, DistillLoss, TopKTeacher, copy_plan, weight_groups,
-                            xavier_reinitialize, dataset_fingerprint, generate_teacher_topk, model_card,
-                            remove_distill_heads, save_distill_heads, student_config, tokenizer_fingerprint)
+from .distill.teacher import TopKTeacher, dataset_fingerprint, generate_teacher_topk, tokenizer_fingerprint
+from .distill.objective import DistillationObjective, DistillLoss, remove_distill_heads, save_distill_heads
+from .distill.policy import OnPolicyBatches, on_policy_lengths
+from .distill.evaluation import PerplexityEvaluation, perplexity
+from .distill.student import copy_plan, student_config, weight_groups, xavier_reinitialize
+from .distill.card import model_card
 from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, save_packed
 
 # %% auto 0

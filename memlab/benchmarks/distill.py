@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..models import decoder_layers, load_model
-from ..distill import (DistillLoss, DistillationObjective, Hidden, TopKTeacher, auto_chunk_size, build_student,
-                            generate_teacher_topk, loss_sum)
+from ..distill.losses import Hidden, auto_chunk_size, loss_sum
+from ..distill.teacher import TopKTeacher, generate_teacher_topk
+from ..distill.objective import DistillLoss, DistillationObjective
+from ..distill.student import build_student
 
 # %% auto 0
 __all__ = ['benchmark']

@@ -63,15 +63,25 @@ def parse_copy_modules(spec) -> list:
 class StudentModelArguments(Config):
     ("The student: an existing model, or one built from a config (the teacher's by default), "
      "with modules copied from the teacher.")
-    student_model_name_or_path: str = None  # an existing student to distill into (folder, built-in name or hub id); None: build one
-    student_config_name_or_path: str = None  # the config to build the student from (model folder, config.json, built-in name such as tiny-llama); None: the teacher's
-    student_model_config: dict = None  # overrides of the student's config, e.g. '{"num_hidden_layers": 15}' (n_layer, num_layers, n_embd... mapped per family)
-    reinitialize_weights: str = None  # xavier: re-initialise every linear and embedding (Xavier-uniform, zero biases) before the copies
-    copy_teacher_modules: list[str] = None  # teacher modules copied into the student, each optionally :freeze: layers, embeddings, lm_head or a module path (None: lm_head for a built student, nothing for an existing one)
-    student_layer_selection: str = 'uniform'  # which teacher layers 'layers' copies: uniform (first and last included), first, last, or teacher indices '0,14,29'
-    student_model_as_bitnet: bool = False  # make the student BitNet b1.58: every linear of its blocks becomes a BitLinear (ternary weights, 8-bit activations)
-    bitnet_keep_weights: bool = True  # BitNet: start the latent weights from the student's own (copied) weights instead of Xavier re-initialisation
-    student_model_use_liger: bool = False  # Liger (Triton) kernels: not available (GPU-only); memlab's chunked and fused losses save the same logits memory
+    student_model_name_or_path: str = None  # an existing student to distill into (folder, built-in name or hub id);
+                                            # None: build one
+    student_config_name_or_path: str = None  # the config to build the student from (model folder, config.json, built-in
+                                             # name such as tiny-llama); None: the teacher's
+    student_model_config: dict = None  # overrides of the student's config, e.g. '{"num_hidden_layers": 15}' (n_layer,
+                                       # num_layers, n_embd... mapped per family)
+    reinitialize_weights: str = None  # xavier: re-initialise every linear and embedding (Xavier-uniform, zero biases)
+                                      # before the copies
+    copy_teacher_modules: list[str] = None  # teacher modules copied into the student, each optionally :freeze: layers,
+                                            # embeddings, lm_head or a module path (None: lm_head for a built student,
+                                            # nothing for an existing one)
+    student_layer_selection: str = 'uniform'  # which teacher layers 'layers' copies: uniform (first and last included),
+                                              # first, last, or teacher indices '0,14,29'
+    student_model_as_bitnet: bool = False  # make the student BitNet b1.58: every linear of its blocks becomes a
+                                           # BitLinear (ternary weights, 8-bit activations)
+    bitnet_keep_weights: bool = True  # BitNet: start the latent weights from the student's own (copied) weights instead
+                                      # of Xavier re-initialisation
+    student_model_use_liger: bool = False  # Liger (Triton) kernels: not available (GPU-only); memlab's chunked and
+                                           # fused losses save the same logits memory
 
     def __post_init__(self):
         check(not (self.student_model_name_or_path and self.student_config_name_or_path),
@@ -104,13 +114,16 @@ class StudentModelArguments(Config):
 class TeacherModelArguments(Config):
     ("The teacher: a causal LM run online in fp32, bf16, 8-bit or 4-bit, "
      "or its top-k outputs written once and read back.")
-    teacher_model_name_or_path: str = arg(dataclasses.MISSING)  # the teacher: built-in name (smollm2-135m), folder, GGUF file or hub id
+    teacher_model_name_or_path: str = arg(dataclasses.MISSING)  # the teacher: built-in name (smollm2-135m), folder,
+                                                                # GGUF file or hub id
     teacher_load_in_8bit: bool = False  # load the teacher's linear layers in 8 bits (bitsandbytes; CPU too)
     teacher_load_in_4bit: bool = False  # load the teacher's linear layers in 4-bit nf4 (bitsandbytes; CPU too)
     teacher_dtype: str = 'float32'  # dtype of the teacher's weights: float32 or bfloat16 (it only runs forward)
-    teacher_topk_dir: str = None  # offline teacher: folder of top-k shards, written by the first run (one teacher pass) and reused by later ones
+    teacher_topk_dir: str = None  # offline teacher: folder of top-k shards, written by the first run (one teacher pass)
+                                  # and reused by later ones
     teacher_topk_k: int = 64  # tokens kept per position in the top-k shards
-    teacher_topk_dtype: str = 'float16'  # dtype of the stored log-probabilities: float16, bfloat16 or float32 (float32 for exact k = vocabulary)
+    teacher_topk_dtype: str = 'float16'  # dtype of the stored log-probabilities: float16, bfloat16 or float32 (float32
+                                         # for exact k = vocabulary)
     teacher_topk_only: bool = False  # write the top-k shards and stop (no student, no training)
 
     def __post_init__(self):
@@ -132,13 +145,16 @@ class TeacherModelArguments(Config):
 @dataclass
 class DatasetArguments(Config):
     "The training text: a corpus, its split and column, packed into rows of fixed length."
-    dataset_uri: str = 'pydocs'  # training corpus: pydocs (embedded), a local .txt/.jsonl/.parquet file or folder (one .txt: ~20K-char pieces at blank lines), or a hub name
+    dataset_uri: str = 'pydocs'  # training corpus: pydocs (embedded), a local .txt/.jsonl/.parquet file or folder (one
+                                 # .txt: ~20K-char pieces at blank lines), or a hub name
     dataset_subset: str = None  # the hub dataset's configuration (Distily's default 20231101.en of wikimedia/wikipedia)
     dataset_split: str = 'train'  # the split trained on
     dataset_column_name: str = 'text'  # the field holding the text
-    dataset_sample_size: int = None  # rows of dataset_max_seq_length tokens taken from the start of the split (None: all)
+    dataset_sample_size: int = None  # rows of dataset_max_seq_length tokens taken from the start of the split (None:
+                                     # all)
     dataset_max_seq_length: int = 1024  # tokens per row
-    dataset_test_size: float = 0.002  # fraction of the rows held out of training to measure the objective's loss (at least 1 row when > 0)
+    dataset_test_size: float = 0.002  # fraction of the rows held out of training to measure the objective's loss (at
+                                      # least 1 row when > 0)
     dataset_shuffle_seed: int = 42  # seed of the training order and of the choice of held-out rows
 
     def __post_init__(self):
@@ -155,11 +171,17 @@ _EVAL_KEYS = ('name', 'dataset', 'subset', 'split', 'column', 'sample_size')
 @dataclass
 class EvalArguments(Config):
     "Held-out perplexity of teacher and student, and training statistics."
-    ppl_evaluators: object = arg(lambda: [dict(e) for e in DEFAULT_EVALUATORS])  # held-out sets: a JSON list of {name, dataset, subset, split, column, sample_size (rows)}
-    ppl_extra_evaluators: object = arg(lambda: [])  # more held-out sets in the same form, e.g. '[{"name": "licences_ppl", "dataset": "/usr/share/common-licenses", "split": "validation"}]'
-    harness_benchmarks: object = arg(lambda: [])  # lm-evaluation-harness tasks: not available (they download their data); must stay empty
+    ppl_evaluators: object = arg(lambda: [dict(e) for e in DEFAULT_EVALUATORS])  # held-out sets: a JSON list of {name,
+                                                                                 # dataset, subset, split, column,
+                                                                                 # sample_size (rows)}
+    ppl_extra_evaluators: object = arg(lambda: [])  # more held-out sets in the same form, e.g. '[{"name":
+                                                    # "licences_ppl", "dataset": "/usr/share/common-licenses", "split":
+                                                    # "validation"}]'
+    harness_benchmarks: object = arg(lambda: [])  # lm-evaluation-harness tasks: not available (they download their
+                                                  # data); must stay empty
     harness_benchmark_limit: int = 5000  # examples per harness task (unused while harness_benchmarks is empty)
-    harness_benchmark_bootstrap_iters: int = 0  # bootstrap iterations of the harness's error bars (unused while harness_benchmarks is empty)
+    harness_benchmark_bootstrap_iters: int = 0  # bootstrap iterations of the harness's error bars (unused while
+                                                # harness_benchmarks is empty)
     extra_grad_stats: bool = False  # log the mean and variance of the gradient norm over each logging window
 
     def __post_init__(self):
@@ -193,7 +215,8 @@ ADAMW_NAMES = ('adamw_torch', 'adamw_torch_fused', 'adamw_hf', 'adamw')
 class DistillationTrainingArguments(Config):
     ("Hugging Face TrainingArguments' names for the loop: batches, schedule, precision, logging, "
      "evaluation, checkpoints.")
-    output_dir: str = None  # run folder: the student, its model card, results, plot, logs and checkpoints (None: runs/distill-<time>)
+    output_dir: str = None  # run folder: the student, its model card, results, plot, logs and checkpoints (None:
+                            # runs/distill-<time>)
     max_steps: int = -1  # optimizer updates; > 0 overrides num_train_epochs
     num_train_epochs: float = 1.0  # passes over the training rows (when max_steps <= 0)
     per_device_train_batch_size: int = 16  # rows per process per micro-batch
@@ -206,11 +229,14 @@ class DistillationTrainingArguments(Config):
     adam_epsilon: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # clip the gradient norm (0: off)
     optim: str = 'adamw_torch' # optimizer: adamw_torch (AdamW; adamw_torch_fused, adamw_hf and adamw are the same here)
-    lr_scheduler_type: str = 'polynomial'  # linear | cosine | cosine_with_min_lr | constant | constant_with_warmup | polynomial
-    lr_scheduler_kwargs: dict = arg(lambda: {'lr_end': 2e-5, 'power': 0.7})  # polynomial: lr_end and power; cosine_with_min_lr: min_lr or min_lr_rate
+    lr_scheduler_type: str = 'polynomial'  # linear | cosine | cosine_with_min_lr | constant | constant_with_warmup |
+                                           # polynomial
+    lr_scheduler_kwargs: dict = arg(lambda: {'lr_end': 2e-5, 'power': 0.7})  # polynomial: lr_end and power;
+                                                                             # cosine_with_min_lr: min_lr or min_lr_rate
     warmup_ratio: float = 0.1  # linear warm-up over this fraction of the updates
     warmup_steps: int = 0  # linear warm-up over this many updates (overrides warmup_ratio when > 0)
-    bf16: bool = None  # bf16 autocast (fp32 master weights); None: memlab's rule: accelerate launch's choice, else on where bf16 is native
+    bf16: bool = None  # bf16 autocast (fp32 master weights); None: memlab's rule: accelerate launch's choice, else on
+                       # where bf16 is native
     fp16: bool = False  # fp16 autocast with loss scaling (GPU only)
     gradient_checkpointing: bool = True  # recompute the student's activations in backward (non-reentrant)
     logging_steps: int = 25  # log the training loss and its components every N updates

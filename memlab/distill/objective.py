@@ -38,22 +38,31 @@ class DistillationObjective(Config):
     ce_weight: float = 0.0              # weight of the cross-entropy on the labels (hard targets)
     hs_weight: float = 0.0              # weight of the hidden-state term
     hs_loss_fn: str = 'mse'             # mse (= raw_mse), l1, cos
-    hs_layer_mapper: str = 'last'       # all, last, last_k, last_k_<n>, layer-<i>, uniform, uniform+last, or pairs like '0:1,1:3'
+    hs_layer_mapper: str = 'last'       # all, last, last_k, last_k_<n>, layer-<i>, uniform, uniform+last, or pairs like
+                                        # '0:1,1:3'
     hs_norm: str = 'none'               # none, layernorm, rmsnorm, with optional _teacher_only and _affine suffixes
     hs_projector: str = 'identity'      # identity, linear, mlp, mlp_64, mlp_256, orthogonal
     attn_weight: float = 0.0  # weight of the attention-map term (both models need attn_implementation='eager')
-    attn_loss_fn: str = 'mse'           # a distribution loss on attention rows: mse (= raw_mse), kl, reverse_kl, jsd, tvd, soft_ce, cos
+    attn_loss_fn: str = 'mse'           # a distribution loss on attention rows: mse (= raw_mse), kl, reverse_kl, jsd,
+                                        # tvd, soft_ce, cos
     attn_layer_mapper: str = 'layer-2'  # as hs_layer_mapper
     attn_norm: str = 'none'             # only none: attention rows are probability distributions
     attn_projector: str = 'identity'    # only identity: the last axis of an attention map is the sequence, not a width
-    topk_missing: str = 'rest'          # offline top-k teacher: the missing mass is one 'rest' bucket, or 'zero' (top-k renormalised)
+    topk_missing: str = 'rest'          # offline top-k teacher: the missing mass is one 'rest' bucket, or 'zero' (top-k
+                                        # renormalised)
     chunk_size: int = -1  # tokens per chunk of the logit term: -1 = auto (about 2M logits per chunk), 0 = dense
     fused: bool = False  # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
-    kl_warmup_steps: int = 0  # train the first N updates under forward KL, then under logits_loss_fn (a warm-up for reverse_kl, jsd...; 0: off)
-    on_policy_fraction: float = 0.0  # GKD's λ: this fraction of the training micro-batches are the student's own continuations of a prefix of the row, scored by the online teacher (needs no top-k shards and ce_weight 0; 0: off)
-    on_policy_prompt_length: Optional[int] = None  # on-policy batches: tokens of the row's text kept as the prompt (None: half the row)
-    on_policy_new_tokens: Optional[int] = None  # on-policy batches: tokens the student samples after the prompt, the only ones the loss covers (None: the rest of the row)
-    on_policy_temperature: float = 1.0  # on-policy batches: temperature the student samples at (the loss's own is temperature)
+    kl_warmup_steps: int = 0  # train the first N updates under forward KL, then under logits_loss_fn (a warm-up for
+                              # reverse_kl, jsd...; 0: off)
+    on_policy_fraction: float = 0.0  # GKD's λ: this fraction of the training micro-batches are the student's own
+                                     # continuations of a prefix of the row, scored by the online teacher (needs no
+                                     # top-k shards and ce_weight 0; 0: off)
+    on_policy_prompt_length: Optional[int] = None  # on-policy batches: tokens of the row's text kept as the prompt
+                                                   # (None: half the row)
+    on_policy_new_tokens: Optional[int] = None  # on-policy batches: tokens the student samples after the prompt, the
+                                                # only ones the loss covers (None: the rest of the row)
+    on_policy_temperature: float = 1.0  # on-policy batches: temperature the student samples at (the loss's own is
+                                        # temperature)
 
     def __post_init__(self):
         # Distily writes an unset feature option as None (`--hs_norm None`): read it as memlab's name for "nothing"

@@ -37,6 +37,24 @@ def _close_process_group():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
+def _process_entry(fn) -> bool:
+    ("Whether entry point `fn` is what this process was started to run: `python -m` its module "
+     "(as torchrun -m and accelerate launch -m do) or its console script.")
+    script = getattr(sys.modules.get('__main__'), '__file__', None)
+    if not script: return False                                        # an interactive session, a notebook
+    code = getattr(fn, '__code__', None)
+    if code is not None and Path(code.co_filename).resolve() == Path(script).resolve(): return True   # python -m
+    from importlib.metadata import entry_points
+    return any(ep.name == Path(script).name and ep.value == f'{fn.__module__}:{fn.__name__}'
+               for ep in entry_points(group='console_scripts'))
+
+def _exit_launched_process(code:int=0):
+    "End a finished launched process now, without the interpreter's teardown (see 'A launched process ends' below)."
+    wandb = sys.modules.get('wandb')
+    if wandb is not None and getattr(wandb, 'run', None) is not None: wandb.finish()
+    logging.shutdown(); sys.stdout.flush(); sys.stderr.flush()
+    os._exit(code)
+
 def environment_error(e:BaseException) -> Optional[str]:
     ("One line for an error of the machine or of a file rather than of memlab "
      "(unwritable path, full disk, corrupt file), else None.")
@@ -115,7 +133,8 @@ def cli_main(fn):
             msg = environment_error(e)
             if msg is None or os.environ.get('MEMLAB_TRACEBACK'): raise
             _fail(msg, 1)
-        finally: _close_process_group()   # left to interpreter exit, gloo's threads can abort a finished run (SIGABRT)
+        finally: _close_process_group()
+        if int(os.environ.get('WORLD_SIZE', '1')) > 1 and _process_entry(fn): _exit_launched_process(0)
     return _main
 
 # %% ../nbs/00_core.ipynb

@@ -102,6 +102,8 @@ class ReLoRARunConfig(Config):
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (log.jsonl is always written)
     export_model: bool = True              # at the end, save the trained model (adapters merged) as a plain Hugging
                                            # Face model in <save_dir>/model
+    freeze_embeddings: bool = False        # keep the input embeddings and the output head as they are (e.g. a
+                                           # warm start's): only the blocks (and final norm) train
     progress: bool = True                  # show a progress bar (main process)
 
     def __post_init__(self):
@@ -399,6 +401,8 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
         add_relora(model, ReLoRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.1,
                                        trainable_scaling=cfg.train_scaling,
                                        keep_original_weights=keep, quantize=cfg.quantize), seed=cfg.seed)
+    if cfg.freeze_embeddings:              # the blocks carry the training (one module if the head is tied)
+        for m in (model.get_input_embeddings(), model.get_output_embeddings()): m.requires_grad_(False)
     counts = {'parameters': count_parameters(model),
               'trainable_parameters': count_parameters(model, trainable_only=True),
               'equivalent_parameters': params_before}

@@ -13,6 +13,7 @@ from ..core import MemlabError, check
 from ..loaders import TokenBatches
 from ..training import Callback
 from .objective import DistillationObjective, DistillLoss
+from .teacher import model_device
 
 # %% auto 0
 __all__ = ['perplexity', 'PerplexityEvaluation']
@@ -28,7 +29,7 @@ def perplexity(model, rows:dict, batch_size:int=8, accelerator=None, progress:bo
     "Token-weighted cross-entropy and perplexity of `model` on `rows`, over all processes: {'loss', 'ppl', 'tokens'}."
     from tqdm.auto import tqdm
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
-    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    device = accelerator.device if accelerator is not None else model_device(model)
     data = TokenBatches(rows, batch_size, loop=False, rank=rank, world_size=world)
     lf, was = _ce_loss(model), model.training
     model.eval()

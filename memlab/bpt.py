@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 import transformers
 from transformers import DynamicCache
@@ -25,11 +26,12 @@ from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_laye
 from .training import LossOutput, model_inputs
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'remat', 'torch_block',
-           'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'chunked_ffn', 'BPTFeedForward',
-           'fused_linear_cross_entropy', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer',
-           'BPTRematLayer', 'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt',
-           'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss', 'set_mmap_threshold']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'remat',
+           'torch_block', 'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'resolve_kernel',
+           'native_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig',
+           'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer', 'fused_causal_lm_loss',
+           'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss',
+           'set_mmap_threshold']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -326,7 +328,7 @@ def _chunk(name, size, T) -> int:
     return T if size == -1 else min(size, max(T, 1))
 
 def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool=True, attention_mask=None, *,
-                        scale:float=None, kernel='flash', remat_policy:str='nothing_saveable',
+                        scale:float=None, kernel='auto', remat_policy:str='nothing_saveable',
                         float32_logits:bool=False):
     ("Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs), one (query block, key block) "
      "pair at a time with an online softmax.")
@@ -338,8 +340,10 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
           f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
           "(query heads must be a multiple of key/value heads)")
     _check_policy(remat_policy)
+    kernel = resolve_kernel(kernel, q.device)
     kernel_fn = KERNELS.get(kernel) if isinstance(kernel, str) else kernel
-    check(callable(kernel_fn), f"unknown attention kernel {kernel!r}; use one of {', '.join(KERNELS)} or a callable")
+    check(callable(kernel_fn) or kernel == 'native',
+          f"unknown attention kernel {kernel!r}; use one of {', '.join((*DEVICE_KERNELS, *KERNELS))} or a callable")
     mask = attention_mask
     if mask is not None:
         if mask.dim() == 2:
@@ -351,6 +355,8 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
                   f"attention mask must be (B, Tk) or (B, heads, Tq, Tk) with Tq, Tk = {Tq}, {Tk}; "
                   f"got {tuple(mask.shape)}")
             if not (mask.dtype == torch.bool or mask.is_floating_point()): mask = mask.bool()
+    if kernel == 'native':                             # the device's fused kernel does the blocking itself
+        return native_attention(q, k, v, q_chunk_size, causal, mask, scale=scale, float32_logits=float32_logits)
     plan = _Plan(_chunk('q_chunk_size', q_chunk_size, Tq), _chunk('k_chunk_size', k_chunk_size, Tk), causal,
                  hs ** -0.5 if scale is None else scale, kernel_fn, float32_logits, Tk - Tq)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -366,6 +372,53 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
         step = remat(_attend, remat_policy)
         outs = [step(q[:, :, qs:qs + plan.qc], k, v, mask, qs, plan)[0] for qs in range(0, Tq, plan.qc)]
         return torch.cat(outs, dim=2).to(dtype)       # (B, nh, Tq, hs)
+
+# %% ../nbs/10_bpt.ipynb
+DEVICE_KERNELS = ('auto', 'native')   # chosen per device, beside the block-pair kernels of KERNELS
+
+def resolve_kernel(kernel, device):
+    ("The kernel `kernel` means on `device`: 'auto' is 'native' on CUDA (its fused SDPA kernels tile keys inside, in "
+     "memory linear in T) and 'flash' elsewhere; any other name or callable is itself.")
+    if not (isinstance(kernel, str) and kernel == 'auto'): return kernel
+    return 'native' if torch.device(device).type == 'cuda' else 'flash'
+
+def _native_keep(mask, causal:bool, qs:int, qe:int, Tk:int, offset:int):
+    ("Which keys the queries qs:qe may see, as SDPA takes a mask: bool (B|1, 1|nh, qc, Tk) (True = attend) or "
+     "additive float (−∞ = masked), with the causal rule folded in.")
+    keep = None
+    if causal:
+        qpos = torch.arange(qs, qe, device=mask.device) + offset
+        keep = (torch.arange(Tk, device=mask.device)[None, :] <= qpos[:, None])[None, None]    # (1, 1, qc, Tk)
+    m = mask[:, None, None, :] if mask.dim() == 2 else mask[..., qs:qe, :]
+    if m.dtype == torch.bool: return m if keep is None else m & keep
+    return m if keep is None else m.masked_fill(~keep, float('-inf'))
+
+def native_attention(q, k, v, q_chunk_size:int=-1, causal:bool=True, attention_mask=None, *, scale:float=None,
+                     float32_logits:bool=False):
+    ("Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs) by the device's own fused "
+     "`F.scaled_dot_product_attention`: one call, or one per query block of `q_chunk_size` when a mask must be made.")
+    B, nh, Tq, hs = q.shape
+    Tk, gqa, offset = k.shape[2], q.shape[1] != k.shape[1], k.shape[2] - q.shape[2]
+    dtype = _stat_dtype(q.dtype) if float32_logits else _attention_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale)
+    if attention_mask is None and offset >= 0:          # the kernels' own causal modes: no mask is ever made
+        if not causal: return sdpa(q, k, v, enable_gqa=gqa)
+        if offset == 0: return sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+        return sdpa(q, k, v, attn_mask=causal_lower_right(Tq, Tk), enable_gqa=gqa)   # a KV cache's earlier keys
+    # a mask of (qc, Tk) per query block; fused kernels that take masks have no GQA: repeat k, v once
+    if gqa: k, v = k.repeat_interleave(nh // k.shape[1], 1), v.repeat_interleave(nh // k.shape[1], 1)
+    mask = attention_mask if attention_mask is not None else torch.ones(B, Tk, dtype=torch.bool, device=q.device)
+    outs = []
+    for qs in range(0, Tq, _chunk('q_chunk_size', q_chunk_size, Tq)):
+        qe = min(qs + _chunk('q_chunk_size', q_chunk_size, Tq), Tq)
+        keep = _native_keep(mask, causal, qs, qe, Tk, offset)
+        seen = keep.any(-1) if keep.dtype == torch.bool else (keep > float('-inf')).any(-1)      # (B|1, 1|nh, qc)
+        # a row that sees no key: let it see every key (no NaN in forward or backward), then give it zeros
+        keep = (keep | ~seen[..., None]) if keep.dtype == torch.bool else keep.masked_fill(~seen[..., None], 0)
+        o = sdpa(q[:, :, qs:qe], k, v, attn_mask=keep if keep.dtype == torch.bool else keep.to(dtype))
+        outs.append(o.masked_fill(~seen[..., None], 0))                                         # (B, nh, qc, hs)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 # %% ../nbs/10_bpt.ipynb
 def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable') -> torch.Tensor:
@@ -462,9 +515,10 @@ class BPTConfig(Config):
     remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable,
                                              # dots_with_no_batch_dims_saveable or everything_saveable
     float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
-    attention_kernel: str = 'flash'          # per-block attention kernel: flash (PyTorch's fused CPU operator; torch
-                                             # elsewhere), torch (plain PyTorch) or sdpa
-                                             # (F.scaled_dot_product_attention)
+    attention_kernel: str = 'auto'           # attention kernel: auto (native on CUDA, flash elsewhere), native (the
+                                             # device's fused SDPA over each query block's keys at once), or per block
+                                             # pair: flash (PyTorch's fused CPU operator; torch elsewhere), torch (plain
+                                             # PyTorch), sdpa (F.scaled_dot_product_attention)
     fused: bool = False                      # run each decoder layer one query block at a time: attention, o_proj,
                                              # residual, norm, FFN, residual (the paper's Algorithm 1)
     layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as
@@ -477,8 +531,8 @@ class BPTConfig(Config):
             check(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v > 0),
                   f"BPTConfig.{name} must be a positive block length or -1 (disabled); got {v!r}")
         _check_policy(self.remat_policy)
-        check(self.attention_kernel in KERNELS,
-              f"unknown attention kernel {self.attention_kernel!r}; use one of {', '.join(KERNELS)}")
+        check(self.attention_kernel in (*DEVICE_KERNELS, *KERNELS),
+              f"unknown attention kernel {self.attention_kernel!r}; use one of {', '.join((*DEVICE_KERNELS, *KERNELS))}")
         check(not self.fused or self.q_chunk_size > 0,
               "fused=True runs each layer one query block at a time: set q_chunk_size > 0")
 

@@ -363,7 +363,8 @@ def assert_causal(fn, input_ids:torch.Tensor, t:int, vocab_size:int, atol:float=
      "unchanged before t and changes it from t on.")
     g = torch.Generator().manual_seed(t)
     other = input_ids.clone()
-    other[:, t:] = (input_ids[:, t:] + torch.randint(1, vocab_size, other[:, t:].shape, generator=g)) % vocab_size
+    shift = torch.randint(1, vocab_size, other[:, t:].shape, generator=g).to(input_ids.device)  # CPU generator
+    other[:, t:] = (input_ids[:, t:] + shift) % vocab_size
     with torch.no_grad(): a, b = fn(input_ids), fn(other)
     err = (a[:, :t] - b[:, :t]).abs().max().item() if t else 0.
     if err > atol:

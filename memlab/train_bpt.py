@@ -149,8 +149,9 @@ class LlamaBPTArgs(Config):
                                              # layers; PyTorch runs layers in a loop)
     param_scan_axis: int = 0                 # accepted for the seed's command lines; does nothing here (the stacking
                                              # axis of JAX's scanned parameters)
-    attention_kernel: str = 'flash'          # memlab: per-block attention kernel: flash (PyTorch's fused CPU operator;
-                                             # torch on other devices), torch or sdpa
+    attention_kernel: str = 'auto'           # memlab: attention kernel: auto (native on CUDA, flash elsewhere), native
+                                             # (the device's fused SDPA), or per block pair: flash (PyTorch's fused CPU
+                                             # operator), torch or sdpa
     fused: bool = False                      # memlab: the paper's fused layer, one query block at a time through
                                              # attention, o_proj, norm and FFN
     layer_remat: bool = True                 # memlab: also rematerialise each decoder layer as a whole under

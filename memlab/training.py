@@ -715,7 +715,8 @@ def train_step(self, micro_batches:list) -> dict:
     self._event('on_before_optimizer_step')
     grad_norm = self._clip()
     self._acc_optimizer.step()
-    self.scheduler.step()
+    # fp16's loss scaler skips an update whose gradients overflowed: the schedule waits for it (as the HF Trainer)
+    if not getattr(self._acc_optimizer, 'step_was_skipped', False): self.scheduler.step()
     self._acc_optimizer.zero_grad(set_to_none=True)
     n = n_global.item()
     res = {'loss': (self._reduce(loss_sum) / n).item(), 'tokens': int(n)}

@@ -4,16 +4,16 @@
 
 # %% ../nbs/06_bench.ipynb 2
 from __future__ import annotations
-import importlib, json, multiprocessing as mp, queue, statistics, time
+import importlib, inspect, json, multiprocessing as mp, queue, statistics, time
 
 import torch
 
-from .core import MemlabError, cli_main, markdown_table, peak_memory, atomic_write_text
+from .core import MemlabError, check, cli_main, markdown_table, peak_memory, atomic_write_text
 from .models import enable_activation_checkpointing
 
 # %% auto 0
 __all__ = ['BENCHMARKS', 'run_isolated', 'measure_step', 'ratio_table', 'reference_llama_config', 'hf_step_measurement',
-           'hf_train_step_benchmark', 'hf_benchmark', 'main']
+           'hf_train_step_benchmark', 'hf_benchmark', 'device_name', 'default_device', 'run_benchmark', 'main']
 
 # %% ../nbs/06_bench.ipynb
 def _isolated_entry(q, target, args, kwargs):
@@ -139,6 +139,35 @@ def hf_benchmark(quick:bool=False):
     return hf_train_step_benchmark(seq_lens=(2048,) if quick else (2048, 8192)), 'sdpa'
 
 # %% ../nbs/06_bench.ipynb
+def device_name(device) -> str:
+    "How a results row names the device it was measured on: the GPU's model, or the CPU with its thread count."
+    device = torch.device(device)
+    if device.type == 'cuda': return torch.cuda.get_device_name(device)
+    n = torch.get_num_threads()
+    return f"{device.type} ({n} thread{'s' if n != 1 else ''})"
+
+def default_device() -> str:
+    "CUDA when this machine has it, else the CPU."
+    return 'cuda' if torch.cuda.is_available() else 'cpu'
+
+def run_benchmark(name:str, quick:bool=False, device:str=None) -> tuple:
+    ("Run benchmark `name` on `device` (default: CUDA when present): its rows, each naming the device, and its "
+     "baseline.")
+    device = default_device() if device is None else device
+    target = BENCHMARKS[name][0]
+    mod, fn = target.split(':')
+    try: f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError):
+        raise MemlabError(f"benchmark {name!r} is not available in this version ({target} missing)") from None
+    on_device = 'device' in inspect.signature(f).parameters
+    if torch.device(device).type != 'cpu':
+        check(on_device, f"benchmark {name!r} measures on the CPU only; run it with --device cpu")
+        check(torch.device(device).type != 'cuda' or torch.cuda.is_available(),
+              f"--device {device}: this machine has no CUDA device; use --device cpu")
+    res = f(quick=quick, device=device) if on_device else f(quick=quick)
+    rows, baseline = res if isinstance(res, tuple) else (res, None)
+    return [{**r, 'device': r.get('device', device_name(device))} for r in rows], baseline
+
 @cli_main
 def main():
     "memlab_bench: run a named benchmark and print its table of measured ratios."
@@ -150,16 +179,16 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('name', choices=sorted(BENCHMARKS), help='which benchmark to run')
     p.add_argument('--quick', action='store_true', help='fewer and shorter configurations (a smoke run)')
+    p.add_argument('--device', default=None, help="where to measure: cpu, cuda or cuda:N (default: cuda when this "
+                   "machine has a GPU, else cpu); peak memory is the CUDA allocator's peak there, resident memory on CPU")
     p.add_argument('--out', help='also write the rows as JSON to this file')
     args = p.parse_args()
-    target = BENCHMARKS[args.name][0]
-    mod, fn = target.split(':')
-    try: f = getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError):
-        raise MemlabError(f"benchmark {args.name!r} is not available in this version ({target} missing)") from None
-    res = f(quick=args.quick)
-    rows, baseline = res if isinstance(res, tuple) else (res, None)
+    try: torch.device(args.device or 'cpu')
+    except RuntimeError: raise MemlabError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N") from None
+    rows, baseline = run_benchmark(args.name, args.quick, args.device)
     cols = [c for c in ('peak_mib', 'tokens_per_s') if any(c in r for r in rows)]
     key = 'config' if not rows or 'config' in rows[0] else next(iter(rows[0]))   # precision's: keyed by method
-    print(ratio_table(rows, baseline=baseline, key=key, columns=cols))
+    print(f"measured on {', '.join(sorted({r['device'] for r in rows}))}")
+    print(ratio_table([{k: v for k, v in r.items() if k != 'device'} for r in rows], baseline=baseline, key=key,
+                      columns=cols))
     if args.out: atomic_write_text(args.out, json.dumps(rows, indent=1))

@@ -12,8 +12,8 @@ from ..core import check
 from ..bpt import BPTConfig, add_bpt, bpt_causal_lm_loss, full_logits, set_mmap_threshold
 
 # %% auto 0
-__all__ = ['BENCH_BPT', 'BENCH_CONFIGS', 'STEP_CONFIGS', 'ALLOCATORS', 'bench_model', 'step_measurement', 'step_measurements',
-           'benchmark']
+__all__ = ['BENCH_BPT', 'BENCH_CONFIGS', 'STEP_CONFIGS', 'ALLOCATORS', 'GPU_BPT', 'GPU_LLAMA', 'bench_model', 'step_measurement',
+           'step_measurements', 'benchmark']
 
 # %% ../../nbs/benchmarks/10_bpt.ipynb
 # BPT's setting in the benchmark
@@ -21,47 +21,56 @@ BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss
 BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
 STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits',)                       # what step_measurement measures
 ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}  # the benchmark's mmap thresholds (0: glibc's own)
+# on a GPU: the README's configuration (every chunk 1024), the GPU probe's Llama (886M parameters, vocabulary 128256)
+GPU_BPT = dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024)
+GPU_LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=128256, max_position_embeddings=131072)
 
 def bench_model(model:str='reference', attn:str='sdpa'):
-    ("The benchmark's model in fp32: the reference Llama (seeded random weights) "
+    ("The benchmark's model in fp32: the reference Llama or the GPU probe's ('gpu', seeded random weights), "
      "or a built-in pretrained one (smollm2-135m).")
     import transformers
     from memlab.bench import reference_llama_config
-    if model == 'reference':
+    if model in ('reference', 'gpu'):
         torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(reference_llama_config(), attn_implementation=attn)
+        cfg = reference_llama_config() if model == 'reference' else transformers.LlamaConfig(**GPU_LLAMA)
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     from memlab.models import load_model
     return load_model(model, attn_implementation=attn)
 
 def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:int=1, bpt:dict=None,
-                     mmap_threshold:int=0) -> dict:
+                     mmap_threshold:int=0, device:str='cpu') -> dict:
     ("Peak memory growth (MiB) and tokens/s of one training step of `model` at `seq_len` tokens under `config` "
      "(one of STEP_CONFIGS).")
     from memlab.bench import measure_step
     from memlab.models import enable_activation_checkpointing
     check(config in STEP_CONFIGS, f"unknown benchmark configuration {config!r}; use one of {', '.join(STEP_CONFIGS)}")
     fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
-    m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').train()
+    m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').to(device).train()
     if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
     if config.startswith('bpt'): add_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (1, seq_len + 1), generator=g)
+    ids = torch.randint(0, V, (1, seq_len + 1), generator=g).to(device)
     labels = ids[:, 1:].clone(); labels[:, -1] = -100                   # the T - 1 targets Hugging Face's own loss uses
     batch = {'input_ids': ids[:, :-1], 'labels': labels}
     losses = []
+    # a GPU trains in bf16 autocast over fp32 weights; the CPU figures are fp32
+    dev = torch.device(device).type
+    autocast = torch.autocast(dev, torch.bfloat16, enabled=dev == 'cuda')
     def step():
-        if config == 'bpt':
-            out = bpt_causal_lm_loss(m, batch)
-            loss = out.loss_sum / out.n_tokens
-        else:
-            with full_logits(m) if config == 'bpt full logits' else contextlib.nullcontext():
-                # HF shifts the labels itself
-                loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss
+        with autocast:
+            if config == 'bpt':
+                out = bpt_causal_lm_loss(m, batch)
+                loss = out.loss_sum / out.n_tokens
+            else:
+                with full_logits(m) if config == 'bpt full logits' else contextlib.nullcontext():
+                    # HF shifts the labels itself
+                    loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss
         loss.backward()
         m.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    r = measure_step(step, seq_len, warmup=warmup, repeats=repeats)
+    r = measure_step(step, seq_len, warmup=warmup, repeats=repeats, device=device)
     return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1],
             'mmap_threshold': mmap_threshold if fixed else 0}
 
@@ -74,11 +83,18 @@ def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
         out.append({'seq_len': T, **r})
     return out
 
-def benchmark(quick:bool=False):
-    ("`memlab_bench bpt`: peak memory and tokens/s of a training step of the reference Llama, HF vs BPT, "
-     "two allocator settings.")
+def benchmark(quick:bool=False, device:str='cpu'):
+    ("`memlab_bench bpt`: peak memory and tokens/s of a training step, HF vs BPT: the reference Llama under two "
+     "allocator settings on CPU; the GPU probe's Llama at 8K and 32K on a GPU, against SDPA + checkpointing.")
     from memlab.bench import run_isolated
     rows = []
+    if torch.device(device).type != 'cpu':
+        for T in ((8192,) if quick else (8192, 32768)):
+            for c in ('sdpa + ckpt', 'bpt natural'):
+                r = run_isolated('memlab.benchmarks.bpt:step_measurement', 'gpu', T, c, repeats=1 if quick else 3,
+                                 bpt=GPU_BPT, device=device)
+                rows.append({'config': c, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
+        return rows, 'sdpa + ckpt'
     for T in ((2048,) if quick else (2048, 8192)):
         for alloc, nbytes in ALLOCATORS.items():
             for c in BENCH_CONFIGS:

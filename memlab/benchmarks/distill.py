@@ -17,23 +17,31 @@ from ..distill.student import build_student
 __all__ = ['benchmark']
 
 # %% ../../nbs/benchmarks/41_distill.ipynb
-def _loss_measurement(path:str, n_tokens:int=2048, vocab:int=49152, width:int=576, chunk_size:int=None) -> dict:
+def _loss_measurement(path:str, n_tokens:int=2048, vocab:int=49152, width:int=576, chunk_size:int=None,
+                      device:str='cpu') -> dict:
     ("Peak memory and tokens/s of forward + backward of the KL loss alone "
-     "(`path`: dense, chunked or fused), inputs excluded.")
+     "(`path`: naive `F.kl_div`, dense, chunked or fused), inputs excluded; fp32 on CPU, bf16 on a GPU.")
+    import torch.nn.functional as F
     from memlab.bench import measure_step
-    torch.set_num_threads(1); torch.manual_seed(0)
-    h, W = torch.randn(n_tokens, width), torch.randn(vocab, width) / width ** 0.5
-    ht, Wt = torch.randn(n_tokens, width), torch.randn(vocab, width) / width ** 0.5
+    dev = torch.device(device)
+    dtype = torch.float32 if dev.type == 'cpu' else torch.bfloat16
+    if dev.type == 'cpu': torch.set_num_threads(1)
+    torch.manual_seed(0)
+    mk = lambda *shape, scale=1.0: (torch.randn(*shape) * scale).to(dev, dtype)
+    h, W = mk(n_tokens, width), mk(vocab, width, scale=width ** -0.5)
+    ht, Wt = mk(n_tokens, width), mk(vocab, width, scale=width ** -0.5)
     if path == 'fused': s_in, t_in = Hidden(h.requires_grad_(), W.requires_grad_()), Hidden(ht, Wt)
     else:
         with torch.no_grad(): s_in, t_in = (h @ W.T).requires_grad_(), ht @ Wt.T      # (N, V) each: the models' logits
-    chunk = None if path == 'dense' else (chunk_size or auto_chunk_size(vocab))
+    chunk = None if path in ('dense', 'naive') else (chunk_size or auto_chunk_size(vocab, device=dev))
     def step():
-        total, n = loss_sum('kl', s_in, t_in, chunk_size=chunk)
+        if path == 'naive':   # what a user writes: both log-softmaxes whole, in the logits' dtype
+            total = F.kl_div(F.log_softmax(s_in, -1), F.log_softmax(t_in, -1), log_target=True, reduction='sum')
+        else: total, n = loss_sum('kl', s_in, t_in, chunk_size=chunk)
         total.backward()
         for x in (h, W, s_in if not isinstance(s_in, Hidden) else None):
             if x is not None: x.grad = None
-    return measure_step(step, n_tokens, warmup=1, repeats=2)
+    return {**measure_step(step, n_tokens, warmup=1, repeats=2, device=dev), 'chunk_size': chunk or 0}
 
 def _step_measurement(kind:str, quick:bool=False, seq_len:int=512) -> dict:
     ("Peak memory and tokens/s of one training step (forward, backward, AdamW) of the half-depth student; "
@@ -63,15 +71,22 @@ def _step_measurement(kind:str, quick:bool=False, seq_len:int=512) -> dict:
             opt.step(); opt.zero_grad(set_to_none=True)
         return measure_step(step, seq_len, warmup=1, repeats=2)
 
-def benchmark(quick:bool=False) -> tuple:
+def benchmark(quick:bool=False, device:str='cpu') -> tuple:
     ("Distillation vs CE training steps, and the dense vs chunked vs fused loss at vocabulary 49,152 "
-     "(`memlab_bench distill`).")
+     "(`memlab_bench distill`); on a GPU the losses alone at the GPU probe's shape, against the naive `F.kl_div`.")
     from memlab.bench import run_isolated
     rows, N = [], 512 if quick else 2048
+    if torch.device(device).type != 'cpu':   # the H200 probe's shapes: 4096 x 128256 logits, fused from width 2048
+        N, V = (1024 if quick else 4096), 128256
+        for path in ('naive', 'dense', 'chunked', 'fused'):
+            r = run_isolated('memlab.benchmarks.distill:_loss_measurement', path, n_tokens=N, vocab=V, width=2048,
+                             device=device)
+            rows.append({'config': f"{path} KL loss", **{k: round(v, 2) for k, v in r.items()}})
+        return rows, 'naive KL loss'
     for path in ('dense', 'chunked', 'fused'):
         r = run_isolated('memlab.benchmarks.distill:_loss_measurement', path, n_tokens=N)
         rows.append({'config': f"{path} KL loss", 'group': f"loss alone, {N} tokens x 49152",
-                     **{k: round(v, 2) for k, v in r.items()}})
+                     **{k: round(v, 2) for k, v in r.items() if k != 'chunk_size'}})
     for kind in ('CE (no teacher)', 'KL, online teacher', 'KL, online teacher, fused', 'KL, top-64 shards'):
         r = run_isolated('memlab.benchmarks.distill:_step_measurement', kind, quick=quick)
         rows.append({'config': f"{kind} step",

@@ -15,7 +15,7 @@ from ..core import MemlabError, check
 from ..training import Callback
 
 # %% auto 0
-__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'divergence', 'Hidden', 'TopK', 'vocab_of', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'auto_chunk_size', 'TeacherConfidence', 'teacher_top1']
+__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'divergence', 'Hidden', 'TopK', 'vocab_of', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'auto_chunk_size', 'measure_chunk_size', 'TeacherConfidence', 'teacher_top1']
 
 # %% ../../nbs/41_distill.ipynb 7
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -114,7 +114,17 @@ def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
 # %% ../../nbs/41_distill.ipynb 15
 class _ObjectiveSpec(NamedTuple):
     name: str; teacher: object; rows: torch.Tensor; labels: object; T: float; beta: float; missing: str
-    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool
+    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object
+
+_COMPILED = {}
+
+def _terms_fn(compiled):
+    ("`_token_terms`, or its `torch.compile`d version (True: inductor, or a backend's name): a few fused kernels for the "
+     "dozen elementwise passes over a chunk's (n, V) logits, each of which is a trip through GPU memory.")
+    if not compiled: return _token_terms
+    backend = 'inductor' if compiled is True else compiled
+    if backend not in _COMPILED: _COMPILED[backend] = torch.compile(_token_terms, dynamic=True, backend=backend)
+    return _COMPILED[backend]
 
 def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
     ("Sums of the weighted objective, the distillation term and the CE over `spec.rows`, with gradients w.r.t. "
@@ -134,7 +144,7 @@ def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
             logits = xc.float() if w32 is None else F.linear(xc.float(), w32, b32)       # (n, V) fp32: one chunk only
             with torch.no_grad(): t_rows = _rows(spec.teacher, r)
             labels = None if spec.labels is None else spec.labels[r]
-            kd, ce = _token_terms(spec.name, logits, t_rows, labels, spec.T, spec.beta, spec.missing)
+            kd, ce = _terms_fn(spec.compiled)(spec.name, logits, t_rows, labels, spec.T, spec.beta, spec.missing)
             kd, ce = kd.sum(), (ce.sum() if ce is not None else torch.zeros((), device=dev))
             obj = spec.kd_weight * kd + spec.ce_weight * ce
             wrt = [v for v, n in zip((xc, w32, b32), need) if n]
@@ -179,7 +189,8 @@ def _check_loss_args(name, T, beta, missing):
               f"cakld needs a beta in [0, 1] (the teacher's mean top-1 probability), got {beta}")
 
 def objective_sums(name:str, student, teacher, mask=None, labels=None, temperature:float=1.0, beta:float=None,
-                   missing:str='zero', kd_weight:float=1.0, ce_weight:float=0.0, chunk_size:int=None) -> tuple:
+                   missing:str='zero', kd_weight:float=1.0, ce_weight:float=0.0, chunk_size:int=None,
+                   compiled:bool=None) -> tuple:
     ("`(kd_weight·Σkd + ce_weight·Σce, Σkd, Σce, n_tokens)` over the unmasked tokens; "
      "`student`/`teacher` are logits, `Hidden` or `TopK`.")
     if name == 'jsd' and beta is None: beta = 0.5
@@ -216,8 +227,10 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
                                   temperature, beta, missing)
         kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=x.device)
         return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach(), n
+    # compiled chunks by default where the elementwise passes cost most: on CUDA
+    compiled = x.device.type == 'cuda' if compiled is None else compiled
     spec = _ObjectiveSpec(name, t, rows, labels_flat, temperature, beta, missing, kd_weight, ce_weight, chunk_size,
-                          torch.is_grad_enabled())
+                          torch.is_grad_enabled(), compiled)
     total, kd, ce = _ChunkedObjective.apply(x, w, b, spec)
     return total, kd, ce, n
 
@@ -268,12 +281,46 @@ def cos_loss(student_logits, teacher_logits, mask=None, temperature:float=1.0, *
 LOSSES = {'kl': kl_loss, 'reverse_kl': reverse_kl_loss, 'jsd': jsd_loss, 'tvd': tvd_loss, 'cakld': cakld_loss,
           'soft_ce': soft_ce_loss, 'mse': mse_loss, 'cos': cos_loss}
 
-# %% ../../nbs/41_distill.ipynb 30
-def auto_chunk_size(vocab_size:int, logits_per_chunk:int=2**21) -> int:
-    "Tokens per chunk so that one chunk holds about `logits_per_chunk` logits."
-    return max(16, logits_per_chunk // max(int(vocab_size), 1))
+# %% ../../nbs/41_distill.ipynb 32
+CPU_LOGITS_PER_CHUNK = 2**21   # measured on these CPUs (above): the speed of larger chunks at a fraction of their memory
+_MEASURED = {}
 
-# %% ../../nbs/41_distill.ipynb 33
+def auto_chunk_size(vocab_size:int, logits_per_chunk:int=None, device=None) -> int:
+    ("Tokens per chunk: about `logits_per_chunk` logits a chunk if given; else on CPU 2M logits, and on another device "
+     "the size `measure_chunk_size` finds fastest there (measured once per device and vocabulary).")
+    dev = torch.device('cpu' if device is None else device)
+    if logits_per_chunk is None and dev.type != 'cpu':
+        key = (str(dev), int(vocab_size))
+        if key not in _MEASURED: _MEASURED[key] = measure_chunk_size(vocab_size, dev)['chunk_size']
+        return _MEASURED[key]
+    return max(16, (logits_per_chunk or CPU_LOGITS_PER_CHUNK) // max(int(vocab_size), 1))
+
+def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bfloat16,
+                       candidates=(2**21, 2**23, 2**25, 2**27), compiled:bool=None, tolerance:float=0.05) -> dict:
+    ("Time the chunked forward KL, forward and backward, on (n_tokens, vocab) random logits for each candidate "
+     "number of logits per chunk; the smallest chunk within `tolerance` of the fastest wins: {'chunk_size', 'times'}.")
+    import time
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    s = torch.randn(n_tokens, vocab_size, generator=g, device=dev).to(dtype).requires_grad_()
+    t = torch.randn(n_tokens, vocab_size, generator=g, device=dev).to(dtype)
+    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+    times = {}
+    for logits in candidates:
+        chunk = max(16, min(n_tokens, logits // vocab_size))
+        if chunk in times: continue
+        best = float('inf')
+        for i in range(3):                                       # the first call compiles and warms up: not counted
+            sync(); start = time.perf_counter()
+            total, _ = loss_sum('kl', s, t, chunk_size=chunk, compiled=compiled)
+            total.backward(); s.grad = None
+            sync()
+            if i: best = min(best, time.perf_counter() - start)
+        times[chunk] = best
+    fastest = min(times.values())
+    return {'chunk_size': min(c for c, v in times.items() if v <= fastest * (1 + tolerance)), 'times': times}
+
+# %% ../../nbs/41_distill.ipynb 35
 class TeacherConfidence(Callback):
     ("Running mean of the teacher's top-1 probability over the first `n_batches` training batches, "
      "then frozen (CAKLD's β).")

@@ -25,7 +25,7 @@ from .teacher import TopKTeacher, model_device, output_vocab_size
 # %% auto 0
 __all__ = ['HEADS_ATTR', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads', 'save_distill_heads', 'load_distill_heads', 'LossSchedule', 'DistillLoss']
 
-# %% ../../nbs/41_distill.ipynb 53
+# %% ../../nbs/41_distill.ipynb 55
 @dataclass
 class DistillationObjective(Config):
     "What the student learns to match and how much each term weighs (Distily's objective fields plus memlab's)."
@@ -108,7 +108,7 @@ class DistillationObjective(Config):
               "ce_weight > 0 with on_policy_fraction > 0: the labels of a generated batch are the student's own "
               "samples, and a CE on them trains the student to repeat itself; set one of them to 0")
 
-# %% ../../nbs/41_distill.ipynb 56
+# %% ../../nbs/41_distill.ipynb 58
 HEADS_ATTR = 'distill'
 
 class DistillHeads(nn.Module):
@@ -148,7 +148,7 @@ def load_distill_heads(student, path):
           f"distillation modules in {f} do not match: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     heads.load_state_dict(sd)
 
-# %% ../../nbs/41_distill.ipynb 59
+# %% ../../nbs/41_distill.ipynb 61
 def _check_fusable(model, who):
     cfg = unwrap(model).config
     for attr in ('final_logit_softcapping', 'logit_scale', 'logits_scaling', 'output_multiplier_scale'):
@@ -281,7 +281,8 @@ class DistillLoss:
             if torch.is_grad_enabled() and model.training and not self.confidence.frozen:
                 self.confidence.update(teacher_top1(t, mask, obj.temperature, obj.topk_missing))
             beta = self.confidence.value
-        chunk = auto_chunk_size(self.vocab_size or vocab_of(s)) if obj.chunk_size == -1 else (obj.chunk_size or None)
+        chunk = (auto_chunk_size(self.vocab_size or vocab_of(s), device=dev) if obj.chunk_size == -1
+                 else (obj.chunk_size or None))
         total, kd, ce, n = objective_sums(name, s, t, mask=mask, labels=labels, temperature=obj.temperature, beta=beta,
                                           missing=obj.topk_missing, kd_weight=obj.logits_weight,
                                           ce_weight=obj.ce_weight, chunk_size=chunk)

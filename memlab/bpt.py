@@ -441,10 +441,27 @@ class BPTFeedForward(TransparentWrapper):
 # %% ../nbs/10_bpt.ipynb
 REDUCTIONS = ('mean', 'sum', 'chunk_mean')
 
+def _ce_chunk(z, t, r):
+    ("One chunk's weighted loss and ∂L/∂z, written without in-place ops so that `torch.compile` fuses the elementwise "
+     "passes over the (c, V) logits into a few kernels (CUDA's path); the result's dtype is z's.")
+    zf = z.to(_stat_dtype(z.dtype))
+    lse = torch.logsumexp(zf, -1)                                                  # (c,)
+    loss = ((lse - zf.gather(1, t[:, None])[:, 0]) * r).sum()
+    g = torch.exp(zf - lse[:, None]).scatter_add(1, t[:, None], -torch.ones_like(zf[:, :1])) * r[:, None]
+    return loss, g.to(z.dtype)
+
+_COMPILED_CE = {}
+
+def _ce_chunk_fn(compiled):
+    "`_ce_chunk`, `torch.compile`d (True: inductor, or a backend's name)."
+    backend = 'inductor' if compiled is True else compiled
+    if backend not in _COMPILED_CE: _COMPILED_CE[backend] = torch.compile(_ce_chunk, dynamic=True, backend=backend)
+    return _COMPILED_CE[backend]
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     "LM head + cross-entropy by chunks of rows; gradients computed chunk by chunk during forward."
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, reduction, need_grad):
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, reduction, need_grad, compiled):
         N = hidden.shape[0]
         acc = _stat_dtype(hidden.dtype)
         valid = targets != ignore_index                                        # (N,)
@@ -461,6 +478,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         for s in range(0, N, chunk_size):
             h, t, r = hidden[s:s + chunk_size], safe_t[s:s + chunk_size], row_w[s:s + chunk_size]
+            if compiled:                                   # a GPU: one fused pass instead of six
+                lc, g = _ce_chunk_fn(compiled)(h @ weight.T, t, r)             # g (c, V) ∂L/∂z in the product's dtype
+                loss += lc
+                if want_h: grad_h[s:s + chunk_size] = g.to(weight.dtype) @ weight
+                if want_w: grad_w += g.T @ h.to(g.dtype)
+                continue
             z = (h @ weight.T).to(acc)                                         # (c, V) this chunk's logits only
             lse = torch.logsumexp(z, -1)                                       # (c,)
             loss += ((lse - z.gather(1, t[:, None])[:, 0]) * r).sum()
@@ -484,10 +507,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         gh = gw = None
         if want_h: gh = saved.pop(0); gh = (gh * grad_loss).to(gh.dtype)
         if want_w: gw = (saved.pop(0) * grad_loss).to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 def fused_linear_cross_entropy(hidden:torch.Tensor, weight:torch.Tensor, targets:torch.Tensor, chunk_size:int,
-                               ignore_index:int=-100, reduction:str='mean') -> torch.Tensor:
+                               ignore_index:int=-100, reduction:str='mean', compiled=None) -> torch.Tensor:
     ("Cross-entropy of the logits `hidden` (N, C) @ `weight` (V, C)ᵀ against `targets` (N,), "
      "`chunk_size` rows at a time; full logits never exist.")
     check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
@@ -496,8 +519,9 @@ def fused_linear_cross_entropy(hidden:torch.Tensor, weight:torch.Tensor, targets
     check(reduction in REDUCTIONS, f"unknown reduction {reduction!r}; use one of {', '.join(REDUCTIONS)}")
     size = _chunk('chunk_size', chunk_size, hidden.shape[0])
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    compiled = hidden.device.type == 'cuda' if compiled is None else compiled    # compiled chunks on CUDA
     return _FusedLinearCrossEntropy.apply(hidden, weight, targets.to(hidden.device), size, ignore_index,
-                                          reduction, need_grad)
+                                          reduction, need_grad, compiled)
 
 # %% ../nbs/10_bpt.ipynb
 @dataclass

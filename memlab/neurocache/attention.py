@@ -18,7 +18,7 @@ from ..core import check
 from .cache import context_window
 
 # %% auto 0
-__all__ = ['dense_weight', 'attention_weights', 'CacheAttention', 'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'local_logsumexp', 'joint_mix', 'joint_attention']
+__all__ = ['dense_weight', 'attention_weights', 'CacheAttention', 'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'check_fused_attention', 'local_logsumexp', 'joint_mix', 'joint_attention']
 
 # %% ../../nbs/20_neurocache.ipynb 26
 def dense_weight(module) -> torch.Tensor:
@@ -121,33 +121,63 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
 # %% ../../nbs/20_neurocache.ipynb 38
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 _flash_cpu_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
+_eff_cuda = getattr(torch.ops.aten, '_scaled_dot_product_efficient_attention', None)
+_eff_cuda_backward = getattr(torch.ops.aten, '_scaled_dot_product_efficient_attention_backward', None)
+
+def _lse_forward(q, k, v, mask, causal, scale):
+    ("Output and logsumexp of the device's fused kernel, and what its backward needs: CPU flash attention, or CUDA's "
+     "memory-efficient attention (which has no GQA and wants its bias's rows 16-aligned).")
+    if q.device.type == 'cpu':
+        out, lse = _flash_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return out, lse, lse, ()
+    g = q.shape[1] // k.shape[1]
+    if g > 1: k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    if mask is not None:
+        S = mask.shape[-1]
+        mask = F.pad(mask.expand(q.shape[0], q.shape[1], -1, -1), (0, -S % 16))[..., :S]
+    out, lse_pad, seed, offset = _eff_cuda(q, k, v, mask, True, 0.0, causal, scale=scale)
+    return out, lse_pad[..., :q.shape[2]], lse_pad, (mask, seed, offset)
+
+def _lse_backward(dout, q, k, v, mask, out, lse_saved, aux, causal, scale):
+    "dq, dk, dv from the device's fused backward kernel (`_lse_forward`'s counterpart)."
+    if q.device.type == 'cpu':
+        return _flash_cpu_backward(dout, q, k, v, out, lse_saved, 0.0, causal, attn_mask=mask, scale=scale)
+    bias, seed, offset = aux
+    nkv = k.shape[1]
+    g = q.shape[1] // nkv
+    if g > 1: k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    dq, dk, dv, _ = _eff_cuda_backward(dout, q, k, v, bias, out, lse_saved, seed, offset, 0.0,
+                                       [True, True, True, False], causal, scale=scale)
+    if g > 1: dk, dv = (t.unflatten(1, (nkv, g)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
 
 class FlashAttentionLse(torch.autograd.Function):
-    """Attention (B, H, T, hs) and the logsumexp of its logits (B, H, T) in one call of PyTorch's fused CPU attention
-    kernel, both with gradients. The kernel returns the logsumexp but not its gradient. Since ∂ lse_t / ∂ logit_ts =
-    p_ts, a gradient g of the logsumexp enters the kernel's own backward where it subtracts D_t = rowsum(dO_t · O_t)
-    from each row: with a zero column added to q, k and v, a 1 in dO's extra column and -g_t in O's, D_t becomes
-    rowsum(dO_t · O_t) - g_t, and the kernel returns the gradients of both outputs at once."""
+    """Attention (B, H, T, hs) and the logsumexp of its logits (B, H, T) in one call of the device's fused attention
+    kernel (PyTorch's flash attention on CPU, memory-efficient attention on CUDA), both with gradients. The kernel
+    returns the logsumexp but not its gradient. Since ∂ lse_t / ∂ logit_ts = p_ts, a gradient g of the logsumexp enters
+    the kernel's own backward where it subtracts D_t = rowsum(dO_t · O_t) from each row: with zero columns added to q, k
+    and v, a 1 in dO's first extra column and -g_t in O's, D_t becomes rowsum(dO_t · O_t) - g_t, and the kernel returns
+    the gradients of both outputs at once. (CUDA's kernels want head sizes in multiples of 8: eight columns there.)"""
     @staticmethod
     def forward(ctx, q, k, v, mask, causal:bool, scale:float):
-        out, lse = _flash_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.causal, ctx.scale = causal, scale
+        out, lse, lse_saved, aux = _lse_forward(q, k, v, mask, causal, scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse_saved)
+        ctx.causal, ctx.scale, ctx.aux = causal, scale, aux
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        kw = dict(attn_mask=mask, scale=ctx.scale)
+        q, k, v, mask, out, lse_saved = ctx.saved_tensors
+        bwd = lambda do, q_, k_, v_, o: _lse_backward(do.contiguous(), q_, k_, v_, mask, o, lse_saved, ctx.aux,
+                                                       ctx.causal, ctx.scale)
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
-        if dlse is None:
-            dq, dk, dv = _flash_cpu_backward(dout.contiguous(), q, k, v, out, lse, 0.0, ctx.causal, **kw)
-            return dq, dk, dv, None, None, None
-        pad = lambda t: F.pad(t, (0, 1))
-        out1 = torch.cat([out, -dlse[..., None].to(out.dtype)], -1)
-        dout1 = torch.cat([dout, torch.ones_like(out[..., :1])], -1)
-        dq, dk, dv = _flash_cpu_backward(dout1, pad(q), pad(k), pad(v), out1, lse, 0.0, ctx.causal, **kw)
-        return dq[..., :-1], dk[..., :-1], dv[..., :-1], None, None, None
+        if dlse is None: return (*bwd(dout, q, k, v, out), None, None, None)
+        n = 1 if q.device.type == 'cpu' else 8
+        pad = lambda t: F.pad(t, (0, n))
+        g = F.pad(-dlse[..., :out.shape[2], None].to(out.dtype), (0, n - 1))      # (B, H, T, n): -g, then zeros
+        one = F.pad(torch.ones_like(out[..., :1]), (0, n - 1))                      # (B, H, T, n): 1, then zeros
+        dq, dk, dv = bwd(torch.cat([dout, one], -1), pad(q), pad(k), pad(v), torch.cat([out, g], -1))
+        return dq[..., :-n], dk[..., :-n], dv[..., :-n], None, None, None
 
 def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> tuple:
     """`FlashAttentionLse` with a mask as attention layers are given one: None, bool (B, 1, T, S) (True: attend) or
@@ -162,19 +192,68 @@ def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> 
         attend = mask.any(-1) if mask.dtype == torch.bool else (mask > float('-inf')).any(-1)      # (B, 1, T)
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float('-inf'))
-        mask = mask.to(q.dtype).expand(q.shape[0], -1, T, S)
+        # a query that may attend to nothing attends to everything (no NaN in either direction); its lse is -inf below
+        mask = mask.to(q.dtype).masked_fill(~attend[..., None], 0).expand(q.shape[0], -1, T, S)
     out, lse = FlashAttentionLse.apply(q, k.to(q.dtype), v.to(q.dtype), mask, causal, scale or q.shape[-1]**-0.5)
-    return out, (lse if attend is None else lse.masked_fill(~attend, float('-inf')))
+    if attend is None: return out, lse
+    return out.masked_fill(~attend[..., None], 0), lse.masked_fill(~attend, float('-inf'))
+
+_FUSED_OK = {}
+
+def check_fused_attention(device) -> tuple:
+    ("Compare `fused_attention` on `device` with plain PyTorch (output, logsumexp and their gradients; GQA, causal and "
+     "padding masks): (ok, why not).")
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        rnd = lambda *s: torch.randn(*s, generator=g, device=device).requires_grad_()
+        q, k, v = rnd(2, 4, 24, 16), rnd(2, 2, 24, 16), rnd(2, 2, 24, 16)
+        causal = torch.ones(2, 1, 24, 24, dtype=torch.bool, device=device).tril()
+        padded = causal.clone(); padded[1, ..., :5] = False                  # sequence 1: five padding tokens
+        for mask, keep in ((None, causal), (padded, padded)):
+            o1, l1 = fused_attention(q, k, v, mask, mask is None)
+            s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.25
+            s = s.masked_fill(~keep, float('-inf'))
+            fin = torch.isfinite(torch.logsumexp(s, -1))                      # queries that see a key
+            l2 = torch.logsumexp(s, -1).where(fin, 0.)
+            o2 = torch.softmax(s.where(fin[..., None], 0.), -1) @ v.repeat_interleave(2, 1) * fin[..., None]
+            o1, l1 = o1 * fin[..., None], l1.where(fin, 0.)
+            w = torch.randn(l2.shape, generator=g, device=device)
+            g1, g2 = (torch.autograd.grad((o * o).sum() + (l * w).sum(), (q, k, v)) for o, l in ((o1, l1), (o2, l2)))
+            if not all(torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3)
+                       for a, b in [(o1, o2), (l1, l2), *zip(g1, g2)]):
+                return False, 'its results differ from plain PyTorch'
+        return True, ''
+    except Exception as e:   # an operator this build lacks, or a signature it does not take
+        return False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+def _fused_lse_works(device) -> bool:
+    ("Whether `fused_attention` serves `device`: on CPU when PyTorch has the operator (tested in this notebook); on "
+     "CUDA after `check_fused_attention` passed there once (a failure is warned about once, and plain PyTorch serves).")
+    key = str(device)
+    if key not in _FUSED_OK:
+        kind = torch.device(device).type
+        if kind == 'cpu': _FUSED_OK[key] = _flash_cpu is not None
+        elif kind != 'cuda' or _eff_cuda is None: _FUSED_OK[key] = False
+        else:
+            ok, why = check_fused_attention(device)
+            if not ok:
+                import warnings
+                warnings.warn(f"memlab.neurocache: the fused attention kernel on {device} is not usable ({why}); "
+                              f"joint attention computes the logsumexp in plain PyTorch there (slower)", stacklevel=2)
+            _FUSED_OK[key] = ok
+    return _FUSED_OK[key]
+
+_FUSED_DTYPES = {'cpu': (torch.float32, torch.bfloat16, torch.float64), 'cuda': (torch.float32, torch.bfloat16,
+                                                                            torch.float16)}
 
 def _fusable(q) -> bool:
-    return (_flash_cpu is not None and q.device.type == 'cpu'
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float64))
+    return q.dtype in _FUSED_DTYPES.get(q.device.type, ()) and _fused_lse_works(q.device)
 
 def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the
     layer's attention sees them (rotary applied, S >= T: a KV cache's earlier tokens first); mask (B, 1, T, S) bool
     (True: attend) or additive float, None: causal. Returns (B, T, H) in fp32 (-inf where a query may attend to
-    nothing). `fused` (default: on CPU in fp32/bf16/fp64) takes it from the fused CPU attention kernel
+    nothing). `fused` (default: where the device's fused kernel serves, `_fusable`) takes it from that kernel
     (`fused_attention`) instead of the logits."""
     B, H, T, hs = q.shape
     nkv, S = keys.shape[1], keys.shape[2]
@@ -220,9 +299,10 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
 # %% ../../nbs/20_neurocache.ipynb 46
 def joint_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, **kwargs):
     """A joint layer's attention (a Hugging Face attention function, registered as 'memlab_joint'): what the model's own
-    implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on CPU, one
-    call of the fused kernel gives both (`fused_attention`, SDPA's causal rule); otherwise the model's implementation
-    runs and `mix` recomputes the logsumexp."""
+    implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on a device
+    whose fused kernel serves (`_fusable`: CPU, or CUDA once checked), one call of that kernel gives both
+    (`fused_attention`, SDPA's causal rule); otherwise the model's implementation runs and `mix` recomputes the
+    logsumexp."""
     route = module.config
     impl = route.config._attn_implementation
     plain = (impl != 'sdpa' or not _fusable(query) or dropout or kwargs.get('output_attentions')

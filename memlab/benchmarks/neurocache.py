@@ -16,7 +16,7 @@ from ..models import unwrap
 from ..neurocache import KNNCache, NeurocacheConfig, add_ffn_lora, add_neurocache
 
 # %% auto 0
-__all__ = ['benchmark']
+__all__ = ['SMOLLM2_SHAPE', 'benchmark']
 
 # %% ../../nbs/20_neurocache.ipynb 108
 def _rss() -> int:
@@ -40,8 +40,21 @@ def _nc_device(nc) -> torch.device:
     "The device of a `Neurocache`'s parameters."
     return next(nc.parameters()).device
 
+# SmolLM2-135M's shape, for a GPU machine that has no copy of its weights (random weights: the speed is the same)
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+
+def _bench_model(model_name:str):
+    "The benchmark's model: a built-in or local name, or 'smollm2-shape' (random weights)."
+    from memlab.models import load_model
+    if model_name != 'smollm2-shape': return load_model(model_name)
+    import transformers
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMOLLM2_SHAPE),
+                                                         attn_implementation='sdpa')
+
 def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
-                 threads:int=None, cache_attention:str='separate') -> dict:
+                 threads:int=None, cache_attention:str='separate', device:str=None) -> dict:
     ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
      "(run it through `run_isolated`).")
     import statistics, time
@@ -51,14 +64,22 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     torch.manual_seed(0)
     cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32,
                            lora_dropout=0.0)
-    # layers and context as the defaults choose (resolve_design)
+    # layers and context as the defaults choose (resolve_design); a random model has no copying layers to find: the
+    # joint design takes SmolLM2's (retrieval at 17, attention in 17-24)
     cfg = dataclasses.replace(cfg, cache_attention=cache_attention)
-    models = {'cache': add_neurocache(load_model(model_name), cfg), 'lora': add_ffn_lora(load_model(model_name), cfg)}
+    if model_name == 'smollm2-shape' and cache_attention == 'joint':
+        cfg = dataclasses.replace(cfg, retrieval_map='17:17', attention_layers=list(range(17, 25)), context_size=1)
+    nc = add_neurocache(_bench_model(model_name), cfg)
+    # the same layers
+    cfg = dataclasses.replace(cfg, retrieval_map=nc.neurocache_config.retrieval_map,
+                              attention_layers=nc.neurocache_config.attention_layers)
+    models = {'cache': nc, 'lora': add_ffn_lora(_bench_model(model_name), cfg)}
     vocab = models['lora'].get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     batch = dict(input_ids=ids, labels=torch.roll(ids, -1, 1), attention_mask=torch.ones_like(ids))
     opts = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5) for k, m in models.items()}
-    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    sync = torch.cuda.synchronize if torch.device(device).type == 'cuda' else (lambda: None)
     for m in models.values(): m.to(device)
     ids = ids.to(device); batch = {k: v.to(device) for k, v in batch.items()}
     # bf16 autocast where bf16 is native (GPUs with bf16, CPUs with AVX512-BF16/AMX such as these), else fp32 (emulated
@@ -78,7 +99,7 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
         for k in models: step(k)                                       # warm-up (and the optimizer state)
         for _ in range(repeats):
             for k in models:
-                t = time.perf_counter(); step(k); times[k].append(time.perf_counter() - t)
+                sync(); t = time.perf_counter(); step(k); sync(); times[k].append(time.perf_counter() - t)
         for k in models: res[f"{mode}_{k}"] = batch_size * seq_len / statistics.median(times[k])
         res[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(times['lora'], times['cache']))
     res['precision'] = 'bf16 autocast' if native_bf16(device) else 'fp32'
@@ -109,11 +130,21 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
         del tensors
     return out
 
-def benchmark(quick:bool=False, threads:tuple=None) -> tuple:
+def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
     ("`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token "
-     "vs Memorizing Transformers.")
+     "vs Memorizing Transformers; on a GPU, SmolLM2's shape at 4 x 1024 tokens.")
     from memlab.bench import run_isolated
     rows = []
+    if torch.device(device).type != 'cpu':
+        for design in ('separate', 'joint'):
+            sp = run_isolated('memlab.benchmarks.neurocache:_bench_speed', 'smollm2-shape', seq_len=256 if quick else 1024,
+                              batch_size=4, repeats=1 if quick else 3, cache_attention=design, device=device)
+            for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
+                what = f"{label}, {sp['precision']}"
+                rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
+                rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
+                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
+        return rows, None
     for design in ('separate', 'joint'):
         for n in threads or ((1,) if quick else (1, torch.get_num_threads())):
             sp = run_isolated('memlab.benchmarks.neurocache:_bench_speed', seq_len=128 if quick else 512,

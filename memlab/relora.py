@@ -28,11 +28,11 @@ except ImportError: DTensor = distribute_tensor = None  # a torch build without 
 _log = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'ReLoRAConfig', 'ReLoRALinear', 'relora_layers', 'relora_parameters',
-           'add_relora', 'base_weight_fp32', 'merge_layer_', 'merge_and_reinit', 'remove_relora', 'merged_model',
-           'save_merged', 'get_cosine_schedule_with_restarts', 'get_linear_schedule', 'get_cosine_schedule',
-           'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer', 'rebuild_optimizer', 'ReLoRACallback',
-           'WarmStartCallback']
+__all__ = ['DEFAULT_TARGETS', 'SCHEDULERS', 'RESET_MODES', 'PRUNING_RULES', 'ReLoRAConfig', 'ReLoRALinear', 'relora_layers',
+           'relora_parameters', 'add_relora', 'base_weight_fp32', 'merge_layer_', 'merge_and_reinit', 'remove_relora',
+           'merged_model', 'save_merged', 'get_cosine_schedule_with_restarts', 'get_linear_schedule',
+           'get_cosine_schedule', 'get_scheduler', 'reset_mode_from_flags', 'reset_optimizer', 'rebuild_optimizer',
+           'ReLoRACallback', 'WarmStartCallback']
 
 # %% ../nbs/30_relora.ipynb
 DEFAULT_TARGETS = ('attn', 'attention', 'mlp')
@@ -387,6 +387,16 @@ def get_scheduler(optimizer, scheduler:str, num_training_steps:int, warmup_steps
 
 # %% ../nbs/30_relora.ipynb
 RESET_MODES = ('zero', 'random', 'magnitude')
+PRUNING_RULES = ('reference', 'coupled')   # magnitude pruning: ReLoRA's own rule, or memlab's coupled moments
+
+def _quantile(x:torch.Tensor, q:float) -> torch.Tensor:
+    ("`torch.quantile(x, q)` of a flat fp32 tensor (linear interpolation, its arithmetic in fp32), "
+     "without its limit of 16M elements.")
+    pos = torch.tensor(q, dtype=torch.float32) * (x.numel() - 1)
+    lo = pos.floor()
+    a = x.kthvalue(int(lo) + 1).values
+    b = x.kthvalue(min(int(lo) + 2, x.numel())).values
+    return torch.lerp(a, b, (pos - lo).to(x.device))
 
 def _torch_optimizer(optimizer):
     "The torch optimizer inside an accelerate `AcceleratedOptimizer` (or `optimizer` itself)."
@@ -422,10 +432,11 @@ def _param_seed(seed:int, i:int) -> int: return (seed * 1_000_003 + i) % 2**63
 
 @torch.no_grad()
 def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:int=None,
-                    keys=('exp_avg', 'exp_avg_sq'), couple_moments:bool=True) -> dict:
-    ("Zero all (`zero`), a random fraction (`random`) or the smallest-magnitude fraction (`magnitude`) "
-     "of the Adam moments of `params`; check it.")
+                    keys=('exp_avg', 'exp_avg_sq'), pruning:str='reference') -> dict:
+    ("Zero all (`zero`), a random fraction (`random`) or the smallest-magnitude fraction (`magnitude`, by `pruning`'s "
+     "rule) of the Adam moments of `params`; check it.")
     check(mode in RESET_MODES, f"unknown optimizer reset mode {mode!r}; use one of {', '.join(RESET_MODES)}")
+    check(pruning in PRUNING_RULES, f"unknown pruning rule {pruning!r}; use one of {', '.join(PRUNING_RULES)}")
     ratio = 1.0 if mode == 'zero' else ratio
     check(ratio is not None and 0 < ratio <= 1, f"the {mode} reset needs a ratio in (0, 1], got {ratio}")
     opt, params = _torch_optimizer(optimizer), list(params)
@@ -461,12 +472,14 @@ def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:i
                     mask = _local_part(t, full.view(tuple(t.shape)))
                 _local(t).masked_fill_(mask, 0); target += int(mask.sum())
             else:
-                # the whole tensor's quantile (gathered under FSDP2)
-                thr = _full(t).abs().float().flatten().kthvalue(kz).values
+                # the whole tensor's threshold (gathered under FSDP2): ReLoRA's torch.quantile, in the moment's dtype;
+                # coupled: the kz-th smallest magnitude
+                mags = _full(t).abs().float().flatten()
+                thr = (_quantile(mags, ratio).to(t.dtype) if pruning == 'reference' else mags.kthvalue(kz).values)
                 loc = _local(t)
-                below = loc.abs().float() <= thr.to(loc.device)
+                below = loc.abs() <= thr.to(loc.device, loc.dtype)
                 loc.masked_fill_(below, 0); target += int(below.sum())
-        if mode == 'magnitude' and couple_moments and all(k in st for k in ('exp_avg', 'exp_avg_sq')):
+        if mode == 'magnitude' and pruning == 'coupled' and all(k in st for k in ('exp_avg', 'exp_avg_sq')):
             # no momentum without its second moment
             _local(st['exp_avg']).masked_fill_(_local(st['exp_avg_sq']) == 0, 0)
     counts = {k: [0, 0] for k in keys}  # zeros after, entries: counted afresh from the optimizer's state
@@ -538,7 +551,7 @@ class ReLoRACallback(Callback):
      "re-draw them and reset their optimizer state.")
     order = 10
     def __init__(self, relora_every:int, reset_mode:str='zero', reset_ratio:float=None, start_step:int=0, seed:int=0,
-                 couple_moments:bool=True):
+                 pruning:str='reference'):
         check(isinstance(relora_every, int) and relora_every >= 2,
               f"relora_every must be an integer ≥ 2, got {relora_every!r}")
         check(reset_mode in (None, *RESET_MODES),
@@ -547,7 +560,8 @@ class ReLoRACallback(Callback):
             check(reset_ratio is not None and 0 < reset_ratio <= 1,
                   f"reset_mode {reset_mode!r} needs a reset_ratio in (0, 1], got {reset_ratio}")
         self.relora_every, self.reset_mode, self.reset_ratio = relora_every, reset_mode, reset_ratio
-        self.start_step, self.seed, self.couple_moments = start_step, seed, couple_moments
+        check(pruning in PRUNING_RULES, f"unknown pruning rule {pruning!r}; use one of {', '.join(PRUNING_RULES)}")
+        self.start_step, self.seed, self.pruning = start_step, seed, pruning
         self.merges, self.last_stats, self._lr, self._warned, self._fresh = 0, {}, None, False, False
 
     def is_merge_step(self, u:int) -> bool:
@@ -575,7 +589,7 @@ class ReLoRACallback(Callback):
         stats = {f"relora/{k}": v for k, v in stats.items()}
         if self.reset_mode:
             r = reset_optimizer(trainer.optimizer, relora_parameters(model), self.reset_mode, self.reset_ratio,
-                                seed=self.seed + self.merges + 1, couple_moments=self.couple_moments)
+                                seed=self.seed + self.merges + 1, pruning=self.pruning)
             stats['relora/reset_fraction_zeroed'] = r['fraction_zeroed']
         self.merges += 1
         self.last_stats = {**stats, 'relora/merge_step': u, 'relora/merge_lr': self._lr}

@@ -15,8 +15,8 @@ from .core import (Config, MemlabError, PRECISION_NAMES, arg, check, cli_main,
                          count_parameters, parse_configs, parse_count, resolve_precision, seed_everything, show_path)
 from .loaders import TokenBatches
 from .models import llama_config, load_model, memlab_home
-from .relora import (SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler, merged_model,
-                           relora_layers, reset_mode_from_flags)
+from .relora import (PRUNING_RULES, SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler,
+                           merged_model, relora_layers, reset_mode_from_flags)
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
                                pretokenized_name)
 from .training import main_process_value, resume_plan, run
@@ -68,6 +68,9 @@ class ReLoRARunConfig(Config):
                                            # instead
     optimizer_magnitude_pruning: float = 0.0  # at every merge, zero the smallest-magnitude fraction of the adapters'
                                               # Adam moments instead
+    optimizer_pruning: str = 'reference'   # memlab: the magnitude pruning's rule: reference (ReLoRA's: each moment at or
+                                           # below its quantile) or coupled (the same count, and exp_avg zeroed wherever
+                                           # exp_avg_sq is)
     force_keep_original: bool = False      # with --use_peft but neither --relora nor a warm start: keep the initial
                                            # weights under the adapters (default: a pure low-rank network, as the
                                            # reference)
@@ -123,6 +126,8 @@ class ReLoRARunConfig(Config):
         check(self.relora is None or self.relora >= 2, f"--relora must be at least 2 updates, got {self.relora}")
         self.reset = reset_mode_from_flags(self.reset_optimizer_on_relora, self.optimizer_random_pruning,
                                            self.optimizer_magnitude_pruning)
+        check(self.optimizer_pruning in PRUNING_RULES,
+              f"--optimizer_pruning must be one of {', '.join(PRUNING_RULES)}; got {self.optimizer_pruning!r}")
         check(self.scheduler in SCHEDULERS,
               f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         if self.relora and self.cycle_length is None: self.cycle_length = self.relora
@@ -417,7 +422,8 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     eval_data = TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
     callbacks = []
     if cfg.relora:
-        callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=K - cfg.adjust_step, seed=cfg.seed))
+        callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=K - cfg.adjust_step, seed=cfg.seed,
+                                        pruning=cfg.optimizer_pruning))
     if cfg.optimizer.lower() == 'adam_zero' and world > 1:
         callbacks.append(ConsolidateZeroState())
         # accelerate would round-trip the new optimizer's state_dict() to place it on the device, which a ZeRO optimizer

@@ -133,7 +133,7 @@ def test_seed_4_fsdp_relora_from_warm_start(data, warm, relora_fsdp):
     assert (r['steps'], r['merges'], r['distributed_type']) == (22, 2, 'fsdp') and r['replicas_agree']
     merged = [h for h in r['history'] if 'relora/merge_step' in h]
     assert [h['relora/merge_step'] for h in merged] == [15, 19] and all(h['relora/merge_lr'] == 0 for h in merged)
-    assert all(0.899 <= h['relora/reset_fraction_zeroed'] < 1 for h in merged)       # the seed's magnitude pruning, moments coupled
+    assert all(0.89 <= h['relora/reset_fraction_zeroed'] <= 0.9 for h in merged)      # the seed's magnitude pruning, as ReLoRA's
     assert r['history'][0]['step'] == 11 and r['trainable_parameters'] < r['equivalent_parameters']
     w = read_state(warm/'checkpoints'/'step-00000010'/'process_0')['data']
     c = read_state(relora_fsdp/'checkpoints'/'step-00000012'/'process_0')['data']

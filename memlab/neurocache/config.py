@@ -81,6 +81,8 @@ class NeurocacheConfig(Config):
     compression_factor: int = 8        # cached states have d = hidden_size / compression_factor features; 1 stores the
                                        # states as they are
     topk: int = 32                     # nearest cache entries retrieved per token
+    norm_eps: float = 1e-5             # eps of the LayerNorm after W_p, the reference's (folders saved before this field
+                                       # existed were made with 1e-6 and load with it)
     neighborhood_size: int = 2         # consecutive entries fetched per hit (2: i, i+1; 4: i-1 .. i+2); even, or 1
     context_size: int = None           # token t also attends to the retrievals of tokens t-c+1 .. t of its segment;
                                        # None = 2 (separate, the reference) or 1 (joint)
@@ -152,6 +154,9 @@ class NeurocacheConfig(Config):
               f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), "
               f"got {self.retrieval_bias!r}")
         self.retrieval_bias = float(self.retrieval_bias)
+        check(isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool) and self.norm_eps > 0,
+              f"norm_eps must be a number > 0, got {self.norm_eps!r}")
+        self.norm_eps = float(self.norm_eps)
         check(self.cache_attention in ('auto', 'separate', 'joint'),
               f"cache_attention must be 'auto', 'separate' or 'joint', got {self.cache_attention!r}")
         check(is_int(self.joint_distance) and self.joint_distance >= 0,

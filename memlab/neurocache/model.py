@@ -27,11 +27,11 @@ __all__ = ['CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME', 'NEUROCACHE_WEIGHTS_NAME', 
 class CacheProjection(nn.Module):
     ("W_p and its LayerNorm: C = LayerNorm(x W_p), the d = h / compression_factor features a cache stores and searches "
      "with.")
-    def __init__(self, hidden_size:int, cache_dim:int):
+    def __init__(self, hidden_size:int, cache_dim:int, eps:float=1e-5):
         super().__init__()
         self.proj = nn.Linear(hidden_size, cache_dim, bias=False)
         nn.init.trunc_normal_(self.proj.weight, std=hidden_size**-0.5)   # the reference's initialisation
-        self.norm = nn.LayerNorm(cache_dim, eps=1e-6)
+        self.norm = nn.LayerNorm(cache_dim, eps=eps)                      # the reference's eps (1e-5)
     def forward(self, x): return self.norm(self.proj(x))
 
 # %% ../../nbs/20_neurocache.ipynb 36
@@ -43,9 +43,9 @@ class Neurocache(nn.Module):
         self.config, self.hidden_size = config, hidden_size
         cf = config.compression_factor
         self.cache_dim = hidden_size // cf
-        self.projections = nn.ModuleDict({str(r): CacheProjection(hidden_size, self.cache_dim) if cf > 1
-                                                  else nn.Identity()
-                                          for r in config.layer_map})
+        self.projections = nn.ModuleDict({
+            str(r): CacheProjection(hidden_size, self.cache_dim, config.norm_eps) if cf > 1 else nn.Identity()
+            for r in config.layer_map})
         self.joint = config.cache_attention == 'joint'
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attentions = nn.ModuleDict({} if self.joint else
@@ -751,9 +751,10 @@ def saved_neurocache_info(path) -> dict:
           f"{path} is not a saved Neurocache (it needs {NEUROCACHE_CONFIG_NAME} and {NEUROCACHE_WEIGHTS_NAME})")
     with safe_open(str(path/NEUROCACHE_WEIGHTS_NAME), 'pt') as f: meta = f.metadata() or {}
     config = NeurocacheConfig.load(path/NEUROCACHE_CONFIG_NAME)
-    # saved before the choice existed
-    if 'cache_attention' not in json.loads((path/NEUROCACHE_CONFIG_NAME).read_text()):
-        config = dataclasses.replace(config, cache_attention='separate')
+    # saved before the choice existed: what those folders were made with
+    saved = json.loads((path/NEUROCACHE_CONFIG_NAME).read_text())
+    if 'cache_attention' not in saved: config = dataclasses.replace(config, cache_attention='separate')
+    if 'norm_eps' not in saved: config = dataclasses.replace(config, norm_eps=1e-6)
     return {'config': config, 'lora_only': meta.get('lora_only') == 'true',
             'family': meta.get('family'), 'base_model': meta.get('base_model'),
             'base_quantization': meta.get('base_quantization') or None}

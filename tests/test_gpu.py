@@ -1,0 +1,94 @@
+"""memlab's GPU paths, checked on the GPU itself: every test here needs CUDA and is skipped without it.
+
+The paths are also run on CPU by the notebooks (through `kernel='native'`, `compiled='aot_eager'`, `check_fused_attention('cpu')`);
+what only a GPU can show is that CUDA's own kernels (FlashAttention / memory-efficient SDPA, inductor's generated code) give the
+same numbers. On a GPU machine: `pytest -q tests/test_gpu.py`, then `memlab_bench bpt|neurocache|distill --device cuda` for the
+speed and memory figures."""
+import pytest, torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = 'cuda'
+
+def naive_attention(q, k, v, keep):
+    "Dense reference in fp64: GQA by repetition, rows that see no key give 0."
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.softmax(s.masked_fill(~keep, float('-inf')), -1).nan_to_num(0.) @ v.double()
+
+@pytest.mark.parametrize('padded', [False, True])
+def test_bpt_native_attention_is_exact_on_cuda(padded):
+    "BPT's default on CUDA ('auto' = 'native', the device's fused SDPA) against dense attention, output and gradients."
+    from memlab.bpt import blockwise_attention, resolve_kernel
+    assert resolve_kernel('auto', DEV) == 'native'
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(2, h, 300, 64, generator=g, device=DEV, requires_grad=True) for h in (8, 2, 2))
+    pad = torch.ones(2, 300, dtype=torch.bool, device=DEV)
+    if padded: pad[1, :37] = False
+    keep = torch.ones(300, 300, dtype=torch.bool, device=DEV).tril()[None, None] & pad[:, None, None, :]
+    out = blockwise_attention(q, k, v, 128, 128, attention_mask=pad if padded else None)
+    ref = naive_attention(q, k, v, keep)
+    assert (out.double() - ref).abs().max() < 1e-4
+    do = torch.randn(out.shape, generator=g, device=DEV)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = torch.autograd.grad(ref, (q, k, v), do.double())
+    for a, b in zip(got, want): assert (a.double() - b).abs().max() < 1e-3
+
+def test_bpt_model_native_matches_hf_on_cuda():
+    "A converted Llama (README chunks, fused loss) against the unconverted one on CUDA, bf16 autocast: loss and gradients."
+    import copy
+    from memlab.bpt import BPTConfig, add_bpt
+    from memlab.models import tiny_model
+    base = tiny_model('llama').to(DEV)
+    m = add_bpt(copy.deepcopy(base), BPTConfig(q_chunk_size=32, k_chunk_size=32, ffn_chunk_size=32, loss_chunk_size=32))
+    ids = torch.randint(0, base.config.vocab_size, (2, 100), device=DEV)
+    res = []
+    for model in (base, m):
+        with torch.autocast(DEV, dtype=torch.bfloat16): loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        res.append((loss.detach().float(), [p.grad.float().clone() for p in model.parameters()]))
+    assert abs(res[0][0] - res[1][0]) / res[0][0] < 1e-2
+    for a, b in zip(res[0][1], res[1][1]): assert (a - b).abs().max() <= 0.05 * a.abs().max() + 1e-6
+
+def test_bpt_compiled_loss_chunk_on_cuda():
+    "The fused LM-head loss with its chunk compiled by inductor (CUDA's default) equals the eager chunk."
+    from memlab.bpt import fused_linear_cross_entropy
+    g = torch.Generator(device=DEV).manual_seed(0)
+    h = torch.randn(777, 64, generator=g, device=DEV, requires_grad=True)
+    W = torch.randn(5000, 64, generator=g, device=DEV, requires_grad=True)
+    t = torch.randint(0, 5000, (777,), generator=g, device=DEV); t[:50] = -100
+    outs = []
+    for compiled in (False, True):
+        loss = fused_linear_cross_entropy(h, W, t, 256, compiled=compiled)
+        outs.append((loss.detach(), *torch.autograd.grad(loss, (h, W))))
+    for a, b in zip(*outs): assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+def test_neurocache_fused_attention_on_cuda():
+    "Joint attention's logsumexp from CUDA's memory-efficient kernel: the once-per-device check passes, so it is used."
+    from memlab.neurocache.attention import _fusable, check_fused_attention
+    assert check_fused_attention(DEV) == (True, '')
+    assert _fusable(torch.zeros(1, device=DEV, dtype=torch.bfloat16))
+
+def test_distill_compiled_chunks_and_measured_size_on_cuda():
+    "Distillation's compiled chunk terms equal the eager ones on CUDA; the chunk size is measured there, not the CPU's."
+    from memlab.distill.losses import auto_chunk_size, loss_sum, measure_chunk_size
+    g = torch.Generator(device=DEV).manual_seed(0)
+    s = torch.randn(600, 3000, generator=g, device=DEV, requires_grad=True)
+    t = torch.randn(600, 3000, generator=g, device=DEV)
+    for name in ('kl', 'reverse_kl', 'jsd'):
+        vals = []
+        for compiled in (False, True):
+            total, _ = loss_sum(name, s, t, chunk_size=128, compiled=compiled)
+            vals.append((total.detach(), torch.autograd.grad(total, s)[0]))
+        assert torch.allclose(vals[0][0], vals[1][0], rtol=1e-4)
+        assert torch.allclose(vals[0][1], vals[1][1], rtol=1e-3, atol=1e-6)
+    r = measure_chunk_size(3000, DEV, n_tokens=1024)
+    assert r['chunk_size'] in r['times'] and auto_chunk_size(3000, device=DEV) >= 16
+
+def test_mixer_assert_causal_on_cuda():
+    "The causality check takes CUDA input (its random tokens are drawn on the CPU and moved)."
+    from memlab.mixer import assert_causal
+    ids = torch.randint(0, 50, (2, 16), device=DEV)
+    emb = torch.nn.Embedding(50, 8).to(DEV)
+    assert_causal(lambda x: emb(x).cumsum(1), ids, 5, 50)

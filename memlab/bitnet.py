@@ -25,7 +25,7 @@ from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, a
 # %% auto 0
 __all__ = ['revert_bitnet', 'weight_quant', 'activation_quant', 'ste', 'rms_norm', 'BitLinear', 'BitNetConfig', 'bitnet_modules',
            'add_bitnet', 'convert_to_bitnet', 'remove_bitnet', 'pack_ternary', 'unpack_ternary', 'save_packed',
-           'load_packed', 'packed_report']
+           'load_packed', 'packed_report', 'hf_bitnet_problem', 'save_hf_bitnet']
 
 # %% ../nbs/40_bitnet.ipynb
 def weight_quant(w:torch.Tensor, eps:float=1e-5) -> tuple:
@@ -386,17 +386,81 @@ register_folder('bitnet-v1', _is_v1, _load_v1_folder)
 
 # %% ../nbs/40_bitnet.ipynb
 def packed_report(path) -> dict:
-    "Bytes on disk of a `save_packed` folder's weights file, split into packed weights, scales and the rest."
+    ("Bytes on disk of a packed BitNet folder's weights file (memlab's, `save_packed`, or transformers', "
+     "`save_hf_bitnet`), split into packed weights, scales and the rest.")
     path = Path(path)
-    f = path/MEMLAB_WEIGHTS if (path/MEMLAB_WEIGHTS).exists() else path/'model.safetensors'   # the latter: version 1
+    f = path/MEMLAB_WEIGHTS if (path/MEMLAB_WEIGHTS).exists() else path/'model.safetensors'   # also version 1
     with open(f, 'rb') as fh:
         n = int.from_bytes(fh.read(8), 'little'); header = json.loads(fh.read(n))
     out = {'file': f.stat().st_size, 'packed_weights': 0, 'scales': 0, 'other': 0, 'ternary_params': 0}
-    meta = json.loads((path/'bitnet.json').read_text())
-    out['ternary_params'] = sum(math.prod(m['shape']) for m in meta['modules'].values())
+    hf = not (path/'bitnet.json').exists()          # transformers' format: uint8 `weight` and `weight_scale` tensors
+    if not hf:
+        meta = json.loads((path/'bitnet.json').read_text())
+        out['ternary_params'] = sum(math.prod(m['shape']) for m in meta['modules'].values())
     for k, v in header.items():
         if k == '__metadata__': continue
         nb = v['data_offsets'][1] - v['data_offsets'][0]
-        out['packed_weights' if k.endswith('.bitnet_packed') else 'scales' if k.endswith('.bitnet_scale')
+        packed = v['dtype'] == 'U8' if hf else k.endswith('.bitnet_packed')
+        out['packed_weights' if packed else 'scales' if k.endswith('.weight_scale' if hf else '.bitnet_scale')
             else 'other'] += nb
+        if hf and packed: out['ternary_params'] += 4 * math.prod(v['shape'])
     return out
+
+# %% ../nbs/40_bitnet.ipynb
+def hf_bitnet_problem(model:nn.Module) -> str | None:
+    "Why transformers' BitNet format cannot hold `model`'s BitLinear modules, or None if it can."
+    from transformers.integrations.bitnet import VALUES_PER_ITEM
+    mods = bitnet_modules(model)
+    conv = [n for n, m in mods.items() if m.is_conv1d]
+    if conv: return (f"transformers' BitNet format converts nn.Linear layers only; {len(conv)} BitLinear modules "
+                     f"(e.g. {conv[0]}) wrap GPT-2's Conv1D")
+    if any(m.has_relora for m in mods.values()):
+        return "BitLinear modules hold ReLoRA adapters (merge them with memlab.relora.remove_relora first)"
+    odd = [n for n, m in mods.items() if m.out_features % VALUES_PER_ITEM]
+    if odd: return (f"transformers packs {VALUES_PER_ITEM} output rows per byte; {odd[0]} has "
+                    f"{mods[odd[0]].out_features} outputs")
+    eps = {m.norm_eps for m in mods.values()}
+    if len(eps) > 1: return f"transformers' BitNet format has one RMSNorm epsilon; these layers use {sorted(eps)}"
+    return None
+
+@torch.no_grad()
+def save_hf_bitnet(model:nn.Module, path,      # a Hugging Face model holding BitLinear modules; output directory
+                   tokenizer=None) -> Path:     # written beside the model when given
+    ("Write `model` in transformers' own BitNet format (packed ternary weights, `quant_method: bitnet`), which plain "
+     "`AutoModelForCausalLM.from_pretrained` loads and runs without memlab.")
+    from safetensors.torch import save_file
+    from transformers import BitNetQuantConfig
+    from transformers.integrations.bitnet import VALUES_PER_ITEM, pack_weights
+    from memlab.models import plain_config
+    mods = bitnet_modules(model)
+    check(mods, f"{type(model).__name__} has no BitLinear module: add_bitnet it before save_hf_bitnet")
+    problem = hf_bitnet_problem(model)
+    check(problem is None, f"{problem}: save this model with save_pretrained (memlab's format) instead")
+    eps = {m.norm_eps for m in mods.values()}
+    names = state_names(model)
+    dtype = next(iter(mods.values())).bitnet_norm_weight.dtype
+    sd = dict(model.state_dict())
+    for n, m in mods.items():
+        p = names[n]
+        for k in ('weight', 'bitnet_norm_weight', 'bitnet_ternary', 'bitnet_scale'): sd.pop(f"{p}.{k}", None)
+        codes, scale = m.ternary()
+        sd[f"{p}.weight"] = pack_weights(codes.to(torch.int8).clone())             # (out/4, in) uint8
+        sd[f"{p}.weight_scale"] = scale.reshape(1).to(dtype)                       # effective weight = codes / scale
+        sd[f"{p}.rms_norm.weight"] = m.bitnet_norm_weight.detach()
+    converted = {names[n] for n in mods}
+    linears = [names[n] for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in mods
+               and not any(n.startswith(b + '.') for b in mods)]
+    cfg = plain_config(model.config)
+    cfg.quantization_config = BitNetQuantConfig(modules_to_not_convert=sorted(set(linears) - converted),
+                                                linear_class='bitlinear', quantization_mode='offline',
+                                                use_rms_norm=True, rms_norm_eps=eps.pop()).to_dict()
+    if getattr(cfg, 'tie_word_embeddings', False):                  # stored once, as transformers does
+        out_emb = model.get_output_embeddings()
+        sd = {k: v for k, v in sd.items() if not (k.endswith('.weight') and out_emb is not None
+                                                   and v is out_emb.weight and not k.startswith('model.'))}
+    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(path/'model.safetensors'),
+              metadata={'format': 'pt'})
+    cfg.save_pretrained(path)
+    if tokenizer is not None: tokenizer.save_pretrained(path)
+    return path

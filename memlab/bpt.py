@@ -481,7 +481,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if compiled:                                   # a GPU: one fused pass instead of six
                 lc, g = _ce_chunk_fn(compiled)(h @ weight.T, t, r)             # g (c, V) ∂L/∂z in the product's dtype
                 loss += lc
-                if want_h: grad_h[s:s + chunk_size] = g.to(weight.dtype) @ weight
+                # under autocast g is already what the products take; else the head's dtype
+                if not torch.is_autocast_enabled(g.device.type): g = g.to(weight.dtype)
+                if want_h: grad_h[s:s + chunk_size] = g @ weight
                 if want_w: grad_w += g.T @ h.to(g.dtype)
                 continue
             z = (h @ weight.T).to(acc)                                         # (c, V) this chunk's logits only

@@ -26,7 +26,8 @@ from .distill.policy import OnPolicyBatches, on_policy_lengths
 from .distill.evaluation import PerplexityEvaluation, perplexity
 from .distill.student import copy_plan, student_config, weight_groups, xavier_reinitialize
 from .distill.card import model_card
-from .bitnet import BitNetConfig, add_bitnet, bitnet_modules, packed_report, save_packed
+from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem, packed_report,
+                           save_hf_bitnet, save_packed)
 
 # %% auto 0
 __all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'parse_copy_modules',
@@ -642,7 +643,11 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
         model, written = trainer.unwrapped_model, {}
         heads = save_distill_heads(model, out)
         remove_distill_heads(model)
-        if student_args.student_model_as_bitnet: save_packed(model, out); written['packed'] = packed_report(out)
+        if student_args.student_model_as_bitnet:
+            # transformers' own BitNet format where it can hold the student (plain from_pretrained runs it), else memlab's
+            hf = hf_bitnet_problem(model) is None
+            (save_hf_bitnet if hf else save_packed)(model, out)
+            written['packed'] = {**packed_report(out), 'format': 'transformers' if hf else 'memlab'}
         else: model.save_pretrained(out)
         tok.save_pretrained(out)
         plot_distill(trainer.history, teacher_metrics, out/'loss.png',
@@ -685,9 +690,13 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
         sections['BitNet b1.58 weights'] = ("Every linear layer of the blocks is a BitLinear (ternary weights, 8-bit "
             "activations, an RMSNorm on its input). The folder holds them packed at 2 bits per weight: "
             f"{p['ternary_params']:,} ternary weights in {fmt_bytes(p['packed_weights'])}, "
-            f"the whole `memlab_model.safetensors` {fmt_bytes(p['file'])}. Load with `memlab.load_model(folder)` (or "
-            "`memlab.bitnet.load_packed(folder)`); plain `AutoModelForCausalLM.from_pretrained` refuses the folder "
-            "(no `model.safetensors`: a plain model would compute with full-precision weights, not ternary ones).")
+            f"the whole weights file {fmt_bytes(p['file'])}. "
+            + ("It is in transformers' own BitNet format (`quant_method: bitnet`): plain "
+               "`AutoModelForCausalLM.from_pretrained(folder)` runs it with transformers' BitLinear layers, and "
+               "`memlab.load_model(folder)` loads it too." if p.get('format') == 'transformers' else
+               "It is in memlab's format (transformers' BitNet format cannot hold this student): load it with "
+               "`memlab.load_model(folder)`; plain `AutoModelForCausalLM.from_pretrained` refuses the folder "
+               "(no `model.safetensors`: a plain model would compute with full-precision weights, not ternary ones)."))
     if res.get('distill_heads'):
         sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm "
                                           "trained with the student (not part of the model; "

@@ -20,8 +20,12 @@ __all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'div
 # %% ../../nbs/41_distill.ipynb 7
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
 
-def divergence(name:str, ls:torch.Tensor, lt:torch.Tensor, beta:float=None) -> torch.Tensor:
-    "Per-row divergence `name` between student log-probs `ls` and teacher log-probs `lt` (..., K) → (...)."
+def divergence(name:str, ls:torch.Tensor, lt:torch.Tensor, beta:float=None, finite:bool=False) -> torch.Tensor:
+    ("Per-row divergence `name` between student log-probs `ls` and teacher log-probs `lt` (..., K) → (...); "
+     "`finite`: `lt` holds no −inf, so the KLs can take the one-pass `F.kl_div`.")
+    if finite and name in ('kl', 'reverse_kl'):   # one (..., K) tensor instead of five
+        a, b = (ls, lt) if name == 'kl' else (lt, ls)
+        return F.kl_div(a, b, reduction='none', log_target=True).sum(-1)
     ps, pt = ls.exp(), lt.exp()
     lt0 = lt.masked_fill(pt == 0, 0.)  # 0·log 0 = 0: keeps −inf (a token the teacher rules out) out of the products
     if name == 'kl': return (pt * (lt0 - ls)).sum(-1)
@@ -104,7 +108,7 @@ def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
     if t_rows is None: ls, kd = torch.log_softmax(s_logits, -1), s_logits.new_zeros(s_logits.shape[0])
     else:
         ls, lt = _log_probs(s_logits, t_rows, T, missing)
-        kd = divergence(name, ls, lt, beta) * T ** 2                                # (n,)
+        kd = divergence(name, ls, lt, beta, finite=not isinstance(t_rows, TopK)) * T ** 2   # (n,)
     if labels is None: ce = None
     elif (T == 1 or t_rows is None) and not (isinstance(t_rows, TopK) and missing == 'rest'):
         ce = -ls.gather(-1, labels[:, None]).squeeze(1)
@@ -222,9 +226,10 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
     x, w, b = (s.states, s.weight, s.bias) if isinstance(s, Hidden) else (s, None, None)
     n = torch.tensor(rows.numel(), device=rows.device)
     if not chunk_size:  # dense reference: plain autograd over all valid rows at once
+        every = slice(None) if rows.numel() == mask.numel() else rows   # every row valid: views, no gathered copies
         with torch.autocast(x.device.type, enabled=False):
-            kd, ce = _token_terms(name, _rows(s, rows), _rows(t, rows), None if labels is None else labels_flat[rows],
-                                  temperature, beta, missing)
+            kd, ce = _token_terms(name, _rows(s, every), _rows(t, every),
+                                  None if labels is None else labels_flat[every], temperature, beta, missing)
         kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=x.device)
         return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach(), n
     # compiled chunks by default where the elementwise passes cost most: on CUDA
@@ -310,13 +315,19 @@ def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bf
         chunk = max(16, min(n_tokens, logits // vocab_size))
         if chunk in times: continue
         best = float('inf')
-        for i in range(3):                                       # the first call compiles and warms up: not counted
-            sync(); start = time.perf_counter()
-            total, _ = loss_sum('kl', s, t, chunk_size=chunk, compiled=compiled)
-            total.backward(); s.grad = None
-            sync()
-            if i: best = min(best, time.perf_counter() - start)
+        try:
+            for i in range(3):                                   # the first call compiles and warms up: not counted
+                sync(); start = time.perf_counter()
+                total, _ = loss_sum('kl', s, t, chunk_size=chunk, compiled=compiled)
+                total.backward(); s.grad = None
+                sync()
+                if i: best = min(best, time.perf_counter() - start)
+        except torch.OutOfMemoryError:                           # too large for this device: not a candidate
+            s.grad = None
+            if dev.type == 'cuda': torch.cuda.empty_cache()
+            continue
         times[chunk] = best
+    check(times, f"no chunk size fits in the memory of {device} (vocabulary {vocab_size})")
     fastest = min(times.values())
     return {'chunk_size': min(c for c, v in times.items() if v <= fastest * (1 + tolerance)), 'times': times}
 

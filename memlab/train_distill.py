@@ -509,8 +509,9 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs "
           "data-parallel (DDP): launch with torchrun or accelerate launch --multi_gpu, not with an FSDP config")
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
-    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest')   # before anything loads
     acc = make_accelerator(tr.mixed_precision)
+    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest',   # before anything loads
+                         accelerator=acc)
     progress = not tr.disable_tqdm and acc.is_main_process
     say = acc.print
     # tokenizers: the teacher's is the run's; a student that brings its own must have the same vocabulary

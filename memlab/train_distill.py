@@ -16,7 +16,8 @@ from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, 
                          markdown_table, parse_configs, resolve_precision, seed_everything, show_path)
 from .data import load_corpus
 from .loaders import TokenBatches
-from .models import decoder_layers, load_model, load_tokenizer, resolve_model
+from .models import (check_model_config, check_model_sizes, decoder_layers, load_model, load_tokenizer,
+                           resolve_model)
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
 from .training import TrainConfig, make_accelerator, resume_plan, run, run_summary
 from .training import GradientStats
@@ -94,6 +95,7 @@ class StudentModelArguments(Config):
         check(self.student_model_config is None or isinstance(self.student_model_config, dict),
               f"--student_model_config must be a dict such as '{{\"num_hidden_layers\": 6}}', "
               f"got {self.student_model_config!r}")
+        check_model_sizes(self.student_model_config or {}, '--student_model_config')   # a 0-layer student, say
         if self.reinitialize_weights is not None and str(self.reinitialize_weights).lower() in ('none', 'false', ''):
             self.reinitialize_weights = None
         check(self.reinitialize_weights in (None, 'xavier'),
@@ -468,6 +470,7 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
         for attr in ('quantization_config', '_pre_quantization_dtype'):
             if hasattr(cfg, attr): delattr(cfg, attr)
         cfg.vocab_size = teacher.config.vocab_size  # the student reads the teacher's tokens (Distily forces this too)
+        check_model_sizes(cfg, f"the student config ({args.student_config_name_or_path or 'from the teacher'})")
         student = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         what = ('the teacher\'s config' if args.student_config_name_or_path is None
                 else f"the config `{args.student_config_name_or_path}`")
@@ -509,9 +512,11 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
                           objective.on_policy_new_tokens)
     check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs "
           "data-parallel (DDP): launch with torchrun or accelerate launch --multi_gpu, not with an FSDP config")
+    for m in (ta.teacher_model_name_or_path, student_args.student_config_name_or_path): check_model_config(m)
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
-    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest')   # before anything loads
     acc = make_accelerator(tr.mixed_precision)
+    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest',   # before anything loads
+                         accelerator=acc)
     progress = not tr.disable_tqdm and acc.is_main_process
     say = acc.print
     # tokenizers: the teacher's is the run's; a student that brings its own must have the same vocabulary

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compat import accelerator_precision, reset_accelerator_precision
-from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, patch_to,
-                         peak_memory, resolve_precision, rng_state, set_rng_state)
+from .core import (Config, MemlabError, atomic_write_text, check, check_launch, check_ranges, environment_error,
+                         lock_folder, patch_to, peak_memory, release_folder, resolve_precision, rng_state,
+                         set_rng_state)
 from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
@@ -345,13 +346,20 @@ def resume_plan(output_dir, resume_from=None, resume_hint:str="resume_from='late
     """The checkpoint a run in `output_dir` continues from (None: a fresh start there), or `output_dir_refusal`'s
     one line. 'latest' with no checkpoint yet is a fresh start (a job script's first launch, `--autoresume`). The
     `Trainer` applies it; a command calls it before building anything, naming its own flags: with an `accelerator`
-    the main process decides and every process gets the verdict."""
-    def decide():
+    the main process decides and every process gets the verdict. The deciding process first takes the folder
+    (`lock_folder`): a folder in use by a live run is refused, whatever it holds."""
+    def decide(lock:bool=True):
         if not output_dir: return resume_from, None
-        r = None if str(resume_from) == 'latest' and not list_checkpoints(output_dir) else resume_from
-        try: return r, None if r else output_dir_refusal(output_dir, resume_hint, flag)
-        except MemlabError as e: return None, str(e)
-    if accelerator is None: resume, refusal = decide()
+        took, refusal, r = False, None, None
+        try:
+            took = lock and lock_folder(output_dir, flag)   # before its contents are read: another run may be writing
+            r = None if str(resume_from) == 'latest' and not list_checkpoints(output_dir) else resume_from
+            refusal = None if r else output_dir_refusal(output_dir, resume_hint, flag)
+        except MemlabError as e: refusal = str(e)
+        except OSError as e: refusal = environment_error(e) or str(e)
+        if refusal and took: release_folder(output_dir)
+        return r, refusal
+    if accelerator is None: resume, refusal = decide(int(os.environ.get('RANK', '0')) == 0)   # each alone; rank 0 locks
     else: resume, refusal = main_process_value(decide() if accelerator.is_main_process else None, accelerator)
     check(refusal is None, refusal)
     return resume
@@ -591,7 +599,8 @@ class Trainer:
     def _check_output_dir(self):
         "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
         c = self.config
-        resume = resume_plan(c.output_dir, c.resume_from)   # 'latest' with nothing to resume yet: a fresh start
+        resume = resume_plan(c.output_dir, c.resume_from,    # 'latest' with nothing to resume yet: a fresh start
+                             accelerator=self.accelerator)
         if resume != c.resume_from: self.config = dataclasses.replace(c, resume_from=resume)
 
     def _clear_unfinished_run(self):

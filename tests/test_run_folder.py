@@ -1,0 +1,67 @@
+"""One run per output folder: a second launch into the folder of a live run is refused in one line and changes nothing there;
+the lock dies with its process, so a run killed with SIGKILL resumes from its folder at once."""
+import signal, subprocess, sys, time
+from pathlib import Path
+from conftest import BIN, ROOT, env, free_port, run
+import pytest
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    "A tiny Llama with SmolLM2's tokenizer, saved as a folder."
+    p = tmp_path_factory.mktemp('tiny')/'model'
+    run([sys.executable, '-c', "import sys; from memlab.models import save_tiny_model, load_tokenizer; "
+         "save_tiny_model('llama', sys.argv[1], vocab_size=49152); load_tokenizer('smollm2-135m').save_pretrained(sys.argv[1])", p])
+    return p
+
+def train_argv(model, out, *extra):
+    return ['--model', model, '--dataset', 'pydocs', '--sequence_length', 32, '--max_eval_steps', 1, '--eval_every', 0,
+            '--log_every', 1, '--output_dir', out, '--report_to', 'none', '--progress', 'false', '--mixed_precision', 'no', *extra]
+
+def wait_for(cond, proc, timeout=120):
+    t0 = time.time()
+    while not cond():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() - t0 < timeout, 'timed out'
+        time.sleep(0.2)
+
+def test_second_run_into_a_live_folder_is_refused_and_a_killed_run_resumes(tiny, tmp_path):
+    out = tmp_path/'run'
+    first = subprocess.Popen([str(BIN/'memlab_train'), *map(str, train_argv(tiny, out, '--max_steps', 100000, '--save_every', 2))],
+                             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log = out/'log.jsonl'
+        wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3 and (out/'checkpoints'/'latest').exists(), first)
+        before, config = log.read_text(), (out/'run_config.json').read_text()
+        for cmd in ([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3)],                    # a fresh start
+                    [BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3, '--resume_from', 'latest')]):   # or a resume
+            r = run(cmd, check=False)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode != 0 and len(lines) == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+            assert f'--output_dir {out} is in use by a running memlab run (process {first.pid} on' in lines[0], lines[0]
+        assert log.read_text().startswith(before) and (out/'run_config.json').read_text() == config  # the first run's files untouched
+        assert first.poll() is None                                                                   # and it still runs
+    finally:
+        first.send_signal(signal.SIGKILL); first.communicate()
+    assert first.returncode == -signal.SIGKILL and (out/'.memlab.lock').exists()   # a lock file nobody holds is left
+    step = int((out/'checkpoints'/'latest').read_text().split('-')[1])
+    r = run([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', step + 1, '--resume_from', 'latest')])
+    assert 'after training' in r.stdout and (out/'results.json').exists()
+    assert not (out/'.memlab.lock').exists()                                       # released when the command ended
+
+def test_a_live_run_under_torchrun_holds_its_folder(tiny, tmp_path):
+    "Two processes run one job: the first launch's main process holds the folder, and a second launch (also of two) is refused."
+    out = tmp_path/'run'
+    def launch(*extra):
+        return [BIN/'torchrun', '--nproc-per-node', 2, '--master-port', free_port(), '-m', 'memlab.train',
+                *train_argv(tiny, out, '--per_device_batch_size', 1, *extra)]
+    first = subprocess.Popen([str(a) for a in launch('--max_steps', 100000)], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        log = out/'log.jsonl'
+        wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 2, first)
+        before = log.read_text()
+        r = run(launch('--max_steps', 3), check=False)
+        assert r.returncode != 0 and f'--output_dir {out} is in use by a running memlab run' in r.stderr, r.stderr[-3000:]
+        assert log.read_text().startswith(before) and first.poll() is None   # (torchrun adds its own report of a failed worker)
+    finally:
+        subprocess.run(['pkill', '-KILL', '-P', str(first.pid)]); first.kill(); first.communicate()   # the workers, then torchrun

@@ -382,7 +382,8 @@ def save_pretrained(model, save_directory, **kwargs) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     for f in [MEMLAB_WEIGHTS, *(f"{s.name}_model.safetensors" for s in specs)]:   # a previous save's
         (path/f).unlink(missing_ok=True)
-    sd = model.state_dict()
+    sd = kwargs.pop('state_dict', None)                 # the HF Trainer's save_model passes the state dict it gathered
+    if sd is None: sd = model.state_dict()
     if all(s.plain for s in specs):                     # plain weights transformers reloads, exact extras beside them
         aside = {}
         for s in specs:

@@ -550,6 +550,9 @@ class BPTConfig(Config):
     layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as
                                              # the reference remats every block (False: each layer keeps its (B, T, C)
                                              # activations)
+    compile: object = False                  # torch.compile each decoder layer's training forward (True: inductor, or a
+                                             # backend's name): fuses the norms', rotary embedding's and SwiGLU's
+                                             # elementwise work, as Liger Kernel does by hand; compiles on the first step
 
     def __post_init__(self):
         for name in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size'):
@@ -559,6 +562,8 @@ class BPTConfig(Config):
         _check_policy(self.remat_policy)
         check(self.attention_kernel in (*DEVICE_KERNELS, *KERNELS),
               f"unknown attention kernel {self.attention_kernel!r}; use one of {', '.join((*DEVICE_KERNELS, *KERNELS))}")
+        check(isinstance(self.compile, (bool, str)), f"BPTConfig.compile must be True, False or a torch.compile "
+              f"backend's name; got {self.compile!r}")
         check(not self.fused or self.q_chunk_size > 0,
               "fused=True runs each layer one query block at a time: set q_chunk_size > 0")
 
@@ -683,12 +688,15 @@ class BPTDecoderLayer(TransparentWrapper):
 
 # %% ../nbs/10_bpt.ipynb
 class BPTRematLayer(TransparentWrapper):
-    ("Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`; "
-     "a KV cache bypasses it.")
-    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable'):
+    ("Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`, its training "
+     "forward `torch.compile`d when `compile` names a backend (True: inductor); a KV cache bypasses both.")
+    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False):
         super().__init__(base_layer)
-        self.remat_policy = remat_policy
-        self._step = remat(self.base_layer, remat_policy)
+        self.remat_policy, self.compile = remat_policy, compile
+        # the bound forward, not the module: a compiled module would register as a submodule (and its state twice)
+        fn = base_layer.forward if not compile else torch.compile(
+            base_layer.forward, backend='inductor' if compile is True else compile)
+        self._step = remat(fn, remat_policy)
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled(): return self.base_layer(*args, **kwargs)
@@ -697,7 +705,8 @@ class BPTRematLayer(TransparentWrapper):
         if kwargs.get('past_key_values') is not None: kwargs = {**kwargs, 'past_key_values': None, 'use_cache': False}
         return self._step(*args, **kwargs)
 
-    def extra_repr(self): return f"remat_policy={self.remat_policy!r}"
+    def extra_repr(self):
+        return f"remat_policy={self.remat_policy!r}" + (f", compile={self.compile!r}" if self.compile else '')
 
 # %% ../nbs/10_bpt.ipynb
 def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int,
@@ -846,9 +855,11 @@ def add_bpt(model, config:BPTConfig=None):
         for layer in layers:
             replaced.append((layer, 'mlp', layer.mlp))
             layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
-    if config.layer_remat and config.remat_policy != 'everything_saveable':
+    remat_layers = config.layer_remat and config.remat_policy != 'everything_saveable'
+    if remat_layers or config.compile:
+        policy = config.remat_policy if remat_layers else 'everything_saveable'    # compiled without remat
         for i, layer in enumerate(layers):
-            replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, config.remat_policy)
+            replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, policy, config.compile)
     loss_hooks = BPTLossHooks(hf, config.lm_chunk_size) if config.lm_chunk_size != -1 else None
     setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks))
     attach_method(hf, 'bpt', config.to_dict())

@@ -156,6 +156,8 @@ class LlamaBPTArgs(Config):
                                              # attention, o_proj, norm and FFN
     layer_remat: bool = True                 # memlab: also rematerialise each decoder layer as a whole under
                                              # remat_policy (as the reference remats each block)
+    compile: bool = False                    # memlab: torch.compile each decoder layer's training forward (inductor;
+                                             # fuses norm, rotary and SwiGLU work on a GPU; compiles on the first step)
 
     def __post_init__(self):
         check(self.max_sequence_length is None or self.max_sequence_length >= 1,

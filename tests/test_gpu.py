@@ -51,6 +51,21 @@ def test_bpt_model_native_matches_hf_on_cuda():
     assert abs(res[0][0] - res[1][0]) / res[0][0] < 1e-2
     for a, b in zip(res[0][1], res[1][1]): assert (a - b).abs().max() <= 0.05 * a.abs().max() + 1e-6
 
+def test_bpt_compiled_layers_on_cuda():
+    "BPT with compiled decoder layers (inductor) against the uncompiled conversion: the same loss and gradients."
+    import copy
+    from memlab.bpt import BPTConfig, add_bpt
+    from memlab.models import tiny_model
+    base = tiny_model('llama').to(DEV)
+    ids = torch.randint(0, base.config.vocab_size, (2, 128), device=DEV)
+    res = []
+    for compile in (False, True):
+        m = add_bpt(copy.deepcopy(base), BPTConfig(loss_chunk_size=64, compile=compile))
+        loss = m(input_ids=ids, labels=ids).loss; loss.backward()
+        res.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+    assert torch.allclose(res[0][0], res[1][0], rtol=1e-4)
+    for a, b in zip(res[0][1], res[1][1]): assert torch.allclose(a, b, rtol=1e-3, atol=1e-5)
+
 def test_bpt_compiled_loss_chunk_on_cuda():
     "The fused LM-head loss with its chunk compiled by inductor (CUDA's default) equals the eager chunk."
     from memlab.bpt import fused_linear_cross_entropy

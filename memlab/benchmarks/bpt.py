@@ -12,14 +12,15 @@ from ..core import check
 from ..bpt import BPTConfig, add_bpt, bpt_causal_lm_loss, full_logits, set_mmap_threshold
 
 # %% auto 0
-__all__ = ['BENCH_BPT', 'BENCH_CONFIGS', 'STEP_CONFIGS', 'ALLOCATORS', 'GPU_BPT', 'GPU_LLAMA', 'bench_model', 'step_measurement',
-           'step_measurements', 'benchmark']
+__all__ = ['BENCH_BPT', 'BENCH_CONFIGS', 'STEP_CONFIGS', 'GPU_CONFIGS', 'ALLOCATORS', 'GPU_BPT', 'GPU_LLAMA', 'bench_model',
+           'step_measurement', 'step_measurements', 'benchmark']
 
 # %% ../../nbs/benchmarks/10_bpt.ipynb
 # BPT's setting in the benchmark
 BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)
 BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
-STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits',)                       # what step_measurement measures
+STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits', 'bpt compiled')      # what step_measurement measures
+GPU_CONFIGS = ('sdpa + ckpt', 'bpt natural', 'bpt compiled')   # on a GPU: the natural call, its layers also compiled
 ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}  # the benchmark's mmap thresholds (0: glibc's own)
 # on a GPU: the README's configuration (every chunk 1024), the GPU probe's Llama (886M parameters, vocabulary 128256)
 GPU_BPT = dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024)
@@ -48,7 +49,7 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
     fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
     m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').to(device).train()
     if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
-    if config.startswith('bpt'): add_bpt(m, BPTConfig(**(bpt or BENCH_BPT)))
+    if config.startswith('bpt'): add_bpt(m, BPTConfig(**(bpt or BENCH_BPT), compile=config == 'bpt compiled'))
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (1, seq_len + 1), generator=g).to(device)
@@ -85,12 +86,13 @@ def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
 
 def benchmark(quick:bool=False, device:str='cpu'):
     ("`memlab_bench bpt`: peak memory and tokens/s of a training step, HF vs BPT: the reference Llama under two "
-     "allocator settings on CPU; the GPU probe's Llama at 8K and 32K on a GPU, against SDPA + checkpointing.")
+     "allocator settings on CPU; the GPU probe's Llama at 8K and 32K on a GPU, against SDPA + checkpointing "
+     "(BPT through the natural call, and with compiled layers, compiled during the warm-up step).")
     from memlab.bench import run_isolated
     rows = []
     if torch.device(device).type != 'cpu':
         for T in ((8192,) if quick else (8192, 32768)):
-            for c in ('sdpa + ckpt', 'bpt natural'):
+            for c in GPU_CONFIGS:
                 r = run_isolated('memlab.benchmarks.bpt:step_measurement', 'gpu', T, c, repeats=1 if quick else 3,
                                  bpt=GPU_BPT, device=device)
                 rows.append({'config': c, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})

@@ -35,6 +35,12 @@ class CacheProjection(nn.Module):
     def forward(self, x): return self.norm(self.proj(x))
 
 # %% ../../nbs/20_neurocache.ipynb 36
+def _compute_dtype(weight:torch.Tensor) -> torch.dtype:
+    ("The dtype products with `weight` run in: autocast's where it is on (retrieved bf16 states then go straight in, "
+     "not through an fp32 copy that autocast would cast back), else the weight's.")
+    dev = weight.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+
 class Neurocache(nn.Module):
     ("A Neurocache's parameters (W_p per cache, a CacheAttention per attention layer), its caches, and the state of "
      "the current forward.")
@@ -173,12 +179,12 @@ class Neurocache(nn.Module):
         if win is not None and ret['maker'] != layer and (win[0].requires_grad or not need_grad): return win
         if self.reencode:
             # (B, T, M, d): W_p learns through this
-            ctx = proj(ret['states'].to(proj.proj.weight.dtype))[ret['inverse']]
+            ctx = proj(ret['states'].to(_compute_dtype(proj.proj.weight)))[ret['inverse']]
             if self.config.retrieval_bias:  # and through the retrieval scores
                 cfg = self.config
-                ret['bias'] = retrieval_scores(proj(ret['x'].to(proj.proj.weight.dtype)), ctx, cfg.neighborhood_size,
-                                               cfg.similarity_fn)
-        else: ctx = ret['states'].to(self.attentions[str(layer)].k_proj.weight.dtype)
+                x = ret['x'].to(_compute_dtype(proj.proj.weight))
+                ret['bias'] = retrieval_scores(proj(x), ctx, cfg.neighborhood_size, cfg.similarity_fn)
+        else: ctx = ret['states'].to(_compute_dtype(self.attentions[str(layer)].k_proj.weight))
         win = context_window(ctx, ret['valid'], ret['bias'], self.config.context_size, ret['prefix'])
         if 'window' not in ret: ret['window'], ret['maker'] = win, layer
         return win

@@ -26,13 +26,13 @@ from .training import LossOutput, model_inputs
 __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', 'MEMORY_MODES', 'MEMORY_FORMATS', 'OBJECTIVES',
            'REMOTE_CODE_MODULE', 'FP8_E4M3_MAX', 'FP8_E4M3_MANTISSA_BITS', 'MaskedMixerConfig', 'causal_mask_like',
            'MaskedConv1d', 'MultiHeadMixing', 'MaskedLinearMixing', 'MaskedMixerBlock', 'MixerStack',
-           'TransformerStack', 'make_stack', 'MixerPreTrainedModel', 'check_right_padded', 'MaskedMixerForCausalLM',
-           'assert_causal', 'fp8_e4m3_step', 'add_memory_noise', 'quantize_memory', 'memory_bits', 'MemoryEncoder',
-           'unroll_indices', 'Unroll', 'MemoryModelOutput', 'MaskedMixerAutoencoder', 'autoencoder_targets',
-           'autoencoder_loss', 'load_mixer', 'random_token_batch', 'RandomTokenBatches', 'memory_format',
-           'OracleMemoryModel', 'ParallelMemoryModel', 'RecurrentMemoryModel', 'copy_batch', 'objective_batches',
-           'objective_loss', 'token_accuracy', 'bits_per_byte', 'normalized_loss', 'information', 'info_nce',
-           'count_model_parameters', 'match_parameters']
+           'TransformerStack', 'make_stack', 'standalone_source', 'MixerPreTrainedModel', 'check_right_padded',
+           'MaskedMixerForCausalLM', 'assert_causal', 'fp8_e4m3_step', 'add_memory_noise', 'quantize_memory',
+           'memory_bits', 'MemoryEncoder', 'unroll_indices', 'Unroll', 'MemoryModelOutput', 'MaskedMixerAutoencoder',
+           'autoencoder_targets', 'autoencoder_loss', 'load_mixer', 'random_token_batch', 'RandomTokenBatches',
+           'memory_format', 'OracleMemoryModel', 'ParallelMemoryModel', 'RecurrentMemoryModel', 'copy_batch',
+           'objective_batches', 'objective_loss', 'token_accuracy', 'bits_per_byte', 'normalized_loss', 'information',
+           'info_nce', 'count_model_parameters', 'match_parameters']
 
 # %% ../nbs/50_mixer.ipynb
 MIXER_TYPES = ('conv', 'linear')
@@ -259,6 +259,55 @@ def make_stack(kind:str, config:MaskedMixerConfig, dim:int, n_layers:int, length
 # %% ../nbs/50_mixer.ipynb
 REMOTE_CODE_MODULE = 'modeling_memlab_mixer'   # the file `save_pretrained` writes for transformers' custom-code loading
 
+# what the standalone file defines in place of memlab's imports (the few helpers the model code uses)
+_STANDALONE_PRELUDE = """
+# written by memlab.mixer.save_pretrained: memlab's mixer module as one file that imports no memlab, so that
+# transformers loads these models with trust_remote_code=True where memlab is not installed
+from typing import NamedTuple as _NamedTuple
+
+class MemlabError(ValueError):
+    "A one-line error about the caller's input."
+
+def check(cond, msg:str):
+    if not cond: raise MemlabError(msg)
+
+def atomic_write_text(path, text:str):
+    tmp = Path(str(path) + '.tmp'); tmp.write_text(text); tmp.replace(path)
+
+def count_parameters(model, trainable_only:bool=False) -> int:
+    seen = {}
+    for p in model.parameters():
+        if not trainable_only or p.requires_grad: seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+def register_folder(*args, **kwargs): pass   # memlab's folder registry: not needed here
+
+class LossOutput(_NamedTuple):
+    loss_sum: torch.Tensor
+    n_tokens: torch.Tensor
+    logs: dict = {}
+
+def model_inputs(batch:dict) -> dict: return {k: v for k, v in batch.items() if k != 'labels'}
+"""
+_MEMLAB_IMPORTS = ('from .core import MemlabError, atomic_write_text, check, count_parameters\n'
+                   'from .models import register_folder\n'
+                   'from .training import LossOutput, model_inputs\n')
+
+def standalone_source() -> str:
+    ("This module's source as one file importing no memlab (its three memlab imports replaced by small stand-ins): the "
+     "remote code `save_pretrained` writes beside the weights.")
+    import importlib.util, inspect, sys
+    try: spec = importlib.util.find_spec('memlab.mixer')     # the package's file, read (not imported), also from a
+    except ImportError: spec = None                          # notebook; where memlab is absent, this file itself
+    src = Path(spec.origin).read_text() if spec and spec.origin else inspect.getsource(sys.modules[__name__])
+    if _MEMLAB_IMPORTS in src: src = src.replace(_MEMLAB_IMPORTS, _STANDALONE_PRELUDE)
+    import ast
+    top = [n for n in ast.parse(src).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    check(not any((isinstance(n, ast.ImportFrom) and (n.level or (n.module or '').startswith('memlab')))
+                  or (isinstance(n, ast.Import) and any(a.name.startswith('memlab') for a in n.names)) for n in top),
+          "memlab.mixer imports another memlab module at module level: the standalone file would need memlab")
+    return src
+
 class MixerPreTrainedModel(PreTrainedModel):
     "Base class of memlab's mixer models: one config class, Hugging Face initialisation, saving and loading."
     config_class = MaskedMixerConfig
@@ -285,15 +334,15 @@ class MixerPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, **kwargs):
-        "`PreTrainedModel.save_pretrained`, plus the custom-code record that lets transformers find these classes."
-        names = {'AutoConfig': 'MaskedMixerConfig'}
-        if type(self).__name__ == 'MaskedMixerForCausalLM': names['AutoModelForCausalLM'] = 'MaskedMixerForCausalLM'
+        ("`PreTrainedModel.save_pretrained`, plus the model code as a standalone file and the custom-code record "
+         "that lets transformers load it (`trust_remote_code=True`) without memlab.")
+        cls = type(self).__name__
+        names = {'AutoConfig': 'MaskedMixerConfig',
+                 'AutoModelForCausalLM' if cls == 'MaskedMixerForCausalLM' else 'AutoModel': cls}
         self.config.auto_map = {k: f"{REMOTE_CODE_MODULE}.{v}" for k, v in names.items()}
         super().save_pretrained(save_directory, **kwargs)
-        if kwargs.get('is_main_process', True):
-            shim = (f"# written by memlab: the classes come from the installed memlab package\n"
-                    f"from memlab.mixer import {', '.join(sorted(set(names.values())))}\n")
-            atomic_write_text(Path(save_directory)/f"{REMOTE_CODE_MODULE}.py", shim)
+        if kwargs.get('is_main_process', True):   # the model code itself, importing no memlab
+            atomic_write_text(Path(save_directory)/f"{REMOTE_CODE_MODULE}.py", standalone_source())
 
     def load_encoder(self, source:nn.Module):
         ("Copy the memory encoder (embedding, blocks, bottleneck) of a trained autoencoder or memory model; "

@@ -268,7 +268,16 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
                 res['normalized_loss'] = normalized_loss(ce, *cost)
         return res
     def save(trainer, out):   # every process: an FSDP model is gathered first
-        if task.save_model: save_trained_model(trainer, out/'model', task.model, config)
+        if task.save_model:
+            save_trained_model(trainer, out/'model', task.model, config)
+            # the folder is complete for transformers: its tokenizer beside the weights (pretokenized data: the one it
+            # was made with, if that is still there)
+            tokenizer = tok
+            if tokenizer is None and task.dataset_path and trainer.is_main:
+                ref = pretokenized_args(task.dataset_path).get('tokenizer')
+                try: tokenizer = load_tokenizer(ref) if ref else None
+                except (MemlabError, OSError): tokenizer = None
+            if tokenizer is not None and trainer.is_main: tokenizer.save_pretrained(str(out/'model'))
     def describe(trainer):
         return (f"{task.model}: {type(model).__name__}, {n_params:,} parameters ({n_train:,} trainable), "
                 f"{trainer.world_size} process(es){' FSDP' if trainer.fsdp else ''}; data {info.source}, "

@@ -408,7 +408,9 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
                                                              cache_dtype=nc_cfg.cache_dtype)
         return res
     def save(trainer, folder):
-        if training: save_run_neurocache(trainer, cfg, folder)
+        if training:
+            save_run_neurocache(trainer, cfg, folder)
+            if trainer.is_main: tok.save_pretrained(str(folder))   # the folder's tokenizer, beside its Neurocache
     # --only_evaluate: the same steps without training, its results.json in --output_dir (no logs, no checkpoints)
     return run(model, tc, train_data, eval_data, describe=describe, results=results, save=save, fit=training,
                folder=out, plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}",

@@ -66,6 +66,17 @@ def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
     with torch.no_grad(): assert torch.equal(via(input_ids=x).logits, o3)
     for k in ('one', 'ddp', 'fsdp'):
         assert (tmp_path/k/'log.jsonl').exists() and (tmp_path/k/'loss.png').exists() and (tmp_path/k/'results.md').exists()
+    # the model folder is complete for transformers alone: its tokenizer (the pretokenized data's), config.json, and the
+    # model code as a standalone file that a process without memlab loads with trust_remote_code
+    model_dir = tmp_path/'fsdp'/'model'
+    assert (model_dir/'tokenizer.json').exists() and (model_dir/'config.json').exists()
+    probe = ("import sys, torch; from transformers import AutoModel, AutoTokenizer\n"
+             "m = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval(); AutoTokenizer.from_pretrained(sys.argv[1])\n"
+             "assert not any(k == 'memlab' or k.startswith('memlab.') for k in sys.modules), 'memlab was imported'\n"
+             "x = torch.randint(0, m.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))\n"
+             "torch.save(m(input_ids=x).logits.detach(), sys.argv[2])")
+    run([sys.executable, '-c', probe, model_dir, tmp_path/'plain.pt'], HF_MODULES_CACHE=tmp_path/'modules')
+    torch.testing.assert_close(torch.load(tmp_path/'plain.pt'), o3, rtol=1e-5, atol=1e-6)
 
 def test_seed_fsdp_command_as_written(rows, tmp_path):
     "Seed 003's FSDP form without --num_processes: the shipped config's count (2) starts 2 FSDP processes, and --num_processes overrides it."

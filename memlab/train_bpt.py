@@ -14,7 +14,7 @@ from torch import nn
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
 from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text, check, cli_main,
                          count_parameters, parse_configs, resolve_precision, seed_everything, show_path)
-from .data import Document, iter_json_records
+from .data import Document, iter_json_records, text_of
 from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model, plain_config
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
@@ -411,7 +411,8 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
         if missing:
             raise MemlabError(f"{p}: record {n} has no field {missing[0]!r} (its fields: {', '.join(map(str, r))}); "
                               f"set --train_dataset.text_processor.fields")
-        docs.append(Document(str(n), text.prepend_text + text.subfield_separator.join(str(r[f]) for f in text.names)))
+        docs.append(Document(str(n), text.prepend_text + text.subfield_separator.join(
+            text_of(r[f], f"{p}: record {n}'s {f!r}") for f in text.names)))   # memlab_train's rule for text
     check(docs, f"{p} holds no records")
     ids, mask, counts = tokenize_split(docs, tok, ds.seq_length, 'packed', 'right', ds.tokenizer_processes, False,
                                         f"tokenizing {p.name}", show_progress)

@@ -70,6 +70,8 @@ def environment_error(e:BaseException) -> Optional[str]:
             return f"{e.strerror}:{where} (a file stands where a folder is needed, or the reverse)"
         return f"{e.strerror or e}:{where}" if e.strerror else ' '.join(str(e).split())
     if type(e).__name__ == 'SafetensorError':
+        if 'code: 28' in str(e) or 'No space left' in str(e):          # safetensors' own wrapping of ENOSPC
+            return "no space left on device writing a weights file: free some space, then resume the run"
         return f"a weights file is corrupt or cut short ({' '.join(str(e).split())})"
     return None
 
@@ -413,7 +415,7 @@ def load_config_file(path) -> dict:
 _POSITIVE = ('lr', 'learning_rate', 'adam_eps', 'adam_epsilon', 'max_train_steps', 'num_training_steps', 'total_steps',
              'total_batch_size', 'per_device_batch_size', 'per_device_train_batch_size', 'per_device_eval_batch_size',
              'batch_size', 'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints',
-             'max_train_tokens')
+             'max_train_tokens', 'cycle_length')
 _NON_NEGATIVE = ('weight_decay', 'warmup_steps', 'num_warmup_steps', 'save_every', 'eval_every', 'evaluate_every_steps',
                  'checkpointing_steps', 'save_steps', 'eval_steps', 'logging_steps', 'log_every', 'max_grad_norm',
                  'lora_dropout')

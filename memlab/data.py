@@ -14,9 +14,9 @@ from .core import MemlabError, check
 
 # %% auto 0
 __all__ = ['SPLITS', 'SPLIT_ALIASES', 'EMBEDDED_CORPORA', 'TEXT_PIECE_CHARS', 'HUB_TIMEOUT', 'TEXT_SUFFIXES', 'JSON_SUFFIXES',
-           'Document', 'canonical_split', 'split_of', 'ArrowDocuments', 'Corpus', 'corpus_from_records', 'data_dirs',
-           'embedded_path', 'iter_json_records', 'corpus_from_hf', 'hub_reachable', 'hub_offline_unless_reachable',
-           'load_hf_dataset', 'load_corpus']
+           'Document', 'canonical_split', 'split_of', 'ArrowDocuments', 'Corpus', 'check_text', 'text_of',
+           'corpus_from_records', 'data_dirs', 'embedded_path', 'iter_json_records', 'corpus_from_hf', 'hub_reachable',
+           'hub_offline_unless_reachable', 'load_hf_dataset', 'load_corpus']
 
 # %% ../nbs/01_data.ipynb
 class Document(NamedTuple):
@@ -123,6 +123,24 @@ class Corpus:
         return f"Corpus({self.name!r}: {len(self)} docs, {_fmt_count(self.n_chars())} chars; {parts})"
 
 # %% ../nbs/01_data.ipynb
+_NOT_TEXT = re.compile('[\ufffd\x00-\x08\x0e-\x1f\x7f]')   # undecodable bytes and control characters
+
+def check_text(text:str, where:str):
+    ("Refuse binary data read as text: over 10% of its characters (in the first million; a few stray bytes pass) are "
+     "bytes that are not UTF-8, or control characters (tabs, newlines and form feeds are text). Random bytes: ~60%.")
+    sample = text[:1_000_000]
+    bad = len(_NOT_TEXT.findall(sample))
+    check(bad <= max(16, 0.1 * len(sample)), f"{where} is not text: {bad / len(sample):.0%} of its characters are not UTF-8 or "
+          "are control characters (binary data?): pass a UTF-8 text file")
+
+def text_of(value, where:str) -> str:
+    "`value` as a document's text ('' for None); a number, list or other non-string is refused, as is binary data."
+    if value is None: return ''
+    check(isinstance(value, str), f"{where} is a {type(value).__name__} ({str(value)[:40]}), not text: "
+          "the text field must hold strings (choose it with --text_field)")
+    check_text(value, where)
+    return value
+
 def corpus_from_records(records, name:str, text_field:str='text', id_field:str='id', split_field:str='split',
                         split_ratios=(0.9, 0.05, 0.05), source:str=None) -> Corpus:
     "A `Corpus` from dicts holding `text_field` (and optionally `id_field` and `split_field`)."
@@ -134,8 +152,8 @@ def corpus_from_records(records, name:str, text_field:str='text', id_field:str='
             raise MemlabError(f"{where}: record {i} has no field {text_field!r} "
                               f"(its fields: {', '.join(map(str, r)) or 'none'}); "
                               f"pass text_field= / --text_field with the name of the text field")
-        text = r[text_field]
-        if not isinstance(text, str) or not text.strip(): continue
+        text = text_of(r[text_field], f"{where}: record {i}'s {text_field!r}")
+        if not text.strip(): continue
         doc_id = str(r[id_field]) if id_field and r.get(id_field) is not None else str(i)
         sp = r.get(split_field) if split_field else None
         sp = canonical_split(sp) if sp else split_of(doc_id, split_ratios)
@@ -216,6 +234,7 @@ def _text_records(path:Path, separator:str=None, split_ratios=(0.9, 0.05, 0.05))
     paragraph breaks into >= 20 consecutive pieces of up to ~TEXT_PIECE_CHARS characters, split by position (the end is
     held out)."""
     text = path.read_text(encoding='utf-8', errors='replace')
+    check_text(text, str(path))
     if separator is not None:
         return [{'id': f"{path.name}#{k}", 'text': t.strip('\n')}
                 for k, t in enumerate(text.split(separator)) if t.strip()]

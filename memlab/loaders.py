@@ -150,15 +150,18 @@ class TokenBatches:
     def state_dict(self) -> dict:
         "Where the stream is: epoch and position in global rows (the same on every rank)."
         return {'epoch': self.epoch, 'position': self.position, 'seed': self.seed, 'n_rows': self.n_rows,
-                'shuffle': self.shuffle}
+                'shuffle': self.shuffle, 'seq_len': self.seq_len}
 
     def load_state_dict(self, state:dict):
         "Continue from a `state_dict()`: the next batch is the one that followed it."
         missing = [k for k in ('epoch', 'position', 'seed', 'n_rows', 'shuffle') if k not in state]
         check(not missing, f"not a TokenBatches state: it lacks {', '.join(missing)}")
+        saved_len = state.get('seq_len', self.seq_len)            # (older checkpoints do not record it)
+        check(saved_len == self.seq_len, f"the checkpoint's run cut its data into rows of {saved_len} tokens, this run "
+              f"into rows of {self.seq_len}: resume with the sequence length the run was started with ({saved_len})")
         for k in ('seed', 'n_rows', 'shuffle'):
             check(state.get(k) == getattr(self, k), f"data state does not match this data: saved {k}={state.get(k)!r}, "
-                  f"now {getattr(self, k)!r} (a different dataset or seed?)")
+                  f"now {getattr(self, k)!r}: resume with the dataset, split and seed the run was started with")
         check(0 <= state['position'] < self.n_rows,
               f"data state position {state['position']} is outside 0..{self.n_rows - 1}")
         self.epoch, self.position = int(state['epoch']), int(state['position'])

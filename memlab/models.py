@@ -585,6 +585,9 @@ def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementatio
                 raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging "
                                   "Face Hub is unreachable or has no such model; pass a local folder or a built-in "
                                   "name such as smollm2-135m") from None
+            if gguf_file:   # name the file (the tokenizer's loader says the same)
+                raise MemlabError(f"{Path(value)/gguf_file} is not a readable GGUF file, damaged or cut short? "
+                                  f"({' '.join(str(e).split())[:120]}): download it again") from None
             raise MemlabError(f"cannot load model from {value}: {str(e).splitlines()[0]}") from None
     if device is not None and not quantization: model = model.to(device)
     if quantization in ('nf4', '4bit'): keep_4bit_trainable(model)
@@ -613,6 +616,9 @@ def _load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
         with hub_offline_unless_reachable():
             tok = AutoTokenizer.from_pretrained(value, **({'gguf_file': gguf_file} if gguf_file else {}), **kwargs)
     except (OSError, ValueError) as e:
+        if gguf_file:       # the file, not its folder; the tokenizer is only the first thing read from it
+            raise MemlabError(f"{Path(value)/gguf_file} is not a readable GGUF file, damaged or cut short? "
+                              f"({' '.join(str(e).split())[:120]}): download it again") from None
         if kind == 'path':  # a local folder or file: say what is wrong with it
             raise MemlabError(f"cannot load the tokenizer in {value}: {' '.join(str(e).split())[:200]}") from None
         raise MemlabError(f"cannot load tokenizer {name_or_path!r}: not a local folder and the Hugging "

@@ -406,6 +406,8 @@ def _torch_optimizer(optimizer):
 def reset_mode_from_flags(reset_optimizer_on_relora:bool=False, optimizer_random_pruning:float=0.0,
                           optimizer_magnitude_pruning:float=0.0) -> tuple:
     "Map the reference's three reset flags to `(mode, ratio)` for `reset_optimizer`; refuse two at once."
+    for m, r in (('random', optimizer_random_pruning), ('magnitude', optimizer_magnitude_pruning)):  # ranges first
+        check(0 <= r <= 1, f"--optimizer_{m}_pruning is a fraction of the state to zero, in (0, 1] (0: off), got {r}")
     chosen = [(m, r) for m, r, on in [('zero', 1.0, bool(reset_optimizer_on_relora)),
                                       ('random', optimizer_random_pruning, optimizer_random_pruning),
                                       ('magnitude', optimizer_magnitude_pruning, optimizer_magnitude_pruning)] if on]

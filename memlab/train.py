@@ -69,6 +69,10 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
     "Load, train and evaluate as configured; write results.json, results.md and loss.png; return the results."
     tok = load_tokenizer(task.tokenizer_name or task.model_name_or_path)
     corpus = load_corpus(task.dataset_name, text_field=task.text_field, config=task.dataset_config)
+    for split in ('train', 'validation'):   # named here, before the model loads (the batcher knows no file names)
+        check(corpus.split(split), f"--dataset {task.dataset_name} has no {split} documents ({len(corpus)} in all; "
+              "each document goes to train, validation or test by a hash of its id, or by its 'split' field): "
+              "pass more documents, or records with a 'split' field")
     model = load_model(task.model_name_or_path, quantization='nf4' if task.nf4 else None)
     check_vocab(tok, model); check_sequence_length(model, task.sequence_length)
     if task.lora_r: model = add_lora(model, task)

@@ -14,9 +14,9 @@ from torch import nn
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
 from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text, check, cli_main,
                          count_parameters, parse_configs, resolve_precision, seed_everything, show_path)
-from .data import Document, iter_json_records
+from .data import Document, iter_json_records, text_of
 from .loaders import TokenBatches
-from .models import LLAMA_CONFIGS, BUILTIN_MODELS, llama_config, load_model, plain_config
+from .models import LLAMA_CONFIGS, BUILTIN_MODELS, check_model_sizes, llama_config, load_model, plain_config
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .training import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
@@ -79,6 +79,7 @@ class BPTRunConfig(Config):
         check(self.update_llama_config is None or isinstance(self.update_llama_config, dict),
               f"--update_llama_config must be a dict such as \"{{'hidden_size': 64}}\", "
               f"got {self.update_llama_config!r}")
+        check_model_sizes(self.update_llama_config or {}, '--update_llama_config')     # no layers, no width: refused
         self.mesh = parse_mesh(self.mesh_dim)
         self.load = parse_load(self.load_checkpoint)
         check(self.report_to in ('tensorboard', 'wandb', 'none'),
@@ -316,6 +317,7 @@ def model_config(run:BPTRunConfig, llama:LlamaBPTArgs, vocab_size:int, seq_lengt
         if k not in _bpt_fields(): setattr(cfg, k, v)
     check(cfg.vocab_size >= vocab_size,
           f"--update_llama_config sets vocab_size {cfg.vocab_size}, fewer than the tokenizer's {vocab_size} tokens")
+    check_model_sizes(cfg, f"--load_llama_config {name}")
     return _set_positions(cfg, llama, seq_length)
 
 def _set_positions(cfg, llama:LlamaBPTArgs, seq_length:int):
@@ -414,7 +416,8 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
         if missing:
             raise MemlabError(f"{p}: record {n} has no field {missing[0]!r} (its fields: {', '.join(map(str, r))}); "
                               f"set --train_dataset.text_processor.fields")
-        docs.append(Document(str(n), text.prepend_text + text.subfield_separator.join(str(r[f]) for f in text.names)))
+        docs.append(Document(str(n), text.prepend_text + text.subfield_separator.join(
+            text_of(r[f], f"{p}: record {n}'s {f!r}") for f in text.names)))   # memlab_train's rule for text
     check(docs, f"{p} holds no records")
     ids, mask, counts = tokenize_split(docs, tok, ds.seq_length, 'packed', 'right', ds.tokenizer_processes, False,
                                         f"tokenizing {p.name}", show_progress)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import memlab.mixer as mixer
-from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, field_docs,
+from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, field_docs, fmt_bytes,
                          markdown_table, parse_configs, seed_everything, show_path, str2bool)
 from .data import load_corpus
 from .loaders import TokenBatches
@@ -25,8 +25,9 @@ from .training import Trainer, TrainConfig, default_output_dir, make_accelerator
 # %% auto 0
 __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',
            'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'model_args_class', 'MixerTaskConfig', 'mixer_config', 'model_class',
-           'input_length', 'build_model', 'DataInfo', 'data_info', 'check_fits', 'packed_rows', 'mixer_data',
-           'check_launcher', 'memory_cost', 'save_trained_model', 'train_mixer', 'results_table', 'main']
+           'input_length', 'free_memory', 'check_memory', 'build_model', 'DataInfo', 'data_info', 'check_fits',
+           'packed_rows', 'mixer_data', 'check_launcher', 'memory_cost', 'save_trained_model', 'train_mixer',
+           'results_table', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
 # the original drivers' names
@@ -102,6 +103,22 @@ def model_class(kind:str) -> type:
 def input_length(kind:str, config:MaskedMixerConfig) -> int:
     "Tokens one row of data may hold for model kind `kind`: n_chunks × length for chunked memory models, else length."
     return config.n_chunks * config.length if kind in CHUNKED else config.length
+
+def free_memory(device) -> int:
+    "Bytes free now on `device`: the GPU's free memory, or the machine's available memory (MemAvailable)."
+    if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
+    try: return next(int(l.split()[1]) * 1024 for l in open('/proc/meminfo') if l.startswith('MemAvailable:'))
+    except (OSError, StopIteration, ValueError): return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+def check_memory(task:MixerTaskConfig, config:MaskedMixerConfig, device, free:int=None):
+    ("Refuse a model whose training state (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter) "
+     "cannot fit in `device`'s free memory, counted on the meta device before anything is allocated.")
+    if task.decoder_model: return                       # a pretrained decoder is loaded as it is
+    with torch.device('meta'): n = count_parameters(model_class(task.model)(config))
+    free = free_memory(torch.device(device)) if free is None else free
+    check(16 * n <= free, f"the {task.model} model has {n:,} parameters: training it needs about {fmt_bytes(16 * n)} "
+          f"(weights, gradients and AdamW state), more than the {fmt_bytes(free)} free on {device}: lower --length "
+          "(a mixing layer holds length x length weights), --hidden_size or --num_layers")
 
 def build_model(task:MixerTaskConfig, config:MaskedMixerConfig, seed:int=0) -> nn.Module:
     "The model `task.model` of `config`, seeded; with a pretrained (LoRA) decoder and a loaded encoder when asked."
@@ -246,6 +263,7 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     check(not (task.decoder_model
                and (train.distributed_type == 'fsdp' or str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')))),
           "a pretrained --decoder_model is not supported under FSDP: launch with torchrun (DDP)")
+    check_memory(task, config, acc.device)
     model = build_model(task, config, seed=train.seed)
     loss_fn = autoencoder_loss if task.model == 'autoencoder' else objective_loss(
         config.objective, info.eos_id if task.delimiter_id is None else task.delimiter_id,

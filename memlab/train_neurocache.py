@@ -22,14 +22,15 @@ from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add
                                has_neurocache, load_neurocache, memory_per_token,
                                neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import LossOutput, TrainConfig, Trainer, causal_lm_loss, make_accelerator, resume_plan, run
+from .training import (LossOutput, TrainConfig, Trainer, causal_lm_loss, find_checkpoint, make_accelerator,
+                             resume_plan, run)
 
 # %% auto 0
-__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
+__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
            'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'save_run_neurocache', 'train_neurocache', 'summary', 'main', 'FactRecallTask',
-           'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config', 'train_fact_recall',
-           'RecallProbe', 'answer_nll', 'demo']
+           'stream_loss', 'save_run_neurocache', 'check_resume_flags', 'train_neurocache', 'summary', 'main',
+           'FactRecallTask', 'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config',
+           'train_fact_recall', 'RecallProbe', 'answer_nll', 'demo']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -336,6 +337,21 @@ def _save_state(model, cfg, path, state:dict) -> Path:
     return path
 
 # %% ../nbs/21_train_neurocache.ipynb
+# what a resumed run must share with the run it continues: the Neurocache and its LoRA (the loop checks batch and optimizer)
+RESUME_FLAGS = ('retrieval_map', 'attention_layers', 'cache_size', 'eval_cache_size', 'cache_type', 'cache_dtype',
+                'compression_factor', 'context_size', 'neighborhood_size', 'topk', 'similarity_fn', 'global_cache',
+                'topk_buckets', 'retrieval_bias', 'joint_distance', 'cache_attention', 'disable_neurocache',
+                'disable_lora', 'lora_r', 'lora_alpha', 'lora_dropout', 'lora_modules')
+
+def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
+    "Refuse, before anything loads, to resume `checkpoint` with other Neurocache or LoRA flags than its run's, naming them."
+    saved = Path(checkpoint).parents[1]/'run_config.json'              # <run>/checkpoints/step-*
+    try: was = json.loads(saved.read_text()).get('neurocache_run') or {}
+    except (OSError, ValueError, AttributeError): return               # no record: the weights' own checks apply
+    diff = [f"--{k} {was[k]} -> {getattr(cfg, k)}" for k in RESUME_FLAGS if k in was and was[k] != getattr(cfg, k)]
+    check(not diff, f"{checkpoint} was trained with other Neurocache settings ({'; '.join(diff)}): resume with the "
+          "flags the run was started with, or start a new run")
+
 def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "
      "(also <output_dir>/results.json).")
@@ -349,6 +365,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     resume = cfg.resume_from_checkpoint
     if training:   # the loop's folder rule, on the main process before anything loads
         resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc)
+        if resume: check_resume_flags(cfg, find_checkpoint(resume, out))
     elif cfg.only_evaluate and not resume:   # an evaluation only refuses to overwrite results
         check(not (out/'results.json').exists(),
               f"--output_dir {out} already holds results.json: choose another folder")

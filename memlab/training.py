@@ -22,15 +22,15 @@ from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
 # %% auto 0
-__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'LossOutput', 'model_inputs', 'causal_lm_loss',
-           'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of', 'get_scheduler', 'BatchList', 'count_targets',
-           'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
-           'main_process_value', 'fingerprint', 'check_replicas', 'list_checkpoints', 'find_checkpoint',
+__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'RESUME_FIELDS', 'LossOutput', 'model_inputs',
+           'causal_lm_loss', 'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of', 'get_scheduler', 'BatchList',
+           'count_targets', 'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes',
+           'apply_fsdp', 'main_process_value', 'fingerprint', 'check_replicas', 'list_checkpoints', 'find_checkpoint',
            'output_dir_refusal', 'resume_plan', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors',
            'write_state', 'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted',
-           'StopSignals', 'Trainer', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
-           'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'standard_results', 'run',
-           'run_summary']
+           'StopSignals', 'Trainer', 'EvaluationStopped', 'resume_differences', 'CheckpointSchedule',
+           'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats', 'ConsolidateZeroState', 'ProfileCallback',
+           'default_output_dir', 'plot_history', 'standard_results', 'run', 'run_summary']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -745,6 +745,9 @@ def _clip(self):
     return float(norm)
 
 # %% ../nbs/05_training.ipynb
+class EvaluationStopped(Exception):
+    "A stop signal came during an evaluation inside `fit`: the loop saves the update and stops."
+
 @patch_to(Trainer)
 @torch.no_grad()
 def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
@@ -763,8 +766,12 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
         len(data) if hasattr(data, '__len__') else max_steps)
     bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main),
                dynamic_ncols=True)
+    signals = getattr(self, '_signals', None)
     for i, batch in enumerate(data):
         if max_steps is not None and i >= max_steps: break
+        if signals is not None and signals.received and self.world_size == 1:
+            bar.close(); model.train(was_training)
+            raise EvaluationStopped(f"evaluation stopped by {signals.received}")
         bar.update(1)
         batch = _to_device(batch, self.accelerator.device)
         with self.accelerator.autocast():
@@ -819,7 +826,15 @@ def _get_writer(self):
 # %% ../nbs/05_training.ipynb
 @patch_to(Trainer)
 def save_checkpoint(self) -> Path:
-    "Write a complete checkpoint of the run atomically; return its folder."
+    "Write a complete checkpoint of the run atomically; return its folder. A write that fails (a full disk) leaves none."
+    try: return self._write_checkpoint()
+    except Exception:
+        if self.is_main and self.config.output_dir:
+            shutil.rmtree(Path(self.config.output_dir)/CHECKPOINTS/f".{_step_dir(self.step)}.tmp", ignore_errors=True)
+        raise
+
+@patch_to(Trainer)
+def _write_checkpoint(self) -> Path:
     c, acc = self.config, self.accelerator
     check(c.output_dir, "save_checkpoint needs an output_dir")
     root = Path(c.output_dir)/CHECKPOINTS
@@ -857,6 +872,22 @@ def save_checkpoint(self) -> Path:
     acc.wait_for_everyone()
     return final
 
+# what a resume may not change: the batch, the optimizer, the schedule's kind and the data order (max_steps may grow)
+RESUME_FIELDS = ('per_device_batch_size', 'lr', 'weight_decay', 'adam_beta1', 'adam_beta2', 'adam_eps', 'scheduler',
+                 'min_lr_ratio', 'lr_end', 'power', 'max_grad_norm', 'seed')
+
+def resume_differences(saved:dict, config:TrainConfig, world_size:int) -> list:
+    "The settings in which `config` differs from the `saved` config of a checkpoint ('flag old -> new', one each)."
+    out = [f"--{k} {saved[k]} -> {getattr(config, k)}" for k in RESUME_FIELDS
+           if k in saved and saved[k] != getattr(config, k)]
+    if 'per_device_batch_size' in saved:
+        then = dataclasses.replace(config, per_device_batch_size=saved['per_device_batch_size'],
+                                   total_batch_size=saved.get('total_batch_size'),
+                                   gradient_accumulation_steps=saved.get('gradient_accumulation_steps'))
+        rows = [c.per_device_batch_size * world_size * c.accumulation_steps(world_size) for c in (then, config)]
+        if rows[0] != rows[1]: out.append(f"rows per update (--total_batch_size) {rows[0]} -> {rows[1]}")
+    return out
+
 @patch_to(Trainer)
 def load_checkpoint(self, path):
     "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
@@ -867,6 +898,9 @@ def load_checkpoint(self, path):
           f"(now {self.world_size})")
     check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
           f"{path} was written under {state['distributed_type']}; resume it the same way")
+    changed = resume_differences(state.get('config') or {}, self.config, self.world_size)
+    check(not changed, f"{path} was trained with other settings ({'; '.join(changed)}): a resume continues the run "
+          "exactly, so pass the settings it was started with (or start a new run from its weights)")
     # Callbacks first: one may need to change the model (say, add
     # adapters the run had switched to) before its state loads.
     sc = read_state(path/'scheduler_callbacks')
@@ -925,8 +959,9 @@ def fit(self) -> list:
                dynamic_ncols=True)
     it = iter(self.train_data)
     with StopSignals() as signals:
+        self._signals = signals                 # an evaluation inside the loop stops early on them (one process)
         try: self._fit_loop(it, bar, signals)
-        finally: bar.close()
+        finally: bar.close(); self._signals = None
     self._event('on_train_end')
     return self.history
 
@@ -984,13 +1019,15 @@ def _fit_loop(self, it, bar, signals:StopSignals):
         stopping = not last and self._stop_requested(signals)      # the last update finishes the run as usual
         if not stopping and self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):
             try: self.log(self.evaluate())
+            except EvaluationStopped: pass                             # saved below, then stopped
             except Exception as e: self._evaluation_failed(e)
             t0 = time.perf_counter()
         saved = None
         if c.output_dir and ((c.save_every and self.step % c.save_every == 0) or (last and c.save_final)):
             saved = self.save_checkpoint()
             t0 = time.perf_counter()
-        if not last and (stopping or self._stop_requested(signals)): self._stop(signals, saved)
+        # the last update stops too when a signal came during its evaluation or save: it is saved, the exit says so
+        if stopping or self._stop_requested(signals): self._stop(signals, saved)
 
 @patch_to(Trainer)
 def _evaluation_failed(self, e:Exception):

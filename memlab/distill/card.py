@@ -21,7 +21,7 @@ from .teacher import output_vocab_size
 # %% auto 0
 __all__ = ['describe_objective', 'model_card']
 
-# %% ../../nbs/41_distill.ipynb 116
+# %% ../../nbs/41_distill.ipynb 119
 def _arch(model) -> dict:
     "A few comparable architecture facts of a causal LM."
     m = unwrap(model); c = m.config

@@ -1170,8 +1170,9 @@ def model_card(model_name:str, method:str, description:str, base_model=None, dat
     check(all(isinstance(v, dict) for v in metrics.values()),
           "metrics must map a metric name to {'base': value, 'trained': value}")
     hub = hub_model_id(base_model)
-    datasets = [str(d) for d in ([datasets] if isinstance(datasets, str) else datasets) if d]
-    ds = dataset_name or (datasets[0] if datasets else 'evaluation text')
+    named = [str(d) for d in ([datasets] if isinstance(datasets, str) else datasets) if d]
+    datasets = [d for d in named if not Path(d).exists()]          # a local file means nothing on the Hub: text only
+    ds = dataset_name or (Path(named[0]).name if named else 'evaluation text')
     results = [EvalResult(task_type='text-generation', dataset_type=ds, dataset_name=ds, metric_name=m,
                           metric_type=m.split()[-1], metric_value=float(v['trained']))
                for m, v in metrics.items() if v.get('trained') is not None]

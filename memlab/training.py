@@ -1179,7 +1179,8 @@ def model_card(model_name:str, method:str, description:str, base_model=None, dat
     data = ModelCardData(model_name=model_name, base_model=hub, license=license or base_model_license(base_model),
                          datasets=datasets or None, library_name=library_name, pipeline_tag='text-generation',
                          tags=list(dict.fromkeys(['memlab', method, *tags])), eval_results=results or None)
-    base = (f"[`{hub}`](https://huggingface.co/{hub})" if hub else f"`{base_model}`" if base_model else None)
+    base = (f"[`{hub}`](https://huggingface.co/{hub})" if hub                    # a local one by its folder's name
+            else f"`{Path(str(base_model)).name}` (a local model)" if base_model else None)
     L = [f"# {model_name}", '', description.strip() + (f" Base model: {base}." if base else ''), '',
          '## Method', '', f"memlab's `{method}` ([memlab](https://github.com/memlab/memlab)).", '']
     if metrics:

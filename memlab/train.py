@@ -55,6 +55,8 @@ TRAIN_DEFAULTS = dict(max_steps=40, per_device_batch_size=4, lr=5e-4, warmup_ste
                       eval_at_start=True, mixed_precision='auto', save_every=0, report_to='tensorboard')
 
 # %% ../nbs/07_train.ipynb
+from .training import output_card
+
 def add_lora(model, task:LMTaskConfig):
     "Wrap `model` with PEFT LoRA as `task` says (a 4-bit base is prepared for k-bit training first)."
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -91,9 +93,18 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
         if trainer.fsdp:
             warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)"); return None
         return {'saved': save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)}
+    what = f"`{task.model_name_or_path}` trained on `{task.dataset_name}` with memlab_train" + (
+        f" (LoRA, r = {task.lora_r})" if task.lora_r else '') + '.'
+    def before(res):              # the base model's eval loss: the evaluation at update 0
+        b = res.get('before') or {}
+        return b.get('eval_loss') if b.get('step') == 0 else None
+    cards = output_card('memlab_train', what, task.model_name_or_path, task.dataset_name, base_loss=before)
+    def card(trainer, res):       # the whole model; a LoRA run's adapter is a PEFT folder
+        kw = cards(trainer, res)['model']
+        return {MODEL_DIR: kw, ADAPTER_DIR: {**kw, 'library_name': 'peft'}}
     return run(model, train, train_data, eval_data, results=results, save=save, report=results_table,
                plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None,
-               run_config={'task': task.to_dict()})
+               run_config={'task': task.to_dict()}, card=card)
 
 # %% ../nbs/07_train.ipynb
 ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base

@@ -436,6 +436,8 @@ def read_dataset_state(path) -> dict:
         raise MemlabError(f"--load_dataset_state {p} is not valid JSON ({e.msg})") from None
 
 # %% ../nbs/11_train_bpt.ipynb
+from .training import output_card
+
 def full_state(trainer) -> dict:
     ("The trained model's weights as full CPU tensors with plain Hugging Face names, on every process "
      "(a collective under FSDP).")
@@ -517,10 +519,15 @@ def train_bpt(args:dict) -> dict:
         load_strict(plain, trainer.final, 'exported model')
         plain.config._attn_implementation = 'sdpa'
         plain.save_pretrained(out/'model'); tok.save_pretrained(out/'model')
+    start = path if kind == 'params' else None
+    card = output_card('memlab_bpt', f"A Llama trained with memlab_bpt (Blockwise Parallel Transformer) for "
+                       f"{run.total_steps} updates of {ds.seq_length}-token rows, starting from "
+                       f"{start or 'random weights'}; the saved weights are plain Llama weights.", start, ds.path,
+                       tags=['bpt'])
     # the fingerprint covers the whole model, gathered as full tensors on every process (a collective under FSDP)
     return run_training(model, tc, data, prepare=prepare, describe=describe, final=full_state, results=results,
                         save=save, loss_fn=bpt_causal_lm_loss, callbacks=callbacks, scheduler=sched, accelerator=acc,
-                        run_config=run_config)
+                        run_config=run_config, card=card)
 
 # %% ../nbs/11_train_bpt.ipynb
 @cli_main

@@ -221,6 +221,8 @@ def check_launcher():
                       "(FSDP full sharding partitions parameters, gradients and optimizer state as ZeRO-3 does)")
 
 # %% ../nbs/51_train_mixer.ipynb
+from .training import output_card
+
 TRAIN_DEFAULTS = dict(max_steps=200, per_device_batch_size=8, lr=5e-4, scheduler='linear', warmup_steps=20,
                       log_every=10, eval_every=50, max_eval_steps=20, save_every=0, report_to='tensorboard')
 # a few minutes on a CPU; the papers use 512-1024 wide, 512 long
@@ -300,9 +302,12 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
         return (f"{task.model}: {type(model).__name__}, {n_params:,} parameters ({n_train:,} trainable), "
                 f"{trainer.world_size} process(es){' FSDP' if trainer.fsdp else ''}; data {info.source}, "
                 f"rows of {info.sequence_length}")
+    card = output_card('memlab_mixer', f"A {type(model).__name__} ({task.model}, objective: {objective}) trained with "
+                       "memlab_mixer; it loads with transformers' trust_remote_code=True or memlab.load_model.",
+                       task.decoder_model, task.dataset_path or task.dataset_name, tags=['masked-mixer'])
     return run(model, train, train_data, eval_data, results=results, save=save, report=results_table, describe=describe,
                plot_title=f"{type(model).__name__} ({objective})" if task.plot else None, loss_fn=loss_fn,
-               accelerator=acc,
+               accelerator=acc, card=card,
                run_config={'task': task.to_dict(), 'model': config.to_dict(), 'data': dataclasses.asdict(info)})
 
 def results_table(res:dict) -> str:

@@ -352,6 +352,8 @@ def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
     check(not diff, f"{checkpoint} was trained with other Neurocache settings ({'; '.join(diff)}): resume with the "
           "flags the run was started with, or start a new run")
 
+from .training import eval_metrics
+
 def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "
      "(also <output_dir>/results.json).")
@@ -428,10 +430,18 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
         if training:
             save_run_neurocache(trainer, cfg, folder)
             if trainer.is_main: tok.save_pretrained(str(folder))   # the folder's tokenizer, beside its Neurocache
+    def card(trainer, res):       # the saved Neurocache (memlab.load_model opens it), its final evaluation
+        what = (f"A Neurocache (a kNN cache of compressed hidden states, with LoRA) trained with memlab_neurocache on "
+                f"{Path(str(cfg.model_name_or_path)).name}; only the cache's weights and the LoRA are here: "
+                f"`memlab.load_model` loads them onto the base model.")
+        metrics = eval_metrics({'final': {'eval_loss': (res.get('eval') or {}).get('loss')}})
+        return {'.': dict(method='memlab_neurocache', description=what, base_model=cfg.model_name_or_path,
+                          datasets=cfg.dataset_name, metrics=metrics, library_name='memlab',
+                          tags=['neurocache'])} if training else {}
     # --only_evaluate: the same steps without training, its results.json in --output_dir (no logs, no checkpoints)
     return run(model, tc, train_data, eval_data, describe=describe, results=results, save=save, fit=training,
                folder=out, plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}",
-               **loop)
+               card=card, **loop)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def summary(res:dict) -> str:

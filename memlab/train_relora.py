@@ -360,6 +360,8 @@ def optimizer_factory(cfg:ReLoRARunConfig, world_size:int):
     return lambda groups: torch.optim.AdamW(groups, **kw)
 
 # %% ../nbs/31_train_relora.ipynb
+from .training import output_card
+
 def default_save_dir(cfg:ReLoRARunConfig) -> str:
     "checkpoints/<model>-<date-time>, as the reference names its runs."
     label = Path(str(cfg.model_config or cfg.model_name_or_path)).stem or 'model'
@@ -463,11 +465,16 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     def save(trainer, out):                     # the merged plain model and the tokenizer
         if trainer.is_main and cfg.export_model:
             trainer.final.save_pretrained(out/'model'); tok.save_pretrained(out/'model')
+    how = (f"ReLoRA (rank {cfg.lora_r}, merged every {cfg.relora} updates)" if cfg.relora
+           else f"LoRA (rank {cfg.lora_r})" if cfg.use_peft else "full-rank training")
+    start = cfg.model_name_or_path or (f"a random Llama ({cfg.model_config})" if cfg.model_config else None)
+    card = output_card('memlab_relora', f"Trained with memlab_relora: {how}, {steps} updates, starting from {start}.",
+                       cfg.model_name_or_path, cfg.dataset_path or 'pydocs', tags=['relora'] if cfg.relora else ())
     # the fingerprint covers the merged plain model (every process builds it: a collective under FSDP)
     return run(model, tc, train_data, eval_data, prepare=prepare, describe=describe,
                final=lambda trainer: merged_model(trainer.unwrapped_model), results=results, save=save,
                callbacks=callbacks, optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc,
-               run_config=run_config)
+               run_config=run_config, card=card)
 
 # %% ../nbs/31_train_relora.ipynb
 @cli_main

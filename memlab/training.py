@@ -22,15 +22,17 @@ from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
 # %% auto 0
-__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'RESUME_FIELDS', 'LossOutput', 'model_inputs',
-           'causal_lm_loss', 'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of', 'get_scheduler', 'BatchList',
-           'count_targets', 'launched_processes', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes',
-           'apply_fsdp', 'main_process_value', 'fingerprint', 'check_replicas', 'list_checkpoints', 'find_checkpoint',
-           'output_dir_refusal', 'resume_plan', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors',
-           'write_state', 'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted',
-           'StopSignals', 'Trainer', 'EvaluationStopped', 'resume_differences', 'CheckpointSchedule',
-           'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats', 'ConsolidateZeroState', 'ProfileCallback',
-           'default_output_dir', 'plot_history', 'standard_results', 'run', 'run_summary']
+__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'RESUME_FIELDS', 'HUB_ID_PATTERN', 'BUILTIN_HUB_IDS',
+           'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of',
+           'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
+           'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'fingerprint',
+           'check_replicas', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'resume_plan',
+           'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state',
+           'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer',
+           'EvaluationStopped', 'resume_differences', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile',
+           'GradientStats', 'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history',
+           'standard_results', 'run', 'run_summary', 'hub_model_id', 'base_model_license', 'model_card', 'eval_metrics',
+           'output_card', 'write_model_card']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -1142,16 +1144,19 @@ def standard_results(trainer:Trainer, history:list) -> dict:
             'final': evals[-1] if evals else None}
 
 def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, describe=None, final=None, results=None,
-        save=None, report=None, plot_title:str=None, fit:bool=True, folder=None, **trainer_kwargs) -> dict:
+        save=None, report=None, plot_title:str=None, fit:bool=True, folder=None, card=None,
+        **trainer_kwargs) -> dict:
     """Train `model` as `config` says and write the run folder: the part of every command between building and
     reporting. Hooks, in the order they run: `prepare(trainer)` after the Trainer is built (resumed if asked), before
     fit; `describe(trainer) -> str` the line printed before training; `final(trainer) -> module or state dict` the
     exported weights the replica fingerprint covers (every process; kept as `trainer.final`; default: the trainable
     parameters); `results(trainer, history, res) -> res` the recipe's entries; `save(trainer, folder) -> dict or None`
     writes its files (every process; returned entries join the results); `report(res)` the text of results.md, or {file
-    name: text}; `plot_title` the loss plot. `fit=False` evaluates without training; `folder` takes the results instead
-    of `config.output_dir` (an evaluation may write no logs or checkpoints). `trainer_kwargs` go to `Trainer` (loss_fn,
-    callbacks, optimizer, scheduler, accelerator, run_config)."""
+    name: text}; `plot_title` the loss plot; `card(trainer, res) -> {folder: model_card kwargs}` the model cards
+    (README.md, see `model_card`) of the saved outputs (folders under the run folder; those not written are skipped).
+    `fit=False` evaluates without training; `folder` takes the results instead of `config.output_dir` (an evaluation
+    may write no logs or checkpoints). `trainer_kwargs` go to `Trainer` (loss_fn, callbacks, optimizer, scheduler,
+    accelerator, run_config)."""
     trainer = Trainer(model, config, train_data, eval_data, **trainer_kwargs)
     if prepare is not None: prepare(trainer)
     if describe is not None: trainer.print(describe(trainer))
@@ -1173,6 +1178,8 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
             for name, t in (text if isinstance(text, dict) else {'results.md': text}).items():
                 atomic_write_text(out/name, t)
         if plot_title is not None and history: plot_history(history, out/'loss.png', title=plot_title)
+        for where, kw in ((card(trainer, res) or {}) if card is not None else {}).items():
+            if (out/where).is_dir(): write_model_card(out/where, **{'model_name': out.name, **kw})   # if written
     trainer.accelerator.wait_for_everyone()
     return res
 
@@ -1180,3 +1187,77 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
 def run_summary(res:dict) -> str:
     "The start of every command's closing line: updates, training tokens and tokens/s of a `run` result."
     return f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s"
+
+# %% ../nbs/05_training.ipynb
+HUB_ID_PATTERN = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
+BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}   # memlab's built-in names on the Hub
+
+def hub_model_id(name) -> Optional[str]:
+    "`name` if it is a Hugging Face Hub id (owner/name, not a path that exists here) or a built-in name's, else None."
+    import re
+    name = None if name is None else str(name)
+    if name in BUILTIN_HUB_IDS: return BUILTIN_HUB_IDS[name]
+    if not name or re.fullmatch(HUB_ID_PATTERN, name) is None or Path(name).exists(): return None
+    return name
+
+def base_model_license(name) -> Optional[str]:
+    "The license in the model card of `name` when it is a local folder with a README.md (nothing is downloaded)."
+    from huggingface_hub import ModelCard
+    readme = Path(str(name))/'README.md' if name else None
+    if readme is None or not readme.is_file(): return None
+    try: return ModelCard.load(readme).data.license
+    except Exception: return None   # a README without card metadata: no license to inherit
+
+def model_card(model_name:str, method:str, description:str, base_model=None, datasets=(), metrics:dict=None,
+               license:str=None, tags=(), dataset_name:str=None, sections:dict=None, library_name:str='transformers'):
+    ("A `huggingface_hub.ModelCard` of a trained output: `metrics` maps a metric name ('eval loss', "
+     "'eval perplexity') to {'base': value, 'trained': value}; the trained values go into model-index.")
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    metrics = metrics or {}
+    check(all(isinstance(v, dict) for v in metrics.values()),
+          "metrics must map a metric name to {'base': value, 'trained': value}")
+    hub = hub_model_id(base_model)
+    named = [str(d) for d in ([datasets] if isinstance(datasets, str) else datasets) if d]
+    datasets = [d for d in named if not Path(d).exists()]          # a local file means nothing on the Hub: text only
+    ds = dataset_name or (Path(named[0]).name if named else 'evaluation text')
+    results = [EvalResult(task_type='text-generation', dataset_type=ds, dataset_name=ds, metric_name=m,
+                          metric_type=m.split()[-1], metric_value=float(v['trained']))
+               for m, v in metrics.items() if v.get('trained') is not None]
+    data = ModelCardData(model_name=model_name, base_model=hub, license=license or base_model_license(base_model),
+                         datasets=datasets or None, library_name=library_name, pipeline_tag='text-generation',
+                         tags=list(dict.fromkeys(['memlab', method, *tags])), eval_results=results or None)
+    base = (f"[`{hub}`](https://huggingface.co/{hub})" if hub                    # a local one by its folder's name
+            else f"`{Path(str(base_model)).name}` (a local model)" if base_model else None)
+    L = [f"# {model_name}", '', description.strip() + (f" Base model: {base}." if base else ''), '',
+         '## Method', '', f"memlab's `{method}` ([memlab](https://github.com/memlab/memlab)).", '']
+    if metrics:
+        fmt = lambda v: '—' if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+        L += ['## Results', '', f"On {ds}:", '', '| metric | base model | trained |', '|---|---|---|']
+        L += [f"| {m} | {fmt(v.get('base'))} | {fmt(v.get('trained'))} |" for m, v in metrics.items()] + ['']
+    for title, text in (sections or {}).items(): L += [f"## {title}", '', text.strip(), '']
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + '\n'.join(L))
+
+def eval_metrics(res:dict, base_loss:float=None) -> dict:
+    ("`model_card`'s metrics from a `run` result: the final eval loss and perplexity (and the base model's, "
+     "if measured).")
+    final = (res.get('final') or {}).get('eval_loss')
+    if final is None: return {}
+    ppl = lambda l: None if l is None else math.exp(min(l, 700.))
+    return {'eval loss': {'base': base_loss, 'trained': final},
+            'eval perplexity': {'base': ppl(base_loss), 'trained': ppl(final)}}
+
+def output_card(method:str, description:str, base_model=None, dataset=None, folders=('model',), base_loss=None,
+                **kw):
+    ("A `run` card hook: the card of each of `folders` (under the run folder) with the run's eval metrics; "
+     "`base_loss(res)` gives the base model's eval loss where the run measured it.")
+    def card(trainer, res):
+        metrics = eval_metrics(res, base_loss(res) if base_loss else None)
+        return {f: dict(method=method, description=description, base_model=base_model, datasets=dataset or (),
+                        metrics=metrics, **kw) for f in folders}
+    return card
+
+def write_model_card(folder, *args, **kwargs) -> Path:
+    "Write `model_card(*args, **kwargs)` as `folder`/README.md."
+    path = Path(folder)/'README.md'
+    atomic_write_text(path, str(model_card(*args, **kwargs)))
+    return path

@@ -78,6 +78,9 @@ def test_seed_command_ddp(ddp):
     assert cfg['model']['hidden_size'] == 64 and cfg['model']['num_key_value_heads'] == 2 and cfg['model']['vocab_size'] == 512
     plain = json.loads((ddp/'model'/'config.json').read_text())                      # the exported model is a plain Llama
     assert plain['model_type'] == 'llama' and (ddp/'model'/'tokenizer.json').exists()
+    from huggingface_hub import ModelCard
+    card = ModelCard.load(ddp/'model'/'README.md')                                   # its model card parses: no paths
+    assert card.data.base_model is None and 'memlab_bpt' in card.data.tags and str(ddp.parent) not in str(card)
     import torch
     from transformers import AutoModelForCausalLM
     from memlab.models import load_model

@@ -21,7 +21,9 @@ from .teacher import output_vocab_size
 # %% auto 0
 __all__ = ['describe_objective', 'model_card']
 
-# %% ../../nbs/41_distill.ipynb 116
+# %% ../../nbs/41_distill.ipynb 119
+from ..training import base_model_license, hub_model_id
+
 def _arch(model) -> dict:
     "A few comparable architecture facts of a causal LM."
     m = unwrap(model); c = m.config
@@ -73,21 +75,24 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
                sections:dict=None) -> str:
     ("README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} "
      "(measured by the caller); `sections` adds {title: markdown}.")
-    import yaml
     check(isinstance(metrics, dict) and all(isinstance(v, dict) for v in metrics.values()),
           "metrics must map a metric name to {'teacher': value, 'student': value}")
     objective = objective if objective is not None else DistillationObjective()
     distilled = objective.logits_weight > 0 or objective.hs_weight > 0 or objective.attn_weight > 0
-    meta = {'base_model': teacher_name}
-    if base_model_relation and distilled: meta['base_model_relation'] = base_model_relation
-    meta.update(library_name='transformers', pipeline_tag='text-generation',
-                tags=list(dict.fromkeys(['memlab', 'distillation', 'knowledge-distillation', *tags])))
-    if dataset: meta['datasets'] = [dataset]
-    if license: meta['license'] = license
+    from huggingface_hub import EvalResult, ModelCardData
     name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-{'distilled' if distilled else 'baseline'}"
-    # a hub id, not a local path
-    on_hub = re.fullmatch(r"[\w.-]+/[\w.-]+", teacher_name) is not None and not Path(teacher_name).exists()
-    teacher_ref = f"[`{teacher_name}`](https://huggingface.co/{teacher_name})" if on_hub else f"`{teacher_name}`"
+    hub = hub_model_id(teacher_name)                  # base_model only as a hub id, never a local path
+    ds = dataset or 'text'
+    results = [EvalResult(task_type='text-generation', dataset_type=ds, dataset_name=ds, metric_name=m,
+                          metric_type='perplexity' if 'perplexity' in m else re.sub(r'\W+', '_', m).strip('_'),
+                          metric_value=float(v['student']))
+               for m, v in metrics.items() if isinstance(v.get('student'), (int, float))]
+    relation = {'base_model_relation': base_model_relation} if hub and base_model_relation and distilled else {}
+    meta = ModelCardData(model_name=name, base_model=hub, **relation, library_name='transformers',
+                         pipeline_tag='text-generation', datasets=[dataset] if dataset else None,
+                         license=license or base_model_license(teacher_name), eval_results=results or None,
+                         tags=list(dict.fromkeys(['memlab', 'distillation', 'knowledge-distillation', *tags])))
+    teacher_ref = f"[`{teacher_name}`](https://huggingface.co/{teacher_name})" if hub else f"`{teacher_name}`"
     if distilled:
         intro = (f"A student language model **distilled** from the teacher {teacher_ref} with "
                  f"[memlab](https://github.com/memlab/memlab) on `{dataset}`. "
@@ -100,7 +105,7 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
                  f"[memlab](https://github.com/memlab/memlab) on `{dataset}` **without distillation**: "
                  "the baseline of a distillation experiment. No output of the teacher was used in training.")
         method = "Plain language-model training on the text. "
-    L = ['---', yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip(), '---', '', f"# {name}", '', intro,
+    L = ['---', meta.to_yaml(), '---', '', f"# {name}", '', intro,
          '', '## Method', '', method + describe_objective(objective), '',
          '## Teacher and data', '', f"- Teacher: `{teacher_name}`", f"- Training data: `{dataset}`"]
     if student_init: L.append(f"- Student initialisation: {student_init}")

@@ -23,14 +23,46 @@ from .features import (ATTENTION_LOSSES, FEATURE_LOSSES, NORMS, PROJECTORS, Feat
 from .teacher import TopKTeacher, model_device, output_vocab_size
 
 # %% auto 0
-__all__ = ['HEADS_ATTR', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads', 'save_distill_heads', 'load_distill_heads', 'LossSchedule', 'DistillLoss']
+__all__ = ['DISTILY_LOSSES', 'HEADS_ATTR', 'distily_loss_name', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads', 'save_distill_heads', 'load_distill_heads', 'LossSchedule', 'DistillLoss']
 
-# %% ../../nbs/41_distill.ipynb 55
+# %% ../../nbs/41_distill.ipynb 56
+import warnings
+
+_NO_SOFTMAX = "treats hidden states as logits (a softmax over the features), which memlab does not: use mse, l1 or cos"
+_NOT_PER_TOKEN = {'logsum_v2': "is the log of one sum over the whole batch, not a loss per token: use mse",
+                  'sinkhorn': "is a transport between the positions of a row, not a loss per token: use tvd or kl",
+                  'mi': "is marked broken in Distily itself: use kl"}
+# Distily's loss names (distily/objectives/loss.py) for each term: memlab's loss of the same math, or why memlab cannot
+# compute it (naming memlab's nearest); the differences in convention are in the table above
+DISTILY_LOSSES = {
+    'logits': dict(torch_kl='kl', mse_sum='mse', soft_mse='mse', ce='soft_ce', **_NOT_PER_TOKEN,
+                   raw_mse="compares raw logits, and memlab's logit losses compare distributions: use mse "
+                           "(Distily's mse_sum) or kl"),
+    'hs': dict({n: _NO_SOFTMAX for n in ('kl', 'torch_kl', 'reverse_kl', 'cakld', 'jsd', 'mse_sum', 'soft_mse', 'ce')},
+               **_NOT_PER_TOKEN),
+    'attn': dict(torch_kl='kl', mse_sum='mse', soft_mse='mse', ce='soft_ce', **_NOT_PER_TOKEN,
+                 cakld="has no β for attention maps in memlab: use kl or reverse_kl")}
+_DIFFERS = {('logits', 'ce'): "Distily's ce is a cross-entropy over the sequence axis of the student's probabilities",
+            ('logits', 'soft_mse'): "Distily's soft_mse averages over the vocabulary; memlab's mse sums (V times it)"}
+
+def distily_loss_name(term:str, name:str) -> str:
+    ("memlab's loss for `name` as the loss of `term` ('logits', 'hs', 'attn'): memlab's own name as it is, a Distily "
+     "name as memlab's of the same math, or a one-line refusal.")
+    own = {'logits': LOSS_NAMES, 'hs': FEATURE_LOSSES, 'attn': ATTENTION_LOSSES}[term]
+    to = DISTILY_LOSSES[term].get(name)
+    if name in own or to is None: return name                  # memlab's, or unknown (the field's check lists them)
+    check(to in own, f"{term}_loss_fn {name!r} (Distily's) {to}")
+    if (term, name) in _DIFFERS:
+        warnings.warn(f"{term}_loss_fn {name!r} (Distily's) computes memlab's {to}: {_DIFFERS[term, name]}",
+                      stacklevel=4)
+    return to
+
+# %% ../../nbs/41_distill.ipynb 57
 @dataclass
 class DistillationObjective(Config):
     "What the student learns to match and how much each term weighs (Distily's objective fields plus memlab's)."
     logits_weight: float = 1.0          # weight of the logit (response) term
-    logits_loss_fn: str = 'kl'          # kl, reverse_kl, jsd, tvd, cakld, soft_ce, mse, cos
+    logits_loss_fn: str = 'kl'          # kl, reverse_kl, jsd, tvd, cakld, soft_ce, mse, cos (or a Distily name)
     temperature: float = 1.0            # softens both distributions of the logit term, which is scaled by T²
     jsd_beta: float = 0.5               # β of the generalized JSD: mixture M = β·p_teacher + (1−β)·p_student
     cakld_beta: Optional[float] = None  # β of CAKLD; None = the teacher's mean top-1 probability over the first batches
@@ -70,6 +102,8 @@ class DistillationObjective(Config):
                         ('hs_projector', 'identity'), ('attn_loss_fn', 'mse'), ('attn_norm', 'none'),
                         ('attn_projector', 'identity')):
             if getattr(self, f) is None or str(getattr(self, f)).lower() in ('none', 'null', ''): setattr(self, f, none)
+        for f, term in (('logits_loss_fn', 'logits'), ('hs_loss_fn', 'hs'), ('attn_loss_fn', 'attn')):
+            setattr(self, f, distily_loss_name(term, getattr(self, f)))      # Distily's names carry over (table above)
         for f in ('logits_weight', 'ce_weight', 'hs_weight', 'attn_weight'):
             check(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
         check(self.logits_weight + self.ce_weight + self.hs_weight + self.attn_weight > 0,
@@ -108,7 +142,7 @@ class DistillationObjective(Config):
               "ce_weight > 0 with on_policy_fraction > 0: the labels of a generated batch are the student's own "
               "samples, and a CE on them trains the student to repeat itself; set one of them to 0")
 
-# %% ../../nbs/41_distill.ipynb 58
+# %% ../../nbs/41_distill.ipynb 61
 HEADS_ATTR = 'distill'
 
 class DistillHeads(nn.Module):
@@ -148,7 +182,7 @@ def load_distill_heads(student, path):
           f"distillation modules in {f} do not match: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     heads.load_state_dict(sd)
 
-# %% ../../nbs/41_distill.ipynb 61
+# %% ../../nbs/41_distill.ipynb 64
 def _check_fusable(model, who):
     cfg = unwrap(model).config
     for attr in ('final_logit_softcapping', 'logit_scale', 'logits_scaling', 'output_multiplier_scale'):

@@ -173,7 +173,7 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
     atomic_write_text(index_file, json.dumps(meta, indent=2))
     return out_dir
 
-# %% ../../nbs/41_distill.ipynb 60
+# %% ../../nbs/41_distill.ipynb 63
 def model_device(model) -> torch.device:
     "The device of a (wrapped) model's first parameter."
     return next(unwrap(model).parameters()).device

@@ -416,11 +416,15 @@ def _add_lora(base_model, layers, config, family):
     check(n == len(targets), f"LoRA was added to {n} modules instead of the {len(targets)} FFN linears targeted")
 
 # %% ../../nbs/20_neurocache.ipynb 50
-class NeurocacheModel(nn.Module):
+from transformers import PreTrainedModel
+
+class NeurocacheModel(PreTrainedModel):
     ("A causal LM with a Neurocache: `base_model` (attention wrapped, LoRA added, frozen) and `neurocache` "
      "(the method's parameters and caches).")
     def __init__(self, base_model:nn.Module, config:NeurocacheConfig, train_base:bool=False):
-        super().__init__()
+        # a PreTrainedModel so that the HF Trainer saves it with save_pretrained (it does so only for those); its config
+        # is the base model's, which PreTrainedModel.__init__ would check and change: only nn.Module's runs
+        nn.Module.__init__(self)
         check(isinstance(config, NeurocacheConfig), f"config must be a NeurocacheConfig, got {type(config).__name__}")
         check(not isinstance(base_model, NeurocacheModel)
               and not any(isinstance(m, NeurocacheAttention) for m in base_model.modules()),
@@ -487,6 +491,13 @@ class NeurocacheModel(nn.Module):
     @property
     def config(self): return self.base_model.config
     @property
+    def name_or_path(self): return self.config.name_or_path
+    @property
+    def base_model(self): return self._modules['base_model']   # PreTrainedModel's name for its backbone: the HF model
+    @property
+    def loss_type(self):  # the HF Trainer counts a causal LM's targets from the labels' 2nd position on
+        return getattr(self.base_model, 'loss_type', None)
+    @property
     def device(self): return self.base_model.get_input_embeddings().weight.device
     def get_input_embeddings(self): return self.base_model.get_input_embeddings()
     def get_base_model(self):  # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
@@ -509,9 +520,10 @@ class NeurocacheModel(nn.Module):
         continuing = pkv is not None and hasattr(pkv, 'get_seq_length') and pkv.get_seq_length() > 0
         self.neurocache.begin(mask, continuing)
 
-    def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, **kwargs):
-        ("The base model's forward; rows flagged in `start_of_sequence` (B,) start a new document; the segment is "
-         "cached afterwards.")
+    def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, labels=None, **kwargs):
+        ("The base model's forward (`labels` and the loss kwargs: its loss); rows flagged in `start_of_sequence` (B,) "
+         "start a new document; the segment is cached afterwards.")
+        if labels is not None: kwargs['labels'] = labels     # named, so that the HF Trainer keeps the labels column
         if start_of_sequence is not None:
             B = (input_ids if input_ids is not None else kwargs['inputs_embeds']).shape[0]
             sos = _row_mask(torch.as_tensor(start_of_sequence).cpu(), B)
@@ -556,9 +568,10 @@ class NeurocacheModel(nn.Module):
         self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
     def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
 
-    def save_pretrained(self, save_directory, **kwargs):
-        "Write only the Neurocache: neurocache_config.json and neurocache_model.safetensors (its weights and its LoRA)."
-        return save_neurocache(self, save_directory)
+    def save_pretrained(self, save_directory, is_main_process:bool=True, **kwargs):
+        ("Write only the Neurocache: neurocache_config.json and neurocache_model.safetensors (its weights and its "
+         "LoRA); the HF Trainer's other arguments are ignored.")
+        return save_neurocache(self, save_directory) if is_main_process else Path(save_directory)
 
 class _SaveRefused:
     "A Hugging Face model's `save_pretrained` while a memlab method is inside it that a plain load would misread."

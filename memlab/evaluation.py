@@ -13,12 +13,13 @@ from torch import nn
 from .core import MemlabError, atomic_write_text, check, cli_main
 
 # %% auto 0
-__all__ = ['TASK_KINDS', 'lm_eval_task', 'lm_eval_scores', 'main']
+__all__ = ['TASK_KINDS', 'require_lm_eval', 'lm_eval_task', 'lm_eval_scores', 'main']
 
 # %% ../nbs/06a_evaluation.ipynb
 TASK_KINDS = ('multiple_choice', 'perplexity')
 
-def _require_lm_eval():
+def require_lm_eval():
+    "Refuse in one line where the lm-eval package is not installed."
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -55,10 +56,11 @@ def lm_eval_task(folder, name:str, rows:list, kind:str='multiple_choice') -> Pat
 
 # %% ../nbs/06a_evaluation.ipynb
 def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_size:int=8, limit:int=None,
-                   num_fewshot:int=None) -> dict:
+                   num_fewshot:int=None, bootstrap_iters:int=0) -> dict:
     ("Scores of `model` on lm-evaluation-harness `tasks` (names, or a comma-separated string; local tasks under "
-     "`include_path`): {task: {metric: value, metric_stderr: value}}.")
-    _require_lm_eval()
+     "`include_path`): {task: {metric: value, metric_stderr: value}} (error bars by `bootstrap_iters` resamples for "
+     "the metrics that need them; 0: none).")
+    require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -72,7 +74,7 @@ def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_s
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
     was_training = model.training
     try: out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                               log_samples=False, verbosity='ERROR')
+                               bootstrap_iters=bootstrap_iters, log_samples=False, verbosity='ERROR')
     finally: model.train(was_training)
     res = {}
     for task, metrics in out['results'].items():
@@ -97,7 +99,7 @@ def main():
     check(args.batch_size >= 1, f"--batch_size must be >= 1, got {args.batch_size}")
     check(args.limit is None or args.limit >= 1, f"--limit must be >= 1, got {args.limit}")
     check(args.include_path is None or Path(args.include_path).is_dir(), f"--include_path {args.include_path} is not a folder")
-    _require_lm_eval()
+    require_lm_eval()
     from memlab.models import load_model, load_tokenizer
     model, tok = load_model(args.model).eval(), load_tokenizer(args.model)
     scores = lm_eval_scores(model, tok, args.tasks, args.include_path, args.batch_size, args.limit, args.num_fewshot)

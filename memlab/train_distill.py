@@ -15,6 +15,7 @@ from torch import nn
 from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, fmt_bytes,
                          markdown_table, parse_configs, resolve_precision, seed_everything, show_path)
 from .data import load_corpus
+from .evaluation import lm_eval_scores, require_lm_eval
 from .loaders import TokenBatches
 from .models import (check_model_config, check_model_sizes, decoder_layers, load_model, load_tokenizer,
                            resolve_model)
@@ -32,7 +33,7 @@ from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem
 
 # %% auto 0
 __all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'parse_copy_modules',
-           'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments',
+           'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores',
            'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'build_distill_student',
            'distill', 'distill_card', 'plot_distill', 'results_table', 'parse_args', 'main', 'demo']
 
@@ -180,11 +181,12 @@ class EvalArguments(Config):
     ppl_extra_evaluators: object = arg(lambda: [])  # more held-out sets in the same form, e.g. '[{"name":
                                                     # "licences_ppl", "dataset": "/usr/share/common-licenses", "split":
                                                     # "validation"}]'
-    harness_benchmarks: object = arg(lambda: [])  # lm-evaluation-harness tasks: not available (they download their
-                                                  # data); must stay empty
-    harness_benchmark_limit: int = 5000  # examples per harness task (unused while harness_benchmarks is empty)
-    harness_benchmark_bootstrap_iters: int = 0  # bootstrap iterations of the harness's error bars (unused while
-                                                # harness_benchmarks is empty)
+    harness_benchmarks: object = arg(lambda: [])  # lm-evaluation-harness task names, a JSON list: the teacher before
+                                                  # and the student after training (needs the lm-eval package)
+    harness_benchmark_limit: int = 5000  # examples per harness task
+    harness_benchmark_bootstrap_iters: int = 0  # bootstrap iterations of the harness's error bars (0: none)
+    harness_include_path: str = None  # memlab: a folder of local lm-eval task YAMLs (memlab.evaluation.lm_eval_task),
+                                      # which run offline; registry tasks download their data
     extra_grad_stats: bool = False  # log the mean and variance of the gradient norm over each logging window
 
     def __post_init__(self):
@@ -192,9 +194,15 @@ class EvalArguments(Config):
             v = getattr(self, f)
             if v is None: setattr(self, f, [])
             check(isinstance(getattr(self, f), list), f"--{f} must be a JSON list, got {v!r}")
-        check(not self.harness_benchmarks, "--harness_benchmarks: lm-evaluation-harness tasks download their data "
-              "and are not available in memlab_distill; measure held-out perplexity with "
-              "--ppl_extra_evaluators instead")
+        check(all(isinstance(t, str) and t for t in self.harness_benchmarks),
+              f"--harness_benchmarks must be a JSON list of lm-eval task names, got {self.harness_benchmarks!r}")
+        check(self.harness_benchmark_limit >= 1, f"--harness_benchmark_limit must be >= 1, "
+              f"got {self.harness_benchmark_limit}")
+        check(self.harness_benchmark_bootstrap_iters >= 0, f"--harness_benchmark_bootstrap_iters must be >= 0, "
+              f"got {self.harness_benchmark_bootstrap_iters}")
+        check(self.harness_include_path is None or Path(self.harness_include_path).is_dir(),
+              f"--harness_include_path {self.harness_include_path} is not a folder")
+        if self.harness_benchmarks: require_lm_eval()
         names = []
         for e in self.evaluators:
             check(isinstance(e, dict) and e.get('name') and e.get('dataset'),
@@ -209,6 +217,12 @@ class EvalArguments(Config):
 
     @property
     def evaluators(self) -> list: return list(self.ppl_evaluators) + list(self.ppl_extra_evaluators)
+
+def harness_scores(model, tokenizer, eval_args:EvalArguments, batch_size:int) -> dict:
+    "lm-evaluation-harness scores of `model` on `eval_args`' tasks (empty without tasks): {task: {metric: value}}."
+    if not eval_args.harness_benchmarks: return {}
+    return lm_eval_scores(model, tokenizer, eval_args.harness_benchmarks, eval_args.harness_include_path, batch_size,
+                          eval_args.harness_benchmark_limit, bootstrap_iters=eval_args.harness_benchmark_bootstrap_iters)
 
 # %% ../nbs/42_train_distill.ipynb
 SCHEDULER_TYPES = ('linear', 'cosine', 'cosine_with_min_lr', 'constant', 'constant_with_warmup', 'polynomial')
@@ -578,6 +592,9 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
         for name, rows in data.evaluators.items():
             teacher_metrics[name] = perplexity(teacher, rows, tr.per_device_eval_batch_size, acc, progress,
                                                desc=f"teacher {name}")
+    # the teacher's benchmark scores, on the main process (lm-eval runs the model in memory)
+    teacher_harness = (harness_scores(teacher, tok, eval_args, tr.per_device_eval_batch_size)
+                       if acc.is_main_process else {})
     n_teacher, arch_teacher = count_parameters(teacher), teacher
     if topk is not None:   # an offline teacher needs no weights in memory: a weightless skeleton is enough for the card
         from transformers import AutoModelForCausalLM
@@ -628,6 +645,9 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
                 f"{steps} updates{extra}; run folder {show_path(out)}")
     def results(trainer, history, res):
         evals = [h for h in history if any(k in h for k in data.evaluators)]
+        student_harness = (harness_scores(trainer.unwrapped_model, tok, eval_args, tr.per_device_eval_batch_size)
+                           if trainer.is_main else {})
+        harness = {t: {'teacher': teacher_harness.get(t), 'student': student_harness.get(t)} for t in student_harness}
         obj_evals = [h for h in history if 'eval_loss' in h]
         metrics = {}
         for name in data.evaluators:
@@ -642,7 +662,8 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
                 'student_init': how, 'bitnet': student_args.student_model_as_bitnet, 'dataset': data.fingerprint,
                 'train_rows': len(data.train['input_ids']), 'test_rows': len(data.test['input_ids']),
                 'objective': objective.to_dict(), **res, 'world_size': world, 'metrics': metrics,
-                'eval_objective': obj_evals[-1] if obj_evals else None, 'configs': configs, 'output_dir': str(out)}
+                'eval_objective': obj_evals[-1] if obj_evals else None, 'harness': harness, 'configs': configs,
+                'output_dir': str(out)}
     def save(trainer, out):   # main process: the student (BitNet packed), its distillation heads, tokenizer, loss plot
         if not trainer.is_main: return None
         model, written = trainer.unwrapped_model, {}
@@ -674,6 +695,10 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
         metrics[f"{name} (perplexity)"] = {'teacher': m['teacher'], 'student': m['student']}
         if m['student_before'] is not None:
             metrics[f"{name}, student before training"] = {'teacher': None, 'student': m['student_before']}
+    for task, by in (res.get('harness') or {}).items():   # lm-evaluation-harness scores, teacher and student
+        for k, v in (by['student'] or {}).items():
+            if not k.endswith('_stderr'):
+                metrics[f"{task} {k} (lm-evaluation-harness)"] = {'teacher': (by['teacher'] or {}).get(k), 'student': v}
     if res['eval_objective']:
         metrics['objective on held-out training rows (per token)'] = {'teacher': None,
                                                                       'student': res['eval_objective']['eval_loss']}

@@ -183,3 +183,26 @@ def test_help_has_every_distily_flag():
                  'logging_steps', 'eval_steps', 'eval_on_start', 'save_steps', 'report_to', 'optim', 'max_grad_norm',
                  'kl_warmup_steps', 'on_policy_fraction', 'on_policy_prompt_length', 'on_policy_new_tokens', 'on_policy_temperature'):
         assert f"--{flag} " in r.stdout, flag
+
+def test_harness_benchmarks_score_teacher_and_student(teacher, tmp_path):
+    "Distily's --harness_benchmarks runs lm-evaluation-harness (a local task, offline) on the teacher and the student: results and card."
+    from memlab.evaluation import lm_eval_task
+    rows = [{'question': 'The documentation of', 'choices': [' Python', ' zebra'], 'answer': 0},
+            {'question': 'import os', 'choices': ['\n', ' banana'], 'answer': 0},
+            {'question': 'def main', 'choices': ['():', ' sky'], 'answer': 0}]
+    tasks = lm_eval_task(tmp_path/'tasks', 'memlab_pyfacts', rows)
+    out = tmp_path/'harness'
+    run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, out, '--max_steps', 2, '--harness_benchmarks', '["memlab_pyfacts"]',
+                                                     '--harness_include_path', tasks)])
+    h = results(out)['harness']['memlab_pyfacts']
+    assert set(h) == {'teacher', 'student'} and all(0 <= h[w]['acc'] <= 1 for w in h)
+    card = (out/'README.md').read_text()
+    assert 'memlab_pyfacts acc (lm-evaluation-harness)' in card
+    from huggingface_hub import ModelCard
+    assert any('memlab_pyfacts' in str(r.metric_name) or 'memlab_pyfacts' in str(r.dataset_name)
+               for r in ModelCard.load(out/'README.md').data.eval_results or []), 'no model-index entry'
+    # bad harness flags are one line before anything loads
+    for bad, msg in [(['--harness_benchmarks', '[1]'], 'JSON list of lm-eval task names'),
+                     (['--harness_include_path', tmp_path/'none', '--harness_benchmarks', '["x"]'], 'is not a folder')]:
+        r = run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, tmp_path/'bad', *bad)], check=False)
+        assert r.returncode == 2 and msg in r.stderr and 'Traceback' not in r.stderr and not (tmp_path/'bad').exists(), r.stderr[-1500:]

@@ -568,10 +568,11 @@ class NeurocacheModel(PreTrainedModel):
         self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
     def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
 
-    def save_pretrained(self, save_directory, is_main_process:bool=True, **kwargs):
+    def save_pretrained(self, save_directory, is_main_process:bool=True, state_dict:dict=None, **kwargs):
         ("Write only the Neurocache: neurocache_config.json and neurocache_model.safetensors (its weights and its "
-         "LoRA); the HF Trainer's other arguments are ignored.")
-        return save_neurocache(self, save_directory) if is_main_process else Path(save_directory)
+         "LoRA), from `state_dict` if given (the HF Trainer's); the Trainer's other arguments are ignored.")
+        if not is_main_process: return Path(save_directory)
+        return save_neurocache(self, save_directory, state_dict=state_dict)
 
 class _SaveRefused:
     "A Hugging Face model's `save_pretrained` while a memlab method is inside it that a plain load would misread."
@@ -743,9 +744,9 @@ def neurocache_state_dict(model) -> dict:
     check(state, "this model has neither a Neurocache nor LoRA weights: nothing to save")
     return state
 
-def save_neurocache(model, save_directory, config:NeurocacheConfig=None) -> Path:
+def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_dict:dict=None) -> Path:
     ("Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`; a LoRA-only "
-     "model needs its `config`.")
+     "model needs its `config`; `state_dict`: the model's state gathered elsewhere (the HF Trainer's, under FSDP).")
     from safetensors.torch import save_file
     path, lora_only = Path(save_directory), not has_neurocache(model)
     if lora_only:
@@ -753,7 +754,12 @@ def save_neurocache(model, save_directory, config:NeurocacheConfig=None) -> Path
         config = resolve_config(config, len(decoder_layers(_plain(model))))
     else: config = _unwrap(model).neurocache_config
     base = _plain(model).base_model if not lora_only else _plain(model)
-    state = {k: v.detach().contiguous().cpu() for k, v in neurocache_state_dict(model).items()}
+    own = neurocache_state_dict(model)
+    if state_dict is not None:
+        missing = [k for k in own if k not in state_dict]
+        check(not missing, f"the state dict to save lacks {len(missing)} Neurocache tensor(s), e.g. {missing[:1]}")
+        own = {k: state_dict[k] for k in own}
+    state = {k: v.detach().contiguous().cpu() for k, v in own.items()}
     meta = {'format': 'pt', 'family': str(getattr(base.config, 'model_type', '')), 'lora_only': str(lora_only).lower(),
             'base_model': str(getattr(base.config, '_name_or_path', '') or ''),
             'base_quantization': 'nf4' if any(type(m).__name__ == 'Linear4bit' for m in base.modules()) else ''}

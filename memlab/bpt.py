@@ -693,9 +693,10 @@ class BPTRematLayer(TransparentWrapper):
     def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False):
         super().__init__(base_layer)
         self.remat_policy, self.compile = remat_policy, compile
-        # the bound forward, not the module: a compiled module would register as a submodule (and its state twice)
-        fn = base_layer.forward if not compile else torch.compile(
-            base_layer.forward, backend='inductor' if compile is True else compile)
+        # through the module's own call, so its hooks run (FSDP's unshard); compiled as a function, not a module (a
+        # compiled module would register as a submodule, and its state twice)
+        def call(*args, **kwargs): return base_layer(*args, **kwargs)
+        fn = base_layer if not compile else torch.compile(call, backend='inductor' if compile is True else compile)
         self._step = remat(fn, remat_policy)
 
     def forward(self, *args, **kwargs):

@@ -454,10 +454,9 @@ def save_hf_bitnet(model:nn.Module, path,      # a Hugging Face model holding Bi
     cfg.quantization_config = BitNetQuantConfig(modules_to_not_convert=sorted(set(linears) - converted),
                                                 linear_class='bitlinear', quantization_mode='offline',
                                                 use_rms_norm=True, rms_norm_eps=eps.pop()).to_dict()
-    if getattr(cfg, 'tie_word_embeddings', False):                  # stored once, as transformers does
-        out_emb = model.get_output_embeddings()
-        sd = {k: v for k, v in sd.items() if not (k.endswith('.weight') and out_emb is not None
-                                                   and v is out_emb.weight and not k.startswith('model.'))}
+    out_emb = model.get_output_embeddings()
+    if getattr(cfg, 'tie_word_embeddings', False) and out_emb is not None:   # stored once (as the input embedding)
+        sd.pop(next(names[n] for n, mod in model.named_modules() if mod is out_emb) + '.weight', None)
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(path/'model.safetensors'),
               metadata={'format': 'pt'})

@@ -20,7 +20,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import slice_logits_to_keep
 
-from .core import Config, check
+from .core import Config, check, compiled_fn
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
                            register_method, unwrap)
 from .training import LossOutput, model_inputs
@@ -450,13 +450,6 @@ def _ce_chunk(z, t, r):
     g = torch.exp(zf - lse[:, None]).scatter_add(1, t[:, None], -torch.ones_like(zf[:, :1])) * r[:, None]
     return loss, g.to(z.dtype)
 
-_COMPILED_CE = {}
-
-def _ce_chunk_fn(compiled):
-    "`_ce_chunk`, `torch.compile`d (True: inductor, or a backend's name)."
-    backend = 'inductor' if compiled is True else compiled
-    if backend not in _COMPILED_CE: _COMPILED_CE[backend] = torch.compile(_ce_chunk, dynamic=True, backend=backend)
-    return _COMPILED_CE[backend]
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     "LM head + cross-entropy by chunks of rows; gradients computed chunk by chunk during forward."
@@ -479,7 +472,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             h, t, r = hidden[s:s + chunk_size], safe_t[s:s + chunk_size], row_w[s:s + chunk_size]
             if compiled:                                   # a GPU: one fused pass instead of six
-                lc, g = _ce_chunk_fn(compiled)(h @ weight.T, t, r)             # g (c, V) ∂L/∂z in the product's dtype
+                lc, g = compiled_fn(_ce_chunk, compiled)(h @ weight.T, t, r)   # g (c, V) ∂L/∂z, the product's dtype
                 loss += lc
                 # under autocast g is already what the products take; else the head's dtype
                 if not torch.is_autocast_enabled(g.device.type): g = g.to(weight.dtype)

@@ -19,7 +19,8 @@ __all__ = ['LOCK_FILE', 'VALUE_RULES', 'BF16_MIN_SPEEDUP', 'PRECISIONS', 'PRECIS
            'release_folders', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
            'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
            'peak_memory', 'fmt_bytes', 'count_parameters', 'memlab_home', 'bf16_matmul_speedup', 'cpu_bf16_speedup',
-           'native_bf16', 'resolve_precision', 'precision_reason', 'patch_to', 'show_path', 'markdown_table']
+           'native_bf16', 'compiled_fn', 'reset_compiled', 'resolve_precision', 'precision_reason', 'patch_to',
+           'show_path', 'markdown_table']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -632,6 +633,22 @@ def native_bf16(device=None) -> bool:
     if dev.type == 'cuda': return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if dev.type != 'cpu': return False
     return _cpu_bf16_instructions() and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
+
+# %% ../nbs/00_core.ipynb
+_COMPILED = {}
+
+def compiled_fn(fn, compile=True):
+    ("`fn` itself when `compile` is falsy, else `torch.compile(fn, dynamic=True)` with the backend `compile` names "
+     "(True: inductor), built once per function and backend.")
+    if not compile: return fn
+    backend = 'inductor' if compile is True else compile
+    if (fn, backend) not in _COMPILED: _COMPILED[fn, backend] = torch.compile(fn, dynamic=True, backend=backend)
+    return _COMPILED[fn, backend]
+
+def reset_compiled():
+    "Drop every function `compiled_fn` built, and torch's compilation caches (their guards) with them."
+    _COMPILED.clear()
+    if 'torch._dynamo' in sys.modules: torch._dynamo.reset()
 
 # %% ../nbs/00_core.ipynb
 PRECISIONS = ('auto', 'no', 'bf16', 'fp16')

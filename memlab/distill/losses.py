@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..core import MemlabError, check
+from ..core import MemlabError, check, compiled_fn
 from ..training import Callback
 
 # %% auto 0
@@ -120,16 +120,6 @@ class _ObjectiveSpec(NamedTuple):
     name: str; teacher: object; rows: torch.Tensor; labels: object; T: float; beta: float; missing: str
     kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object
 
-_COMPILED = {}
-
-def _terms_fn(compiled):
-    ("`_token_terms`, or its `torch.compile`d version (True: inductor, or a backend's name): a few fused kernels for the "
-     "dozen elementwise passes over a chunk's (n, V) logits, each of which is a trip through GPU memory.")
-    if not compiled: return _token_terms
-    backend = 'inductor' if compiled is True else compiled
-    if backend not in _COMPILED: _COMPILED[backend] = torch.compile(_token_terms, dynamic=True, backend=backend)
-    return _COMPILED[backend]
-
 def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
     ("Sums of the weighted objective, the distillation term and the CE over `spec.rows`, with gradients w.r.t. "
      "(x, w, b) where `need`.")
@@ -148,7 +138,8 @@ def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
             logits = xc.float() if w32 is None else F.linear(xc.float(), w32, b32)       # (n, V) fp32: one chunk only
             with torch.no_grad(): t_rows = _rows(spec.teacher, r)
             labels = None if spec.labels is None else spec.labels[r]
-            kd, ce = _terms_fn(spec.compiled)(spec.name, logits, t_rows, labels, spec.T, spec.beta, spec.missing)
+            terms = compiled_fn(_token_terms, spec.compiled)   # on CUDA: a few fused kernels, not a dozen passes
+            kd, ce = terms(spec.name, logits, t_rows, labels, spec.T, spec.beta, spec.missing)
             kd, ce = kd.sum(), (ce.sum() if ce is not None else torch.zeros((), device=dev))
             obj = spec.kd_weight * kd + spec.ce_weight * ce
             wrt = [v for v, n in zip((xc, w32, b32), need) if n]

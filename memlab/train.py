@@ -90,8 +90,9 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
                 'after': evals[-1] if evals else None}
     def save(trainer, out):
         if not trainer.is_main: return None
-        if trainer.fsdp:
-            warnings.warn("memlab_train does not write the model of an FSDP run (checkpoints only)"); return None
+        if trainer.fsdp or trainer.deepspeed:
+            warnings.warn(f"memlab_train does not write the model of an {trainer.distributed.upper()} run "
+                          "(checkpoints only)"); return None
         return {'saved': save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)}
     what = f"`{task.model_name_or_path}` trained on `{task.dataset_name}` with memlab_train" + (
         f" (LoRA, r = {task.lora_r})" if task.lora_r else '') + '.'

@@ -20,7 +20,8 @@ from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits
                           objective_loss)
 from .models import load_model, load_tokenizer
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
-from .training import Trainer, TrainConfig, default_output_dir, make_accelerator, run, run_summary
+from .training import (Trainer, TrainConfig, default_output_dir, make_accelerator, resolve_distributed_type, run,
+                             run_summary)
 
 # %% auto 0
 __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',
@@ -209,16 +210,11 @@ def mixer_data(task:MixerTaskConfig, config:MaskedMixerConfig, batch_size:int, s
 FSDP_CONFIG, ZERO_CONFIG = 'data/configs/fsdp_config.yaml', 'data/configs/zero_config.yaml'
 
 def check_launcher():
-    ("Refuse, in one line, a launch that asks for DeepSpeed (accelerate with a ZeRO config): "
-     "memlab's loop shards with FSDP2.")
+    "Refuse, in one line, a DeepSpeed launch where the `deepspeed` package cannot be imported."
     if not str2bool(os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false')): return
-    missing = [why for ok, why in ((torch.cuda.is_available(), 'CUDA GPUs (none found)'),
-                                   (importlib.util.find_spec('deepspeed') is not None,
-                                    'the deepspeed package (not installed)')) if not ok]
-    need = f"it needs {' and '.join(missing)}, and" if missing else 'it needs'
-    raise MemlabError(f"DeepSpeed ZeRO-3 cannot run here: {need} a DeepSpeed engine, "
-                      f"which memlab's training loop does not drive; launch with --config_file {FSDP_CONFIG} instead "
-                      "(FSDP full sharding partitions parameters, gradients and optimizer state as ZeRO-3 does)")
+    check(importlib.util.find_spec('deepspeed') is not None,
+          f"a DeepSpeed launch needs the deepspeed package (pip install deepspeed), or launch with --config_file "
+          f"{FSDP_CONFIG} (FSDP full sharding partitions parameters, gradients and optimizer state as ZeRO-3 does)")
 
 # %% ../nbs/51_train_mixer.ipynb
 from .training import output_card
@@ -239,9 +235,8 @@ def memory_cost(kind:str, config:MaskedMixerConfig) -> tuple:
 def save_trained_model(trainer:Trainer, path, kind:str, config:MaskedMixerConfig):
     ("Save the trained model to `path` with `save_pretrained`; under FSDP, "
      "gather the shards into an unsharded copy first.")
-    if trainer.fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.fsdp or trainer.deepspeed:   # shards (FSDP) or partitions (ZeRO-3) gathered on the main process
+        sd = trainer.full_state_dict()
         if trainer.is_main:
             with torch.device('meta'): copy = model_class(kind)(config)
             copy.load_state_dict(sd, strict=True, assign=True)
@@ -254,7 +249,7 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     ("Train `task.model` as configured on memlab's loop; write results.json, results.md, "
      "loss.png and model/; return the results.")
     check_launcher()
-    acc = make_accelerator(train.mixed_precision)
+    acc = make_accelerator(train.mixed_precision, deepspeed=True)
     tok = None if task.dataset_path else load_tokenizer(task.tokenizer)
     info = data_info(task, tok)
     vocab = task.vocab_size or info.vocab_size
@@ -262,9 +257,9 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     if info.sequence_length is None: info.sequence_length = input_length(task.model, config)
     check_fits(info, task.model, config)
     check(vocab >= info.vocab_size, f"the data's tokenizer has {info.vocab_size} tokens but --vocab_size is {vocab}")
-    check(not (task.decoder_model
-               and (train.distributed_type == 'fsdp' or str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')))),
-          "a pretrained --decoder_model is not supported under FSDP: launch with torchrun (DDP)")
+    sharded = resolve_distributed_type(train.distributed_type) in ('fsdp', 'deepspeed')
+    check(not (task.decoder_model and sharded),
+          "a pretrained --decoder_model is not supported under FSDP or DeepSpeed: launch with torchrun (DDP)")
     check_memory(task, config, acc.device)
     model = build_model(task, config, seed=train.seed)
     loss_fn = autoencoder_loss if task.model == 'autoencoder' else objective_loss(
@@ -300,7 +295,7 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
             if tokenizer is not None and trainer.is_main: tokenizer.save_pretrained(str(out/'model'))
     def describe(trainer):
         return (f"{task.model}: {type(model).__name__}, {n_params:,} parameters ({n_train:,} trainable), "
-                f"{trainer.world_size} process(es){' FSDP' if trainer.fsdp else ''}; data {info.source}, "
+                f"{trainer.world_size} process(es) ({trainer.distributed}); data {info.source}, "
                 f"rows of {info.sequence_length}")
     card = output_card('memlab_mixer', f"A {type(model).__name__} ({task.model}, objective: {objective}) trained with "
                        "memlab_mixer; it loads with transformers' trust_remote_code=True or memlab.load_model.",
@@ -319,7 +314,9 @@ def results_table(res:dict) -> str:
           f"{f['eval_accuracy']:.4f}" if 'eval_accuracy' in f else '—',
           f"{res['information']:.4f}" if 'information' in res else '—',
           f"{res['normalized_loss']:.4f}" if 'normalized_loss' in res else '—', f"{res['parameters']:,}")])
-    lines += ['', f"{run_summary(res)}, {res['processes']} process(es){' (FSDP)' if res['fsdp'] else ''}."]
+    how = res.get('distributed', 'fsdp' if res['fsdp'] else '')
+    how = f" ({'DeepSpeed ZeRO' if how == 'deepspeed' else 'FSDP'})" if how in ('fsdp', 'deepspeed') else ''
+    lines += ['', f"{run_summary(res)}, {res['processes']} process(es){how}."]
     return '\n'.join(lines) + '\n'
 
 # %% ../nbs/51_train_mixer.ipynb

@@ -22,17 +22,18 @@ from .models import enable_activation_checkpointing, to_state_names
 from .schedules import Constant, Cosine, Linear, Polynomial, continue_at, lambda_scheduler
 
 # %% auto 0
-__all__ = ['SCHEDULERS', 'CHECKPOINTS', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'RESUME_FIELDS', 'HUB_ID_PATTERN', 'BUILTIN_HUB_IDS',
-           'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'model_callbacks', 'TrainConfig', 'schedule_of',
-           'get_scheduler', 'BatchList', 'count_targets', 'launched_processes', 'make_accelerator',
-           'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'fingerprint',
-           'check_replicas', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'resume_plan',
-           'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state',
-           'load_pickled_data', 'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer',
-           'EvaluationStopped', 'resume_differences', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile',
-           'GradientStats', 'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history',
-           'standard_results', 'run', 'run_summary', 'hub_model_id', 'base_model_license', 'model_card', 'eval_metrics',
-           'output_card', 'write_model_card']
+__all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'RESUME_FIELDS',
+           'HUB_ID_PATTERN', 'BUILTIN_HUB_IDS', 'LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback',
+           'model_callbacks', 'TrainConfig', 'schedule_of', 'get_scheduler', 'BatchList', 'count_targets',
+           'launched_processes', 'deepspeed_launched', 'make_accelerator', 'resolve_distributed_type',
+           'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'fingerprint', 'check_replicas',
+           'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'resume_plan', 'clear_unfinished_run',
+           'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
+           'load_sharded', 'sharded_metadata', 'Interrupted', 'StopSignals', 'Trainer', 'EvaluationStopped',
+           'resume_differences', 'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats',
+           'ConsolidateZeroState', 'ProfileCallback', 'default_output_dir', 'plot_history', 'standard_results', 'run',
+           'run_summary', 'hub_model_id', 'base_model_license', 'model_card', 'eval_metrics', 'output_card',
+           'write_model_card']
 
 # %% ../nbs/05_training.ipynb
 class LossOutput(NamedTuple):
@@ -85,6 +86,7 @@ def model_callbacks(model:nn.Module) -> list:
 
 # %% ../nbs/05_training.ipynb
 SCHEDULERS = ('linear', 'cosine', 'constant', 'polynomial')
+DISTRIBUTED_TYPES = ('auto', 'ddp', 'fsdp', 'deepspeed')
 
 @dataclass
 class TrainConfig(Config):
@@ -116,8 +118,8 @@ class TrainConfig(Config):
     mixed_precision: str = 'auto'          # auto | no | bf16 | fp16 (autocast; master weights fp32); auto: bf16 where
                                            # measured faster (resolve_precision)
     gradient_checkpointing: bool = False   # recompute activations in backward (non-reentrant)
-    distributed_type: str = 'auto'         # auto | ddp | fsdp (FSDP2, one shard unit per layer); auto = fsdp when
-                                           # launched with an accelerate FSDP config
+    distributed_type: str = 'auto'         # auto | ddp | fsdp (FSDP2, one shard unit per layer) | deepspeed; auto =
+                                           # what the accelerate config launched (FSDP, DeepSpeed), else ddp
     fsdp_layer_cls: list[str] = None       # class names FSDP shards separately (default: the model's decoder layer, or
                                            # the accelerate config's)
     seed: int = 0                          # seed of everything (data order included)
@@ -139,8 +141,8 @@ class TrainConfig(Config):
               f"unknown scheduler {self.scheduler!r}; use one of {', '.join(SCHEDULERS)} "
               "(or pass a scheduler to the Trainer)")
         self.mixed_precision = resolve_precision(self.mixed_precision)
-        check(self.distributed_type in ('auto', 'ddp', 'fsdp'),
-              f"distributed_type must be auto, ddp or fsdp, not {self.distributed_type!r}")
+        check(self.distributed_type in DISTRIBUTED_TYPES,
+              f"distributed_type must be {', '.join(DISTRIBUTED_TYPES[:-1])} or deepspeed, not {self.distributed_type!r}")
         check(self.report_to in ('tensorboard', 'wandb', 'none'),
               f"report_to must be tensorboard, wandb or none, not {self.report_to!r}")
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -209,11 +211,28 @@ def launched_processes() -> int:
     "Number of processes the launcher started (torchrun / accelerate launch set WORLD_SIZE)."
     return int(os.environ.get('WORLD_SIZE', '1'))
 
-def make_accelerator(mixed_precision:str='auto'):
-    "An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms."
-    from accelerate import Accelerator
+def deepspeed_launched() -> bool:
+    "Whether `accelerate launch` was given a DeepSpeed config (it sets ACCELERATE_USE_DEEPSPEED)."
+    from memlab.core import str2bool
+    return str2bool(os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false'))
+
+def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
+    ("An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms; "
+     "`deepspeed`: the caller drives a DeepSpeed engine (others refuse a DeepSpeed launch in one line).")
+    from accelerate import Accelerator, PartialState
+    from memlab.core import str2bool
     mixed_precision = resolve_precision(mixed_precision)
-    if launched_processes() > 1 and not torch.cuda.is_available(): os.environ.setdefault('ACCELERATE_USE_CPU', '1')
+    use_ds = deepspeed_launched()
+    check(deepspeed or not use_ds, "this command does not run under DeepSpeed (memlab drives a DeepSpeed engine for "
+          "memlab_mixer; the other methods read weights that ZeRO-3 partitions): launch with --config_file "
+          "data/configs/fsdp_config.yaml (FSDP full sharding partitions parameters, gradients and optimizer state as "
+          "ZeRO-3 does)")
+    if launched_processes() > 1 and not torch.cuda.is_available():
+        check(not (use_ds and str2bool(os.environ.get('ACCELERATE_USE_CPU', 'false'))),
+              "ACCELERATE_USE_CPU=1 turns accelerate's DeepSpeed off: unset it to run DeepSpeed on CPUs")
+        # accelerate counts DeepSpeed's CPU processes only when the backend is named (else it reports 1 process)
+        if use_ds: PartialState(backend='gloo')
+        else: os.environ.setdefault('ACCELERATE_USE_CPU', '1')
     held = accelerator_precision()
     if held is not None and held != mixed_precision:
         # accelerate keeps one precision per process; runs in sequence (a notebook, the demo) may each choose their own.
@@ -224,11 +243,16 @@ def make_accelerator(mixed_precision:str='auto'):
     check(acc.num_processes == launched_processes(),
           f"launched as {launched_processes()} processes but accelerate formed a group of {acc.num_processes}: "
           f"each process would train alone; on CPU set ACCELERATE_USE_CPU=1, on GPU check the launcher")
+    from accelerate.utils import DistributedType
+    check(not use_ds or acc.distributed_type == DistributedType.DEEPSPEED,
+          f"launched with a DeepSpeed config but accelerate chose {acc.distributed_type.value}: check the launch")
     return acc
 
 def resolve_distributed_type(kind:str='auto') -> str:
-    "`auto` becomes fsdp when `accelerate launch` was given an FSDP config (it sets ACCELERATE_USE_FSDP), else ddp."
+    ("`auto` becomes fsdp or deepspeed when `accelerate launch` was given such a config (it sets ACCELERATE_USE_FSDP "
+     "or ACCELERATE_USE_DEEPSPEED), else ddp.")
     if kind != 'auto': return kind
+    if deepspeed_launched(): return 'deepspeed'
     from memlab.core import str2bool
     return 'fsdp' if str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')) else 'ddp'
 
@@ -300,6 +324,8 @@ def check_replicas(fp:list, world:int, what:str='weights') -> list:
 
 # %% ../nbs/05_training.ipynb
 CHECKPOINTS = 'checkpoints'
+
+DEEPSPEED_TAG = 'deepspeed'   # the engine's files in a checkpoint folder
 
 def _step_dir(step:int) -> str: return f"step-{step:08d}"
 
@@ -574,7 +600,7 @@ class Trainer:
         callbacks = given + [cb for cb in model_callbacks(model) if not any(type(c) is type(cb) for c in given)]
         self.callbacks = sorted(callbacks, key=lambda c: getattr(c, 'order', 0))
         self.run_config = run_config or {}
-        self.accelerator = accelerator or make_accelerator(config.mixed_precision)
+        self.accelerator = accelerator or make_accelerator(config.mixed_precision, deepspeed=True)
         self.world_size = self.accelerator.num_processes
         self.accum = config.accumulation_steps(self.world_size)
         self._check_output_dir()
@@ -616,7 +642,15 @@ class Trainer:
     def _prepare(self, model):
         c, acc = self.config, self.accelerator
         if c.gradient_checkpointing: enable_activation_checkpointing(model)
-        self.fsdp = resolve_distributed_type(c.distributed_type) == 'fsdp' and self.world_size > 1
+        from accelerate.utils import DistributedType
+        kind = resolve_distributed_type(c.distributed_type)
+        self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED   # one process of it is DeepSpeed too
+        launch = ('a DeepSpeed one' if self.deepspeed else
+                  'not a DeepSpeed one (accelerate launch --config_file data/configs/zero_config.yaml)')
+        check(self.deepspeed == (kind == 'deepspeed'),
+              f"distributed_type is {c.distributed_type} but the launch was {launch}: make them agree")
+        self.fsdp = kind == 'fsdp' and self.world_size > 1
+        if self.deepspeed: return self._prepare_deepspeed(model)
         if self.fsdp:
             self.model = apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls)
             self.unwrapped_model = self.model
@@ -628,17 +662,24 @@ class Trainer:
             self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
         self._build_optimizer()
 
-    def _build_optimizer(self, keep_step:int=None):
+    def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
         c = self.config
         if self._given_optimizer is not None and keep_step is None: opt = self._given_optimizer
-        elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(self.model, c.weight_decay))
+        elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(model, c.weight_decay))
         else:
-            opt = torch.optim.AdamW(_decay_groups(self.model, c.weight_decay), lr=c.lr,
+            opt = torch.optim.AdamW(_decay_groups(model, c.weight_decay), lr=c.lr,
                                     betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
         for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
+        return opt
+
+    def _build_optimizer(self, keep_step:int=None):
+        opt = self._new_optimizer(self.model, keep_step)
         self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
+        self._set_schedule(opt, keep_step)
+
+    def _set_schedule(self, opt, keep_step:int=None):
         self.optimizer = opt
-        if self._scheduler_fn is None: sched = get_scheduler(opt, c, start_step=keep_step or 0)
+        if self._scheduler_fn is None: sched = get_scheduler(opt, self.config, start_step=keep_step or 0)
         else:
             sched = self._scheduler_fn(opt)
             if keep_step: continue_at(sched, keep_step)               # continue the schedule where it was
@@ -657,12 +698,55 @@ class Trainer:
 
 # %% ../nbs/05_training.ipynb
 @patch_to(Trainer)
+def _prepare_deepspeed(self, model):
+    "Hand `model` and its optimizer to DeepSpeed through accelerate; the engine's settings come from memlab's config."
+    c, acc = self.config, self.accelerator
+    check(not (c.mixed_precision == 'fp16' and self._given_optimizer is not None), "fp16 under DeepSpeed needs "
+          "the optimizer built by the loop (its loss scaler wraps it): pass optimizer=None or a function")
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    want = {'train_micro_batch_size_per_gpu': c.per_device_batch_size, 'gradient_accumulation_steps': self.accum,
+            'train_batch_size': c.per_device_batch_size * self.world_size * self.accum,
+            'gradient_clipping': float(c.max_grad_norm or 0.0)}
+    # reported where the launch config set another value (1 accumulation step is what accelerate writes by default)
+    overridden = [f"{k} {ds[k]} -> {v}" for k, v in want.items() if ds.get(k, 'auto') not in ('auto', v)
+                  and not (k == 'gradient_accumulation_steps' and ds[k] == 1)]
+    if overridden and self.is_main:
+        print(f"memlab: memlab's flags replace the DeepSpeed config's {'; '.join(overridden)}", flush=True)
+    ds.update(want)
+    zero = ds.setdefault('zero_optimization', {})
+    if zero.get('stage') == 3: zero['stage3_gather_16bit_weights_on_model_save'] = True   # full_state_dict gathers
+    acc.gradient_accumulation_steps = self.accum   # accelerate reads the engine's from the plugin it built earlier
+    opt = self._new_optimizer(model)
+    self.model, self._acc_optimizer = acc.prepare(model, opt)
+    self.unwrapped_model = self.model.module
+    self._set_schedule(opt)
+
+@patch_to(Trainer)
+def full_state_dict(self) -> dict:
+    ("The trained model's full state dict on the main process (FSDP's shards and ZeRO-3's partitions gathered: a "
+     "collective, so every process calls it); other processes get an empty dict.")
+    if self.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif self.deepspeed: sd = self.accelerator.get_state_dict(self.model)
+    else: sd = self.unwrapped_model.state_dict()
+    return sd if self.is_main else {}
+
+def _distributed(self) -> str:
+    "How the processes share the work: 'deepspeed', 'fsdp', 'ddp' or 'none' (one process)."
+    return 'deepspeed' if self.deepspeed else 'fsdp' if self.fsdp else 'ddp' if self.world_size > 1 else 'none'
+Trainer.distributed = property(_distributed)
+# what a checkpoint records, and a resume must match
+Trainer._checkpoint_kind = property(lambda self: 'deepspeed' if self.deepspeed else 'fsdp' if self.fsdp else 'ddp')
+
+# %% ../nbs/05_training.ipynb
+@patch_to(Trainer)
 def reconfigure(self, modify):
     """Change the model mid-run (e.g. switch from full-rank warm start to ReLoRA): `modify(unwrapped_model)` edits it in
     place; the model is re-wrapped for DDP (its set of trainable parameters changed) and a fresh optimizer is built
     whose schedule continues at the current step (`replace_optimizer` can then install a method's own)."""
-    check(not self.fsdp,
-          "reconfigure is not supported under FSDP (parameters are sharded); warm-start from a checkpoint instead")
+    check(not (self.fsdp or self.deepspeed), f"reconfigure is not supported under {self.distributed.upper()} "
+          "(parameters are sharded); warm-start from a checkpoint instead")
     model = self.accelerator.unwrap_model(self.model)
     self.accelerator._models.clear(); self.accelerator._optimizers.clear()
     modify(model)
@@ -674,6 +758,7 @@ def reconfigure(self, modify):
 def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
     """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured
     schedule, continuing at the current step)."""
+    check(not self.deepspeed, "replace_optimizer is not supported under DeepSpeed (the engine owns the optimizer)")
     self.accelerator._optimizers.clear()
     for g in optimizer.param_groups: g.setdefault('initial_lr', g['lr'])
     self._acc_optimizer = self.accelerator.prepare_optimizer(optimizer)
@@ -687,7 +772,8 @@ def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
 @patch_to(Trainer)
 def _sync_context(self, last:bool):
     import contextlib
-    if last or self.world_size == 1: return contextlib.nullcontext()
+    # DeepSpeed's engine knows the update's last micro-batch itself (set_gradient_accumulation_boundary)
+    if last or self.world_size == 1 or self.deepspeed: return contextlib.nullcontext()
     if self.fsdp:
         model = self.model
         @contextlib.contextmanager
@@ -718,22 +804,38 @@ def train_step(self, micro_batches:list) -> dict:
             with self.accelerator.autocast():
                 out = self.loss_fn(self.model, batch)
                 loss = out.loss_sum * self.world_size / n_global
-            self.accelerator.backward(loss)
+            if self.deepspeed: self._engine_backward(loss, last=i == len(micro_batches) - 1)
+            else: self.accelerator.backward(loss)
         loss_sum += out.loss_sum.detach().float()
         for k, v in out.logs.items():
             log_sums[k] = log_sums.get(k, 0.0) + torch.as_tensor(v).detach().float().to(loss_sum.device)
         del out, loss
     self._event('on_before_optimizer_step')
-    grad_norm = self._clip()
-    self._acc_optimizer.step()
+    if self.deepspeed:      # the engine clips, steps and zeroes the gradients
+        self.model.step()
+        grad_norm, skipped = self.model.get_global_grad_norm(), not self.model.was_step_applied()
+        grad_norm = None if grad_norm is None else float(grad_norm)
+    else:
+        grad_norm = self._clip()
+        self._acc_optimizer.step()
+        skipped = getattr(self._acc_optimizer, 'step_was_skipped', False)
     # fp16's loss scaler skips an update whose gradients overflowed: the schedule waits for it (as the HF Trainer)
-    if not getattr(self._acc_optimizer, 'step_was_skipped', False): self.scheduler.step()
-    self._acc_optimizer.zero_grad(set_to_none=True)
+    if not skipped: self.scheduler.step()
+    if not self.deepspeed: self._acc_optimizer.zero_grad(set_to_none=True)
     n = n_global.item()
     res = {'loss': (self._reduce(loss_sum) / n).item(), 'tokens': int(n)}
     for k, v in log_sums.items(): res[k] = (self._reduce(v) / n).item()
     if grad_norm is not None: res['grad_norm'] = grad_norm
     return res
+
+@patch_to(Trainer)
+def _engine_backward(self, loss, last:bool):
+    ("DeepSpeed's backward of one micro-batch: `loss` is already this micro-batch's share of the update's mean, so "
+     "the engine must not divide it by the accumulation steps again; a micro-batch that ends no update also "
+     "goes through `engine.step()`, which only counts it.")
+    self.model.set_gradient_accumulation_boundary(is_boundary=last)
+    self.model.backward(loss, scale_wrt_gas=False)
+    if not last: self.model.step()
 
 @patch_to(Trainer)
 def _clip(self):
@@ -759,7 +861,7 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
     max_steps = self.config.max_eval_steps if max_steps is None else max_steps
     self._event('on_evaluate_begin')
     # DDP's wrapper syncs buffers per forward: not needed here
-    model = self.model if self.fsdp else self.unwrapped_model
+    model = self.model if (self.fsdp or self.deepspeed) else self.unwrapped_model
     was_training = model.training; model.eval()
     loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
     logs = {}
@@ -851,6 +953,8 @@ def _write_checkpoint(self) -> Path:
         from torch.distributed.checkpoint.state_dict import get_state_dict
         msd, osd = get_state_dict(self.model, self.optimizer)
         dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
+    elif self.deepspeed:    # every process writes its partitions (DeepSpeed's own format)
+        self.model.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
     elif self.is_main:
         from safetensors.torch import save_model
         save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
@@ -864,7 +968,7 @@ def _write_checkpoint(self) -> Path:
     acc.wait_for_everyone()
     if self.is_main:
         state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
-                 'distributed_type': 'fsdp' if self.fsdp else 'ddp', 'history': self.history, 'config': c.to_dict()}
+                 'distributed_type': self._checkpoint_kind, 'history': self.history, 'config': c.to_dict()}
         atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
         import shutil
         if final.exists(): shutil.rmtree(final)
@@ -898,7 +1002,7 @@ def load_checkpoint(self, path):
     check(state['world_size'] == self.world_size,
           f"{path} was written by {state['world_size']} process(es); resume it with the same number "
           f"(now {self.world_size})")
-    check(state['distributed_type'] == ('fsdp' if self.fsdp else 'ddp'),
+    check(state['distributed_type'] == self._checkpoint_kind,
           f"{path} was written under {state['distributed_type']}; resume it the same way")
     changed = resume_differences(state.get('config') or {}, self.config, self.world_size)
     check(not changed, f"{path} was trained with other settings ({'; '.join(changed)}): a resume continues the run "
@@ -917,6 +1021,11 @@ def load_checkpoint(self, path):
         sd = {'model': msd, 'optimizer': osd}
         load_sharded(sd, path/'sharded')
         set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
+    elif self.deepspeed:
+        check((path/DEEPSPEED_TAG).is_dir(), f"{path} holds no DeepSpeed checkpoint ({DEEPSPEED_TAG}/)")
+        loaded, _ = self.model.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_module_strict=True,
+                                               load_optimizer_states=True, load_lr_scheduler_states=False)
+        check(loaded is not None, f"DeepSpeed could not load the checkpoint in {path/DEEPSPEED_TAG}")
     else:
         sd = read_safetensors(path/'model.safetensors')
         # save_model stored tied weights once: restore the aliases before the strict check
@@ -1140,7 +1249,8 @@ def standard_results(trainer:Trainer, history:list) -> dict:
     return {'steps': trainer.step, 'train_tokens': trainer.tokens_seen,
             'tokens_per_s': sum(h['tokens_per_s'] for h in logs) / len(logs) if logs else None,
             'peak_memory_mib': max((h['peak_memory_mib'] for h in logs), default=None),
-            'processes': trainer.world_size, 'fsdp': trainer.fsdp, 'mixed_precision': trainer.config.mixed_precision,
+            'processes': trainer.world_size, 'fsdp': trainer.fsdp, 'distributed': trainer.distributed,
+            'mixed_precision': trainer.config.mixed_precision,
             'final': evals[-1] if evals else None}
 
 def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, describe=None, final=None, results=None,

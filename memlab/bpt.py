@@ -753,7 +753,10 @@ class BPTLossHooks:
         self._calls.append(None)  # first: `_after` runs even when the forward fails, and pops one entry per call
         names = _positional_names(type(module))
         kw = {**dict(zip(names, args)), **kwargs}
-        if len(args) > len(names) or kw.get('labels') is None or not self.takes_over(): return None
+        # not ours: no labels, inside full_logits, or a caller that fuses the head into its loss itself (TRL's trainers
+        # call model(..., fused_lm_head=True) and compute chunked log-probabilities from the hidden states)
+        if (len(args) > len(names) or kw.get('labels') is None or kw.get('fused_lm_head')
+                or not self.takes_over()): return None
         labels = kw.pop('labels')                 # so Hugging Face computes no loss of its own
         self._calls[-1] = {'labels': labels, 'keep': kw.get('logits_to_keep', 0), 'ignore_index': -100,
                            **{k: kw.pop(k) for k in _LOSS_KWARGS if k in kw}}

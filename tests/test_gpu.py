@@ -101,6 +101,28 @@ def test_distill_compiled_chunks_and_measured_size_on_cuda():
     r = measure_chunk_size(3000, DEV, n_tokens=1024)
     assert r['chunk_size'] in r['times'] and auto_chunk_size(3000, device=DEV) >= 16
 
+def test_distill_fused_head_in_bf16_on_cuda():
+    """The fused KD loss (student and teacher as Hidden) under bf16 autocast multiplies its heads in bf16 as the models would:
+    its value and gradients match the naive loss on bf16 logits, and it holds neither the logits nor fp32 copies of the heads."""
+    from memlab.distill.losses import Hidden, loss_sum
+    g = torch.Generator(device=DEV).manual_seed(0)
+    N, C, V = 2048, 512, 32000
+    hs = torch.randn(N, C, generator=g, device=DEV, requires_grad=True)
+    ws = (torch.randn(V, C, generator=g, device=DEV) / C ** 0.5).requires_grad_()
+    ht, wt = torch.randn(N, C, generator=g, device=DEV), torch.randn(V, C, generator=g, device=DEV) / C ** 0.5
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        naive = F.kl_div(F.linear(hs, ws).float().log_softmax(-1), F.linear(ht, wt).float().log_softmax(-1),
+                         log_target=True, reduction='sum')   # KL(teacher || student) summed over tokens
+    gn = torch.autograd.grad(naive, (hs, ws))
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        fused, _ = loss_sum('kl', Hidden(hs, ws), Hidden(ht, wt), chunk_size=256)
+    gf = torch.autograd.grad(fused, (hs, ws))
+    extra = torch.cuda.max_memory_allocated() - base
+    assert torch.allclose(fused, naive, rtol=2e-3)
+    for a, b in zip(gf, gn): assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+    assert extra < N * V * 4 / 2   # the fp32 head gradient and chunks of 256 rows: less than half the student's fp32 logits
+
 def test_mixer_assert_causal_on_cuda():
     "The causality check takes CUDA input (its random tokens are drawn on the CPU and moved)."
     from memlab.mixer import assert_causal

@@ -15,7 +15,7 @@ from ..core import MemlabError, check, compiled_fn
 from ..training import Callback
 
 # %% auto 0
-__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'divergence', 'Hidden', 'TopK', 'vocab_of', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'auto_chunk_size', 'measure_chunk_size', 'TeacherConfidence', 'teacher_top1']
+__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'divergence', 'Hidden', 'TopK', 'head_dtype', 'vocab_of', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'auto_chunk_size', 'measure_chunk_size', 'TeacherConfidence', 'teacher_top1']
 
 # %% ../../nbs/41_distill.ipynb 7
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -79,11 +79,20 @@ def _log_probs(s_logits, teacher, T:float, missing:str='zero'):
     return ls_b, lt_b
 
 # %% ../../nbs/41_distill.ipynb 13
-def _rows(x, rows):
-    "Rows `rows` of a flattened input: logits (N, V) → (n, V) fp32; `Hidden` → its logits for those rows in fp32."
+def head_dtype(states:torch.Tensor, weight:torch.Tensor=None) -> torch.dtype:
+    ("The dtype an LM head multiplies in: autocast's where it is on (as the model's own head would), else the "
+     "inputs' (fp32 states and a bf16 head: fp32).")
+    dev = states.device.type
+    if torch.is_autocast_enabled(dev): return torch.get_autocast_dtype(dev)
+    return states.dtype if weight is None else torch.promote_types(states.dtype, weight.dtype)
+
+def _rows(x, rows, mm:torch.dtype=None):
+    ("Rows `rows` of a flattened input: logits (N, V) → (n, V) fp32; `Hidden` → its logits for those rows, the "
+     "product in `mm` (default: the inputs' dtype), the result fp32.")
     if x is None: return None   # no teacher (a CE-only objective)
     if isinstance(x, Hidden):
-        return F.linear(x.states[rows].float(), x.weight.float(), None if x.bias is None else x.bias.float())
+        mm = mm or torch.promote_types(x.states.dtype, x.weight.dtype)
+        return F.linear(x.states[rows].to(mm), x.weight.to(mm), None if x.bias is None else x.bias.to(mm)).float()
     if isinstance(x, TopK): return TopK(x.indices[rows], x.logprobs[rows])
     return x[rows].float()
 
@@ -118,31 +127,35 @@ def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
 # %% ../../nbs/41_distill.ipynb 15
 class _ObjectiveSpec(NamedTuple):
     name: str; teacher: object; rows: torch.Tensor; labels: object; T: float; beta: float; missing: str
-    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object
+    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object; head_dtype: torch.dtype
 
 def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
     ("Sums of the weighted objective, the distillation term and the CE over `spec.rows`, with gradients w.r.t. "
      "(x, w, b) where `need`.")
     dev = x.device
     gx = torch.zeros_like(x) if need[0] else None
-    # one fp32 copy of the head, shared by all chunks
-    w32 = None if w is None else w.detach().float().requires_grad_(need[1])
-    b32 = None if b is None else b.detach().float().requires_grad_(need[2])
-    gw = torch.zeros_like(w32) if need[1] else None
-    gb = torch.zeros_like(b32) if need[2] else None
+    # the head in the dtype it multiplies in (a copy only if that differs from its own), shared by all chunks; the
+    # logits are fp32 from there on. Gradients accumulate in fp32 for an fp32 head, else in the head's dtype (as
+    # Liger's fused losses: a 16-bit head's fp32 gradient buffer would double its memory)
+    mm = spec.head_dtype
+    w_mm = None if w is None else w.detach().to(mm).requires_grad_(need[1])
+    b_mm = None if b is None else b.detach().to(mm).requires_grad_(need[2])
+    acc = lambda p: torch.float32 if p.dtype == torch.float32 else p.dtype
+    gw = torch.zeros(w.shape, dtype=acc(w), device=w.device) if need[1] else None
+    gb = torch.zeros(b.shape, dtype=acc(b), device=b.device) if need[2] else None
     total, kd_sum, ce_sum = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
     for start in range(0, spec.rows.numel(), spec.chunk_size):
         r = spec.rows[start:start + spec.chunk_size]
         with torch.enable_grad(), torch.autocast(dev.type, enabled=False):
             xc = x[r].detach().requires_grad_(need[0])  # (n, V) logits or (n, C) hidden
-            logits = xc.float() if w32 is None else F.linear(xc.float(), w32, b32)       # (n, V) fp32: one chunk only
+            logits = xc.float() if w_mm is None else F.linear(xc.to(mm), w_mm, b_mm).float()  # (n, V) fp32: one chunk
             with torch.no_grad(): t_rows = _rows(spec.teacher, r)
             labels = None if spec.labels is None else spec.labels[r]
             terms = compiled_fn(_token_terms, spec.compiled)   # on CUDA: a few fused kernels, not a dozen passes
             kd, ce = terms(spec.name, logits, t_rows, labels, spec.T, spec.beta, spec.missing)
             kd, ce = kd.sum(), (ce.sum() if ce is not None else torch.zeros((), device=dev))
             obj = spec.kd_weight * kd + spec.ce_weight * ce
-            wrt = [v for v, n in zip((xc, w32, b32), need) if n]
+            wrt = [v for v, n in zip((xc, w_mm, b_mm), need) if n]
             grads = list(torch.autograd.grad(obj, wrt)) if wrt else []
         if need[0]: gx[r] = grads.pop(0).to(gx.dtype)
         if need[1]: gw += grads.pop(0)
@@ -211,22 +224,24 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
     rows = mask.reshape(-1).nonzero().squeeze(1)                                     # (n,) indices of valid tokens
     labels_flat = None if labels is None else labels.reshape(-1)
     s, t = _flatten(student), _flatten(teacher)
-    # one fp32 copy of the teacher's head instead of one per chunk
-    if isinstance(t, Hidden) and t.weight.dtype != torch.float32:
-        t = Hidden(t.states, t.weight.float(), None if t.bias is None else t.bias.float())
+    # each head multiplies in its own dtype, or autocast's: the teacher's is cast once here, not once per chunk
+    if isinstance(t, Hidden):
+        tm = head_dtype(t.states, t.weight)
+        t = Hidden(t.states.to(tm), t.weight.to(tm), None if t.bias is None else t.bias.to(tm))
     x, w, b = (s.states, s.weight, s.bias) if isinstance(s, Hidden) else (s, None, None)
+    mm = head_dtype(x, w)
     n = torch.tensor(rows.numel(), device=rows.device)
     if not chunk_size:  # dense reference: plain autograd over all valid rows at once
         every = slice(None) if rows.numel() == mask.numel() else rows   # every row valid: views, no gathered copies
         with torch.autocast(x.device.type, enabled=False):
-            kd, ce = _token_terms(name, _rows(s, every), _rows(t, every),
+            kd, ce = _token_terms(name, _rows(s, every, mm), _rows(t, every),
                                   None if labels is None else labels_flat[every], temperature, beta, missing)
         kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=x.device)
         return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach(), n
     # compiled chunks by default where the elementwise passes cost most: on CUDA
     compiled = x.device.type == 'cuda' if compiled is None else compiled
     spec = _ObjectiveSpec(name, t, rows, labels_flat, temperature, beta, missing, kd_weight, ce_weight, chunk_size,
-                          torch.is_grad_enabled(), compiled)
+                          torch.is_grad_enabled(), compiled, mm)
     total, kd, ce = _ChunkedObjective.apply(x, w, b, spec)
     return total, kd, ce, n
 

@@ -29,9 +29,9 @@ from .training import LossOutput, model_inputs
 __all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'remat',
            'torch_block', 'sdpa_block', 'flash_block', 'key_blocks', 'blockwise_attention', 'resolve_kernel',
            'native_attention', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy', 'BPTConfig',
-           'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer', 'fused_causal_lm_loss',
-           'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss',
-           'set_mmap_threshold']
+           'bpt_attention', 'bpt_attention_mask', 'BPTDecoderLayer', 'BPTRematLayer', 'OffloadActivations',
+           'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits',
+           'bpt_causal_lm_loss', 'set_mmap_threshold']
 
 # %% ../nbs/10_bpt.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -546,6 +546,8 @@ class BPTConfig(Config):
     compile: object = False                  # torch.compile each decoder layer's training forward (True: inductor, or a
                                              # backend's name): fuses the norms', rotary embedding's and SwiGLU's
                                              # elementwise work, as Liger Kernel does by hand; compiles on the first step
+    offload: bool = False                    # keep each layer's checkpoint (its input) and the fused loss's gradient in
+                                             # host memory until backward (CUDA: pinned copies on a side stream)
 
     def __post_init__(self):
         for name in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size'):
@@ -683,9 +685,10 @@ class BPTDecoderLayer(TransparentWrapper):
 class BPTRematLayer(TransparentWrapper):
     ("Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`, its training "
      "forward `torch.compile`d when `compile` names a backend (True: inductor); a KV cache bypasses both.")
-    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False):
+    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False, offload:bool=False):
         super().__init__(base_layer)
         self.remat_policy, self.compile = remat_policy, compile
+        self.offload = OffloadActivations() if offload else None   # what the checkpoint saves waits in host memory
         # through the module's own call, so its hooks run (FSDP's unshard); compiled as a function, not a module (a
         # compiled module would register as a submodule, and its state twice)
         def call(*args, **kwargs): return base_layer(*args, **kwargs)
@@ -697,10 +700,45 @@ class BPTRematLayer(TransparentWrapper):
         # recomputation would append to a KV cache twice: a training
         # step does not keep one (as Hugging Face's own checkpointing)
         if kwargs.get('past_key_values') is not None: kwargs = {**kwargs, 'past_key_values': None, 'use_cache': False}
-        return self._step(*args, **kwargs)
+        if self.offload is None: return self._step(*args, **kwargs)
+        with self.offload: return self._step(*args, **kwargs)
 
     def extra_repr(self):
-        return f"remat_policy={self.remat_policy!r}" + (f", compile={self.compile!r}" if self.compile else '')
+        return (f"remat_policy={self.remat_policy!r}" + (f", compile={self.compile!r}" if self.compile else '')
+                + (", offload=True" if self.offload is not None else ''))
+
+# %% ../nbs/10_bpt.ipynb
+_OFFLOAD_STREAMS = {}   # one side stream per device for the copies to host
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    ("Within it, tensors autograd saves for backward (parameters and tensors under `min_bytes` excepted) wait in host "
+     "memory until backward needs them: on CUDA pinned copies made on a side stream; elsewhere they stay (`copy=True`: "
+     "copied, to test the round trip). `bytes` counts what it took.")
+    def __init__(self, min_bytes:int=1 << 20, copy:bool=False):
+        self.min_bytes, self.copy, self.bytes = min_bytes, copy, 0
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t:torch.Tensor):
+        size = t.numel() * t.element_size()
+        if isinstance(t, nn.Parameter) or t.layout != torch.strided or size < self.min_bytes: return t
+        self.bytes += size
+        if t.device.type == 'cuda':
+            s = _OFFLOAD_STREAMS.get(t.device) or _OFFLOAD_STREAMS.setdefault(t.device, torch.cuda.Stream(t.device))
+            s.wait_stream(torch.cuda.current_stream(t.device))      # t is complete before the copy starts
+            with torch.cuda.stream(s):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                done = torch.cuda.Event(); done.record(s)
+            t.record_stream(s)              # its device block is not reused before the copy ends
+            return ('host', t.device, host, done)
+        return ('copy', t.clone()) if self.copy else t
+
+    def _unpack(self, packed):
+        if not isinstance(packed, tuple): return packed
+        if packed[0] == 'copy': return packed[1]
+        _, device, host, done = packed
+        torch.cuda.current_stream(device).wait_event(done)       # the copy to host has finished
+        return host.to(device, non_blocking=True)
 
 # %% ../nbs/10_bpt.ipynb
 def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int,
@@ -736,9 +774,11 @@ _LOSS_KWARGS = ('shift_labels', 'num_items_in_batch', 'ignore_index')
 class BPTLossHooks:
     ("Hooks making a causal LM's `model(..., labels=...)` compute its loss by the fused chunked head: "
      "no (B, T, V) logits.")
-    def __init__(self, model:nn.Module, chunk_size:int):
+    def __init__(self, model:nn.Module, chunk_size:int, offload:bool=False):
         _fused_head(model)
         self.model, self.chunk_size, self.dense = model, chunk_size, 0   # dense > 0: inside `full_logits`
+        # the loss's gradient of the hidden states (B·T, C), kept for backward, waits in host memory
+        self.offload = OffloadActivations() if offload else contextlib.nullcontext()
         self._calls = []                          # one entry per call in flight: None (not ours) or what its loss needs
         self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                          model.base_model.register_forward_hook(self._capture),
@@ -779,7 +819,7 @@ class BPTLossHooks:
         check('hidden' in call, f"BPT's fused loss saw no output of {type(module.base_model).__name__}; call with "
               f"head_chunk_size and loss_chunk_size -1, or inside full_logits(model)")
         hidden, head, keep = call['hidden'], module.get_output_embeddings(), call['keep']
-        with torch.autocast(**call['autocast']):
+        with torch.autocast(**call['autocast']), self.offload:
             loss = fused_causal_lm_loss(hidden, head.weight, call['labels'], self.chunk_size,
                                         call.get('num_items_in_batch'), call['ignore_index'], call.get('shift_labels'))
             # asked-for positions
@@ -853,11 +893,12 @@ def add_bpt(model, config:BPTConfig=None):
             replaced.append((layer, 'mlp', layer.mlp))
             layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
     remat_layers = config.layer_remat and config.remat_policy != 'everything_saveable'
-    if remat_layers or config.compile:
+    if remat_layers or config.compile or config.offload:
         policy = config.remat_policy if remat_layers else 'everything_saveable'    # compiled without remat
         for i, layer in enumerate(layers):
-            replaced.append((layers, str(i), layer)); layers[i] = BPTRematLayer(layer, policy, config.compile)
-    loss_hooks = BPTLossHooks(hf, config.lm_chunk_size) if config.lm_chunk_size != -1 else None
+            replaced.append((layers, str(i), layer))
+            layers[i] = BPTRematLayer(layer, policy, config.compile, config.offload)
+    loss_hooks = (BPTLossHooks(hf, config.lm_chunk_size, config.offload) if config.lm_chunk_size != -1 else None)
     setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks))
     attach_method(hf, 'bpt', config.to_dict())
     return model

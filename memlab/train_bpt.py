@@ -159,6 +159,8 @@ class LlamaBPTArgs(Config):
                                              # remat_policy (as the reference remats each block)
     compile: bool = False                    # memlab: torch.compile each decoder layer's training forward (inductor;
                                              # fuses norm, rotary and SwiGLU work on a GPU; compiles on the first step)
+    offload: bool = False                    # memlab: keep each layer's checkpoint and the loss's saved gradient in host
+                                             # memory until backward (CUDA: pinned copies on a side stream)
 
     def __post_init__(self):
         check(self.max_sequence_length is None or self.max_sequence_length >= 1,

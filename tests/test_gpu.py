@@ -123,6 +123,32 @@ def test_distill_fused_head_in_bf16_on_cuda():
     for a, b in zip(gf, gn): assert (a - b).abs().max() <= 2e-2 * b.abs().max()
     assert extra < N * V * 4 / 2   # the fp32 head gradient and chunks of 256 rows: less than half the student's fp32 logits
 
+def test_bpt_offload_on_cuda():
+    """BPT with its checkpoints offloaded to pinned host memory: the same loss and gradients, less device memory at the peak."""
+    import transformers
+    from memlab.bpt import BPTConfig, add_bpt
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=4096, max_position_embeddings=16384)
+    ids = torch.randint(0, 4096, (1, 16384), generator=torch.Generator().manual_seed(0)).to(DEV)
+    res = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(cfg).to(DEV).train()
+        add_bpt(m, BPTConfig(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024,
+                             offload=offload))
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward(); torch.cuda.synchronize()
+        res.append((loss.item(), {n: p.grad.float().clone() for n, p in m.named_parameters()},
+                    torch.cuda.max_memory_allocated() - base))
+        del m
+    (l0, g0, p0), (l1, g1, p1) = res
+    # the same numbers (only where the checkpoints wait changed), up to CUDA's non-deterministic gradient reductions
+    assert abs(l1 - l0) <= 1e-6 * abs(l0)
+    for n in g0: torch.testing.assert_close(g1[n], g0[n], rtol=1e-3, atol=1e-5, msg=n)
+    assert p1 < p0, (p0, p1)
+
 def test_mixer_assert_causal_on_cuda():
     "The causality check takes CUDA input (its random tokens are drawn on the CPU and moved)."
     from memlab.mixer import assert_causal

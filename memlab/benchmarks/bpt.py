@@ -19,8 +19,9 @@ __all__ = ['BENCH_BPT', 'BENCH_CONFIGS', 'STEP_CONFIGS', 'GPU_CONFIGS', 'ALLOCAT
 # BPT's setting in the benchmark
 BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)
 BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
-STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits', 'bpt compiled')      # what step_measurement measures
-GPU_CONFIGS = ('sdpa + ckpt', 'bpt natural', 'bpt compiled')   # on a GPU: the natural call, its layers also compiled
+STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits', 'bpt compiled', 'bpt offload')  # what step_measurement measures
+# on a GPU: the natural call, its layers also compiled, its checkpoints offloaded to host memory
+GPU_CONFIGS = ('sdpa + ckpt', 'bpt natural', 'bpt compiled', 'bpt offload')
 ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}  # the benchmark's mmap thresholds (0: glibc's own)
 # on a GPU: the README's configuration (every chunk 1024), the GPU probe's Llama (886M parameters, vocabulary 128256)
 GPU_BPT = dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024)
@@ -49,7 +50,8 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
     fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
     m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').to(device).train()
     if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
-    if config.startswith('bpt'): add_bpt(m, BPTConfig(**(bpt or BENCH_BPT), compile=config == 'bpt compiled'))
+    if config.startswith('bpt'):
+        add_bpt(m, BPTConfig(**(bpt or BENCH_BPT), compile=config == 'bpt compiled', offload=config == 'bpt offload'))
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (1, seq_len + 1), generator=g).to(device)
@@ -91,8 +93,9 @@ def benchmark(quick:bool=False, device:str='cpu'):
     from memlab.bench import run_isolated
     rows = []
     if torch.device(device).type != 'cpu':
-        for T in ((8192,) if quick else (8192, 32768)):
-            for c in GPU_CONFIGS:
+        # 128K: past SDPA + checkpointing (its logits alone need 157 GiB), where offloading should matter most
+        for T in ((8192,) if quick else (8192, 32768, 131072)):
+            for c in (GPU_CONFIGS if T < 131072 else ('bpt natural', 'bpt offload')):
                 r = run_isolated('memlab.benchmarks.bpt:step_measurement', 'gpu', T, c, repeats=1 if quick else 3,
                                  bpt=GPU_BPT, device=device)
                 rows.append({'config': c, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})

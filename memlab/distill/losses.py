@@ -292,7 +292,7 @@ def cos_loss(student_logits, teacher_logits, mask=None, temperature:float=1.0, *
 LOSSES = {'kl': kl_loss, 'reverse_kl': reverse_kl_loss, 'jsd': jsd_loss, 'tvd': tvd_loss, 'cakld': cakld_loss,
           'soft_ce': soft_ce_loss, 'mse': mse_loss, 'cos': cos_loss}
 
-# %% ../../nbs/41_distill.ipynb 32
+# %% ../../nbs/41_distill.ipynb 34
 CPU_LOGITS_PER_CHUNK = 2**21   # measured on these CPUs (above): the speed of larger chunks at a fraction of their memory
 _MEASURED = {}
 
@@ -337,7 +337,7 @@ def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bf
     fastest = min(times.values())
     return {'chunk_size': min(c for c, v in times.items() if v <= fastest * (1 + tolerance)), 'times': times}
 
-# %% ../../nbs/41_distill.ipynb 35
+# %% ../../nbs/41_distill.ipynb 37
 class TeacherConfidence(Callback):
     ("Running mean of the teacher's top-1 probability over the first `n_batches` training batches, "
      "then frozen (CAKLD's β).")

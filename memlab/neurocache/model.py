@@ -992,8 +992,8 @@ def standalone_source() -> str:
             lines[first:node.end_lineno] = [new] + [None] * (node.end_lineno - first - 1)
         body.append('\n'.join(l for l in lines if l is not None))
     prelude = '\n\n'.join(_definitions(m, names) for m, names in _STANDALONE_DEFS.items()) + _STANDALONE_STUBS
-    src = '\n'.join([f"# {REMOTE_CODE_MODULE}.py: memlab.neurocache's modules in one file that imports no memlab, written",
-                     "# by memlab's save_neurocache so that transformers loads the model with trust_remote_code=True",
+    src = '\n'.join([f"# {REMOTE_CODE_MODULE}.py: memlab.neurocache's modules in one file importing no memlab,",
+                     "# written by memlab's save_neurocache: transformers loads the model with trust_remote_code=True",
                      "from __future__ import annotations",
                      "import dataclasses, importlib, json, os, tempfile, types",
                      "from pathlib import Path", "from typing import Callable, Optional",

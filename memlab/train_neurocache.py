@@ -303,18 +303,14 @@ def _full_state(trainer) -> dict:
         return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return trainer.unwrapped_model.state_dict()
 
-def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path) -> Path:
-    ("Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process; every process must call it "
-     "(FSDP gathers).")
+def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path, tokenizer=None) -> Path:
+    ("Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process: its files, the whole model as "
+     "plain transformers loads it and `tokenizer` (`save_neurocache`); every process must call it (FSDP gathers).")
     model = trainer.unwrapped_model
-    state = _full_state(trainer) if trainer.fsdp else None
+    state = _full_state(trainer) if trainer.fsdp else None   # sharded: the gathered full tensors are saved
     if trainer.is_main:
-        if state is not None:  # sharded: save the gathered tensors into a CPU copy's slots
-            own = neurocache_state_dict(model)
-            with torch.no_grad():
-                saved = {k: state[k if has_neurocache(model) else k[len('base_model.'):]] for k in own}
-            return _save_state(model, cfg, path, saved)
-        save_neurocache(model, path, None if has_neurocache(model) else _resolved(model, cfg))
+        save_neurocache(model, path, None if has_neurocache(model) else _resolved(model, cfg), state_dict=state,
+                        tokenizer=tokenizer)
     return Path(path)
 
 def _resolved(model, cfg) -> NeurocacheConfig:
@@ -322,19 +318,6 @@ def _resolved(model, cfg) -> NeurocacheConfig:
     from memlab.models import decoder_layers
     return resolve_config(cfg.neurocache_config(), len(decoder_layers(model)))
 
-def _save_state(model, cfg, path, state:dict) -> Path:
-    "save_neurocache's files from gathered full tensors."
-    from safetensors.torch import save_file
-    from memlab.neurocache import NEUROCACHE_CONFIG_NAME, NEUROCACHE_WEIGHTS_NAME
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    conf = model.neurocache_config if has_neurocache(model) else _resolved(model, cfg)
-    base = model.base_model if has_neurocache(model) else model
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path/NEUROCACHE_WEIGHTS_NAME),
-              metadata={'format': 'pt', 'family': str(base.config.model_type),
-                        'lora_only': str(not has_neurocache(model)).lower(),
-                        'base_model': str(getattr(base.config, '_name_or_path', '') or '')})
-    atomic_write_text(path/NEUROCACHE_CONFIG_NAME, conf.to_json())
-    return path
 
 # %% ../nbs/21_train_neurocache.ipynb
 # what a resumed run must share with the run it continues: the Neurocache and its LoRA (the loop checks batch and optimizer)
@@ -401,7 +384,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     if cfg.save_and_quit:       # build (and resume) the model, save its Neurocache, stop: no training, no results
         trainer = Trainer(model, tc, train_data, eval_data, **loop)
         trainer.print(describe(trainer))
-        save_run_neurocache(trainer, cfg, out)
+        save_run_neurocache(trainer, cfg, out, tok)
         acc.wait_for_everyone()
         acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
         return {'saved': str(out), 'step': trainer.step}
@@ -428,12 +411,15 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
         return res
     def save(trainer, folder):
         if training:
-            save_run_neurocache(trainer, cfg, folder)
-            if trainer.is_main: tok.save_pretrained(str(folder))   # the folder's tokenizer, beside its Neurocache
+            save_run_neurocache(trainer, cfg, folder, tok)   # the folder's tokenizer too
     def card(trainer, res):       # the saved Neurocache (memlab.load_model opens it), its final evaluation
+        plain = (out/'config.json').exists()   # not with a 4-bit base
         what = (f"A Neurocache (a kNN cache of compressed hidden states, with LoRA) trained with memlab_neurocache on "
-                f"{Path(str(cfg.model_name_or_path)).name}; only the cache's weights and the LoRA are here: "
-                f"`memlab.load_model` loads them onto the base model.")
+                f"{Path(str(cfg.model_name_or_path)).name}. " + (
+                "transformers loads the whole model (the base with its LoRA merged, and the cache) with "
+                "`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`; " if plain else
+                "Only the cache's weights and the LoRA are here (a 4-bit base is not exported): ") +
+                "`memlab.load_model` loads the cache's weights and the LoRA onto the base model.")
         metrics = eval_metrics({'final': {'eval_loss': (res.get('eval') or {}).get('loss')}})
         return {'.': dict(method='memlab_neurocache', description=what, base_model=cfg.model_name_or_path,
                           datasets=cfg.dataset_name, metrics=metrics, library_name='memlab',

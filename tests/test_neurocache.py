@@ -71,6 +71,8 @@ def test_seed_1_refuses_fp16_on_cpu_and_runs_bf16(seed1):
     assert sorted(p.name for p in (out/'checkpoints').glob('step-*')) == ['step-00000002', 'step-00000004']
     assert all((out/f).exists() for f in ('neurocache_config.json', 'neurocache_model.safetensors', 'loss.png', 'log.jsonl', 'tensorboard'))
     assert (out/'checkpoints'/'step-00000002'/'neurocache_caches_rank0.safetensors').exists()
+    # the whole model for transformers alone (LoRA merged), with its tokenizer: tested in nbs/20_neurocache.ipynb
+    assert all((out/f).exists() for f in ('config.json', 'model.safetensors', 'modeling_memlab_neurocache.py', 'tokenizer.json'))
 
 RECORDER = r'''
 import json, os, sys
@@ -105,6 +107,7 @@ def test_seed_2_two_processes_nf4(data, tmp_path):
     assert (r['steps'], r['world_size'], r['distributed_type'], r['mixed_precision']) == (6, 2, 'ddp', 'bf16') and r['replicas_agree']
     assert r['neurocache']['lora_modules'] == ['fc1', 'fc2'] and r['neurocache']['cache_dtype'] == 'bfloat16'
     assert r['base_4bit'] and r['trainable_parameters'] < r['parameters']
+    assert (out/'neurocache_config.json').exists() and not (out/'config.json').exists()   # an nf4 base: memlab's files only
     starts = []
     for rank in range(2):
         steps = json.loads((tmp_path/f'rows_rank{rank}.json').read_text())

@@ -5,23 +5,23 @@
 # %% ../../nbs/neurocache/20_3_model.ipynb 3
 # its code: nbs/20_neurocache.ipynb, the cells marked `#| export neurocache.model`
 from __future__ import annotations
-import contextlib, dataclasses, json, sys
+import contextlib, copy, dataclasses, json, os, sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..compat import check_frozen_4bit_stats
+from ..compat import check_frozen_4bit_stats, quant_kind
 from ..core import MemlabError, atomic_write_text, check, patch_to
-from ..models import (TransparentWrapper, decoder_layers, layer_parts, load_model, register_folder,
-                           unwrap)
+from ..models import (TransparentWrapper, _dedup, decoder_layers, layer_parts, load_model, register_folder,
+                           state_names, unwrap)
 from ..training import Callback
 from .config import JOINT_FAMILIES, SUPPORTED_FAMILIES, NeurocacheConfig, format_retrieval_map
 from .cache import KNNCache, context_window, retrieval_scores
 from .attention import CacheAttention, attention_weights, joint_mix, local_logsumexp
 
 # %% auto 0
-__all__ = ['CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME', 'NEUROCACHE_WEIGHTS_NAME', 'CacheProjection', 'Neurocache', 'induction_scores', 'copying_layers', 'NeurocacheAttention', 'resolve_design', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache', 'load_saved_neurocache', 'NeurocacheCallback']
+__all__ = ['CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME', 'NEUROCACHE_WEIGHTS_NAME', 'REMOTE_CODE_MODULE', 'HF_CONFIG_NAME', 'HF_WEIGHTS_NAME', 'CacheProjection', 'Neurocache', 'induction_scores', 'copying_layers', 'NeurocacheAttention', 'resolve_design', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache', 'NeurocacheLMConfig', 'NeurocacheForCausalLM', 'plain_state_dict', 'save_plain', 'standalone_source', 'load_saved_neurocache', 'NeurocacheCallback']
 
 # %% ../../nbs/20_neurocache.ipynb 35
 class CacheProjection(nn.Module):
@@ -569,8 +569,8 @@ class NeurocacheModel(PreTrainedModel):
     def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
 
     def save_pretrained(self, save_directory, is_main_process:bool=True, state_dict:dict=None, **kwargs):
-        ("Write only the Neurocache: neurocache_config.json and neurocache_model.safetensors (its weights and its "
-         "LoRA), from `state_dict` if given (the HF Trainer's); the Trainer's other arguments are ignored.")
+        ("`save_neurocache`: the Neurocache's files (its weights and its LoRA) and the whole model as plain transformers "
+         "loads it, from `state_dict` if given (the HF Trainer's); the Trainer's other arguments are ignored.")
         if not is_main_process: return Path(save_directory)
         return save_neurocache(self, save_directory, state_dict=state_dict)
 
@@ -744,10 +744,11 @@ def neurocache_state_dict(model) -> dict:
     check(state, "this model has neither a Neurocache nor LoRA weights: nothing to save")
     return state
 
-def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_dict:dict=None) -> Path:
-    ("Write the Neurocache of `model` (config + weights + LoRA, not the base model) to `save_directory`; a LoRA-only "
-     "model needs its `config`; `state_dict`: the model's state gathered elsewhere (the HF Trainer's, under FSDP).")
-    from safetensors.torch import save_file
+def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_dict:dict=None, tokenizer=None,
+                    plain:bool=None) -> Path:
+    ("Write the Neurocache of `model` (config + weights + LoRA) to `save_directory`, and the whole model as plain "
+     "transformers loads it (`save_plain`; `plain` None: unless the base is 4-/8-bit); a LoRA-only model needs its "
+     "`config`; `state_dict`: the model's full state gathered elsewhere (the HF Trainer's, under FSDP).")
     path, lora_only = Path(save_directory), not has_neurocache(model)
     if lora_only:
         check(config is not None, "saving a LoRA-only model needs the NeurocacheConfig it was built with (config=...)")
@@ -755,17 +756,22 @@ def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_d
     else: config = _unwrap(model).neurocache_config
     base = _plain(model).base_model if not lora_only else _plain(model)
     own = neurocache_state_dict(model)
-    if state_dict is not None:
-        missing = [k for k in own if k not in state_dict]
+    if state_dict is not None:   # a LoRA-only model's own state names its tensors without 'base_model.'
+        name = lambda k: k[len('base_model.'):] if lora_only and k not in state_dict else k
+        missing = [k for k in own if name(k) not in state_dict]
         check(not missing, f"the state dict to save lacks {len(missing)} Neurocache tensor(s), e.g. {missing[:1]}")
-        own = {k: state_dict[k] for k in own}
-    state = {k: v.detach().contiguous().cpu() for k, v in own.items()}
+        own = {k: state_dict[name(k)] for k in own}
     meta = {'format': 'pt', 'family': str(getattr(base.config, 'model_type', '')), 'lora_only': str(lora_only).lower(),
             'base_model': str(getattr(base.config, '_name_or_path', '') or ''),
             'base_quantization': 'nf4' if any(type(m).__name__ == 'Linear4bit' for m in base.modules()) else ''}
     path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path/NEUROCACHE_WEIGHTS_NAME), metadata=meta)
+    for f in (HF_CONFIG_NAME, NEUROCACHE_CONFIG_NAME): (path/f).unlink(missing_ok=True)   # written last: complete
+    _save_tensors(own, path/NEUROCACHE_WEIGHTS_NAME, meta)
+    if plain is None: plain = not any(quant_kind(m) for m in base.modules())
+    hf_config = save_plain(model, path, config, state_dict) if plain else None
+    if tokenizer is not None: tokenizer.save_pretrained(str(path))
     atomic_write_text(path/NEUROCACHE_CONFIG_NAME, config.to_json())
+    if hf_config is not None: atomic_write_text(path/HF_CONFIG_NAME, hf_config.to_json_string())
     return path
 
 def saved_neurocache_info(path) -> dict:
@@ -817,7 +823,192 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     check(not res.unexpected_keys, f"unexpected keys while loading the Neurocache: {res.unexpected_keys[:3]}")
     return model
 
-# %% ../../nbs/20_neurocache.ipynb 75
+# %% ../../nbs/20_neurocache.ipynb 73
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig
+
+REMOTE_CODE_MODULE = 'modeling_memlab_neurocache'   # the model code an exported folder carries for transformers
+HF_CONFIG_NAME, HF_WEIGHTS_NAME = 'config.json', 'model.safetensors'
+
+class NeurocacheLMConfig(PretrainedConfig):
+    "config.json of an exported Neurocache model: the base model's config and the Neurocache's settings."
+    model_type = 'memlab_neurocache'
+    base_config: dict = None            # the base model's config (its config.json as a dict)
+    neurocache: dict = None             # the resolved NeurocacheConfig; lora_r 0: the LoRA is merged into the weights
+
+class NeurocacheForCausalLM(PreTrainedModel, GenerationMixin):
+    ("An exported Neurocache model as transformers loads it: `model`, a `NeurocacheModel` on the base model (its LoRA "
+     "merged); forward (with `start_of_sequence`) and `generate` are that model's.")
+    config_class = NeurocacheLMConfig
+    base_model_prefix = 'model'
+    def __init__(self, config:NeurocacheLMConfig):
+        super().__init__(config)
+        d = dict(config.base_config)
+        base = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop('model_type'), **d))
+        self.model = NeurocacheModel(base, NeurocacheConfig.from_dict(config.neurocache))
+        # the base model's tied weights, named from here, so that transformers ties them after loading
+        self._tied_weights_keys = {f"model.base_model.{k}": f"model.base_model.{v}"
+                                   for k, v in (getattr(base, 'all_tied_weights_keys', None) or {}).items()}
+        self.post_init()
+    def get_input_embeddings(self): return self.model.get_input_embeddings()
+    def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, **kwargs):
+        "The Neurocache model's forward: reads the caches, then stores the segment; `start_of_sequence` (B,) resets rows."
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, start_of_sequence=start_of_sequence,
+                          **kwargs)
+    def generate(self, *args, **kwargs):
+        "The base model's `generate` reading the caches without writing to them."
+        self.model.base_model.generation_config = self.generation_config   # as loaded from the folder
+        return self.model.generate(*args, **kwargs)
+    def reset_cache(self, rows=None):
+        "Empty every cache, or the per-row caches of `rows` (before a new document)."
+        reset_cache(self.model, rows)
+
+def plain_state_dict(model, state_dict:dict=None) -> dict:
+    ("The full weights of a Neurocache or LoRA-only `model` (from `state_dict` if given) with the LoRA merged into the "
+     "base weights, named as `NeurocacheForCausalLM` (LoRA-only: the base model's class) names them.")
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import transpose
+    nc = has_neurocache(model)
+    m = _unwrap(model) if nc else _plain(model)
+    state, names = dict(m.state_dict() if state_dict is None else state_dict), state_names(m)
+    for name, layer in m.named_modules():
+        if not isinstance(layer, LoraLayer): continue
+        p = names[name] + '.'
+        w = state.pop(p + 'base_layer.weight')
+        for ad in layer.active_adapters:   # PEFT's delta weight (get_delta_weight), from the (gathered) tensors
+            a, b = state.pop(f"{p}lora_A.{ad}.weight"), state.pop(f"{p}lora_B.{ad}.weight")
+            w = (w.float() + transpose(b.float() @ a.float(), layer.fan_in_fan_out) * layer.scaling[ad]).to(w.dtype)
+        state[p + 'weight'] = w
+        if p + 'base_layer.bias' in state: state[p + 'bias'] = state.pop(p + 'base_layer.bias')
+    left = [k for k in state if '.lora_' in k or '.base_layer.' in k]
+    check(not left, f"cannot export {left[0] if left else ''} as a plain weight: save with plain=False")
+    return {(f"model.{k}" if nc else k): v for k, v in state.items()}
+
+def _save_tensors(tensors:dict, path:Path, metadata:dict):
+    "A safetensors file written atomically (a reader never sees half of it)."
+    from safetensors.torch import save_file
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+def save_plain(model, save_directory, config:NeurocacheConfig, state_dict:dict=None) -> PretrainedConfig:
+    ("Write `model` as plain transformers loads it: model.safetensors (LoRA merged), generation_config.json and, for a "
+     "Neurocache, its model code (`standalone_source`); returns the config to write last as config.json.")
+    path, nc = Path(save_directory), has_neurocache(model)
+    base = _plain(model).base_model if nc else _plain(model)
+    check(not any(quant_kind(m) for m in base.modules()),
+          "a 4-/8-bit base cannot be exported for plain transformers (its weights are quantized): save with "
+          "plain=False (the Neurocache files only), or export a full-precision base")
+    tensors = _dedup(plain_state_dict(model, state_dict))
+    dtype = next((v.dtype for k, v in tensors.items() if 'embed' in k or 'wte' in k), torch.float32)
+    if nc:
+        cfg = NeurocacheLMConfig(base_config=base.config.to_dict(), architectures=['NeurocacheForCausalLM'],
+                                 neurocache=dataclasses.replace(config, lora_r=0).to_dict(),
+                                 tie_word_embeddings=bool(getattr(base.config, 'tie_word_embeddings', False)),
+                                 auto_map={'AutoConfig': f"{REMOTE_CODE_MODULE}.NeurocacheLMConfig",
+                                           'AutoModelForCausalLM': f"{REMOTE_CODE_MODULE}.NeurocacheForCausalLM"})
+        atomic_write_text(path/f"{REMOTE_CODE_MODULE}.py", standalone_source())
+    else:
+        cfg = copy.deepcopy(base.config)
+        cfg.architectures = [type(base).__name__]
+    cfg.dtype = str(dtype).replace('torch.', '')
+    _save_tensors(tensors, path/HF_WEIGHTS_NAME, {'format': 'pt'})
+    gen = getattr(base, 'generation_config', None)
+    if gen is not None: atomic_write_text(path/'generation_config.json', gen.to_json_string())
+    return cfg
+
+# %% ../../nbs/20_neurocache.ipynb 74
+_STANDALONE_MODULES = ('config', 'cache', 'attention', 'model')   # memlab.neurocache's modules, in import order
+# memlab's definitions those modules use, copied from memlab's source into the standalone file
+_STANDALONE_DEFS = {'core': ('MemlabError', 'check', 'arg', '_jsonable', 'Config', 'patch_to'),
+                    'models': ('_BASE', '_own_names', 'plain_names', '_strip_base_layer', '_add_base_layer',
+                               'TransparentWrapper', 'state_names', 'unwrap', '_LAYER_PATHS', '_get_path',
+                               'decoder_layers', '_ATTN_NAMES', '_is_linear_or_conv1d', 'layer_parts')}
+# what an exported model never calls: saving, memlab's loaders and loop, 4-bit layers
+_STANDALONE_STUBS = '''
+def _needs_memlab(name):
+    def stub(*args, **kwargs): raise MemlabError(f"{name} needs memlab")
+    return stub
+load_model, atomic_write_text, _dedup, dequantize_weight = map(
+    _needs_memlab, ('load_model', 'atomic_write_text', '_dedup', 'dequantize_weight'))
+def register_folder(*args, **kwargs): pass       # memlab's registry of folder kinds
+class Callback: "memlab's training-loop callback"
+def quant_kind(layer): return None              # an exported model has no 4-/8-bit layers
+def check_frozen_4bit_stats(model): return model
+'''
+# packages transformers brings: the standalone file may import them
+_TRANSFORMERS_DEPS = {'torch', 'transformers', 'safetensors', 'huggingface_hub', 'tokenizers', 'numpy'}
+
+def _module_source(name:str) -> str:
+    import importlib.util
+    return Path(importlib.util.find_spec(f'memlab.{name}').origin).read_text()   # the file, read (not imported)
+
+def _definitions(module:str, names:tuple) -> str:
+    "The source of memlab module `module`'s top-level definitions (functions, classes, assignments) of `names`."
+    import ast
+    src = _module_source(module)
+    lines, out, found = src.splitlines(), [], set()
+    for node in ast.parse(src).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)): defined = {node.name}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        else: continue
+        if defined & set(names):
+            start = min([node.lineno] + [d.lineno for d in getattr(node, 'decorator_list', [])])
+            out.append('\n'.join(lines[start - 1:node.end_lineno])); found |= defined
+    missing = sorted(set(names) - found)
+    check(not missing, f"memlab.{module} defines no {', '.join(missing)}: update _STANDALONE_DEFS")
+    return '\n\n'.join(out)
+
+def _external(node) -> list:
+    "The top-level packages an import statement names (none for a relative import)."
+    import ast
+    if isinstance(node, ast.ImportFrom): return [] if node.level else [node.module.split('.')[0]]
+    return [a.name.split('.')[0] for a in node.names]
+
+def standalone_source() -> str:
+    ("memlab.neurocache as one file that imports no memlab, the remote code of an exported folder: its modules' source "
+     "with their memlab imports replaced by memlab's own definitions of those names (and stubs of what it never calls).")
+    import ast
+    allowed = set(sys.stdlib_module_names) | _TRANSFORMERS_DEPS
+    body, wanted = [], set()
+    for mod in _STANDALONE_MODULES:
+        src = _module_source(f'neurocache.{mod}')
+        lines = src.splitlines()
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)): continue
+            pkgs, first, indent = _external(node), node.lineno - 1, ' ' * node.col_offset
+            if isinstance(node, ast.ImportFrom) and (node.level or pkgs[0] in ('memlab', '__future__')):
+                check(node.col_offset == 0, f"memlab.neurocache.{mod} imports memlab inside a function "
+                                            f"(line {node.lineno}): the standalone file cannot")
+                if node.level != 1 and pkgs[:1] != ['__future__']: wanted |= {a.asname or a.name for a in node.names}
+                new = None                   # defined above: memlab's definitions, or an earlier module's
+            elif all(p in allowed for p in pkgs): continue
+            else:   # a package transformers does not bring (PEFT: adding LoRA, never done by an exported model):
+                check(isinstance(node, ast.ImportFrom) and node.col_offset > 0,   # imported when called
+                      f"memlab.neurocache.{mod} imports {pkgs[0]} at line {node.lineno}: the standalone file cannot")
+                new = indent + '; '.join(f"{a.asname or a.name} = importlib.import_module({node.module!r}).{a.name}"
+                                         for a in node.names)
+            lines[first:node.end_lineno] = [new] + [None] * (node.end_lineno - first - 1)
+        body.append('\n'.join(l for l in lines if l is not None))
+    prelude = '\n\n'.join(_definitions(m, names) for m, names in _STANDALONE_DEFS.items()) + _STANDALONE_STUBS
+    src = '\n'.join([f"# {REMOTE_CODE_MODULE}.py: memlab.neurocache's modules in one file importing no memlab,",
+                     "# written by memlab's save_neurocache: transformers loads the model with trust_remote_code=True",
+                     "from __future__ import annotations",
+                     "import dataclasses, importlib, json, os, tempfile, types",
+                     "from pathlib import Path", "from typing import Callable, Optional",
+                     "import torch", "from torch import nn", "", prelude, *body])
+    tree = ast.parse(src)
+    defined = {n.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+               for n in ast.walk(t) if isinstance(n, ast.Name)}
+    defined |= {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    check(wanted <= defined, f"the standalone file lacks {', '.join(sorted(wanted - defined))}")
+    bad = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+           and (getattr(n, 'level', 0) or any(p not in allowed for p in _external(n)))]
+    check(not bad, f"the standalone file still imports memlab or another package at line {bad[:1]}")
+    return src
+
+# %% ../../nbs/20_neurocache.ipynb 78
 def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:str=None, attn_implementation:str=None,
                           strict:bool=True, **overrides) -> nn.Module:
     ("The Neurocache (or LoRA-only baseline) saved at `path` on `base_model`: a model, or what `load_model` takes "
@@ -840,7 +1031,7 @@ def _is_saved_neurocache(folder) -> bool:
 register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_saved_neurocache(folder, **kw),
                 base=lambda folder: saved_neurocache_info(folder)['base_model'])
 
-# %% ../../nbs/20_neurocache.ipynb 88
+# %% ../../nbs/20_neurocache.ipynb 94
 def _caches_file(rank:int) -> str: return f"neurocache_caches_rank{rank}.safetensors"
 
 class NeurocacheCallback(Callback):

@@ -88,12 +88,17 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
         return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params,
                 'trainable_parameters': n_train, **res, 'before': evals[0] if len(evals) > 1 else None,
                 'after': evals[-1] if evals else None}
-    def save(trainer, out):
+    def save(trainer, out):   # every process: FSDP's shards or ZeRO-3's partitions are gathered first
+        sharded = trainer.fsdp or trainer.deepspeed
+        if sharded and task.lora_r:
+            if trainer.is_main:
+                warnings.warn(f"memlab_train does not write the adapter of a LoRA run under {trainer.distributed.upper()} "
+                              "(checkpoints only)")
+            return None
+        state = trainer.full_state_dict() if sharded else None
         if not trainer.is_main: return None
-        if trainer.fsdp or trainer.deepspeed:
-            warnings.warn(f"memlab_train does not write the model of an {trainer.distributed.upper()} run "
-                          "(checkpoints only)"); return None
-        return {'saved': save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged)}
+        return {'saved': save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged,
+                                        state_dict=state)}
     what = f"`{task.model_name_or_path}` trained on `{task.dataset_name}` with memlab_train" + (
         f" (LoRA, r = {task.lora_r})" if task.lora_r else '') + '.'
     def before(res):              # the base model's eval loss: the evaluation at update 0
@@ -135,8 +140,9 @@ def plain_lora_model(model, merge:bool=True, dtype=torch.float32) -> torch.nn.Mo
     plain.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
     return plain.eval()
 
-def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=False) -> dict:
-    "Write a run's model into `out`: a LoRA run's adapter to `adapter/` (and, `merged`, `model/`), else `model/`."
+def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=False, state_dict:dict=None) -> dict:
+    ("Write a run's model into `out`: a LoRA run's adapter to `adapter/` (and, `merged`, `model/`), else `model/` "
+     "(`state_dict`: its full weights, gathered from FSDP shards or ZeRO-3 partitions).")
     out, written = Path(out), {}
     if hasattr(model, 'peft_config'):
         kind, base = resolve_model(task.model_name_or_path)
@@ -150,7 +156,12 @@ def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=Fa
         written['adapter'] = str(out/ADAPTER_DIR)
         if merged: plain_lora_model(model).save_pretrained(out/MODEL_DIR); written['model'] = str(out/MODEL_DIR)
     else:
-        model.save_pretrained(out/MODEL_DIR); written['model'] = str(out/MODEL_DIR)
+        if state_dict is None: model.save_pretrained(out/MODEL_DIR)
+        else:   # a sharded model's own tensors are shards or empty partitions: write the gathered ones
+            with torch.device('meta'): copy_ = type(model)(model.config)
+            copy_.load_state_dict(state_dict, strict=True, assign=True); copy_.tie_weights()
+            copy_.save_pretrained(out/MODEL_DIR)
+        written['model'] = str(out/MODEL_DIR)
     if tokenizer is not None:
         for k in ('adapter', 'model'):
             if k in written: tokenizer.save_pretrained(written[k])

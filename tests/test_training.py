@@ -152,3 +152,27 @@ def test_memlab_train_under_torchrun_reports_once(tmp_path):
                  '--max_eval_steps', '1', '--sequence_length', '32', '--output_dir', tmp_path/'run', '--report_to', 'none',
                  '--progress', 'false', '--mixed_precision', 'no')
     assert r.stdout.count('after training') == 1, r.stdout[-3000:]
+
+@pytest.mark.parametrize('launch', ['fsdp', 'zero3'])
+def test_memlab_train_sharded_run_writes_the_gathered_model(tmp_path, launch):
+    """memlab_train under FSDP (torchrun) and DeepSpeed ZeRO-3 (accelerate launch with the shipped config) trains what one process
+    trains and writes the model gathered from its shards / partitions, which plain transformers loads."""
+    if launch == 'zero3': pytest.importorskip('deepspeed')
+    import torch
+    run([sys.executable, '-c', "import sys; from memlab.models import save_tiny_model, load_tokenizer; "
+         "save_tiny_model('llama', sys.argv[1], vocab_size=49152); load_tokenizer('smollm2-135m').save_pretrained(sys.argv[1])",
+         tmp_path/'tiny'])
+    flags = ['--model', tmp_path/'tiny', '--dataset', 'pydocs', '--max_steps', '3', '--per_device_batch_size', '2',
+             '--total_batch_size', '4', '--max_eval_steps', '1', '--sequence_length', '32', '--report_to', 'none',
+             '--progress', 'false', '--mixed_precision', 'no', '--lr', '1e-3', '--lora_r', '0']
+    run([sys.executable, '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'one'])
+    if launch == 'fsdp':
+        torchrun('-m', 'memlab.train', *flags, '--output_dir', tmp_path/'sharded', '--distributed_type', 'fsdp')
+    else:
+        run([BIN/'accelerate', 'launch', '--config_file', ROOT/'data'/'configs'/'zero_config.yaml', '--main_process_port',
+             free_port(), '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'sharded'])
+    from transformers import AutoModelForCausalLM
+    one, sharded = (AutoModelForCausalLM.from_pretrained(tmp_path/k/'model') for k in ('one', 'sharded'))
+    tiny = AutoModelForCausalLM.from_pretrained(tmp_path/'tiny')
+    assert not torch.equal(one.model.layers[0].mlp.up_proj.weight, tiny.model.layers[0].mlp.up_proj.weight)   # it trained
+    for (n, a), b in zip(one.named_parameters(), sharded.parameters()): torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)

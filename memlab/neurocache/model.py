@@ -128,7 +128,7 @@ class Neurocache(nn.Module):
         if self.reencode:
             rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
             uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
-            vals, inverse = cache.raw.view(N * cache.size, -1)[uniq], inverse.view(B, T, -1)  # (U, h), (B, T, M)
+            vals, inverse = cache.raw.view(N * cache.size, -1).index_select(0, uniq), inverse.view(B, T, -1)  # (U, h)
         # (B, T, M, d); joint: the K/V
         else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
         slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)

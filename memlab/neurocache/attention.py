@@ -18,7 +18,7 @@ from ..core import check
 from .cache import context_window
 
 # %% auto 0
-__all__ = ['dense_weight', 'attention_weights', 'CacheAttention', 'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'check_fused_attention', 'local_logsumexp', 'joint_mix', 'joint_attention']
+__all__ = ['dense_weight', 'attention_weights', 'WindowGrad', 'share_window', 'window_attention', 'CacheAttention', 'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'check_fused_attention', 'local_logsumexp', 'joint_mix', 'joint_attention']
 
 # %% ../../nbs/20_neurocache.ipynb 26
 def dense_weight(module) -> torch.Tensor:
@@ -39,7 +39,79 @@ def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
           f"cannot find the q/k/v/o projections of {type(attn).__name__}")
     return dense_weight(attn.q_proj), dense_weight(attn.k_proj), dense_weight(attn.v_proj), dense_weight(o)
 
-# %% ../../nbs/20_neurocache.ipynb 27
+# %% ../../nbs/20_neurocache.ipynb 28
+def _window_forward(qc, ctx, ok, bias):
+    ("Queries qc (B, T, nkv, g, d) over each token's window ctx (B, T, W, d) where ok (B, T, W), logits + bias "
+     "(B, T, nkv, g, W) if given: output (B·T, G, d) and probabilities (B·T, G, W), fp32.")
+    B, T, n, g, d = qc.shape
+    W = ctx.shape[2]
+    q2, c2 = qc.reshape(B * T, n * g, d), ctx.reshape(B * T, W, d).to(qc.dtype)
+    s = torch.bmm(q2, c2.transpose(1, 2)).float()                        # (B·T, G, W)
+    if bias is not None: s = s + bias.reshape(B * T, n * g, W).float()
+    okf = ok.reshape(B * T, 1, W)
+    # nothing valid -> exactly zero output
+    p = torch.softmax(s.masked_fill(~okf, torch.finfo(s.dtype).min), -1) * okf.any(-1, keepdim=True)
+    return torch.bmm(p.to(c2.dtype), c2), p, q2, c2
+
+class WindowGrad:
+    "Where the attention layers that read one shared window add their gradients with respect to it (fp32 or wider)."
+    def __init__(self): self.buf = None
+    def add(self, a, b):
+        "Add a (N, W, K) @ b (N, K, d) into the buffer, in the product itself."
+        if self.buf is None: self.buf = torch.bmm(a, b)
+        else: self.buf.baddbmm_(a, b)
+
+class _SharedWindow(torch.autograd.Function):
+    "The window as its readers see it; its gradient is what they added to the `WindowGrad`."
+    @staticmethod
+    def forward(ctx, win, hub):
+        ctx.hub, ctx.shape, ctx.dtype = hub, win.shape, win.dtype
+        ctx.set_materialize_grads(False)
+        return win.view_as(win)
+    @staticmethod
+    def backward(ctx, g):
+        buf = ctx.hub.buf
+        if buf is None: return g, None
+        buf = buf.view(ctx.shape).to(ctx.dtype)
+        return (buf if g is None else g + buf), None
+
+def share_window(win, hub:WindowGrad):
+    "`win` for several `window_attention` calls that add its gradient to `hub` (unchanged where no gradient is needed)."
+    return _SharedWindow.apply(win, hub) if torch.is_grad_enabled() and win.requires_grad else win
+
+class _WindowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qc, win, ok, bias, hub):
+        out, p, q2, c2 = _window_forward(qc, win, ok, bias)
+        ctx.save_for_backward(q2, c2, p)
+        ctx.hub, ctx.qshape, ctx.wshape, ctx.wdtype, ctx.has_bias = hub, qc.shape, win.shape, win.dtype, bias is not None
+        return out.view(qc.shape)
+    @staticmethod
+    def backward(ctx, dout):
+        q2, c2, p = ctx.saved_tensors
+        d2 = dout.reshape(q2.shape).to(c2.dtype)
+        dp = torch.bmm(d2, c2.transpose(1, 2)).float()                    # (B·T, G, W)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))                    # the logits' gradient
+        dq = torch.bmm(ds.to(c2.dtype), c2).view(ctx.qshape) if ctx.needs_input_grad[0] else None
+        dwin = None
+        if ctx.needs_input_grad[1]:       # ∂/∂window = dSᵀ Q + Pᵀ dO, one product
+            acc = torch.promote_types(c2.dtype, torch.float32)
+            a = torch.cat([ds, p], 1).transpose(1, 2).to(acc)             # (B·T, W, 2G)
+            b = torch.cat([q2, d2], 1).to(acc)                            # (B·T, 2G, d)
+            if ctx.hub is not None: ctx.hub.add(a, b)
+            else: dwin = torch.bmm(a, b).view(ctx.wshape).to(ctx.wdtype)
+        dbias = ds.view(*ctx.qshape[:-1], ds.shape[-1]) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dq, dwin, None, dbias, None
+
+def window_attention(qc, ctx, ok, bias=None, hub:WindowGrad=None):
+    ("Each token's queries qc (B, T, nkv, g, d) attend to its window ctx (B, T, W, d) where ok (B, T, W), with the "
+     "logits' bias (B, T, nkv, g, W) if given: (B, T, nkv, g, d), in qc's dtype. With gradients, one autograd function; "
+     "given `hub`, the gradient w.r.t. ctx goes there.")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qc, ctx, bias)):
+        return _WindowAttention.apply(qc, ctx, ok, bias, hub)
+    return _window_forward(qc, ctx, ok, bias)[0].view(qc.shape)
+
+# %% ../../nbs/20_neurocache.ipynb 29
 class CacheAttention(nn.Module):
     ("Attention from the segment's tokens to the states retrieved for them: Q from the layer input, K and V from the "
      "retrieved states.")
@@ -71,9 +143,9 @@ class CacheAttention(nn.Module):
         and added to the logits."""
         return self.attend(x, *context_window(ctx, valid, bias, context_size, prefix))
 
-    def attend(self, x, ctx, ok, bias=None):
+    def attend(self, x, ctx, ok, bias=None, hub=None):
         ("x (B, T, C) attends to each token's window of states ctx (B, T, W, d) where ok (B, T, W) "
-         "(`context_window` makes them).")
+         "(`context_window` makes them); `hub`: the `WindowGrad` of a window several layers share.")
         B, T, _ = x.shape
         nkv, hs, d = self.num_kv_heads, self.head_dim, ctx.shape[-1]
         g = self.num_heads // nkv
@@ -82,18 +154,16 @@ class CacheAttention(nn.Module):
         # (W_kᵀq)·c) and W_v after the weighted sum (Σ p W_v c = W_v Σ p c): no (B, T, W, heads, hs) keys or values are
         # ever made
         qc = torch.einsum('btngh,nhd->btngd', q, self.k_proj.weight.view(nkv, hs, d))   # (B, T, nkv, g, d)
-        s = torch.einsum('btngd,btmd->btngm', qc, ctx).float()             # (B, T, nkv, g, W)
+        logit_bias = None
         if self.retrieval_scale is not None:
             check(bias is not None, "this cache attention weighs retrieval scores: pass bias")
-            s = s + (self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None]
-                     * bias[:, :, None, None, :].float())
-        s = s.masked_fill(~ok[:, :, None, None, :], torch.finfo(s.dtype).min)
-        p = torch.softmax(s, dim=-1) * ok.any(-1)[:, :, None, None, None]   # nothing valid -> exactly zero output
-        out = torch.einsum('btngm,btmd->btngd', p.to(ctx.dtype), ctx)       # (B, T, nkv, g, d)
+            logit_bias = (self.retrieval_scale.float().view(nkv, g)[None, None, :, :, None]
+                          * bias[:, :, None, None, :].float())                # (B, T, nkv, g, W)
+        out = window_attention(qc, ctx, ok, logit_bias, hub)                 # (B, T, nkv, g, d)
         out = torch.einsum('btngd,nhd->btngh', out, self.v_proj.weight.view(nkv, hs, d))    # (B, T, nkv, g, hs)
         return self.o_proj(out.reshape(B, T, self.num_heads * hs))           # (B, T, C)
 
-# %% ../../nbs/20_neurocache.ipynb 32
+# %% ../../nbs/20_neurocache.ipynb 34
 def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
     "Reference for `CacheAttention.forward`: one token and one head at a time."
     B, T, _ = x.shape
@@ -118,7 +188,7 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
                 out[b, t, h] = w @ torch.stack(vs)
     return attn.o_proj(out.view(B, T, nh * hs))
 
-# %% ../../nbs/20_neurocache.ipynb 38
+# %% ../../nbs/20_neurocache.ipynb 40
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 _flash_cpu_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
 _eff_cuda = getattr(torch.ops.aten, '_scaled_dot_product_efficient_attention', None)
@@ -296,7 +366,7 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     ul = u.view(B, T, nkv, g, hs).to(wt)
     return (ul + b.to(wt) * (out_mem.to(wt) - ul)).reshape(B, T, H * hs).to(u.dtype)
 
-# %% ../../nbs/20_neurocache.ipynb 46
+# %% ../../nbs/20_neurocache.ipynb 48
 def joint_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, **kwargs):
     """A joint layer's attention (a Hugging Face attention function, registered as 'memlab_joint'): what the model's own
     implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on a device

@@ -216,7 +216,7 @@ def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', nei
         out.append(row)
     return out
 
-# %% ../../nbs/20_neurocache.ipynb 28
+# %% ../../nbs/20_neurocache.ipynb 30
 def context_window(ctx, valid, bias, context_size:int=1, prefix:int=0) -> tuple:
     """Each of the T tokens' window: the M states retrieved for it and for each of the c−1 tokens before it, (B, T, c·M,
     d), with its validity (B, T, c·M) and retrieval scores (or None); positions before the first token are invalid
@@ -232,7 +232,7 @@ def context_window(ctx, valid, bias, context_size:int=1, prefix:int=0) -> tuple:
         if bias is not None: bs.append(F.pad(bias[:, prefix + lo - o:prefix + T - o], (0, 0, lo, 0)))
     return torch.cat(cs, 2), torch.cat(vs, 2), torch.cat(bs, 2) if bias is not None else None
 
-# %% ../../nbs/20_neurocache.ipynb 29
+# %% ../../nbs/20_neurocache.ipynb 31
 def retrieval_scores(query, states, neighborhood_size:int, similarity_fn:str='l2'):
     """The retrieval score of each retrieved state, per unit of cache dimension: query (B, T, d) against the hits among
     states (B, T, k·w, d); a neighbour gets the score of the hit that brought it. Returns (B, T, k·w) in fp32."""
@@ -242,7 +242,7 @@ def retrieval_scores(query, states, neighborhood_size:int, similarity_fn:str='l2
     if similarity_fn == 'l2': s = 2 * s - hits.pow(2).sum(-1)  # the score retrieval ranked by: 2 q·c − ‖c‖²
     return (s / d).repeat_interleave(w, dim=-1)                # (B, T, k·w)
 
-# %% ../../nbs/20_neurocache.ipynb 113
+# %% ../../nbs/20_neurocache.ipynb 115
 CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (bool), write time and last use (int64)
 
 def memory_per_token(hidden_size:int, num_heads:int, head_dim:int=None, num_kv_heads:int=None, compression_factor:int=4,

@@ -149,6 +149,29 @@ def test_bpt_offload_on_cuda():
     for n in g0: torch.testing.assert_close(g1[n], g0[n], rtol=1e-3, atol=1e-5, msg=n)
     assert p1 < p0, (p0, p1)
 
+def test_distill_liger_backend_matches_memlab_on_cuda():
+    """Where liger-kernel is installed: its fused linear JSD, through memlab's backend='liger', gives memlab's values and
+    gradients for kl, reverse_kl and jsd (temperature 2, a mask); 'auto' runs whichever measured faster."""
+    pytest.importorskip('liger_kernel')
+    from memlab.distill.losses import Hidden, objective_sums
+    g = torch.Generator(device=DEV).manual_seed(0)
+    N, Cs, Ct, V = 512, 256, 384, 8000
+    hs = torch.randn(2, N // 2, Cs, generator=g, device=DEV)
+    ws = torch.randn(V, Cs, generator=g, device=DEV) / Cs ** 0.5
+    ht, wt = torch.randn(2, N // 2, Ct, generator=g, device=DEV), torch.randn(V, Ct, generator=g, device=DEV) / Ct ** 0.5
+    mask = torch.rand(2, N // 2, generator=g, device=DEV) > 0.2
+    for name, beta in (('kl', None), ('reverse_kl', None), ('jsd', 0.3)):
+        res = []
+        for backend in ('memlab', 'liger', 'auto'):
+            x, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+            total, kd, _, n = objective_sums(name, Hidden(x, w), Hidden(ht, wt), mask=mask, temperature=2.0, beta=beta,
+                                             chunk_size=128, backend=backend)
+            total.backward()
+            res.append((total.detach(), x.grad, w.grad))
+        for other in res[1:]:
+            torch.testing.assert_close(other[0], res[0][0], rtol=1e-4, atol=1e-4)
+            for a, b in zip(other[1:], res[0][1:]): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
 def test_mixer_assert_causal_on_cuda():
     "The causality check takes CUDA input (its random tokens are drawn on the CPU and moved)."
     from memlab.mixer import assert_causal

@@ -18,7 +18,7 @@ from ..neurocache import KNNCache, NeurocacheConfig, add_ffn_lora, add_neurocach
 # %% auto 0
 __all__ = ['SMOLLM2_SHAPE', 'benchmark']
 
-# %% ../../nbs/20_neurocache.ipynb 118
+# %% ../../nbs/20_neurocache.ipynb 119
 def _rss() -> int:
     "Resident memory of this process in bytes."
     import re

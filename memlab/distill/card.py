@@ -21,7 +21,7 @@ from .teacher import output_vocab_size
 # %% auto 0
 __all__ = ['describe_objective', 'model_card']
 
-# %% ../../nbs/41_distill.ipynb 121
+# %% ../../nbs/41_distill.ipynb 124
 from ..training import base_model_license, hub_model_id
 
 def _arch(model) -> dict:

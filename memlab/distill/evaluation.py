@@ -18,7 +18,7 @@ from .teacher import model_device
 # %% auto 0
 __all__ = ['perplexity', 'PerplexityEvaluation']
 
-# %% ../../nbs/41_distill.ipynb 115
+# %% ../../nbs/41_distill.ipynb 118
 def _ce_loss(model) -> DistillLoss:
     "A CE-only loss for `model`: fused (no full logits) when its head allows, chunked otherwise."
     try: return DistillLoss(None, DistillationObjective(logits_weight=0, ce_weight=1, fused=True), model)

@@ -17,7 +17,7 @@ from .losses import divergence
 # %% auto 0
 __all__ = ['PROJECTORS', 'NORMS', 'FEATURE_LOSSES', 'ATTENTION_LOSSES', 'layer_index', 'map_layers', 'OrthogonalProjector', 'make_projector', 'FeatureNorm', 'feature_loss', 'hidden_state_loss', 'attention_loss']
 
-# %% ../../nbs/41_distill.ipynb 40
+# %% ../../nbs/41_distill.ipynb 43
 def layer_index(i:int, n:int, who:str) -> int:
     "Layer `i` (negative counts from the end) of the `who`'s `n` decoder layers as 0 … n−1; refused if out of range."
     check(-n <= i < n, f"layer {i} does not exist in the {who}, which has {n} layers")
@@ -55,7 +55,7 @@ def map_layers(mapper, n_student:int, n_teacher:int) -> list:
     check(len(pairs) > 0, f"layer mapper {mapper!r} maps no layers")
     return [(layer_index(a, n_student, 'student'), layer_index(b, n_teacher, 'teacher')) for a, b in pairs]
 
-# %% ../../nbs/41_distill.ipynb 44
+# %% ../../nbs/41_distill.ipynb 47
 class OrthogonalProjector(nn.Module):
     "Isometric student → teacher projection: the first D_s columns of exp((W − Wᵀ)/2) (VkD)."
     def __init__(self, d_student:int, d_teacher:int):
@@ -101,7 +101,7 @@ class FeatureNorm(nn.Module):
         self.student = nn.Identity() if '_teacher_only' in name else make()
     def forward(self, fs, ft): return self.student(fs), self.teacher(ft)
 
-# %% ../../nbs/41_distill.ipynb 48
+# %% ../../nbs/41_distill.ipynb 51
 FEATURE_LOSSES = ('mse', 'raw_mse', 'l1', 'cos')
 ATTENTION_LOSSES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'soft_ce', 'mse', 'raw_mse', 'cos')
 

@@ -15,7 +15,7 @@ from ..core import MemlabError, check, compiled_fn
 from ..training import Callback
 
 # %% auto 0
-__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'divergence', 'Hidden', 'TopK', 'head_dtype', 'vocab_of', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'auto_chunk_size', 'measure_chunk_size', 'TeacherConfidence', 'teacher_top1']
+__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'KD_BACKENDS', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'divergence', 'Hidden', 'TopK', 'head_dtype', 'vocab_of', 'liger_available', 'liger_kd_sum', 'liger_faster', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'auto_chunk_size', 'measure_chunk_size', 'TeacherConfidence', 'teacher_top1']
 
 # %% ../../nbs/41_distill.ipynb 7
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -184,7 +184,69 @@ class _ChunkedObjective(torch.autograd.Function):
         scale = lambda g, dt=None: None if g is None else g.mul_(g_total.to(g.dtype)).to(dt or g.dtype)
         return scale(gx), scale(gw, ctx.dtypes[0]), scale(gb, ctx.dtypes[1]), None
 
-# %% ../../nbs/41_distill.ipynb 17
+# %% ../../nbs/41_distill.ipynb 18
+KD_BACKENDS = ('auto', 'memlab', 'liger')
+_LIGER_BETA = {'kl': 0.0, 'reverse_kl': 1.0}   # jsd: its own beta (the same convention)
+_LIGER_FASTER = {}
+
+def liger_available(device) -> bool:
+    "Whether Liger Kernel's fused linear JSD can run on `device` (liger-kernel importable, CUDA)."
+    if torch.device(device).type != 'cuda': return False
+    try: from liger_kernel.transformers import LigerFusedLinearJSD  # noqa: F401
+    except Exception: return False
+    return True
+
+def liger_kd_sum(name:str, student:Hidden, teacher:Hidden, mask:torch.Tensor, temperature:float=1.0,
+                 beta:float=None) -> torch.Tensor:
+    ("Σ over the tokens where `mask` (N,) of divergence `name` × T², by Liger Kernel's `LigerFusedLinearJSD` on "
+     "flattened `Hidden` inputs (N, C): memlab's convention from Liger's token mean.")
+    from liger_kernel.transformers import LigerFusedLinearJSD
+    fn = LigerFusedLinearJSD(jsd_beta=_LIGER_BETA.get(name, beta), ignore_index=-100, temperature=temperature)
+    labels = torch.where(mask.to(student.states.device), 0, -100)            # Liger reads labels only to skip tokens
+    n = mask.sum()
+    if not bool(n): return student.states.sum() * 0                          # no token: zero, with a gradient
+    return fn(student.states, student.weight, teacher.states, teacher.weight, labels) * n * temperature ** 2
+
+def liger_faster(name:str, student:Hidden, teacher:Hidden, n_tokens:int=2048, beta:float=None) -> bool:
+    ("Whether Liger's fused linear JSD ran faster (forward and backward) than memlab's chunked path on `student`'s and "
+     "`teacher`'s shapes and dtypes, `n_tokens` random tokens; measured once per device and shape.")
+    import time
+    dev, V = student.states.device, student.weight.shape[0]
+    key = (str(dev), name, V, student.weight.shape[1], teacher.weight.shape[1], student.states.dtype,
+           student.weight.dtype, torch.is_autocast_enabled(dev.type))
+    if key in _LIGER_FASTER: return _LIGER_FASTER[key]
+    g = torch.Generator(device=dev).manual_seed(0)
+    hs = torch.randn(n_tokens, student.weight.shape[1], generator=g, device=dev).to(student.states.dtype)
+    ht = torch.randn(n_tokens, teacher.weight.shape[1], generator=g, device=dev).to(teacher.states.dtype)
+    ws, wt = student.weight.detach().requires_grad_(), teacher.weight.detach()
+    mask = torch.ones(n_tokens, dtype=torch.bool, device=dev)
+    def run(fn):
+        best = float('inf')
+        for i in range(3):
+            torch.cuda.synchronize(); t0 = time.perf_counter()
+            x = hs.clone().requires_grad_()
+            fn(x).backward()
+            torch.cuda.synchronize()
+            if i: best = min(best, time.perf_counter() - t0)
+        return best
+    ours = run(lambda x: objective_sums(name, Hidden(x, ws), Hidden(ht, wt), beta=beta, backend='memlab',
+                                        chunk_size=auto_chunk_size(V, device=dev))[0])
+    theirs = run(lambda x: liger_kd_sum(name, Hidden(x, ws), Hidden(ht, wt), mask, beta=beta))
+    _LIGER_FASTER[key] = theirs < ours
+    return _LIGER_FASTER[key]
+
+def _use_liger(backend, name, s, t, ce_weight, temperature, beta) -> bool:
+    "Whether the chunked fused path goes to Liger Kernel (`backend` 'liger' asks; 'auto' where it runs and is faster)."
+    fits = (isinstance(s, Hidden) and isinstance(t, Hidden) and s.bias is None and t.bias is None
+            and name in ('kl', 'reverse_kl', 'jsd') and ce_weight == 0)
+    if backend == 'liger':
+        check(fits, "backend='liger' covers kl, reverse_kl and jsd between two Hidden inputs without biases and "
+                    "without a CE term (ce_weight=0)")
+        check(liger_available(s.states.device), "backend='liger' needs the liger-kernel package and a CUDA device")
+        return True
+    return fits and liger_available(s.states.device) and liger_faster(name, s, t, beta=beta)
+
+# %% ../../nbs/41_distill.ipynb 19
 def _check_loss_args(name, T, beta, missing):
     check(name in LOSS_NAMES, f"unknown distillation loss {name!r}; use one of {', '.join(LOSS_NAMES)}")
     check(T > 0, f"temperature must be > 0, got {T}")
@@ -198,10 +260,12 @@ def _check_loss_args(name, T, beta, missing):
 
 def objective_sums(name:str, student, teacher, mask=None, labels=None, temperature:float=1.0, beta:float=None,
                    missing:str='zero', kd_weight:float=1.0, ce_weight:float=0.0, chunk_size:int=None,
-                   compiled:bool=None) -> tuple:
+                   compiled:bool=None, backend:str='auto') -> tuple:
     ("`(kd_weight·Σkd + ce_weight·Σce, Σkd, Σce, n_tokens)` over the unmasked tokens; "
-     "`student`/`teacher` are logits, `Hidden` or `TopK`.")
+     "`student`/`teacher` are logits, `Hidden` or `TopK`. `backend` of the chunked fused path: 'memlab', 'liger' "
+     "(Liger Kernel's fused linear JSD) or 'auto' (Liger where it is installed, runs and measured faster).")
     if name == 'jsd' and beta is None: beta = 0.5
+    check(backend in KD_BACKENDS, f"unknown backend {backend!r}; use one of {', '.join(KD_BACKENDS)}")
     _check_loss_args(name, temperature, beta, missing)
     check(not isinstance(student, TopK), "the student must be logits or Hidden(states, weight), not TopK")
     check(teacher is not None or kd_weight == 0,
@@ -238,6 +302,9 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
                                   None if labels is None else labels_flat[every], temperature, beta, missing)
         kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=x.device)
         return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach(), n
+    if backend != 'memlab' and _use_liger(backend, name, s, t, ce_weight, temperature, beta):
+        kd = liger_kd_sum(name, s, t, mask.reshape(-1), temperature, beta)
+        return kd_weight * kd, kd.detach(), torch.zeros_like(kd).detach(), n
     # compiled chunks by default where the elementwise passes cost most: on CUDA
     compiled = x.device.type == 'cuda' if compiled is None else compiled
     spec = _ObjectiveSpec(name, t, rows, labels_flat, temperature, beta, missing, kd_weight, ce_weight, chunk_size,
@@ -252,7 +319,7 @@ def loss_sum(name:str, student, teacher, mask=None, temperature:float=1.0, chunk
                                     chunk_size=chunk_size, **kw)
     return total, n
 
-# %% ../../nbs/41_distill.ipynb 19
+# %% ../../nbs/41_distill.ipynb 21
 def _mean_loss(name, student_logits, teacher_logits, mask, temperature, kw):
     total, n = loss_sum(name, student_logits, teacher_logits, mask=mask, temperature=temperature, **kw)
     return total / n.clamp_min(1)
@@ -292,7 +359,7 @@ def cos_loss(student_logits, teacher_logits, mask=None, temperature:float=1.0, *
 LOSSES = {'kl': kl_loss, 'reverse_kl': reverse_kl_loss, 'jsd': jsd_loss, 'tvd': tvd_loss, 'cakld': cakld_loss,
           'soft_ce': soft_ce_loss, 'mse': mse_loss, 'cos': cos_loss}
 
-# %% ../../nbs/41_distill.ipynb 34
+# %% ../../nbs/41_distill.ipynb 36
 CPU_LOGITS_PER_CHUNK = 2**21   # measured on these CPUs (above): the speed of larger chunks at a fraction of their memory
 _MEASURED = {}
 
@@ -337,7 +404,7 @@ def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bf
     fastest = min(times.values())
     return {'chunk_size': min(c for c, v in times.items() if v <= fastest * (1 + tolerance)), 'times': times}
 
-# %% ../../nbs/41_distill.ipynb 37
+# %% ../../nbs/41_distill.ipynb 40
 class TeacherConfidence(Callback):
     ("Running mean of the teacher's top-1 probability over the first `n_batches` training batches, "
      "then frozen (CAKLD's β).")

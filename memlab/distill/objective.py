@@ -25,7 +25,7 @@ from .teacher import TopKTeacher, model_device, output_vocab_size
 # %% auto 0
 __all__ = ['DISTILY_LOSSES', 'HEADS_ATTR', 'distily_loss_name', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads', 'save_distill_heads', 'load_distill_heads', 'LossSchedule', 'DistillLoss']
 
-# %% ../../nbs/41_distill.ipynb 58
+# %% ../../nbs/41_distill.ipynb 61
 import warnings
 
 _NO_SOFTMAX = "treats hidden states as logits (a softmax over the features), which memlab does not: use mse, l1 or cos"
@@ -57,7 +57,7 @@ def distily_loss_name(term:str, name:str) -> str:
                       stacklevel=4)
     return to
 
-# %% ../../nbs/41_distill.ipynb 59
+# %% ../../nbs/41_distill.ipynb 62
 @dataclass
 class DistillationObjective(Config):
     "What the student learns to match and how much each term weighs (Distily's objective fields plus memlab's)."
@@ -142,7 +142,7 @@ class DistillationObjective(Config):
               "ce_weight > 0 with on_policy_fraction > 0: the labels of a generated batch are the student's own "
               "samples, and a CE on them trains the student to repeat itself; set one of them to 0")
 
-# %% ../../nbs/41_distill.ipynb 63
+# %% ../../nbs/41_distill.ipynb 66
 HEADS_ATTR = 'distill'
 
 class DistillHeads(nn.Module):
@@ -182,7 +182,7 @@ def load_distill_heads(student, path):
           f"distillation modules in {f} do not match: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     heads.load_state_dict(sd)
 
-# %% ../../nbs/41_distill.ipynb 66
+# %% ../../nbs/41_distill.ipynb 69
 def _check_fusable(model, who):
     cfg = unwrap(model).config
     for attr in ('final_logit_softcapping', 'logit_scale', 'logits_scaling', 'output_multiplier_scale'):

@@ -16,7 +16,7 @@ from .teacher import model_device
 # %% auto 0
 __all__ = ['on_policy_step', 'on_policy_lengths', 'sample_continuations', 'OnPolicyBatches']
 
-# %% ../../nbs/41_distill.ipynb 95
+# %% ../../nbs/41_distill.ipynb 98
 def on_policy_step(k:int, fraction:float) -> bool:
     "Whether micro-batch `k` (0-based) is on-policy: exactly ⌊nλ⌋ of the first n micro-batches are, evenly spread."
     return math.floor((k + 1) * fraction + 1e-9) > math.floor(k * fraction + 1e-9)

@@ -20,7 +20,7 @@ from .teacher import output_vocab_size
 # %% auto 0
 __all__ = ['student_config', 'copy_plan', 'weight_groups', 'xavier_reinitialize', 'build_student']
 
-# %% ../../nbs/41_distill.ipynb 117
+# %% ../../nbs/41_distill.ipynb 120
 _CONFIG_ALIASES = {'num_layers': 'num_hidden_layers', 'n_layer': 'num_hidden_layers', 'n_layers': 'num_hidden_layers',
                    'n_embd': 'hidden_size', 'd_model': 'hidden_size', 'n_head': 'num_attention_heads',
                    'num_heads': 'num_attention_heads', 'n_inner': 'intermediate_size', 'ffn_dim': 'intermediate_size',

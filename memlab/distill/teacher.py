@@ -19,7 +19,7 @@ from .losses import TopK
 # %% auto 0
 __all__ = ['TOPK_FORMAT', 'tokenizer_fingerprint', 'dataset_fingerprint', 'TopKTeacher', 'generate_teacher_topk', 'model_device', 'output_vocab_size']
 
-# %% ../../nbs/41_distill.ipynb 51
+# %% ../../nbs/41_distill.ipynb 54
 def tokenizer_fingerprint(tokenizer) -> dict:
     "Identity of a tokenizer: its name, vocabulary size and a hash of its vocabulary (token → id)."
     vocab = tokenizer.get_vocab()
@@ -46,7 +46,7 @@ def _same_identity(recorded:dict, given:dict, fields) -> list:
     "Fields where both dicts have a value and the values differ."
     return [f for f in fields if recorded.get(f) is not None and given.get(f) is not None and recorded[f] != given[f]]
 
-# %% ../../nbs/41_distill.ipynb 53
+# %% ../../nbs/41_distill.ipynb 56
 TOPK_FORMAT = 'memlab-topk'
 
 class TopKTeacher:
@@ -102,7 +102,7 @@ class TopKTeacher:
               f"top-k rows hold {out.indices.shape[1]} positions, the batch {input_ids.shape[1]}")
         return out
 
-# %% ../../nbs/41_distill.ipynb 55
+# %% ../../nbs/41_distill.ipynb 58
 def _write_shard(out_dir, n, keys, idx, vals) -> dict:
     name = f"topk-{n:05d}.safetensors"
     save_file({'row_key': torch.tensor(keys, dtype=torch.int64), 'indices': torch.stack(idx).contiguous(),
@@ -173,7 +173,7 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
     atomic_write_text(index_file, json.dumps(meta, indent=2))
     return out_dir
 
-# %% ../../nbs/41_distill.ipynb 65
+# %% ../../nbs/41_distill.ipynb 68
 def model_device(model) -> torch.device:
     "The device of a (wrapped) model's first parameter."
     return next(unwrap(model).parameters()).device

@@ -188,7 +188,7 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
                 out[b, t, h] = w @ torch.stack(vs)
     return attn.o_proj(out.view(B, T, nh * hs))
 
-# %% ../../nbs/20_neurocache.ipynb 40
+# %% ../../nbs/20_neurocache.ipynb 41
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 _flash_cpu_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
 _eff_cuda = getattr(torch.ops.aten, '_scaled_dot_product_efficient_attention', None)
@@ -366,7 +366,7 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     ul = u.view(B, T, nkv, g, hs).to(wt)
     return (ul + b.to(wt) * (out_mem.to(wt) - ul)).reshape(B, T, H * hs).to(u.dtype)
 
-# %% ../../nbs/20_neurocache.ipynb 48
+# %% ../../nbs/20_neurocache.ipynb 49
 def joint_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, **kwargs):
     """A joint layer's attention (a Hugging Face attention function, registered as 'memlab_joint'): what the model's own
     implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on a device

@@ -242,7 +242,7 @@ def retrieval_scores(query, states, neighborhood_size:int, similarity_fn:str='l2
     if similarity_fn == 'l2': s = 2 * s - hits.pow(2).sum(-1)  # the score retrieval ranked by: 2 q·c − ‖c‖²
     return (s / d).repeat_interleave(w, dim=-1)                # (B, T, k·w)
 
-# %% ../../nbs/20_neurocache.ipynb 115
+# %% ../../nbs/20_neurocache.ipynb 116
 CACHE_BOOKKEEPING_BYTES = 4 + 1 + 8 + 8   # per slot: ‖k‖² (fp32), valid (bool), write time and last use (int64)
 
 def memory_per_token(hidden_size:int, num_heads:int, head_dim:int=None, num_kv_heads:int=None, compression_factor:int=4,

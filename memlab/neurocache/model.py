@@ -24,7 +24,7 @@ from .attention import (CacheAttention, WindowGrad, attention_weights, joint_mix
 # %% auto 0
 __all__ = ['CACHE_FIELDS', 'NEUROCACHE_CONFIG_NAME', 'NEUROCACHE_WEIGHTS_NAME', 'REMOTE_CODE_MODULE', 'HF_CONFIG_NAME', 'HF_WEIGHTS_NAME', 'CacheProjection', 'Neurocache', 'induction_scores', 'copying_layers', 'NeurocacheAttention', 'resolve_design', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora', 'remove_lora', 'remove_neurocache', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache', 'freeze_neurocache', 'has_neurocache', 'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache', 'NeurocacheLMConfig', 'NeurocacheForCausalLM', 'plain_state_dict', 'save_plain', 'standalone_source', 'load_saved_neurocache', 'NeurocacheCallback']
 
-# %% ../../nbs/20_neurocache.ipynb 37
+# %% ../../nbs/20_neurocache.ipynb 38
 class CacheProjection(nn.Module):
     ("W_p and its LayerNorm: C = LayerNorm(x W_p), the d = h / compression_factor features a cache stores and searches "
      "with.")
@@ -35,7 +35,7 @@ class CacheProjection(nn.Module):
         self.norm = nn.LayerNorm(cache_dim, eps=eps)                      # the reference's eps (1e-5)
     def forward(self, x): return self.norm(self.proj(x))
 
-# %% ../../nbs/20_neurocache.ipynb 38
+# %% ../../nbs/20_neurocache.ipynb 39
 def _compute_dtype(weight:torch.Tensor) -> torch.dtype:
     ("The dtype products with `weight` run in: autocast's where it is on (retrieved bf16 states then go straight in, "
      "not through an fp32 copy that autocast would cast back), else the weight's.")
@@ -225,7 +225,7 @@ def _row_mask(rows, n:int) -> torch.Tensor:
           f"start_of_sequence / rows must have one entry per batch row ({n}), got shape {tuple(rows.shape)}")
     return rows
 
-# %% ../../nbs/20_neurocache.ipynb 41
+# %% ../../nbs/20_neurocache.ipynb 42
 @patch_to(Neurocache)
 def capture(self, layer:int, what:str, value):
     ("Joint attention: keep layer `layer`'s q, k or v projection output (B, T, ·) and its attention call's kwargs for "
@@ -287,7 +287,7 @@ def _joint_kv(self, r:int):
         parts += [call['k'].detach(), call['v'].detach()]
     return torch.cat(parts, -1)
 
-# %% ../../nbs/20_neurocache.ipynb 46
+# %% ../../nbs/20_neurocache.ipynb 47
 @torch.no_grad()
 def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor:
     """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length`
@@ -309,7 +309,7 @@ def copying_layers(model:nn.Module, threshold:float=0.3) -> list:
     "The layers with an induction head scoring above `threshold` (`induction_scores`), lowest first."
     return (induction_scores(model).max(-1).values > threshold).nonzero().flatten().tolist()
 
-# %% ../../nbs/20_neurocache.ipynb 47
+# %% ../../nbs/20_neurocache.ipynb 48
 class _JointRoute:
     """An attention module's `config` during one call in a joint layer: it names memlab's attention function
     (`joint_attention`) and passes every other attribute through to the model's config."""
@@ -318,7 +318,7 @@ class _JointRoute:
         vars(self).update(config=config, neurocache=neurocache, layer=layer)
     def __getattr__(self, name): return getattr(vars(self)['config'], name)
 
-# %% ../../nbs/20_neurocache.ipynb 49
+# %% ../../nbs/20_neurocache.ipynb 50
 class NeurocacheAttention(TransparentWrapper):
     "Stands in for a decoder layer's attention: calls `base_layer` unchanged and adds the Neurocache's cache attention."
     def __init__(self, base_layer:nn.Module, layer_idx:int, neurocache:Neurocache):
@@ -345,7 +345,7 @@ class NeurocacheAttention(TransparentWrapper):
         if extra is None: return out
         return (out[0] + extra.to(out[0].dtype), *out[1:])
 
-# %% ../../nbs/20_neurocache.ipynb 51
+# %% ../../nbs/20_neurocache.ipynb 52
 def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig:
     """A copy of `config` with the choices that depend on the model made: cache_attention 'auto' (joint for a Llama or
     Mistral model with copying layers, else separate), context_size None (1 joint, 2 separate), and a joint cache
@@ -419,7 +419,7 @@ def _add_lora(base_model, layers, config, family):
     n = sum(isinstance(m, LoraLayer) for m in base_model.modules())
     check(n == len(targets), f"LoRA was added to {n} modules instead of the {len(targets)} FFN linears targeted")
 
-# %% ../../nbs/20_neurocache.ipynb 52
+# %% ../../nbs/20_neurocache.ipynb 53
 from transformers import PreTrainedModel
 
 class NeurocacheModel(PreTrainedModel):
@@ -609,7 +609,7 @@ def _stop_gradient(module, args, kwargs):
     elif 'hidden_states' in kwargs: kwargs = {**kwargs, 'hidden_states': cut(kwargs['hidden_states'])}
     return args, kwargs
 
-# %% ../../nbs/20_neurocache.ipynb 53
+# %% ../../nbs/20_neurocache.ipynb 54
 def add_neurocache(model:nn.Module, config:NeurocacheConfig=None, train_base:bool=False) -> NeurocacheModel:
     ("Give a Llama, Mistral, OPT, GPT-2, Phi or GPT-J causal LM a Neurocache; the base model is frozen "
      "(unless `train_base`) and changed in place.")
@@ -662,7 +662,7 @@ def remove_neurocache(model) -> nn.Module:
         if n in nm._requires_grad: p.requires_grad_(nm._requires_grad[n])
     return base
 
-# %% ../../nbs/20_neurocache.ipynb 55
+# %% ../../nbs/20_neurocache.ipynb 56
 CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size',
                 'similarity_fn', 'cache_type', 'global_cache', 'topk_buckets')
 
@@ -723,7 +723,7 @@ def freeze_neurocache(model):
     try: yield model
     finally: nc.frozen = prev
 
-# %% ../../nbs/20_neurocache.ipynb 73
+# %% ../../nbs/20_neurocache.ipynb 74
 NEUROCACHE_CONFIG_NAME, NEUROCACHE_WEIGHTS_NAME = 'neurocache_config.json', 'neurocache_model.safetensors'
 
 def has_neurocache(model) -> bool:
@@ -827,7 +827,7 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     check(not res.unexpected_keys, f"unexpected keys while loading the Neurocache: {res.unexpected_keys[:3]}")
     return model
 
-# %% ../../nbs/20_neurocache.ipynb 75
+# %% ../../nbs/20_neurocache.ipynb 76
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig
 
 REMOTE_CODE_MODULE = 'modeling_memlab_neurocache'   # the model code an exported folder carries for transformers
@@ -920,7 +920,7 @@ def save_plain(model, save_directory, config:NeurocacheConfig, state_dict:dict=N
     if gen is not None: atomic_write_text(path/'generation_config.json', gen.to_json_string())
     return cfg
 
-# %% ../../nbs/20_neurocache.ipynb 76
+# %% ../../nbs/20_neurocache.ipynb 77
 _STANDALONE_MODULES = ('config', 'cache', 'attention', 'model')   # memlab.neurocache's modules, in import order
 # memlab's definitions those modules use, copied from memlab's source into the standalone file
 _STANDALONE_DEFS = {'core': ('MemlabError', 'check', 'arg', '_jsonable', 'Config', 'patch_to'),
@@ -1012,7 +1012,7 @@ def standalone_source() -> str:
     check(not bad, f"the standalone file still imports memlab or another package at line {bad[:1]}")
     return src
 
-# %% ../../nbs/20_neurocache.ipynb 80
+# %% ../../nbs/20_neurocache.ipynb 81
 def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:str=None, attn_implementation:str=None,
                           strict:bool=True, **overrides) -> nn.Module:
     ("The Neurocache (or LoRA-only baseline) saved at `path` on `base_model`: a model, or what `load_model` takes "
@@ -1035,7 +1035,7 @@ def _is_saved_neurocache(folder) -> bool:
 register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_saved_neurocache(folder, **kw),
                 base=lambda folder: saved_neurocache_info(folder)['base_model'])
 
-# %% ../../nbs/20_neurocache.ipynb 96
+# %% ../../nbs/20_neurocache.ipynb 97
 def _caches_file(rank:int) -> str: return f"neurocache_caches_rank{rank}.safetensors"
 
 class NeurocacheCallback(Callback):

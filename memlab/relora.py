@@ -20,7 +20,7 @@ from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_laye
                            is_latent_weight_layer, layer_parts, plain_config, register_method, replace_module,
                            state_names, MLP_NAMES)
 from .schedules import Cosine, CosineRestarts, Linear, lambda_scheduler
-from .training import Callback
+from .protocol import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError: DTensor = distribute_tensor = None  # a torch build without torch.distributed

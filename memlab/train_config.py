@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .core import Config, check, check_ranges, resolve_precision
-from .schedules import Constant, Cosine, Linear, Polynomial, lambda_scheduler
+from .schedules import lambda_scheduler, make_schedule
 
 # %% auto 0
 __all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'TrainConfig', 'schedule_of', 'get_scheduler']
@@ -93,11 +93,11 @@ class TrainConfig(Config):
 def schedule_of(config:TrainConfig):
     "The multiplier of the peak learning rate that `config.scheduler` names, with the config's settings."
     N, W, kind = config.max_steps, config.warmup_steps, config.scheduler
-    if kind == 'constant': return Constant(W)
-    if kind == 'linear': return Linear(N, W, config.min_lr_ratio)
-    if kind == 'cosine': return Cosine(N, W, config.min_lr_ratio)
+    if kind == 'constant': return make_schedule('constant', warmup_steps=W)
+    if kind in ('linear', 'cosine'):
+        return make_schedule(kind, num_training_steps=N, warmup_steps=W, min_ratio=config.min_lr_ratio)
     end = config.min_lr_ratio if config.lr_end is None else config.lr_end / config.lr
-    return Polynomial(N, W, end, config.power)
+    return make_schedule('polynomial', num_training_steps=N, warmup_steps=W, end_ratio=end, power=config.power)
 
 def get_scheduler(optimizer, config:TrainConfig, start_step:int=0) -> torch.optim.lr_scheduler.LambdaLR:
     "The `LambdaLR` that `config.scheduler` names, at update `start_step`."

@@ -23,7 +23,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from .core import Config, check, compiled_fn
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
                            register_method, unwrap)
-from .training import LossOutput, model_inputs
+from .protocol import LossOutput, model_inputs
 
 # %% auto 0
 __all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'REDUCTIONS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'remat',
@@ -934,7 +934,7 @@ def full_logits(model):
         if hooks is not None: hooks.dense -= 1
 
 def _dense_lm_loss(model, batch:dict) -> LossOutput:
-    "`memlab.training.causal_lm_loss` with fp32 statistics that stay fp64 for an fp64 model."
+    "`memlab.protocol.causal_lm_loss` with fp32 statistics that stay fp64 for an fp64 model."
     logits = model(**model_inputs(batch), use_cache=False).logits                     # (B, T, V)
     labels = batch['labels'].to(logits.device)                                         # (B, T)
     loss = F.cross_entropy(logits.flatten(0, 1).to(_stat_dtype(logits.dtype)), labels.flatten(), ignore_index=-100,

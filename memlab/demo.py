@@ -8,7 +8,7 @@ import json, time
 from pathlib import Path
 
 from .core import check, cli_main, atomic_write_text, markdown_table, precision_reason
-from .training import TrainConfig
+from .train_config import TrainConfig
 
 # %% auto 0
 __all__ = ['DEMO_VOCAB', 'DEMO_DOCS', 'SECTIONS', 'demo_lm', 'demo_tokenizer', 'demo_rows', 'demo_relora', 'demo_mixer',

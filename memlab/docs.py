@@ -280,7 +280,7 @@ def site_pages(root='.') -> list:
     "(section, source notebook, page name) for every page of the site, in order."
     nbs = Path(root)/'nbs'
     pages = [('Home', nbs/'index.ipynb', 'index.md')]
-    lib = sorted(p for p in nbs.glob('[0-9][0-9]_*.ipynb'))
+    lib = sorted(p for p in nbs.glob('[0-9][0-9]*.ipynb') if re.match(r'\d\d[a-z]?_', p.name))   # 05_training, 05a_protocol
     for p in lib:
         sec = 'Foundations' if p.name[0] == '0' else ('Project' if p.name[0] == '9' else 'Methods')
         pages.append((sec, p, p.stem + '.md'))
@@ -351,7 +351,7 @@ def _site_links(md:str, page:str) -> str:
         path, _, anchor = target.partition('#')
         if path.endswith('.md') or path.endswith('.ipynb'):
             path = path[:-6] + '.md' if path.endswith('.ipynb') else path
-            if in_exp and not path.startswith(('../', 'experiments/')) and re.match(r'^\d\d_|^index', Path(path).name):
+            if in_exp and not path.startswith(('../', 'experiments/')) and re.match(r'^\d\d[a-z]?_|^index', Path(path).name):
                 path = '../' + path
             if in_exp and path.startswith('experiments/'): path = path[len('experiments/'):]
         return f"[{text}]({path}{'#' + anchor if anchor else ''})"

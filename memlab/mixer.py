@@ -20,7 +20,7 @@ from transformers.utils import ModelOutput
 
 from .core import MemlabError, atomic_write_text, check, count_parameters
 from .models import register_folder
-from .training import LossOutput, model_inputs
+from .protocol import LossOutput, model_inputs
 
 # %% auto 0
 __all__ = ['MIXER_TYPES', 'STACK_TYPES', 'DECODER_INPUTS', 'MEMORY_POSITIONS', 'MEMORY_MODES', 'MEMORY_FORMATS', 'OBJECTIVES',
@@ -291,7 +291,7 @@ def model_inputs(batch:dict) -> dict: return {k: v for k, v in batch.items() if 
 """
 _MEMLAB_IMPORTS = ('from .core import MemlabError, atomic_write_text, check, count_parameters\n'
                    'from .models import register_folder\n'
-                   'from .training import LossOutput, model_inputs\n')
+                   'from .protocol import LossOutput, model_inputs\n')
 
 def standalone_source() -> str:
     ("This module's source as one file importing no memlab (its three memlab imports replaced by small stand-ins): the "

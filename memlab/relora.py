@@ -19,8 +19,8 @@ from .core import Config, MemlabError, arg, check
 from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
                            is_latent_weight_layer, layer_parts, plain_config, register_method, replace_module,
                            state_names, MLP_NAMES)
-from .schedules import Cosine, CosineRestarts, Linear, lambda_scheduler
-from .training import Callback
+from .schedules import Cosine, CosineRestarts, Linear, lambda_scheduler, make_schedule
+from .protocol import Callback
 
 try: from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError: DTensor = distribute_tensor = None  # a torch build without torch.distributed
@@ -377,13 +377,14 @@ def get_scheduler(optimizer, scheduler:str, num_training_steps:int, warmup_steps
                   cycle_length:int=None, restart_warmup_steps:int=None, adjust_step:int=0) -> LambdaLR:
     "The schedule named by the reference's `--scheduler` flag."
     check(scheduler in SCHEDULERS, f"unknown scheduler {scheduler!r}; use one of {', '.join(SCHEDULERS)}")
-    if scheduler == 'linear': return get_linear_schedule(optimizer, num_training_steps, warmup_steps)
-    if scheduler == 'cosine':
-        return get_cosine_schedule(optimizer, num_training_steps, warmup_steps, min_lr_ratio, cycle_length)
-    check(cycle_length is not None and restart_warmup_steps is not None,
-          "--scheduler cosine_restarts needs --cycle_length and --restart_warmup_steps")
-    return get_cosine_schedule_with_restarts(optimizer, num_training_steps, warmup_steps, cycle_length,
-                                             restart_warmup_steps, min_lr_ratio, adjust_step)
+    settings = dict(num_training_steps=num_training_steps, warmup_steps=warmup_steps)   # linear: the reference's, to 0
+    if scheduler == 'cosine': settings.update(min_ratio=min_lr_ratio, cycle_length=cycle_length)
+    if scheduler == 'cosine_restarts':
+        check(cycle_length is not None and restart_warmup_steps is not None,
+              "--scheduler cosine_restarts needs --cycle_length and --restart_warmup_steps")
+        settings.update(cycle_length=cycle_length, restart_warmup_steps=restart_warmup_steps, min_ratio=min_lr_ratio,
+                        adjust_step=adjust_step)
+    return lambda_scheduler(optimizer, make_schedule(scheduler, **settings))   # memlab's one name -> schedule builder
 
 # %% ../nbs/30_relora.ipynb
 RESET_MODES = ('zero', 'random', 'magnitude')

@@ -17,7 +17,8 @@ from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
                            state_names)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import TrainConfig, default_output_dir, run, run_summary
+from .train_config import TrainConfig
+from .training import default_output_dir, run, run_summary
 
 # %% auto 0
 __all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_INFO', 'LMTaskConfig', 'add_lora', 'train_lm',
@@ -55,7 +56,7 @@ TRAIN_DEFAULTS = dict(max_steps=40, per_device_batch_size=4, lr=5e-4, warmup_ste
                       eval_at_start=True, mixed_precision='auto', save_every=0, report_to='tensorboard')
 
 # %% ../nbs/07_train.ipynb
-from .training import output_card
+from .cards import output_card
 
 def add_lora(model, task:LMTaskConfig):
     "Wrap `model` with PEFT LoRA as `task` says (a 4-bit base is prepared for k-bit training first)."

@@ -19,10 +19,12 @@ from .loaders import TokenBatches
 from .models import LLAMA_CONFIGS, BUILTIN_MODELS, check_model_sizes, llama_config, load_model, plain_config
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
-from .training import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
-from .training import load_sharded, resume_plan, sharded_metadata
+from .callbacks import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
+from .checkpoints import load_sharded, resume_plan, sharded_metadata
 from .training import run as run_training
-from .training import TrainConfig, launched_processes, list_checkpoints, load_strict, make_accelerator
+from .train_config import TrainConfig
+from .distributed import launched_processes, make_accelerator
+from .checkpoints import list_checkpoints, load_strict
 
 # %% auto 0
 __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig', 'parse_mesh', 'parse_load', 'mesh_processes',
@@ -438,7 +440,7 @@ def read_dataset_state(path) -> dict:
         raise MemlabError(f"--load_dataset_state {p} is not valid JSON ({e.msg})") from None
 
 # %% ../nbs/11_train_bpt.ipynb
-from .training import output_card
+from .cards import output_card
 
 def full_state(trainer) -> dict:
     ("The trained model's weights as full CPU tensors with plain Hugging Face names, on every process "

@@ -20,8 +20,11 @@ from .loaders import TokenBatches
 from .models import (check_model_config, check_model_sizes, decoder_layers, load_model, load_tokenizer,
                            resolve_model)
 from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .training import TrainConfig, make_accelerator, resume_plan, run, run_summary
-from .training import GradientStats
+from .train_config import TrainConfig
+from .distributed import make_accelerator
+from .checkpoints import resume_plan
+from .training import run, run_summary
+from .callbacks import GradientStats
 from .distill.teacher import TopKTeacher, dataset_fingerprint, generate_teacher_topk, tokenizer_fingerprint
 from .distill.objective import DistillationObjective, DistillLoss, remove_distill_heads, save_distill_heads
 from .distill.policy import OnPolicyBatches, on_policy_lengths

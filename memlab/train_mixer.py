@@ -20,8 +20,10 @@ from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits
                           objective_loss)
 from .models import load_model, load_tokenizer
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
-from .training import (Trainer, TrainConfig, default_output_dir, make_accelerator, resolve_distributed_type, run,
-                             run_summary)
+from .train_config import TrainConfig
+from .distributed import make_accelerator, resolve_distributed_type
+from .trainer import Trainer
+from .training import default_output_dir, run, run_summary
 
 # %% auto 0
 __all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',
@@ -217,7 +219,7 @@ def check_launcher():
           f"{FSDP_CONFIG} (FSDP full sharding partitions parameters, gradients and optimizer state as ZeRO-3 does)")
 
 # %% ../nbs/51_train_mixer.ipynb
-from .training import output_card
+from .cards import output_card
 
 TRAIN_DEFAULTS = dict(max_steps=200, per_device_batch_size=8, lr=5e-4, scheduler='linear', warmup_steps=20,
                       log_every=10, eval_every=50, max_eval_steps=20, save_every=0, report_to='tensorboard')

@@ -22,8 +22,12 @@ from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add
                                has_neurocache, load_neurocache, memory_per_token,
                                neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
-from .training import (LossOutput, TrainConfig, Trainer, causal_lm_loss, find_checkpoint, make_accelerator,
-                             resume_plan, run)
+from .protocol import LossOutput, causal_lm_loss
+from .train_config import TrainConfig
+from .distributed import make_accelerator
+from .checkpoints import find_checkpoint, resume_plan
+from .trainer import Trainer
+from .training import run
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
@@ -335,7 +339,7 @@ def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
     check(not diff, f"{checkpoint} was trained with other Neurocache settings ({'; '.join(diff)}): resume with the "
           "flags the run was started with, or start a new run")
 
-from .training import eval_metrics
+from .cards import eval_metrics
 
 def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "

@@ -19,10 +19,14 @@ from .relora import (PRUNING_RULES, SCHEDULERS, ReLoRACallback, ReLoRAConfig, ad
                            merged_model, relora_layers, reset_mode_from_flags)
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
                                pretokenized_name)
-from .training import main_process_value, resume_plan, run
-from .training import ConsolidateZeroState, ProfileCallback
-from .training import (CHECKPOINTS, TrainConfig, find_checkpoint, list_checkpoints,
-                             load_sharded, load_strict, make_accelerator, read_json, read_state, sharded_metadata)
+from .distributed import main_process_value
+from .checkpoints import resume_plan
+from .training import run
+from .callbacks import ConsolidateZeroState, ProfileCallback
+from .train_config import TrainConfig
+from .distributed import make_accelerator
+from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_sharded, load_strict, read_json,
+                                read_state, sharded_metadata)
 
 # %% auto 0
 __all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'build_model', 'find_warm_start',
@@ -360,7 +364,7 @@ def optimizer_factory(cfg:ReLoRARunConfig, world_size:int):
     return lambda groups: torch.optim.AdamW(groups, **kw)
 
 # %% ../nbs/31_train_relora.ipynb
-from .training import output_card
+from .cards import output_card
 
 def default_save_dir(cfg:ReLoRARunConfig) -> str:
     "checkpoints/<model>-<date-time>, as the reference names its runs."

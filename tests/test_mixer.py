@@ -90,7 +90,7 @@ def test_zero3_trains_resumes_and_exports(rows, tmp_path):
     """Seed 003's third form as written (the shipped ZeRO-3 config, its 2 processes, here over gloo): memlab's loop drives the
     DeepSpeed engine to the losses of one process, resumes from the engine's checkpoint exactly, and gathers the partitions into
     a model folder that transformers alone loads. (Commands whose methods read partitioned weights refuse a DeepSpeed launch
-    in one line: make_accelerator's test in nbs/05_training.ipynb.)"""
+    in one line: make_accelerator's test in nbs/05c_distributed.ipynb.)"""
     pytest.importorskip('deepspeed')
     zero = lambda out, *extra: run([BIN/'accelerate', 'launch', '--config_file', ZERO_CONFIG, '--main_process_port', free_port(),
                                     '-m', 'memlab.train_mixer', *args(rows, out), *extra])

@@ -22,7 +22,7 @@ from .teacher import output_vocab_size
 __all__ = ['describe_objective', 'model_card']
 
 # %% ../../nbs/41_distill.ipynb 124
-from ..training import base_model_license, hub_model_id
+from ..cards import base_model_license, hub_model_id
 
 def _arch(model) -> dict:
     "A few comparable architecture facts of a causal LM."

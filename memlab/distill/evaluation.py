@@ -11,7 +11,7 @@ import torch
 
 from ..core import MemlabError, check
 from ..loaders import TokenBatches
-from ..training import Callback
+from ..protocol import Callback
 from .objective import DistillationObjective, DistillLoss
 from .teacher import model_device
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import MemlabError, check, compiled_fn
-from ..training import Callback
+from ..protocol import Callback
 
 # %% auto 0
 __all__ = ['LOSS_NAMES', 'MISSING_MODES', 'KD_BACKENDS', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'divergence', 'Hidden', 'TopK', 'head_dtype', 'vocab_of', 'liger_available', 'liger_kd_sum', 'liger_faster', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'auto_chunk_size', 'measure_chunk_size', 'TeacherConfidence', 'teacher_top1']

@@ -15,7 +15,7 @@ from safetensors.torch import save_file, load_file
 
 from ..core import Config, MemlabError, check
 from ..models import decoder_layers, unwrap
-from ..training import Callback, LossOutput, model_inputs
+from ..protocol import Callback, LossOutput, model_inputs
 from .losses import (LOSS_NAMES, MISSING_MODES, Hidden, TeacherConfidence, TopK, auto_chunk_size,
                                    objective_sums, teacher_top1, vocab_of)
 from .features import (ATTENTION_LOSSES, FEATURE_LOSSES, NORMS, PROJECTORS, FeatureNorm, attention_loss,

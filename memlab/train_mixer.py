@@ -18,7 +18,7 @@ from .data import load_corpus
 from .loaders import TokenBatches
 from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits, normalized_loss, information,
                           objective_loss)
-from .models import load_model, load_tokenizer
+from .models import load_model, load_tokenizer, save_full_state
 from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
 from .train_config import TrainConfig
 from .distributed import make_accelerator, resolve_distributed_type
@@ -239,11 +239,7 @@ def save_trained_model(trainer:Trainer, path, kind:str, config:MaskedMixerConfig
      "gather the shards into an unsharded copy first.")
     if trainer.fsdp or trainer.deepspeed:   # shards (FSDP) or partitions (ZeRO-3) gathered on the main process
         sd = trainer.full_state_dict()
-        if trainer.is_main:
-            with torch.device('meta'): copy = model_class(kind)(config)
-            copy.load_state_dict(sd, strict=True, assign=True)
-            copy.tie_weights()
-            copy.save_pretrained(str(path))
+        if trainer.is_main: save_full_state(trainer.unwrapped_model, sd, path)
     elif trainer.is_main: trainer.unwrapped_model.save_pretrained(str(path))
     trainer.accelerator.wait_for_everyone()
 

@@ -173,6 +173,7 @@ def test_memlab_train_sharded_run_writes_the_gathered_model(tmp_path, launch):
              free_port(), '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'sharded'])
     from transformers import AutoModelForCausalLM
     one, sharded = (AutoModelForCausalLM.from_pretrained(tmp_path/k/'model') for k in ('one', 'sharded'))
+    assert json.loads((tmp_path/'sharded'/'model'/'config.json').read_text())['architectures'] == ['LlamaForCausalLM']
     tiny = AutoModelForCausalLM.from_pretrained(tmp_path/'tiny')
     assert not torch.equal(one.model.layers[0].mlp.up_proj.weight, tiny.model.layers[0].mlp.up_proj.weight)   # it trained
     for (n, a), b in zip(one.named_parameters(), sharded.parameters()): torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)

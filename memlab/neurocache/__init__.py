@@ -9,7 +9,12 @@ __all__ = []
 from .config import *
 from .cache import *
 from .attention import *
+from .layer import *
 from .model import *
-from .model import capture, mix   # `Neurocache` methods, module-level names before the split
-from . import config as _config, cache as _cache, attention as _attention, model as _model
-__all__ = [*_config.__all__, *_cache.__all__, *_attention.__all__, *_model.__all__]
+from .save import *
+from .callbacks import *
+from .layer import capture, mix   # `Neurocache` methods, module-level names before the split
+from . import (config as _config, cache as _cache, attention as _attention, layer as _layer,
+                               model as _model, save as _save, callbacks as _callbacks)
+__all__ = [*_config.__all__, *_cache.__all__, *_attention.__all__, *_layer.__all__, *_model.__all__,
+           *_save.__all__, *_callbacks.__all__]

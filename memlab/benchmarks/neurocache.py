@@ -52,6 +52,7 @@ def _bench_model(model_name:str):
     return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMOLLM2_SHAPE),
                                                          attn_implementation='sdpa')
 
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
 def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
                  threads:int=None, cache_attention:str='separate', device:str=None) -> dict:
     ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
@@ -106,6 +107,7 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     res['layers'] = f"layers {a[0]}-{a[-1]}" if a == list(range(a[0], a[-1] + 1)) else f"layers {','.join(map(str, a))}"
     return res
 
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
 def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_size:int=16384, compression_factor:int=4,
                   dtype:str='bfloat16', num_kv_heads:int=3, joint_layers:int=8) -> dict:
     ("Bytes per cached token of a filled Neurocache cache (evaluation and training) and of a Memorizing-Transformers "
@@ -129,6 +131,7 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
         del tensors
     return out
 
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
 def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
     ("`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token "
      "vs Memorizing Transformers; on a GPU, SmolLM2's shape at 4 x 1024 tokens.")

@@ -250,6 +250,7 @@ class FlashAttentionLse(torch.autograd.Function):
         dq, dk, dv = bwd(torch.cat([dout, one], -1), pad(q), pad(k), pad(v), torch.cat([out, g], -1))
         return dq[..., :-n], dk[..., :-n], dv[..., :-n], None, None, None
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> tuple:
     """`FlashAttentionLse` with a mask as attention layers are given one: None, bool (B, 1, T, S) (True: attend) or
     additive; k, v may have fewer heads than q (grouped-query). Returns the output (B, H, T, hs) and the logsumexp (B,
@@ -269,6 +270,7 @@ def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> 
     if attend is None: return out, lse
     return out.masked_fill(~attend[..., None], 0), lse.masked_fill(~attend, float('-inf'))
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 _FUSED_OK = {}
 
 def check_fused_attention(device) -> tuple:
@@ -320,6 +322,7 @@ _FUSED_DTYPES = {'cpu': (torch.float32, torch.bfloat16, torch.float64), 'cuda': 
 def _fusable(q) -> bool:
     return q.dtype in _FUSED_DTYPES.get(q.device.type, ()) and _fused_lse_works(q.device)
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     """logsumexp over the segment of each head's attention logits: q (B, H, T, hs) and keys (B, nkv, S, hs) as the
     layer's attention sees them (rotary applied, S >= T: a KV cache's earlier tokens first); mask (B, 1, T, S) bool
@@ -343,6 +346,7 @@ def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
         s = (s + m).masked_fill(m == float('-inf'), float('-inf'))
     return torch.logsumexp(s, -1).reshape(B, H, T).transpose(1, 2)
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     """The joint softmax of the segment and the cache, head by head: u (B, T, H·hs) the layer's attention output over
     the segment (before W_o), lse_local (B, T, H) its logsumexp, q (B, T, H·hs) the queries before the rotary embedding,

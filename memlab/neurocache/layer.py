@@ -16,7 +16,7 @@ from .cache import KNNCache, context_window, retrieval_scores
 from .attention import (CacheAttention, WindowGrad, joint_mix, local_logsumexp, share_window)
 
 # %% auto 0
-__all__ = ['CacheProjection', 'Neurocache', 'row_mask', 'NeurocacheAttention']
+__all__ = ['CacheProjection', 'row_mask', 'Neurocache', 'NeurocacheAttention']
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 class CacheProjection(nn.Module):
@@ -28,6 +28,16 @@ class CacheProjection(nn.Module):
         nn.init.trunc_normal_(self.proj.weight, std=hidden_size**-0.5)   # the reference's initialisation
         self.norm = nn.LayerNorm(cache_dim, eps=eps)                      # the reference's eps (1e-5)
     def forward(self, x): return self.norm(self.proj(x))
+
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+def row_mask(rows, n:int) -> torch.Tensor:
+    "A (n,) bool mask from a bool mask or a list of row indices."
+    rows = torch.as_tensor(rows)
+    if rows.dtype != torch.bool:
+        m = torch.zeros(n, dtype=torch.bool); m[rows.long()] = True; rows = m
+    check(rows.shape == (n,),
+          f"start_of_sequence / rows must have one entry per batch row ({n}), got shape {tuple(rows.shape)}")
+    return rows
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 def _compute_dtype(weight:torch.Tensor) -> torch.dtype:
@@ -101,123 +111,124 @@ class Neurocache(nn.Module):
         return (m.to(device) if m is not None and tuple(m.shape) == (B, T)
                 else torch.ones(B, T, dtype=torch.bool, device=device))
 
-    def before_attention(self, layer:int, x:torch.Tensor):
-        ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
-         "if it stores.")
-        if layer in self.retrieving and layer not in self._retrieved: self._retrieve(layer, x)
-        if not self.frozen:
-            for r in self.stores.get(layer, ()):
-                if r not in self._stashed: self._stash(r, x)
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+@patch_to(Neurocache)
+def before_attention(self, layer:int, x:torch.Tensor):
+    ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
+     "if it stores.")
+    if layer in self.retrieving and layer not in self._retrieved: self._retrieve(layer, x)
+    if not self.frozen:
+        for r in self.stores.get(layer, ()):
+            if r not in self._stashed: self._stash(r, x)
 
-    def _retrieve(self, r:int, x:torch.Tensor):
-        cfg = self.config
-        B, T, _ = x.shape
-        with torch.no_grad(): c = self.projections[str(r)](x.detach())  # (B, T, d): queries need no gradient
-        if r in self.stores.get(r, ()): self._queries[r] = c            # the same states are stored at this layer
-        cache, mask = self.cache(r, B, x.device), self._token_mask(B, T, x.device)
-        N = cache.rows
-        slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk,
-                                      touch=not self.frozen)
-        inverse = None
-        # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
-        if self.reencode:
-            rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
-            uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
-            vals, inverse = cache.raw.view(N * cache.size, -1).index_select(0, uniq), inverse.view(B, T, -1)  # (U, h)
-        # (B, T, M, d); joint: the K/V
-        else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
-        slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
-        bias = None
-        # scores of the stored states, no gradient needed
-        if cfg.retrieval_bias and inverse is None and not self.joint:
-            bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)  # (B, T, M)
-        P = 0
-        if cfg.context_size > 1 and inverse is None:
-            tail = self._tail.get(r)
-            if tail is not None and tail[0].shape[0] == B and tail[0].shape[2:] == vals.shape[2:]:
-                vals, valid, P = torch.cat([tail[0], vals], 1), torch.cat([tail[1], valid], 1), tail[0].shape[1]
-                if bias is not None: bias = torch.cat([tail[2], bias], 1)
-            if not self.training:                                                 # kept for a continuation (generation)
-                keep = -(cfg.context_size - 1)
-                self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(),
-                                 None if bias is None else bias[:, keep:].clone())
-        self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse, bias=bias,
-                                  x=x.detach() if cfg.retrieval_bias and inverse is not None else None)
-        self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
+@patch_to(Neurocache)
+def _retrieve(self, r:int, x:torch.Tensor):
+    cfg = self.config
+    B, T, _ = x.shape
+    with torch.no_grad(): c = self.projections[str(r)](x.detach())  # (B, T, d): queries need no gradient
+    if r in self.stores.get(r, ()): self._queries[r] = c            # the same states are stored at this layer
+    cache, mask = self.cache(r, B, x.device), self._token_mask(B, T, x.device)
+    N = cache.rows
+    slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk,
+                                  touch=not self.frozen)
+    inverse = None
+    # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+    if self.reencode:
+        rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
+        uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
+        vals, inverse = cache.raw.view(N * cache.size, -1).index_select(0, uniq), inverse.view(B, T, -1)  # (U, h)
+    # (B, T, M, d); joint: the K/V
+    else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
+    slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
+    bias = None
+    # scores of the stored states, no gradient needed
+    if cfg.retrieval_bias and inverse is None and not self.joint:
+        bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)  # (B, T, M)
+    P = 0
+    if cfg.context_size > 1 and inverse is None:
+        tail = self._tail.get(r)
+        if tail is not None and tail[0].shape[0] == B and tail[0].shape[2:] == vals.shape[2:]:
+            vals, valid, P = torch.cat([tail[0], vals], 1), torch.cat([tail[1], valid], 1), tail[0].shape[1]
+            if bias is not None: bias = torch.cat([tail[2], bias], 1)
+        if not self.training:                                                 # kept for a continuation (generation)
+            keep = -(cfg.context_size - 1)
+            self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(),
+                             None if bias is None else bias[:, keep:].clone())
+    self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse, bias=bias,
+                              x=x.detach() if cfg.retrieval_bias and inverse is not None else None)
+    self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
 
-    def _stash(self, r:int, x:torch.Tensor):
-        B, T, _ = x.shape
-        with torch.no_grad():
-            c = self._queries.pop(r, None)
-            if c is None: c = self.projections[str(r)](x.detach())
-        self._pending.append((r, c, x.detach() if self.reencode else None, self._token_mask(B, T, x.device)))
-        self._stashed.add(r)
+@patch_to(Neurocache)
+def _stash(self, r:int, x:torch.Tensor):
+    B, T, _ = x.shape
+    with torch.no_grad():
+        c = self._queries.pop(r, None)
+        if c is None: c = self.projections[str(r)](x.detach())
+    self._pending.append((r, c, x.detach() if self.reencode else None, self._token_mask(B, T, x.device)))
+    self._stashed.add(r)
 
-    def attend(self, layer:int, x:torch.Tensor):
-        "The cache attention's output (B, T, C) for attention layer `layer`, or None if it has none."
-        r = self.source.get(layer)
-        if r is None or self.joint: return None
-        check(r in self._retrieved,
-              f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
-        return self.attentions[str(layer)].attend(x, *self._context(r, layer))
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+@patch_to(Neurocache)
+def attend(self, layer:int, x:torch.Tensor):
+    "The cache attention's output (B, T, C) for attention layer `layer`, or None if it has none."
+    r = self.source.get(layer)
+    if r is None or self.joint: return None
+    check(r in self._retrieved,
+          f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
+    return self.attentions[str(layer)].attend(x, *self._context(r, layer))
 
-    def _context(self, r:int, layer:int) -> tuple:
-        """The window of retrieved states of cache `r` as the attention layers read them (re-projected through W_p in
-        training): (states (B, T, W, d), valid (B, T, W), retrieval scores or None), made once per forward."""
-        ret = self._retrieved[r]
-        proj = self.projections[str(r)]
-        need_grad = self.reencode and torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters())
-        win = ret.get('window')
-        # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what
-        # it did (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused
-        # when they are needed
-        if win is not None and ret['maker'] != layer and (win[0].requires_grad or not need_grad): return win
-        if self.reencode:
-            # (B, T, M, d): W_p learns through this
-            ctx = proj(ret['states'].to(_compute_dtype(proj.proj.weight)))[ret['inverse']]
-            if self.config.retrieval_bias:  # and through the retrieval scores
-                cfg = self.config
-                x = ret['x'].to(_compute_dtype(proj.proj.weight))
-                ret['bias'] = retrieval_scores(proj(x), ctx, cfg.neighborhood_size, cfg.similarity_fn)
-        else: ctx = ret['states'].to(_compute_dtype(self.attentions[str(layer)].k_proj.weight))
-        win = context_window(ctx, ret['valid'], ret['bias'], self.config.context_size, ret['prefix'])
-        # the layers reading it add their gradients w.r.t. it into one buffer (`window_attention`), summed once
-        hub = WindowGrad() if torch.is_grad_enabled() and win[0].requires_grad else None
-        win = (win[0] if hub is None else share_window(win[0], hub), *win[1:], hub)
-        if 'window' not in ret: ret['window'], ret['maker'] = win, layer
-        return win
+@patch_to(Neurocache)
+def _context(self, r:int, layer:int) -> tuple:
+    """The window of retrieved states of cache `r` as the attention layers read them (re-projected through W_p in
+    training): (states (B, T, W, d), valid (B, T, W), retrieval scores or None), made once per forward."""
+    ret = self._retrieved[r]
+    proj = self.projections[str(r)]
+    need_grad = self.reencode and torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters())
+    win = ret.get('window')
+    # the first attention layer makes it, the others reuse it; a layer re-run by checkpointing repeats exactly what
+    # it did (the maker makes it again), and a tensor made without gradients (reentrant checkpointing) is not reused
+    # when they are needed
+    if win is not None and ret['maker'] != layer and (win[0].requires_grad or not need_grad): return win
+    if self.reencode:
+        # (B, T, M, d): W_p learns through this
+        ctx = proj(ret['states'].to(_compute_dtype(proj.proj.weight)))[ret['inverse']]
+        if self.config.retrieval_bias:  # and through the retrieval scores
+            cfg = self.config
+            x = ret['x'].to(_compute_dtype(proj.proj.weight))
+            ret['bias'] = retrieval_scores(proj(x), ctx, cfg.neighborhood_size, cfg.similarity_fn)
+    else: ctx = ret['states'].to(_compute_dtype(self.attentions[str(layer)].k_proj.weight))
+    win = context_window(ctx, ret['valid'], ret['bias'], self.config.context_size, ret['prefix'])
+    # the layers reading it add their gradients w.r.t. it into one buffer (`window_attention`), summed once
+    hub = WindowGrad() if torch.is_grad_enabled() and win[0].requires_grad else None
+    win = (win[0] if hub is None else share_window(win[0], hub), *win[1:], hub)
+    if 'window' not in ret: ret['window'], ret['maker'] = win, layer
+    return win
 
-    def commit(self, keep_retrieved:bool=False):
-        "End a forward: write the stashed states to the caches (unless frozen)."
-        pending, self._pending = self._pending, []
-        if self.enabled and not self.frozen:
-            for r, c, raw, mask in pending:
-                B, T, d = c.shape
-                cache = self.cache(r, B, c.device)
-                if self.joint: raw = self._joint_kv(r)
-                if self.config.global_cache:  # rows are separate documents: a break at each row start
-                    breaks = torch.zeros(B, T, dtype=torch.bool, device=c.device); breaks[:, 0] = True
-                    cache.write(c.reshape(1, B * T, d), mask.reshape(1, B * T),
-                                None if raw is None else raw.reshape(1, B * T, -1), breaks.reshape(1, B * T))
-                else: cache.write(c, mask, raw)
-        if not keep_retrieved: self._retrieved = {}
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+@patch_to(Neurocache)
+def commit(self, keep_retrieved:bool=False):
+    "End a forward: write the stashed states to the caches (unless frozen)."
+    pending, self._pending = self._pending, []
+    if self.enabled and not self.frozen:
+        for r, c, raw, mask in pending:
+            B, T, d = c.shape
+            cache = self.cache(r, B, c.device)
+            if self.joint: raw = self._joint_kv(r)
+            if self.config.global_cache:  # rows are separate documents: a break at each row start
+                breaks = torch.zeros(B, T, dtype=torch.bool, device=c.device); breaks[:, 0] = True
+                cache.write(c.reshape(1, B * T, d), mask.reshape(1, B * T),
+                            None if raw is None else raw.reshape(1, B * T, -1), breaks.reshape(1, B * T))
+            else: cache.write(c, mask, raw)
+    if not keep_retrieved: self._retrieved = {}
 
-    def reset(self, rows=None, training:bool=None):
-        "Empty the caches (all, or the per-row caches of `rows`), of both modes or of `training` mode only."
-        for mode in ((True, False) if training is None else (training,)):
-            if rows is None: self.caches[mode] = {}
-            elif not self.config.global_cache:  # a global cache spans documents: never reset by row
-                for c in self.caches[mode].values(): c.reset(row_mask(rows, c.rows))
-        self._tail = {}
-
-def row_mask(rows, n:int) -> torch.Tensor:
-    "A (n,) bool mask from a bool mask or a list of row indices."
-    rows = torch.as_tensor(rows)
-    if rows.dtype != torch.bool:
-        m = torch.zeros(n, dtype=torch.bool); m[rows.long()] = True; rows = m
-    check(rows.shape == (n,),
-          f"start_of_sequence / rows must have one entry per batch row ({n}), got shape {tuple(rows.shape)}")
-    return rows
+@patch_to(Neurocache)
+def reset(self, rows=None, training:bool=None):
+    "Empty the caches (all, or the per-row caches of `rows`), of both modes or of `training` mode only."
+    for mode in ((True, False) if training is None else (training,)):
+        if rows is None: self.caches[mode] = {}
+        elif not self.config.global_cache:  # a global cache spans documents: never reset by row
+            for c in self.caches[mode].values(): c.reset(row_mask(rows, c.rows))
+    self._tail = {}
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)

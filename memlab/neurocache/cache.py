@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core import check
+from ..core import check, patch_to
 
 # %% auto 0
 __all__ = ['SCORE_BUDGET', 'CACHE_BOOKKEEPING_BYTES', 'neighborhood_offsets', 'bucketed_topk', 'KNNCache', 'brute_force_knn',
@@ -91,111 +91,117 @@ class KNNCache:
         sel = slice(None) if rows is None else rows.to(self.device)
         for t in (self.valid, self.time, self.used, self.ptr, self.clock, self.tick): t[sel] = 0
 
-    @torch.no_grad()
-    def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1, touch:bool=True):
-        ("Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity "
-         "(N, Q, k·w).")
-        N, Q, _ = query.shape
-        S, k = self.size, min(topk, self.size)
-        # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b =
-        # 0 for dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the
-        # top-k
-        d, l2 = self.keys.shape[-1], self.similarity_fn == 'l2'
-        keys = torch.empty(N, S, d + 1, device=self.device)                  # (N, S, d+1)
-        keys[..., :d] = self.keys
-        keys[..., d] = torch.where(self.valid, -self.sqnorm if l2 else 0., float('-inf'))
-        # (N, Q, d+1)
-        query = torch.cat([query.float() * (2. if l2 else 1.), query.new_ones(N, Q, 1, dtype=torch.float32)], -1)
-        chunk = max(1, SCORE_BUDGET // max(1, N * S))
-        hits, ok = [], []
-        for q in query.split(chunk, dim=1):                                   # chunks of queries, all rows at once
-            s = torch.bmm(q, keys.transpose(1, 2))                            # (N, q, S)
-            v, i = bucketed_topk(s, k, self.topk_buckets) if self.topk_buckets else s.topk(k, dim=-1)
-            hits.append(i); ok.append(v > float('-inf'))
-        hits, ok = torch.cat(hits, 1), torch.cat(ok, 1)                       # (N, Q, k)
-        if query_mask is not None: ok = ok & query_mask.to(self.device)[..., None]
-        off = torch.tensor(self.offsets, device=self.device)                  # (w,)
-        row = torch.arange(N, device=self.device)[:, None, None, None]
-        want = self.time[row, hits[..., None]] + off  # (N, Q, k, w) write time of each neighbour
-        # a ring buffer holds consecutive tokens in consecutive slots
-        if self.cache_type == 'FIFO': slots = (hits[..., None] + off) % S
-        else:                                         # LRU keeps entries packed in write order: search by time
-            t = torch.where(self.valid, self.time, torch.iinfo(torch.long).max)
-            slots = torch.searchsorted(t, want.flatten(1)).view_as(want).clamp(max=S - 1)
-        valid = ok[..., None] & self.valid[row, slots] & (self.time[row, slots] == want)   # (N, Q, k, w)
-        slots, valid = slots.flatten(2), valid.flatten(2)                     # (N, Q, k·w)
-        if touch and self.cache_type == 'LRU':
-            hit_count = torch.zeros(N, S, device=self.device).scatter_add_(1, slots.flatten(1),
-                                                                           valid.flatten(1).float())
-            self.used = torch.where(hit_count > 0, self.tick[:, None] + 1, self.used)
-        return slots, valid
+# %% ../../nbs/neurocache/20_1_cache.ipynb
+@patch_to(KNNCache)
+@torch.no_grad()
+def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1, touch:bool=True):
+    ("Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity "
+     "(N, Q, k·w).")
+    N, Q, _ = query.shape
+    S, k = self.size, min(topk, self.size)
+    # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b =
+    # 0 for dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the
+    # top-k
+    d, l2 = self.keys.shape[-1], self.similarity_fn == 'l2'
+    keys = torch.empty(N, S, d + 1, device=self.device)                  # (N, S, d+1)
+    keys[..., :d] = self.keys
+    keys[..., d] = torch.where(self.valid, -self.sqnorm if l2 else 0., float('-inf'))
+    # (N, Q, d+1)
+    query = torch.cat([query.float() * (2. if l2 else 1.), query.new_ones(N, Q, 1, dtype=torch.float32)], -1)
+    chunk = max(1, SCORE_BUDGET // max(1, N * S))
+    hits, ok = [], []
+    for q in query.split(chunk, dim=1):                                   # chunks of queries, all rows at once
+        s = torch.bmm(q, keys.transpose(1, 2))                            # (N, q, S)
+        v, i = bucketed_topk(s, k, self.topk_buckets) if self.topk_buckets else s.topk(k, dim=-1)
+        hits.append(i); ok.append(v > float('-inf'))
+    hits, ok = torch.cat(hits, 1), torch.cat(ok, 1)                       # (N, Q, k)
+    if query_mask is not None: ok = ok & query_mask.to(self.device)[..., None]
+    off = torch.tensor(self.offsets, device=self.device)                  # (w,)
+    row = torch.arange(N, device=self.device)[:, None, None, None]
+    want = self.time[row, hits[..., None]] + off  # (N, Q, k, w) write time of each neighbour
+    # a ring buffer holds consecutive tokens in consecutive slots
+    if self.cache_type == 'FIFO': slots = (hits[..., None] + off) % S
+    else:                                         # LRU keeps entries packed in write order: search by time
+        t = torch.where(self.valid, self.time, torch.iinfo(torch.long).max)
+        slots = torch.searchsorted(t, want.flatten(1)).view_as(want).clamp(max=S - 1)
+    valid = ok[..., None] & self.valid[row, slots] & (self.time[row, slots] == want)   # (N, Q, k, w)
+    slots, valid = slots.flatten(2), valid.flatten(2)                     # (N, Q, k·w)
+    if touch and self.cache_type == 'LRU':
+        hit_count = torch.zeros(N, S, device=self.device).scatter_add_(1, slots.flatten(1),
+                                                                       valid.flatten(1).float())
+        self.used = torch.where(hit_count > 0, self.tick[:, None] + 1, self.used)
+    return slots, valid
 
-    def gather(self, slots:torch.Tensor, raw:bool=False) -> torch.Tensor:
-        "The stored states at `slots` (N, Q, M): (N, Q, M, d) compressed states, or (N, Q, M, h) raw states when `raw`."
-        src = self.raw if raw else self.keys
-        check(src is not None, "this cache keeps no raw states (they are kept only by caches created in training mode)")
-        # (N, Q, M, ·): rows of the flattened store by index_select (measured 3.4x faster on CPU than the same advanced
-        # index: 4,096 rows of 3,072 bf16 features, 2.1 vs 7.1 ms)
-        flat = (torch.arange(self.rows, device=self.device)[:, None, None] * self.size + slots).reshape(-1)
-        return src.reshape(self.rows * self.size, -1).index_select(0, flat).view(*slots.shape, src.shape[-1])
+@patch_to(KNNCache)
+def gather(self, slots:torch.Tensor, raw:bool=False) -> torch.Tensor:
+    "The stored states at `slots` (N, Q, M): (N, Q, M, d) compressed states, or (N, Q, M, h) raw states when `raw`."
+    src = self.raw if raw else self.keys
+    check(src is not None, "this cache keeps no raw states (they are kept only by caches created in training mode)")
+    # (N, Q, M, ·): rows of the flattened store by index_select (measured 3.4x faster on CPU than the same advanced
+    # index: 4,096 rows of 3,072 bf16 features, 2.1 vs 7.1 ms)
+    flat = (torch.arange(self.rows, device=self.device)[:, None, None] * self.size + slots).reshape(-1)
+    return src.reshape(self.rows * self.size, -1).index_select(0, flat).view(*slots.shape, src.shape[-1])
 
-    @torch.no_grad()
-    def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None, breaks:torch.Tensor=None):
-        ("Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new "
-         "document run starts.")
-        N, M, _ = keys.shape
-        S, dev = self.size, self.device
-        keys = keys.to(dev)
-        mask = torch.ones(N, M, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
-        n = mask.sum(1)                                                        # (N,) tokens to store per row
-        # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any
-        # neighbourhood
-        t = self.clock[:, None] + mask.long().cumsum(1) - 1
-        if breaks is not None: t = t + S * breaks.to(dev).long().cumsum(1)
-        self.clock = self.clock + n + (S * breaks.to(dev).long().sum(1) if breaks is not None else 0)
-        # pack each row's stored tokens to the front, in order (padding is dropped here)
-        order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)    # (N, M)
-        row = torch.arange(N, device=dev)[:, None]
-        keys, t = keys[row, order], t[row, order]
-        raw = raw.to(dev)[row, order] if raw is not None and self.raw is not None else None
-        j = torch.arange(M, device=dev)[None, :]         # (1, M) position among the row's stored tokens
-        keep = (j < n[:, None]) & (j >= n[:, None] - S)  # only the last S tokens of a long segment survive
-        if self.cache_type == 'FIFO':
-            slot = (self.ptr[:, None] + j) % S
-            self.ptr = (self.ptr + n) % S
-        else:
-            slot = self._lru_make_room(torch.clamp(n, max=S))[:, None] + j - torch.clamp(n - S, min=0)[:, None]
-        r, s = row.expand(N, M)[keep], slot[keep]
-        stored = keys[keep].to(self.keys.dtype)
-        self.keys[r, s] = stored
-        self.sqnorm[r, s] = stored.float().pow(2).sum(-1)
-        if raw is not None: self.raw[r, s] = raw[keep].to(self.raw.dtype)
-        self.valid[r, s] = True
-        self.time[r, s] = t[keep]
-        self.tick = self.tick + 1
-        self.used[r, s] = self.tick[r]
+# %% ../../nbs/neurocache/20_1_cache.ipynb
+@patch_to(KNNCache)
+@torch.no_grad()
+def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None, breaks:torch.Tensor=None):
+    ("Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new "
+     "document run starts.")
+    N, M, _ = keys.shape
+    S, dev = self.size, self.device
+    keys = keys.to(dev)
+    mask = torch.ones(N, M, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
+    n = mask.sum(1)                                                        # (N,) tokens to store per row
+    # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any
+    # neighbourhood
+    t = self.clock[:, None] + mask.long().cumsum(1) - 1
+    if breaks is not None: t = t + S * breaks.to(dev).long().cumsum(1)
+    self.clock = self.clock + n + (S * breaks.to(dev).long().sum(1) if breaks is not None else 0)
+    # pack each row's stored tokens to the front, in order (padding is dropped here)
+    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)    # (N, M)
+    row = torch.arange(N, device=dev)[:, None]
+    keys, t = keys[row, order], t[row, order]
+    raw = raw.to(dev)[row, order] if raw is not None and self.raw is not None else None
+    j = torch.arange(M, device=dev)[None, :]         # (1, M) position among the row's stored tokens
+    keep = (j < n[:, None]) & (j >= n[:, None] - S)  # only the last S tokens of a long segment survive
+    if self.cache_type == 'FIFO':
+        slot = (self.ptr[:, None] + j) % S
+        self.ptr = (self.ptr + n) % S
+    else:
+        slot = self._lru_make_room(torch.clamp(n, max=S))[:, None] + j - torch.clamp(n - S, min=0)[:, None]
+    r, s = row.expand(N, M)[keep], slot[keep]
+    stored = keys[keep].to(self.keys.dtype)
+    self.keys[r, s] = stored
+    self.sqnorm[r, s] = stored.float().pow(2).sum(-1)
+    if raw is not None: self.raw[r, s] = raw[keep].to(self.raw.dtype)
+    self.valid[r, s] = True
+    self.time[r, s] = t[keep]
+    self.tick = self.tick + 1
+    self.used[r, s] = self.tick[r]
 
-    def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
-        ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
-         "the first free slot (N,).")
-        count = self.valid.sum(1)
-        evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
-        if not bool(evict.any()): return count
-        N, S = self.valid.shape
-        row = torch.arange(N, device=self.device)[:, None]
-        # rank slots by (last use, age); empty slots last
-        by_age = torch.argsort(torch.where(self.valid, self.time, torch.iinfo(torch.long).max), dim=1, stable=True)
-        use = torch.where(self.valid, self.used, torch.iinfo(torch.long).max)[row, by_age]
-        order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
-        keep = self.valid & (rank >= evict[:, None])
-        # kept entries first, still in insertion order
-        pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
-        for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
-            t = getattr(self, name)
-            if t is not None: setattr(self, name, t[row, pack])
-        self.valid = keep[row, pack]
-        return self.valid.sum(1)
+@patch_to(KNNCache)
+def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
+    ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
+     "the first free slot (N,).")
+    count = self.valid.sum(1)
+    evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
+    if not bool(evict.any()): return count
+    N, S = self.valid.shape
+    row = torch.arange(N, device=self.device)[:, None]
+    # rank slots by (last use, age); empty slots last
+    by_age = torch.argsort(torch.where(self.valid, self.time, torch.iinfo(torch.long).max), dim=1, stable=True)
+    use = torch.where(self.valid, self.used, torch.iinfo(torch.long).max)[row, by_age]
+    order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
+    keep = self.valid & (rank >= evict[:, None])
+    # kept entries first, still in insertion order
+    pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
+    for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
+        t = getattr(self, name)
+        if t is not None: setattr(self, name, t[row, pack])
+    self.valid = keep[row, pack]
+    return self.valid.sum(1)
 
 # %% ../../nbs/neurocache/20_1_cache.ipynb
 def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', neighborhood_size:int=1) -> list:

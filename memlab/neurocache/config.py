@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..core import Config, MemlabError, arg, check
+from ..core import Config, MemlabError, arg, check, patch_to
 
 # %% auto 0
 __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'JOINT_FAMILIES', 'parse_layers', 'parse_retrieval_map', 'format_retrieval_map',
@@ -117,70 +117,8 @@ class NeurocacheConfig(Config):
                                        # all FFN linears
 
     def __post_init__(self):
-        def is_int(v): return isinstance(v, int) and not isinstance(v, bool)
-        check(is_int(self.cache_size) and self.cache_size > 0,
-              f"cache_size must be a positive integer, got {self.cache_size!r}")
-        check(self.eval_cache_size is None or (is_int(self.eval_cache_size) and self.eval_cache_size > 0),
-              f"eval_cache_size must be a positive integer (or None: cache_size), got {self.eval_cache_size!r}")
-        self.cache_dtype = str(self.cache_dtype).replace('torch.', '')
-        check(self.cache_dtype in CACHE_DTYPES,
-              f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
-        check(is_int(self.compression_factor) and self.compression_factor >= 1,
-              f"compression_factor must be an integer >= 1, got {self.compression_factor!r}")
-        check(is_int(self.topk) and self.topk >= 1, f"topk must be a positive integer, got {self.topk!r}")
-        check(is_int(self.neighborhood_size) and self.neighborhood_size >= 1 and
-              (self.neighborhood_size == 1 or self.neighborhood_size % 2 == 0),
-              f"neighborhood_size must be 1 or an even number (hit i brings i-n/2+1 .. i+n/2), "
-              f"got {self.neighborhood_size!r}")
-        for name in ('cache_size', 'eval_cache_size'):
-            size = getattr(self, name)
-            if size is None: continue
-            check(self.topk <= size, f"topk ({self.topk}) cannot exceed {name} ({size})")
-            check(self.neighborhood_size < size,
-                  f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
-        check(self.context_size is None or (is_int(self.context_size) and self.context_size >= 1),
-              f"context_size must be a positive integer, got {self.context_size!r}")
-        check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
-        if self.retrieval_map is not None:
-            self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
-        self.attention_layers = parse_layers(self.attention_layers)
-        self.cache_type = str(self.cache_type).upper()
-        check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
-        check(isinstance(self.global_cache, bool), f"global_cache must be true or false, got {self.global_cache!r}")
-        check(isinstance(self.zero_init_output, bool),
-              f"zero_init_output must be true or false, got {self.zero_init_output!r}")
-        check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool)
-              and self.retrieval_bias >= 0,
-              f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), "
-              f"got {self.retrieval_bias!r}")
-        self.retrieval_bias = float(self.retrieval_bias)
-        check(isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool) and self.norm_eps > 0,
-              f"norm_eps must be a number > 0, got {self.norm_eps!r}")
-        self.norm_eps = float(self.norm_eps)
-        check(self.cache_attention in ('auto', 'separate', 'joint'),
-              f"cache_attention must be 'auto', 'separate' or 'joint', got {self.cache_attention!r}")
-        check(is_int(self.joint_distance) and self.joint_distance >= 0,
-              f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
-        check(is_int(self.topk_buckets) and self.topk_buckets >= 0,
-              f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
-        for name in ('cache_size', 'eval_cache_size'):
-            size = getattr(self, name)
-            if self.topk_buckets and size is not None:
-                check(self.topk <= self.topk_buckets <= size and size % self.topk_buckets == 0,
-                      f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and {name} ({size}) "
-                      f"and divide {name}")
-        check(is_int(self.lora_r) and self.lora_r >= 0,
-              f"lora_r must be 0 (no LoRA) or a positive integer, got {self.lora_r!r}")
-        check(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0,
-              f"lora_alpha must be positive, got {self.lora_alpha!r}")
-        check(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
-              f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
-        if isinstance(self.lora_modules, str):
-            self.lora_modules = [m.strip() for m in self.lora_modules.split(',') if m.strip()]
-        check(self.lora_modules is None or (isinstance(self.lora_modules, (list, tuple)) and self.lora_modules and
-              all(isinstance(m, str) for m in self.lora_modules)),
-              f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
-        if self.lora_modules is not None: self.lora_modules = list(self.lora_modules)
+        "Check every field (one line of error for a bad value) and normalise the layer maps."
+        self._check_cache(); self._check_layers_and_attention(); self._check_buckets_and_lora()
 
     def size(self, training:bool) -> int:
         ("Entries per cache in training mode (`cache_size`) or evaluation mode "
@@ -191,3 +129,81 @@ class NeurocacheConfig(Config):
     def layer_map(self) -> dict:
         "The retrieval map as {retrieving layer: storing layer} (None until resolved against a model)."
         return parse_retrieval_map(self.retrieval_map)
+
+# %% ../../nbs/neurocache/20_0_config.ipynb
+def _is_int(v): return isinstance(v, int) and not isinstance(v, bool)
+
+@patch_to(NeurocacheConfig)
+def _check_cache(self):
+    "The cache's fields: sizes, dtype, compression, top-k, neighbourhood, context, similarity."
+    check(_is_int(self.cache_size) and self.cache_size > 0,
+          f"cache_size must be a positive integer, got {self.cache_size!r}")
+    check(self.eval_cache_size is None or (_is_int(self.eval_cache_size) and self.eval_cache_size > 0),
+          f"eval_cache_size must be a positive integer (or None: cache_size), got {self.eval_cache_size!r}")
+    self.cache_dtype = str(self.cache_dtype).replace('torch.', '')
+    check(self.cache_dtype in CACHE_DTYPES,
+          f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+    check(_is_int(self.compression_factor) and self.compression_factor >= 1,
+          f"compression_factor must be an integer >= 1, got {self.compression_factor!r}")
+    check(_is_int(self.topk) and self.topk >= 1, f"topk must be a positive integer, got {self.topk!r}")
+    check(_is_int(self.neighborhood_size) and self.neighborhood_size >= 1 and
+          (self.neighborhood_size == 1 or self.neighborhood_size % 2 == 0),
+          f"neighborhood_size must be 1 or an even number (hit i brings i-n/2+1 .. i+n/2), "
+          f"got {self.neighborhood_size!r}")
+    for name in ('cache_size', 'eval_cache_size'):
+        size = getattr(self, name)
+        if size is None: continue
+        check(self.topk <= size, f"topk ({self.topk}) cannot exceed {name} ({size})")
+        check(self.neighborhood_size < size,
+              f"neighborhood_size ({self.neighborhood_size}) must be smaller than {name} ({size})")
+    check(self.context_size is None or (_is_int(self.context_size) and self.context_size >= 1),
+          f"context_size must be a positive integer, got {self.context_size!r}")
+    check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
+
+@patch_to(NeurocacheConfig)
+def _check_layers_and_attention(self):
+    "The layer maps (normalised), eviction, the cache attention's fields."
+    if self.retrieval_map is not None:
+        self.retrieval_map = format_retrieval_map(parse_retrieval_map(self.retrieval_map))
+    self.attention_layers = parse_layers(self.attention_layers)
+    self.cache_type = str(self.cache_type).upper()
+    check(self.cache_type in ('FIFO', 'LRU'), f"cache_type must be FIFO or LRU, got {self.cache_type!r}")
+    check(isinstance(self.global_cache, bool), f"global_cache must be true or false, got {self.global_cache!r}")
+    check(isinstance(self.zero_init_output, bool),
+          f"zero_init_output must be true or false, got {self.zero_init_output!r}")
+    check(isinstance(self.retrieval_bias, (int, float)) and not isinstance(self.retrieval_bias, bool)
+          and self.retrieval_bias >= 0,
+          f"retrieval_bias must be a number >= 0 (0: no retrieval score in the cache attention), "
+          f"got {self.retrieval_bias!r}")
+    self.retrieval_bias = float(self.retrieval_bias)
+    check(isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool) and self.norm_eps > 0,
+          f"norm_eps must be a number > 0, got {self.norm_eps!r}")
+    self.norm_eps = float(self.norm_eps)
+    check(self.cache_attention in ('auto', 'separate', 'joint'),
+          f"cache_attention must be 'auto', 'separate' or 'joint', got {self.cache_attention!r}")
+    check(_is_int(self.joint_distance) and self.joint_distance >= 0,
+          f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
+
+@patch_to(NeurocacheConfig)
+def _check_buckets_and_lora(self):
+    "Bucketed top-k against the sizes, and LoRA's fields."
+    check(_is_int(self.topk_buckets) and self.topk_buckets >= 0,
+          f"topk_buckets must be 0 (exact) or a positive integer, got {self.topk_buckets!r}")
+    for name in ('cache_size', 'eval_cache_size'):
+        size = getattr(self, name)
+        if self.topk_buckets and size is not None:
+            check(self.topk <= self.topk_buckets <= size and size % self.topk_buckets == 0,
+                  f"topk_buckets ({self.topk_buckets}) must be between topk ({self.topk}) and {name} ({size}) "
+                  f"and divide {name}")
+    check(_is_int(self.lora_r) and self.lora_r >= 0,
+          f"lora_r must be 0 (no LoRA) or a positive integer, got {self.lora_r!r}")
+    check(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0,
+          f"lora_alpha must be positive, got {self.lora_alpha!r}")
+    check(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
+          f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+    if isinstance(self.lora_modules, str):
+        self.lora_modules = [m.strip() for m in self.lora_modules.split(',') if m.strip()]
+    check(self.lora_modules is None or (isinstance(self.lora_modules, (list, tuple)) and self.lora_modules and
+          all(isinstance(m, str) for m in self.lora_modules)),
+          f"lora_modules must be a comma-separated list of module names, got {self.lora_modules!r}")
+    if self.lora_modules is not None: self.lora_modules = list(self.lora_modules)

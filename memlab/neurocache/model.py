@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..compat import check_frozen_4bit_stats
-from ..core import MemlabError, check
+from ..core import MemlabError, check, patch_to
 from ..models import decoder_layers, layer_parts, unwrap
 from .config import JOINT_FAMILIES, SUPPORTED_FAMILIES, NeurocacheConfig, format_retrieval_map
 from .attention import attention_weights
@@ -204,66 +204,80 @@ class NeurocacheModel(PreTrainedModel):
     def get_input_embeddings(self): return self.base_model.get_input_embeddings()
     def get_base_model(self):  # PEFT's name for it: add_bpt, decoder_layers, ... reach the HF model
         return self.base_model
-    def _begin_forward(self, module, args, kwargs):
-        ("Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV "
-         "cache.")
-        ids = kwargs.get('input_ids', args[0] if args else None)
-        x = ids if ids is not None else kwargs.get('inputs_embeds')
-        am = kwargs.get('attention_mask')
-        mask = None
-        if x is not None and am is not None and am.dim() == 2: mask = am[:, -x.shape[1]:].bool()
-        pkv = kwargs.get('past_key_values')
-        continuing = pkv is not None and hasattr(pkv, 'get_seq_length') and pkv.get_seq_length() > 0
-        self.neurocache.begin(mask, continuing)
 
-    def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, labels=None, **kwargs):
-        ("The base model's forward (`labels` and the loss kwargs: its loss); rows flagged in `start_of_sequence` (B,) "
-         "start a new document; the segment is cached afterwards.")
-        if labels is not None: kwargs['labels'] = labels     # named, so that the HF Trainer keeps the labels column
-        if start_of_sequence is not None:
-            B = (input_ids if input_ids is not None else kwargs['inputs_embeds']).shape[0]
-            sos = row_mask(torch.as_tensor(start_of_sequence).cpu(), B)
-            if sos.any(): self.neurocache.reset(sos, training=self.training)
-        saving = ({getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)}
-                  - {'nothing_saveable', 'everything_saveable'})
-        # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would
-        # get wrong ones
-        check(not (saving and self.training and torch.is_grad_enabled()),
-              f"a Neurocache trains with layer remat_policy "
-              f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} "
-              f"(a re-run layer does not repeat its retrieval)")
-        try: out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        except BaseException:
-            self.neurocache.begin(); raise
-        # in training a layer may be re-run in backward (checkpointing by Hugging Face, BPT or another wrapper): it
-        # reuses its retrieval
-        self.neurocache.commit(keep_retrieved=self.training and torch.is_grad_enabled())
-        return out
+# %% ../../nbs/neurocache/20_3_model.ipynb
+@patch_to(NeurocacheModel)
+def _begin_forward(self, module, args, kwargs):
+    ("Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV "
+     "cache.")
+    ids = kwargs.get('input_ids', args[0] if args else None)
+    x = ids if ids is not None else kwargs.get('inputs_embeds')
+    am = kwargs.get('attention_mask')
+    mask = None
+    if x is not None and am is not None and am.dim() == 2: mask = am[:, -x.shape[1]:].bool()
+    pkv = kwargs.get('past_key_values')
+    continuing = pkv is not None and hasattr(pkv, 'get_seq_length') and pkv.get_seq_length() > 0
+    self.neurocache.begin(mask, continuing)
 
-    def generate(self, *args, start_of_sequence=None, **kwargs):
-        "The base model's `generate` with the cache frozen: retrieval works, nothing is written."
-        if start_of_sequence is not None:
-            n = (args[0] if args else kwargs['input_ids']).shape[0]
-            self.neurocache.reset(row_mask(torch.as_tensor(start_of_sequence).cpu(), n), training=self.training)
-        with freeze_neurocache(self): return self.base_model.generate(*args, **kwargs)
+@patch_to(NeurocacheModel)
+def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, labels=None, **kwargs):
+    ("The base model's forward (`labels` and the loss kwargs: its loss); rows flagged in `start_of_sequence` (B,) "
+     "start a new document; the segment is cached afterwards.")
+    if labels is not None: kwargs['labels'] = labels     # named, so that the HF Trainer keeps the labels column
+    if start_of_sequence is not None:
+        B = (input_ids if input_ids is not None else kwargs['inputs_embeds']).shape[0]
+        sos = row_mask(torch.as_tensor(start_of_sequence).cpu(), B)
+        if sos.any(): self.neurocache.reset(sos, training=self.training)
+    saving = ({getattr(l, 'remat_policy', 'nothing_saveable') for l in decoder_layers(self.base_model)}
+              - {'nothing_saveable', 'everything_saveable'})
+    # selective rematerialisation replays saved op outputs in order: a re-run layer skips the retrieval and would
+    # get wrong ones
+    check(not (saving and self.training and torch.is_grad_enabled()),
+          f"a Neurocache trains with layer remat_policy "
+          f"nothing_saveable or everything_saveable, not {', '.join(sorted(saving))} "
+          f"(a re-run layer does not repeat its retrieval)")
+    try: out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    except BaseException:
+        self.neurocache.begin(); raise
+    # in training a layer may be re-run in backward (checkpointing by Hugging Face, BPT or another wrapper): it
+    # reuses its retrieval
+    self.neurocache.commit(keep_retrieved=self.training and torch.is_grad_enabled())
+    return out
 
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs:dict=None):
-        "Checkpoint the base model's decoder layers (non-reentrant by default)."
-        kw = activation_checkpointing_kwargs or {'use_reentrant': False}
-        base = self.base_model
-        if hasattr(base, 'activation_checkpointing_enable'):
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-        # transformers before activation_checkpointing_*
-        else: base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-    def activation_checkpointing_disable(self):
-        "Stop checkpointing the base model's decoder layers."
-        base = self.base_model
-        if hasattr(base, 'activation_checkpointing_disable'): base.activation_checkpointing_disable()
-        else: base.gradient_checkpointing_disable()
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs:dict=None):
-        self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
-    def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
+@patch_to(NeurocacheModel)
+def generate(self, *args, start_of_sequence=None, **kwargs):
+    "The base model's `generate` with the cache frozen: retrieval works, nothing is written."
+    if start_of_sequence is not None:
+        n = (args[0] if args else kwargs['input_ids']).shape[0]
+        self.neurocache.reset(row_mask(torch.as_tensor(start_of_sequence).cpu(), n), training=self.training)
+    with freeze_neurocache(self): return self.base_model.generate(*args, **kwargs)
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
+@patch_to(NeurocacheModel)
+def activation_checkpointing_enable(self, activation_checkpointing_kwargs:dict=None):
+    "Checkpoint the base model's decoder layers (non-reentrant by default)."
+    kw = activation_checkpointing_kwargs or {'use_reentrant': False}
+    base = self.base_model
+    if hasattr(base, 'activation_checkpointing_enable'):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    # transformers before activation_checkpointing_*
+    else: base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+@patch_to(NeurocacheModel)
+def activation_checkpointing_disable(self):
+    "Stop checkpointing the base model's decoder layers."
+    base = self.base_model
+    if hasattr(base, 'activation_checkpointing_disable'): base.activation_checkpointing_disable()
+    else: base.gradient_checkpointing_disable()
+
+@patch_to(NeurocacheModel)
+def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs:dict=None):
+    self.activation_checkpointing_enable(gradient_checkpointing_kwargs)
+
+@patch_to(NeurocacheModel)
+def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
+
+# %% ../../nbs/neurocache/20_3_model.ipynb
 class _SaveRefused:
     "A Hugging Face model's `save_pretrained` while a memlab method is inside it that a plain load would misread."
     def __init__(self, why:str): self.why = why

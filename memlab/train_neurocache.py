@@ -21,6 +21,8 @@ from .models import load_model, load_tokenizer
 from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add_ffn_lora, add_neurocache,
                                has_neurocache, load_neurocache, memory_per_token,
                                neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
+from .neurocache import (TINY_RECALL_MODEL, FactRecallTask, RecallLoss, RecallProbe, answer_nll,  # re-exported:
+                               fact_recall_tokenizer, recall_cache_config, recall_metrics)  # they lived here
 from .tokenizers import check_sequence_length, check_vocab
 from .protocol import LossOutput, causal_lm_loss
 from .train_config import TrainConfig
@@ -30,11 +32,10 @@ from .trainer import Trainer
 from .training import run
 
 # %% auto 0
-__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'TINY_RECALL_MODEL', 'NeurocacheRunConfig',
-           'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'save_run_neurocache', 'check_resume_flags', 'train_neurocache', 'summary', 'main',
-           'FactRecallTask', 'fact_recall_tokenizer', 'RecallLoss', 'recall_metrics', 'recall_cache_config',
-           'train_fact_recall', 'RecallProbe', 'answer_nll', 'demo']
+__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NeurocacheRunConfig', 'mixed_precision_of',
+           'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams', 'stream_loss',
+           'save_run_neurocache', 'check_resume_flags', 'train_neurocache', 'summary', 'main', 'train_fact_recall',
+           'demo']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -453,89 +454,6 @@ def main(argv=None):
     if int(os.environ.get('RANK', '0')) == 0 and 'eval' in res: print('\n' + summary(res))
 
 # %% ../nbs/21_train_neurocache.ipynb
-@dataclass
-class FactRecallTask(Config):
-    ("Synthetic long-range recall: facts `F key value` at a document's start, asked as `Q key value` after a gap of "
-     "filler.")
-    n_facts: int = 8        # facts per document, each asked once
-    gap: int = 48           # filler tokens between the facts and the questions
-    n_keys: int = 64        # distinct keys (a document's keys are distinct)
-    n_values: int = 64      # distinct values (chance accuracy 1 / n_values)
-    n_filler: int = 64      # distinct filler tokens
-
-    EOS, FACT, QUERY = 0, 1, 2
-    @property
-    def key0(self) -> int: return 3
-    @property
-    def value0(self) -> int: return 3 + self.n_keys
-    @property
-    def vocab_size(self) -> int: return 3 + self.n_keys + self.n_values + self.n_filler
-
-    def document(self, rng) -> list:
-        "The token ids of one document."
-        keys, values = (rng.choice(self.n_keys, self.n_facts, replace=False),
-                        rng.integers(0, self.n_values, self.n_facts))
-        ids = []
-        for k, v in zip(keys, values): ids += [self.FACT, self.key0 + int(k), self.value0 + int(v)]
-        ids += [int(t) for t in self.value0 + self.n_values + rng.integers(0, self.n_filler, self.gap)]
-        for i in rng.permutation(self.n_facts):
-            ids += [self.QUERY, self.key0 + int(keys[i]), self.value0 + int(values[i])]
-        return ids
-
-    def documents(self, n:int, seed:int=0) -> list:
-        "`n` documents as text (space-separated ids), the form `fact_recall_tokenizer` reads."
-        rng = np.random.default_rng(seed)
-        return [' '.join(map(str, self.document(rng))) for _ in range(n)]
-
-    def answer_mask(self, input_ids:torch.Tensor) -> torch.Tensor:
-        "(B, T) True where the next token is an answer: the input is a key right after QUERY."
-        m = torch.zeros_like(input_ids, dtype=torch.bool)
-        m[:, 1:] = input_ids[:, :-1] == self.QUERY
-        return m
-
-def fact_recall_tokenizer(vocab_size:int):
-    "A Hugging Face tokenizer whose tokens are the ids themselves ('5 17 42' -> [5, 17, 42]); id 0 is EOS and padding."
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {'<eos>': 0, **{str(i): i for i in range(1, vocab_size)}}  # id 0 never appears in a document's text
-    tk = Tokenizer(models.WordLevel(vocab, unk_token='<eos>'))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token='<eos>', pad_token='<eos>', unk_token='<eos>')
-
-class RecallLoss:
-    ("The causal-LM loss over every token, also logging answer-token sums (answer_loss, answer_correct, answers) for "
-     "the task.")
-    def __init__(self, task:FactRecallTask): self.task = task
-    def __call__(self, model, batch:dict) -> LossOutput:
-        inputs = {k: v for k, v in batch.items()
-                  if k != 'labels' and (k != 'start_of_sequence' or has_neurocache(model))}
-        logits = model(**inputs).logits.float()                                    # (B, T, V)
-        labels = batch['labels'].to(logits.device)
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                             reduction='none').view_as(labels)
-        ans = self.task.answer_mask(batch['input_ids'].to(labels.device)) & (labels != -100)
-        correct = ((logits.argmax(-1) == labels) & ans).sum().float()
-        return LossOutput(ce.sum(), (labels != -100).sum(), {'answer_loss': (ce * ans).sum().detach(),
-                                                           'answer_correct': correct, 'answers': ans.sum().float()})
-
-def recall_metrics(logs:dict, prefix:str='') -> dict:
-    "Answer accuracy and answer loss (nats) from a log or evaluation entry of `RecallLoss` sums."
-    n = logs[f'{prefix}answers']
-    if not n: return {'accuracy': float('nan'), 'answer_loss': float('nan')}   # a window with no question in it
-    return {'accuracy': logs[f'{prefix}answer_correct'] / n, 'answer_loss': logs[f'{prefix}answer_loss'] / n}
-
-# %% ../nbs/21_train_neurocache.ipynb
-TINY_RECALL_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256,
-                         max_positions=64)
-
-def recall_cache_config(**changes) -> NeurocacheConfig:
-    ("The Neurocache of the synthetic task: retrieve and store at layer 0, attend in every layer, top-1 with its "
-     "successor.")
-    kw = dict(cache_size=256, cache_dtype='float32', compression_factor=2, topk=1, neighborhood_size=2, context_size=1,
-              # learned from scratch with the model
-              retrieval_map='0:0', attention_layers='0-3', cache_attention='separate')
-    return NeurocacheConfig(**{**kw, **changes})
-
 def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8,
                       sequence_length:int=32, lr:float=3e-3, n_train:int=4000, n_eval:int=32, seed:int=0,
                       eval_every:int=0, output_dir:str=None,
@@ -573,62 +491,6 @@ def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_tr
                       if 'loss' in h and h['answers']],                          # (update, answer loss, accuracy)
             'eval': [(h['step'], recall_metrics(h, 'eval_')['answer_loss'], recall_metrics(h, 'eval_')['accuracy'])
                      for h in history if 'eval_loss' in h]}
-
-# %% ../nbs/21_train_neurocache.ipynb
-_FIRST = ('Ingrid', 'Tobias', 'Marisol', 'Radek', 'Oluwaseun', 'Henrike', 'Casimir', 'Philippa', 'Anselm', 'Dagny',
-          'Leocadia', 'Barnaby', 'Ximena', 'Evander', 'Saoirse', 'Ottoline', 'Thaddeus', 'Wilhelmina', 'Ignatius',
-          'Ysolde')
-_LAST = ('Valtersen', 'Quillfeather', 'Abernathy', 'Moravcik', 'Adeyemi', 'Lindqvist', 'Pendergast', 'Okonkwo',
-         'Fairbrother', 'Castellanos', 'Ravensworth', 'Szymanski', 'Thistlewood', 'Kowalczyk', 'Blackwood',
-         'Vandermeer', 'Zielinski', 'Haverford')
-_TOPICS = ('parser', 'scheduler', 'archive', 'profiler', 'resolver', 'allocator', 'tracer', 'validator')
-
-@dataclass
-class RecallProbe(Config):
-    "A made-up fact inserted near the start of each real document and restated at least `gap` tokens later."
-    gap: int = 2048          # tokens between the fact and its restatement (at least)
-    segment: int = 256       # tokens per segment when a document is read in segments
-    seed: int = 0            # draws the names, topics and numbers
-
-    def documents(self, texts, tokenizer) -> list:
-        ("[(input_ids (T,), answer positions)] for each text long enough to hold the gap; answers: the restated name "
-         "and number.")
-        rng, out = np.random.default_rng(self.seed), []
-        for text in texts:
-            first, last, topic = rng.choice(_FIRST), rng.choice(_LAST), rng.choice(_TOPICS)
-            number = int(rng.integers(1000, 10000))
-            fact = f"the maintainer of the {topic} notes is {first} {last}, reachable at extension {number}."
-            a = text.find('\n\n', 300)
-            if a < 0: continue
-            head, rest = text[:a + 2] + f"Note: {fact}\n\n", text[a + 2:]
-            offsets = tokenizer(rest, return_offsets_mapping=True, add_special_tokens=False)['offset_mapping']
-            if len(offsets) <= self.gap: continue
-            cut = rest.find('\n\n', offsets[self.gap][0])
-            if cut < 0: continue
-            text = head + rest[:cut + 2] + f"As noted above, {fact}\n\n" + rest[cut + 2:]
-            asked = len(head) + cut + 2                                       # the restatement starts here (characters)
-            spans = [(text.index(s, asked), text.index(s, asked) + len(s)) for s in (f"{first} {last}", str(number))]
-            enc = tokenizer(text, return_offsets_mapping=True)
-            pos = [i for i, (s, e) in enumerate(enc['offset_mapping'])
-                   if e > s and any(s < c1 and e > c0 for c0, c1 in spans)]
-            pos = [p for p in pos if p % self.segment]                       # not the first token of a segment
-            out.append((torch.tensor(enc['input_ids']), torch.tensor(pos)))
-        return out
-
-@torch.no_grad()
-def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
-    ("(mean NLL in nats, count) of the answer tokens of `RecallProbe.documents`, read in segments "
-     "(a cache carried across them) or whole.")
-    nc, total, n = has_neurocache(model), 0., 0
-    for ids, pos in docs:
-        end = int(pos.max()) + 1
-        windows = [(0, end)] if full else [(s, min(s + segment, end)) for s in range(0, end, segment)]
-        for s0, s1 in windows:
-            kw = {'start_of_sequence': torch.tensor([s0 == 0])} if nc else {}
-            logp = F.log_softmax(model(input_ids=ids[None, s0:s1], **kw).logits[0].float(), -1)   # (s1-s0, V)
-            mine = pos[(pos > s0) & (pos < s1)]
-            total -= logp[mine - 1 - s0, ids[mine]].sum().item(); n += len(mine)
-    return total / max(n, 1), n
 
 # %% ../nbs/21_train_neurocache.ipynb
 def demo(out:Path, quick:bool=False) -> tuple:

@@ -13,8 +13,9 @@ from .layer import *
 from .model import *
 from .save import *
 from .callbacks import *
+from .recall import *
 from .layer import capture, mix   # `Neurocache` methods, module-level names before the split
 from . import (config as _config, cache as _cache, attention as _attention, layer as _layer,
-                               model as _model, save as _save, callbacks as _callbacks)
+                               model as _model, save as _save, callbacks as _callbacks, recall as _recall)
 __all__ = [*_config.__all__, *_cache.__all__, *_attention.__all__, *_layer.__all__, *_model.__all__,
-           *_save.__all__, *_callbacks.__all__]
+           *_save.__all__, *_callbacks.__all__, *_recall.__all__]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         resolve_precision, seed_everything, show_path)
+                         patch_to, resolve_precision, seed_everything, show_path)
 from .data import load_corpus
 from .loaders import DocumentStream
 from .models import load_model, load_tokenizer
@@ -30,6 +30,7 @@ from .distributed import make_accelerator
 from .checkpoints import find_checkpoint, resume_plan
 from .trainer import Trainer
 from .training import run
+from .cards import eval_metrics
 
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NeurocacheRunConfig', 'mixed_precision_of',
@@ -43,6 +44,7 @@ SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts
                    'constant': 'constant', 'constant_with_warmup': 'constant'}
 MIXED_PRECISION = ('no', 'bf16', 'fp16')
 
+# %% ../nbs/21_train_neurocache.ipynb
 @dataclass
 class NeurocacheRunConfig(Config):
     "train_neurocache.py's flags: task, training, output, Neurocache and LoRA."
@@ -130,48 +132,56 @@ class NeurocacheRunConfig(Config):
                                            # default: all FFN linears of the family
 
     def __post_init__(self):
-        for name in ('model_name_or_path', 'dataset_name', 'output_dir'):
-            check(getattr(self, name) not in (None, ''), f"--{name} is required")
-        for name in ('per_device_train_batch_size', 'per_device_eval_batch_size', 'max_train_steps',
-                     'gradient_accumulation_steps', 'logging_steps', 'keep_n_checkpoints'):
-            check(getattr(self, name) >= 1, f"--{name} must be positive, got {getattr(self, name)}")
-        check(self.sequence_length >= 2, f"--sequence_length must be at least 2, got {self.sequence_length}")
-        for name in ('max_eval_steps', 'evaluate_every_steps', 'checkpointing_steps', 'num_warmup_steps'):
-            check(getattr(self, name) >= 0, f"--{name} must be 0 or positive, got {getattr(self, name)}")
-        check(self.lr_scheduler_type in SCHEDULER_TYPES,
-              f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, "
-              f"got {self.lr_scheduler_type!r}")
-        check(self.mixed_precision in (None, 'auto', *MIXED_PRECISION),
-              f"--mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
-        check(self.distributed_type in ('auto', 'ddp', 'fsdp'),
-              f"--distributed_type must be auto, ddp or fsdp, got {self.distributed_type!r}")
-        check(self.report_to in ('tensorboard', 'wandb'),
-              f"--report_to must be tensorboard or wandb, got {self.report_to!r}")
-        check(not (self.nf4 and self.distributed_type == 'fsdp'),
-              "--nf4 with --distributed_type fsdp is not supported: FSDP2 cannot "
-              "shard bitsandbytes weights; use ddp")
-        check(self.only_evaluate or not (self.disable_neurocache and self.disable_lora),
-              "--disable_neurocache with --disable_lora leaves nothing to train: "
-              "add --only_evaluate to evaluate the base model")
-        check(not (self.save_and_quit and self.only_evaluate), "give --save_and_quit or --only_evaluate, not both")
-        if self.test_split in ('', 'none', 'None'): self.test_split = None
+        "Check the flags (one line of error each), then every Neurocache setting."
+        self._check_flags()
         self.neurocache_config()                      # every Neurocache setting checked now, one line each
 
-    def neurocache_config(self) -> NeurocacheConfig:
-        "The `NeurocacheConfig` the flags describe (layers resolved later, against the model)."
-        return NeurocacheConfig(cache_size=self.cache_size, eval_cache_size=self.eval_cache_size,
-                                cache_dtype=self.cache_dtype, compression_factor=self.compression_factor,
-                                topk=self.topk, neighborhood_size=self.neighborhood_size,
-                                context_size=self.context_size,
-                                similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
-                                attention_layers=self.attention_layers, cache_type=self.cache_type,
-                                global_cache=self.global_cache,
-                                topk_buckets=self.topk_buckets, zero_init_output=self.zero_init_output,
-                                retrieval_bias=self.retrieval_bias, cache_attention=self.cache_attention,
-                                joint_distance=self.joint_distance,
-                                lora_r=0 if self.disable_lora else self.lora_r,
-                                lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                                lora_modules=self.lora_modules)
+# %% ../nbs/21_train_neurocache.ipynb
+@patch_to(NeurocacheRunConfig)
+def neurocache_config(self) -> NeurocacheConfig:
+    "The `NeurocacheConfig` the flags describe (layers resolved later, against the model)."
+    return NeurocacheConfig(cache_size=self.cache_size, eval_cache_size=self.eval_cache_size,
+                            cache_dtype=self.cache_dtype, compression_factor=self.compression_factor,
+                            topk=self.topk, neighborhood_size=self.neighborhood_size,
+                            context_size=self.context_size,
+                            similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
+                            attention_layers=self.attention_layers, cache_type=self.cache_type,
+                            global_cache=self.global_cache,
+                            topk_buckets=self.topk_buckets, zero_init_output=self.zero_init_output,
+                            retrieval_bias=self.retrieval_bias, cache_attention=self.cache_attention,
+                            joint_distance=self.joint_distance,
+                            lora_r=0 if self.disable_lora else self.lora_r,
+                            lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                            lora_modules=self.lora_modules)
+
+@patch_to(NeurocacheRunConfig)
+def _check_flags(self):
+    "The run's own flags: required, positive, one of their choices, compatible."
+    for name in ('model_name_or_path', 'dataset_name', 'output_dir'):
+        check(getattr(self, name) not in (None, ''), f"--{name} is required")
+    for name in ('per_device_train_batch_size', 'per_device_eval_batch_size', 'max_train_steps',
+                 'gradient_accumulation_steps', 'logging_steps', 'keep_n_checkpoints'):
+        check(getattr(self, name) >= 1, f"--{name} must be positive, got {getattr(self, name)}")
+    check(self.sequence_length >= 2, f"--sequence_length must be at least 2, got {self.sequence_length}")
+    for name in ('max_eval_steps', 'evaluate_every_steps', 'checkpointing_steps', 'num_warmup_steps'):
+        check(getattr(self, name) >= 0, f"--{name} must be 0 or positive, got {getattr(self, name)}")
+    check(self.lr_scheduler_type in SCHEDULER_TYPES,
+          f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, "
+          f"got {self.lr_scheduler_type!r}")
+    check(self.mixed_precision in (None, 'auto', *MIXED_PRECISION),
+          f"--mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+    check(self.distributed_type in ('auto', 'ddp', 'fsdp'),
+          f"--distributed_type must be auto, ddp or fsdp, got {self.distributed_type!r}")
+    check(self.report_to in ('tensorboard', 'wandb'),
+          f"--report_to must be tensorboard or wandb, got {self.report_to!r}")
+    check(not (self.nf4 and self.distributed_type == 'fsdp'),
+          "--nf4 with --distributed_type fsdp is not supported: FSDP2 cannot "
+          "shard bitsandbytes weights; use ddp")
+    check(self.only_evaluate or not (self.disable_neurocache and self.disable_lora),
+          "--disable_neurocache with --disable_lora leaves nothing to train: "
+          "add --only_evaluate to evaluate the base model")
+    check(not (self.save_and_quit and self.only_evaluate), "give --save_and_quit or --only_evaluate, not both")
+    if self.test_split in ('', 'none', 'None'): self.test_split = None
 
 # %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
@@ -340,8 +350,37 @@ def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
     check(not diff, f"{checkpoint} was trained with other Neurocache settings ({'; '.join(diff)}): resume with the "
           "flags the run was started with, or start a new run")
 
-from .cards import eval_metrics
+# %% ../nbs/21_train_neurocache.ipynb
+def _train_config(cfg:NeurocacheRunConfig, mp:str, training:bool, resume) -> TrainConfig:
+    "The loop's `TrainConfig` from the seed's flags (the output folder only for a run that trains or resumes)."
+    return TrainConfig(output_dir=cfg.output_dir if training or resume else None, max_steps=cfg.max_train_steps,
+                       per_device_batch_size=cfg.per_device_train_batch_size,
+                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, lr=cfg.learning_rate,
+                       weight_decay=cfg.weight_decay, scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type],
+                       warmup_steps=cfg.num_warmup_steps, max_grad_norm=cfg.max_grad_norm,
+                       eval_every=cfg.evaluate_every_steps, max_eval_steps=cfg.max_eval_steps or None,
+                       save_every=cfg.checkpointing_steps, keep_checkpoints=cfg.keep_n_checkpoints, save_final=False,
+                       log_every=cfg.logging_steps, mixed_precision=mp,
+                       gradient_checkpointing=training and not cfg.disable_grad_checkpointing,
+                       distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume,
+                       report_to=cfg.report_to if cfg.with_tracking else 'none', progress=cfg.progress)
 
+def _run_card(cfg:NeurocacheRunConfig, res:dict, training:bool) -> dict:
+    "The run folder's model card: the saved Neurocache (memlab.load_model opens it), its final evaluation."
+    out = Path(cfg.output_dir)
+    plain = (out/'config.json').exists()   # not with a 4-bit base
+    what = (f"A Neurocache (a kNN cache of compressed hidden states, with LoRA) trained with memlab_neurocache on "
+            f"{Path(str(cfg.model_name_or_path)).name}. " + (
+            "transformers loads the whole model (the base with its LoRA merged, and the cache) with "
+            "`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`; " if plain else
+            "Only the cache's weights and the LoRA are here (a 4-bit base is not exported): ") +
+            "`memlab.load_model` loads the cache's weights and the LoRA onto the base model.")
+    metrics = eval_metrics({'final': {'eval_loss': (res.get('eval') or {}).get('loss')}})
+    return {'.': dict(method='memlab_neurocache', description=what, base_model=cfg.model_name_or_path,
+                      datasets=cfg.dataset_name, metrics=metrics, library_name='memlab',
+                      tags=['neurocache'])} if training else {}
+
+# %% ../nbs/21_train_neurocache.ipynb
 def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "
      "(also <output_dir>/results.json).")
@@ -367,17 +406,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     check(trainable or cfg.only_evaluate, "nothing to train: the model has no trainable parameter")
     check(not (cfg.resume_from_checkpoint and not trainable),
           "--resume_from_checkpoint needs a model with trainable weights")
-    tc = TrainConfig(output_dir=cfg.output_dir if training or resume else None, max_steps=cfg.max_train_steps,
-                     per_device_batch_size=cfg.per_device_train_batch_size,
-                     gradient_accumulation_steps=cfg.gradient_accumulation_steps, lr=cfg.learning_rate,
-                     weight_decay=cfg.weight_decay, scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type],
-                     warmup_steps=cfg.num_warmup_steps, max_grad_norm=cfg.max_grad_norm,
-                     eval_every=cfg.evaluate_every_steps, max_eval_steps=cfg.max_eval_steps or None,
-                     save_every=cfg.checkpointing_steps, keep_checkpoints=cfg.keep_n_checkpoints, save_final=False,
-                     log_every=cfg.logging_steps, mixed_precision=mp,
-                     gradient_checkpointing=training and not cfg.disable_grad_checkpointing,
-                     distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume,
-                     report_to=cfg.report_to if cfg.with_tracking else 'none', progress=cfg.progress)
+    tc = _train_config(cfg, mp, training, resume)
     # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
     optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
     loop = dict(loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks], optimizer=optimizer, accelerator=acc,
@@ -417,22 +446,10 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     def save(trainer, folder):
         if training:
             save_run_neurocache(trainer, cfg, folder, tok)   # the folder's tokenizer too
-    def card(trainer, res):       # the saved Neurocache (memlab.load_model opens it), its final evaluation
-        plain = (out/'config.json').exists()   # not with a 4-bit base
-        what = (f"A Neurocache (a kNN cache of compressed hidden states, with LoRA) trained with memlab_neurocache on "
-                f"{Path(str(cfg.model_name_or_path)).name}. " + (
-                "transformers loads the whole model (the base with its LoRA merged, and the cache) with "
-                "`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`; " if plain else
-                "Only the cache's weights and the LoRA are here (a 4-bit base is not exported): ") +
-                "`memlab.load_model` loads the cache's weights and the LoRA onto the base model.")
-        metrics = eval_metrics({'final': {'eval_loss': (res.get('eval') or {}).get('loss')}})
-        return {'.': dict(method='memlab_neurocache', description=what, base_model=cfg.model_name_or_path,
-                          datasets=cfg.dataset_name, metrics=metrics, library_name='memlab',
-                          tags=['neurocache'])} if training else {}
     # --only_evaluate: the same steps without training, its results.json in --output_dir (no logs, no checkpoints)
     return run(model, tc, train_data, eval_data, describe=describe, results=results, save=save, fit=training,
                folder=out, plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}",
-               card=card, **loop)
+               card=lambda trainer, res: _run_card(cfg, res, training), **loop)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def summary(res:dict) -> str:

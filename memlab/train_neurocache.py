@@ -228,6 +228,7 @@ def as_base_and_neurocache(cfg:NeurocacheRunConfig) -> NeurocacheRunConfig:
     return dataclasses.replace(cfg, model_name_or_path=info['base_model'], pretrained_neurocache=str(folder),
                                nf4=cfg.nf4 or info['base_quantization'] in ('nf4', '4bit'))
 
+# %% ../nbs/21_train_neurocache.ipynb
 def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
     ("The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto "
      "the base.")

@@ -80,6 +80,7 @@ def share_window(win, hub:WindowGrad):
     "`win` for several `window_attention` calls that add its gradient to `hub` (unchanged where no gradient is needed)."
     return _SharedWindow.apply(win, hub) if torch.is_grad_enabled() and win.requires_grad else win
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qc, win, ok, bias, hub):

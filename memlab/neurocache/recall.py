@@ -60,6 +60,7 @@ class FactRecallTask(Config):
         m[:, 1:] = input_ids[:, :-1] == self.QUERY
         return m
 
+# %% ../../nbs/neurocache/20_5_recall.ipynb
 def fact_recall_tokenizer(vocab_size:int):
     "A Hugging Face tokenizer whose tokens are the ids themselves ('5 17 42' -> [5, 17, 42]); id 0 is EOS and padding."
     from tokenizers import Tokenizer, models, pre_tokenizers

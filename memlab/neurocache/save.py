@@ -65,6 +65,7 @@ def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_d
     if hf_config is not None: atomic_write_text(path/HF_CONFIG_NAME, hf_config.to_json_string())
     return path
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def saved_neurocache_info(path) -> dict:
     "The config and file metadata of a saved Neurocache (one line of error if `path` is not one)."
     from safetensors import safe_open
@@ -166,6 +167,7 @@ class NeurocacheForCausalLM(PreTrainedModel, GenerationMixin):
         "Empty every cache, or the per-row caches of `rows` (before a new document)."
         reset_cache(self.model, rows)
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def plain_state_dict(model, state_dict:dict=None) -> dict:
     ("The full weights of a Neurocache or LoRA-only `model` (from `state_dict` if given) with the LoRA merged into the "
      "base weights, named as `NeurocacheForCausalLM` (LoRA-only: the base model's class) names them.")
@@ -242,6 +244,7 @@ def check_frozen_4bit_stats(model): return model
 # packages transformers brings: the standalone file may import them
 _TRANSFORMERS_DEPS = {'torch', 'transformers', 'safetensors', 'huggingface_hub', 'tokenizers', 'numpy'}
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def _module_source(name:str) -> str:
     import importlib.util
     return Path(importlib.util.find_spec(f'memlab.{name}').origin).read_text()   # the file, read (not imported)
@@ -270,6 +273,7 @@ def _external(node) -> list:
     if isinstance(node, ast.ImportFrom): return [] if node.level else [node.module.split('.')[0]]
     return [a.name.split('.')[0] for a in node.names]
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def standalone_source() -> str:
     ("memlab.neurocache as one file that imports no memlab, the remote code of an exported folder: its modules' source "
      "with their memlab imports replaced by memlab's own definitions of those names (and stubs of what it never calls).")

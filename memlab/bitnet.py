@@ -328,6 +328,7 @@ def save_packed(model:nn.Module, path,      # a model holding BitLinear modules;
     atomic_write_text(path/'bitnet.json', json.dumps(meta, indent=1))
     return path
 
+# %% ../nbs/40_bitnet.ipynb
 def load_packed(path,               # a folder written by `save_packed` or by `save_pretrained` of a BitNet model
                 # an unconverted model of the same architecture to load into (default: built from config.json)
                 model:nn.Module=None,

@@ -433,6 +433,7 @@ def _local_part(t, full:torch.Tensor) -> torch.Tensor:
 
 def _param_seed(seed:int, i:int) -> int: return (seed * 1_000_003 + i) % 2**63
 
+# %% ../nbs/30_relora.ipynb
 @torch.no_grad()
 def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:int=None,
                     keys=('exp_avg', 'exp_avg_sq'), pruning:str='reference') -> dict:

@@ -38,6 +38,7 @@ __all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
 
+# %% ../nbs/31_train_relora.ipynb
 @dataclass
 class ReLoRARunConfig(Config):
     "torchrun_main.py's flags: model, data, batches, ReLoRA, optimizer and schedule, checkpoints."
@@ -165,6 +166,7 @@ class ReLoRARunConfig(Config):
     @property
     def mixed_precision(self) -> str: return resolve_precision(self.dtype)
 
+# %% ../nbs/31_train_relora.ipynb
 def _count(v, name:str):
     "A token count from the command line (int, or a string with a K/M/B suffix)."
     if v is None or isinstance(v, int): return v

@@ -129,3 +129,27 @@ def test_the_contributors_map_names_every_library_notebook():
     assert linked and all((ROOT/'nbs'/n).exists() for n in linked), sorted(n for n in linked if not (ROOT/'nbs'/n).exists())
     library = {p.name for p in (ROOT/'nbs').glob('[0-9]*.ipynb')}
     assert library <= linked, sorted(library - linked)
+
+def long_exported_cells(limit:int=100) -> dict:
+    "{notebook: number of its exported code cells over `limit` lines}, notebooks relative to nbs/."
+    out = {}
+    for nb in sorted((ROOT/'nbs').rglob('*.ipynb')):
+        for c in json.loads(nb.read_text())['cells']:
+            src = ''.join(c['source'])
+            if c['cell_type'] == 'code' and src.lstrip().startswith('#| export') and len(src.splitlines()) > limit:
+                name = nb.relative_to(ROOT/'nbs').as_posix()
+                out[name] = out.get(name, 0) + 1
+    return out
+
+# Known failures, issue #33 ("Cells that teach"): exported cells over 100 lines still to split, per notebook (the flags
+# table of memlab_relora is one dataclass of 127 lines).
+LONG_CELLS = {'20_neurocache.ipynb': 7, '21_train_neurocache.ipynb': 2, '31_train_relora.ipynb': 1,
+              '41_distill.ipynb': 3, '42_train_distill.ipynb': 1}
+
+def test_no_exported_cell_over_100_lines():
+    "An exported cell is short enough to read with its example after it (fastai's notebooks: median 5 lines)."
+    found = long_exported_cells()
+    worse = {nb: n for nb, n in found.items() if n > LONG_CELLS.get(nb, 0)}
+    assert not worse, f"exported cells over 100 lines: {worse}"
+    better = {nb: n for nb, n in LONG_CELLS.items() if found.get(nb, 0) < n}
+    assert not better, f"fewer long cells now, lower LONG_CELLS: {better} (found {found})"

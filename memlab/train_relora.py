@@ -29,9 +29,9 @@ from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_s
                                 read_state, sharded_metadata)
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'build_model', 'find_warm_start',
-           'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps', 'training_steps',
-           'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
+__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'check_relora_flags', 'build_model',
+           'find_warm_start', 'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps',
+           'training_steps', 'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
            'default_save_dir', 'with_default_dataset', 'relora_schedule', 'relora_model', 'relora_batches',
            'relora_callbacks', 'relora_train_config', 'train_relora', 'main']
 
@@ -115,56 +115,60 @@ class ReLoRARunConfig(Config):
                                            # warm start's): only the blocks (and final norm) train
     progress: bool = True                  # show a progress bar (main process)
 
-    def __post_init__(self):
-        check((self.model_config is None) != (self.model_name_or_path is None),
-              "give one of --model_config (a Llama config) and --model_name_or_path (a model to start from)")
-        check(self.batch_size is not None and self.batch_size >= 1,
-              f"--batch_size is required and must be positive, got {self.batch_size}")
-        check(self.max_length >= 2, f"--max_length must be at least 2, got {self.max_length}")
-        check(self.num_training_steps >= 1, f"--num_training_steps must be positive, got {self.num_training_steps}")
-        for name in ('gradient_accumulation', 'total_batch_size', 'keep_checkpoints'):
-            v = getattr(self, name)
-            check(v is None or v >= 1, f"--{name} must be positive, got {v}")
-        self.max_train_tokens = _count(self.max_train_tokens, 'max_train_tokens')
-        self.max_eval_tokens = _count(self.max_eval_tokens, 'max_eval_tokens')
-        check(self.relora is None or self.use_peft,
-              "--relora needs --use_peft: ReLoRA merges and restarts LoRA adapters")
-        check(self.relora is None or self.relora >= 2, f"--relora must be at least 2 updates, got {self.relora}")
-        self.reset = reset_mode_from_flags(self.reset_optimizer_on_relora, self.optimizer_random_pruning,
-                                           self.optimizer_magnitude_pruning)
-        check(self.optimizer_pruning in PRUNING_RULES,
-              f"--optimizer_pruning must be one of {', '.join(PRUNING_RULES)}; got {self.optimizer_pruning!r}")
-        check(self.scheduler in SCHEDULERS,
-              f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        if self.relora and self.cycle_length is None: self.cycle_length = self.relora
-        if self.scheduler == 'cosine_restarts':
-            check(self.cycle_length is not None, "--scheduler cosine_restarts needs --cycle_length (or --relora)")
-            check(self.restart_warmup_steps is not None, "--scheduler cosine_restarts needs --restart_warmup_steps")
-            check(self.relora is None or self.cycle_length == self.relora,
-                  f"--cycle_length {self.cycle_length} differs from --relora {self.relora}: "
-                  "the merges must come right after the schedule's restarts; drop --cycle_length or make them equal")
-        check(min(self.warmup_steps, self.adjust_step) >= 0, "--warmup_steps and --adjust_step must be non-negative")
-        check(self.optimizer.lower() in OPTIMIZERS, f"--optimizer {self.optimizer}: memlab_relora does Adam "
-              "(AdamW) and adam_zero (ZeroRedundancyOptimizer over AdamW), not other optimizers")
-        check(self.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {self.dtype!r}")
-        check(PRECISION_NAMES[self.dtype] != 'fp16' or torch.cuda.is_available(),
-              "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
-        check(self.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {self.quantize!r}")
-        check(self.quantize is None or self.use_peft,
-              "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
-        check(self.distributed_type in ('ddp', 'fsdp'),
-              f"--distributed_type must be ddp or fsdp, got {self.distributed_type!r}")
-        check(not (self.distributed_type == 'fsdp' and self.quantize), "--quantize with --distributed_type "
-              "fsdp is not supported: FSDP2 cannot shard bitsandbytes weights; use ddp")
-        check(not (self.distributed_type == 'fsdp' and self.optimizer.lower() == 'adam_zero'),
-              "--optimizer adam_zero with --distributed_type fsdp: FSDP already shards the optimizer state; use Adam")
-        check(self.report_to in ('tensorboard', 'wandb', 'none'),
-              f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
-        check(not (self.resume_from and self.autoresume and str(self.resume_from) != 'latest'),
-              "give --resume_from or --autoresume, not both")
+    def __post_init__(self): check_relora_flags(self)      # below
 
     @property
     def mixed_precision(self) -> str: return resolve_precision(self.dtype)
+
+# %% ../nbs/31_train_relora.ipynb
+def check_relora_flags(cfg:ReLoRARunConfig):
+    "Refuse, in one line each, flags that cannot run together; derive the reset mode and the cycle length."
+    check((cfg.model_config is None) != (cfg.model_name_or_path is None),
+          "give one of --model_config (a Llama config) and --model_name_or_path (a model to start from)")
+    check(cfg.batch_size is not None and cfg.batch_size >= 1,
+          f"--batch_size is required and must be positive, got {cfg.batch_size}")
+    check(cfg.max_length >= 2, f"--max_length must be at least 2, got {cfg.max_length}")
+    check(cfg.num_training_steps >= 1, f"--num_training_steps must be positive, got {cfg.num_training_steps}")
+    for name in ('gradient_accumulation', 'total_batch_size', 'keep_checkpoints'):
+        v = getattr(cfg, name)
+        check(v is None or v >= 1, f"--{name} must be positive, got {v}")
+    cfg.max_train_tokens = _count(cfg.max_train_tokens, 'max_train_tokens')
+    cfg.max_eval_tokens = _count(cfg.max_eval_tokens, 'max_eval_tokens')
+    check(cfg.relora is None or cfg.use_peft,
+          "--relora needs --use_peft: ReLoRA merges and restarts LoRA adapters")
+    check(cfg.relora is None or cfg.relora >= 2, f"--relora must be at least 2 updates, got {cfg.relora}")
+    cfg.reset = reset_mode_from_flags(cfg.reset_optimizer_on_relora, cfg.optimizer_random_pruning,
+                                       cfg.optimizer_magnitude_pruning)
+    check(cfg.optimizer_pruning in PRUNING_RULES,
+          f"--optimizer_pruning must be one of {', '.join(PRUNING_RULES)}; got {cfg.optimizer_pruning!r}")
+    check(cfg.scheduler in SCHEDULERS,
+          f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {cfg.scheduler!r}")
+    if cfg.relora and cfg.cycle_length is None: cfg.cycle_length = cfg.relora
+    if cfg.scheduler == 'cosine_restarts':
+        check(cfg.cycle_length is not None, "--scheduler cosine_restarts needs --cycle_length (or --relora)")
+        check(cfg.restart_warmup_steps is not None, "--scheduler cosine_restarts needs --restart_warmup_steps")
+        check(cfg.relora is None or cfg.cycle_length == cfg.relora,
+              f"--cycle_length {cfg.cycle_length} differs from --relora {cfg.relora}: "
+              "the merges must come right after the schedule's restarts; drop --cycle_length or make them equal")
+    check(min(cfg.warmup_steps, cfg.adjust_step) >= 0, "--warmup_steps and --adjust_step must be non-negative")
+    check(cfg.optimizer.lower() in OPTIMIZERS, f"--optimizer {cfg.optimizer}: memlab_relora does Adam "
+          "(AdamW) and adam_zero (ZeroRedundancyOptimizer over AdamW), not other optimizers")
+    check(cfg.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {cfg.dtype!r}")
+    check(PRECISION_NAMES[cfg.dtype] != 'fp16' or torch.cuda.is_available(),
+          "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
+    check(cfg.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {cfg.quantize!r}")
+    check(cfg.quantize is None or cfg.use_peft,
+          "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
+    check(cfg.distributed_type in ('ddp', 'fsdp'),
+          f"--distributed_type must be ddp or fsdp, got {cfg.distributed_type!r}")
+    check(not (cfg.distributed_type == 'fsdp' and cfg.quantize), "--quantize with --distributed_type "
+          "fsdp is not supported: FSDP2 cannot shard bitsandbytes weights; use ddp")
+    check(not (cfg.distributed_type == 'fsdp' and cfg.optimizer.lower() == 'adam_zero'),
+          "--optimizer adam_zero with --distributed_type fsdp: FSDP already shards the optimizer state; use Adam")
+    check(cfg.report_to in ('tensorboard', 'wandb', 'none'),
+          f"--report_to must be tensorboard, wandb or none, got {cfg.report_to!r}")
+    check(not (cfg.resume_from and cfg.autoresume and str(cfg.resume_from) != 'latest'),
+          "give --resume_from or --autoresume, not both")
 
 # %% ../nbs/31_train_relora.ipynb
 def _count(v, name:str):

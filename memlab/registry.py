@@ -44,7 +44,8 @@ _METHODS = {}
 
 @dataclasses.dataclass
 class MethodSpec:
-    "How a method wrapping a Hugging Face model is saved and rebuilt (for `save_pretrained` and `load_model`)."
+    ("How a method wrapping a Hugging Face model is saved, rebuilt and taken off (for `save_pretrained`, `load_model` "
+     "and `remove_method`).")
     name: str                   # the name recorded in config.json's `memlab_methods`
     rebuild: Callable           # (plain model, config dict) -> the model with the method (`add_X`, no re-init)
     plain: bool = True          # saved as plain weights transformers reloads to the same outputs (False: memlab's file)

@@ -920,7 +920,7 @@ def bpt_config_of(model) -> BPTConfig | None:
     h = _handle(model)
     return None if h is None else h.config
 
-register_method(MethodSpec('bpt', rebuild=lambda m, c: add_bpt(m, BPTConfig.from_dict(c))))   # plain weights
+register_method(MethodSpec('bpt', rebuild=lambda m, c: add_bpt(m, BPTConfig.from_dict(c)), remove=remove_bpt))   # plain weights
 
 
 # %% ../nbs/10_bpt.ipynb

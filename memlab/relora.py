@@ -348,7 +348,7 @@ def _relora_to_plain(model:nn.Module, sd:dict) -> tuple:
             aside.update({k: v for k, v in mine.items() if not k[len(p):].startswith('relora_')})
     return sd, aside
 
-register_method(MethodSpec('relora', rebuild=_rebuild_relora, to_plain=_relora_to_plain))
+register_method(MethodSpec('relora', rebuild=_rebuild_relora, to_plain=_relora_to_plain, remove=remove_relora))
 
 # %% ../nbs/30_relora.ipynb
 def get_cosine_schedule_with_restarts(optimizer, num_training_steps:int, warmup_steps:int, cycle_length:int,

@@ -549,15 +549,17 @@ def main(argv=None):
     return res
 
 # %% ../nbs/11_train_bpt.ipynb
-def demo(out:Path, quick:bool=False) -> tuple:
+def demo(out:Path, quick:bool=False, measure=None) -> tuple:
     ("BPT: peak memory of a training step vs sequence length, SDPA + checkpointing vs BPT, "
-     "on the reference Llama; same loss.")
+     "on the reference Llama; same loss. `measure`: `memlab.benchmarks.bpt.step_measurements`, which the caller (the "
+     "demo, a layer above both) passes: a command line does not import a benchmark.")
     from memlab.bench import run_isolated
+    check(callable(measure), "demo needs measure=memlab.benchmarks.bpt.step_measurements (memlab_demo passes it)")
     lens = (1024, 2048) if quick else (1024, 2048, 4096)
     old = os.environ.get('MALLOC_MMAP_THRESHOLD_')
     # both measured as memlab_bpt runs: freed blocks leave resident memory at once
     os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 20)
-    try: res = {c: run_isolated('memlab.benchmarks.bpt:step_measurements', 'reference', lens, c)
+    try: res = {c: run_isolated(measure, 'reference', lens, c)
                 for c in ('sdpa + ckpt', 'bpt')}
     finally:
         if old is None: os.environ.pop('MALLOC_MMAP_THRESHOLD_', None)

@@ -72,9 +72,7 @@ def test_no_private_name_crosses_modules():
 # imports, while their code lives in the method's teaching notebook (nbs/20_neurocache.ipynb, nbs/41_distill.ipynb).
 # Not moved yet because those notebooks are being edited elsewhere; remove a name from this list when its cells move.
 HEADER_NOT_HOLDING_CODE = {
-    'neurocache/config', 'neurocache/cache', 'neurocache/attention', 'neurocache/model', 'benchmarks/neurocache',
-    'distill/losses', 'distill/features', 'distill/teacher', 'distill/objective', 'distill/policy', 'distill/evaluation',
-    'distill/student', 'distill/card'}
+    'neurocache/config', 'neurocache/cache', 'neurocache/attention', 'neurocache/model', 'benchmarks/neurocache'}
 
 def notebook_cells(path:Path, root:Path=ROOT) -> tuple:
     """(the notebook a generated module's header names, {notebook: number of its exported cells here that hold code, not

@@ -14,7 +14,10 @@ from .policy import *
 from .evaluation import *
 from .student import *
 from .card import *
+from .arguments import *
+from .data import *
 from . import losses as _losses, features as _features, teacher as _teacher, objective as _objective
 from . import policy as _policy, evaluation as _evaluation, student as _student, card as _card
+from . import arguments as _arguments, data as _data
 __all__ = [*_losses.__all__, *_features.__all__, *_teacher.__all__, *_objective.__all__, *_policy.__all__,
-           *_evaluation.__all__, *_student.__all__, *_card.__all__]
+           *_evaluation.__all__, *_student.__all__, *_card.__all__, *_arguments.__all__, *_data.__all__]

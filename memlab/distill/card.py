@@ -4,7 +4,7 @@
 
 # %% ../../nbs/distill/41_7_card.ipynb 2
 from __future__ import annotations
-import platform, re
+import json, platform, re
 from pathlib import Path
 from typing import Optional
 
@@ -16,9 +16,11 @@ from ..core import check, count_parameters, fmt_bytes
 from ..models import decoder_layers, unwrap
 from .objective import DistillationObjective
 from .teacher import output_vocab_size
+from .arguments import DistillationTrainingArguments
+from .data import DistillData
 
 # %% auto 0
-__all__ = ['describe_objective', 'model_card']
+__all__ = ['describe_objective', 'model_card', 'distill_card', 'plot_distill']
 
 # %% ../../nbs/distill/41_7_card.ipynb
 from ..cards import base_model_license, hub_model_id
@@ -131,3 +133,80 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     L += ['', '## Framework versions', '', f"- memlab {memlab.__version__}", f"- PyTorch {torch.__version__}",
           f"- Transformers {transformers.__version__}", f"- Python {platform.python_version()}", '']
     return '\n'.join(L)
+
+# %% ../../nbs/distill/41_7_card.ipynb
+def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingArguments, data:DistillData,
+                 rows_per_update:int, acc) -> str:
+    "The model card of a `distill` run."
+    metrics = {}
+    for name, m in res['metrics'].items():
+        metrics[f"{name} (perplexity)"] = {'teacher': m['teacher'], 'student': m['student']}
+        if m['student_before'] is not None:
+            metrics[f"{name}, student before training"] = {'teacher': None, 'student': m['student_before']}
+    for task, by in (res.get('harness') or {}).items():   # lm-evaluation-harness scores, teacher and student
+        for k, v in (by['student'] or {}).items():
+            if not k.endswith('_stderr'):
+                metrics[f"{task} {k} (lm-evaluation-harness)"] = {'teacher': (by['teacher'] or {}).get(k), 'student': v}
+    if res['eval_objective']:
+        metrics['objective on held-out training rows (per token)'] = {'teacher': None,
+                                                                      'student': res['eval_objective']['eval_loss']}
+    steps = res['steps']
+    hyper = {'updates': steps, 'learning rate': tr.learning_rate, 'schedule': tr.lr_scheduler_type,
+             **({'schedule arguments': json.dumps(tr.lr_scheduler_kwargs)}
+                if tr.lr_scheduler_type == 'polynomial' else {}),
+             'warm-up updates': tr.schedule(steps)['warmup_steps'],
+             'optimizer': f"AdamW (betas {tr.adam_beta1}, {tr.adam_beta2}; weight decay {tr.weight_decay})",
+             'gradient clipping': tr.max_grad_norm, 'rows per update': rows_per_update,
+             'sequence length': data.fingerprint['sequence_length'],
+             'precision': {'bf16': 'bf16 autocast, fp32 weights', 'fp16': 'fp16 autocast',
+                           'no': 'fp32'}[tr.mixed_precision],
+             'gradient checkpointing': tr.gradient_checkpointing, 'teacher outputs': res['teacher_outputs'],
+             'seed': tr.seed}
+    sections = {}
+    if res.get('packed'):
+        p = res['packed']
+        sections['BitNet b1.58 weights'] = ("Every linear layer of the blocks is a BitLinear (ternary weights, 8-bit "
+            "activations, an RMSNorm on its input). The folder holds them packed at 2 bits per weight: "
+            f"{p['ternary_params']:,} ternary weights in {fmt_bytes(p['packed_weights'])}, "
+            f"the whole weights file {fmt_bytes(p['file'])}. "
+            + ("It is in transformers' own BitNet format (`quant_method: bitnet`): plain "
+               "`AutoModelForCausalLM.from_pretrained(folder)` runs it with transformers' BitLinear layers, and "
+               "`memlab.load_model(folder)` loads it too." if p.get('format') == 'transformers' else
+               "It is in memlab's format (transformers' BitNet format cannot hold this student): load it with "
+               "`memlab.load_model(folder)`; plain `AutoModelForCausalLM.from_pretrained` refuses the folder "
+               "(no `model.safetensors`: a plain model would compute with full-precision weights, not ternary ones)."))
+    if res.get('distill_heads'):
+        sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm "
+                                          "trained with the student (not part of the model; "
+                                          "`memlab.distill.load_distill_heads` restores them to continue distilling).")
+    return model_card(student, res['teacher'], data.label, metrics, objective=objective, hyperparameters=hyper,
+                      training_tokens=res['train_tokens'],
+                      peak_memory=None if res['peak_memory_mib'] is None else int(res['peak_memory_mib'] * 2**20),
+                      teacher=teacher, student_name=tr.hub_model_id, tags=('bitnet', '1.58b') if res['bitnet'] else (),
+                      student_init=res['student_init'], devices=f"{res['world_size']} × {acc.device.type}",
+                      sections=sections)
+
+# %% ../../nbs/distill/41_7_card.ipynb
+def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):
+    "Training loss (and its components) and evaluator perplexities of teacher and student against updates."
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    logs = [h for h in history if 'loss' in h]
+    for k in ('loss', 'logits', 'ce', 'hs', 'attn'):
+        pts = [(h['step'], h[k]) for h in logs if k in h]
+        if pts:
+            a.plot(*zip(*pts), label={'loss': 'objective', 'logits': 'logit term', 'ce': 'CE on labels',
+                                      'hs': 'hidden states', 'attn': 'attention'}[k])
+    ev = [(h['step'], h['eval_loss']) for h in history if 'eval_loss' in h]
+    if ev: a.plot(*zip(*ev), 'o--', label='objective, held-out rows')
+    a.set_xlabel('update'); a.set_ylabel('per token'); a.set_title('training'); a.legend(fontsize=7); a.grid(alpha=0.3)
+    for i, name in enumerate(sorted({k for h in history for k in h if f"{k}_tokens" in h})):
+        pts = [(h['step'], h[name]) for h in history if name in h]
+        line, = b.plot(*zip(*pts), 'o-', label=f"student, {name}")
+        if name in teacher_metrics:
+            b.axhline(teacher_metrics[name]['ppl'], ls='--', color=line.get_color(), label=f"teacher, {name}")
+    b.set_yscale('log'); b.set_xlabel('update'); b.set_ylabel('perplexity'); b.set_title('held-out perplexity')
+    b.legend(fontsize=7); b.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10); fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
+    return path

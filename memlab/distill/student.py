@@ -4,20 +4,21 @@
 
 # %% ../../nbs/distill/41_6_student.ipynb 2
 from __future__ import annotations
-import copy
+import copy, json
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from ..core import MemlabError, check
-from ..models import decoder_layers, load_model, unwrap
+from ..core import MemlabError, check, seed_everything
+from ..models import check_model_sizes, decoder_layers, load_model, resolve_model, unwrap
 from .features import layer_index
 from .teacher import output_vocab_size
+from .arguments import StudentModelArguments, parse_copy_modules
 
 # %% auto 0
-__all__ = ['student_config', 'copy_plan', 'weight_groups', 'xavier_reinitialize', 'build_student']
+__all__ = ['student_config', 'copy_plan', 'weight_groups', 'xavier_reinitialize', 'build_student', 'student_from_args']
 
 # %% ../../nbs/distill/41_6_student.ipynb
 _CONFIG_ALIASES = {'num_layers': 'num_hidden_layers', 'n_layer': 'num_hidden_layers', 'n_layers': 'num_hidden_layers',
@@ -138,3 +139,98 @@ def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embe
             if isinstance(m, nn.Embedding): m.requires_grad_(False)
     if freeze_lm_head: student.get_output_embeddings().requires_grad_(False)
     return student.train()
+
+# %% ../../nbs/distill/41_6_student.ipynb
+def _student_base_config(name):
+    "A config to build the student from: a built-in name, a folder or a config.json."
+    from transformers import AutoConfig
+    kind, value = resolve_model(name)
+    if kind == 'config': return value
+    try: return AutoConfig.from_pretrained(str(Path(value).parent if str(value).endswith('.json') else value))
+    except (OSError, ValueError) as e:
+        raise MemlabError(f"cannot read a student config from {name}: {str(e).splitlines()[0]}") from None
+
+def _is_quantized(model) -> bool:
+    return any(type(m).__name__ in ('Linear4bit', 'Linear8bitLt') for m in model.modules())
+
+def _copy_modules(student, teacher, copies, layer_selection) -> list:
+    ("Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); "
+     "return a description of each copy.")
+    done = []
+    gt = weight_groups(teacher)
+    for name, freeze in copies:
+        if name == 'layers':
+            check(not _is_quantized(teacher),
+                  "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "
+                  "in float32 or bfloat16 to build the student, or drop 'layers' from --copy_teacher_modules")
+            sel = (layer_selection if layer_selection in ('uniform', 'first', 'last')
+                   else [int(x) for x in str(layer_selection).split(',')])
+            plan = copy_plan(sel, len(decoder_layers(student)), len(decoder_layers(teacher)))
+            for j, i in enumerate(plan):
+                src, dst = decoder_layers(teacher)[i], decoder_layers(student)[j]
+                bad = [k for k, v in dst.state_dict().items()
+                       if k not in src.state_dict() or src.state_dict()[k].shape != v.shape]
+                check(not bad, f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
+                      f"({bad[0] if bad else ''}); a student of another width cannot take the teacher's layers")
+                dst.load_state_dict(src.state_dict())
+                if freeze: dst.requires_grad_(False)
+            keys, params = gt['trunk'], dict(student.named_parameters())
+            _copy_state(student, teacher, keys, 'final norm')
+            if freeze: [params[k].requires_grad_(False) for k in keys if k in params]
+            done.append(f"layers {plan} ({layer_selection})" + (' frozen' if freeze else ''))
+            continue
+        if name in ('embeddings', 'embed_tokens', 'lm_head'):
+            group = 'lm_head' if name == 'lm_head' else 'embeddings'
+            _copy_state(student, teacher, gt[group], name)
+            if freeze:   # by module: a tied head and embedding are one parameter, listed once by named_parameters()
+                mods = ([student.get_output_embeddings()] if group == 'lm_head'
+                        else [m for m in student.modules() if isinstance(m, nn.Embedding)])
+                for m in mods: m.requires_grad_(False)
+            done.append(name + (' (frozen)' if freeze else ''))
+            continue
+        try: src, dst = teacher.get_submodule(name), student.get_submodule(name)
+        except AttributeError:
+            raise MemlabError(f"copy_teacher_modules: {name!r} is not a module of both the teacher and the student "
+                              "(use layers, embeddings, lm_head or a module path such as model.norm)") from None
+        ss, ds = src.state_dict(), dst.state_dict()
+        bad = sorted(set(ss) ^ set(ds)) or [k for k in ds if ss[k].shape != ds[k].shape]
+        check(not bad, f"copy_teacher_modules: the teacher's and the student's {name} differ ({bad[0] if bad else ''})")
+        dst.load_state_dict(ss)
+        if freeze: dst.requires_grad_(False)
+        done.append(name + (' (frozen)' if freeze else ''))
+    return done
+
+def _copy_state(student, teacher, keys, what):
+    sd_s, sd_t = student.state_dict(), teacher.state_dict()
+    bad = [k for k in keys if k not in sd_s or sd_s[k].shape != sd_t[k].shape]
+    check(not bad, f"cannot copy the teacher's {what} into the student: shapes differ ({bad[0] if bad else ''})")
+    with torch.no_grad():
+        for k in keys: sd_s[k].copy_(sd_t[k])
+
+# %% ../../nbs/distill/41_6_student.ipynb
+def student_from_args(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
+    ("(student, description) as the student group says: load or build, re-initialise, copy teacher modules. "
+     "`--student_model_as_bitnet` is not applied here: BitNet is a method of its own, converted by the caller.")
+    seed_everything(seed)
+    if args.student_model_name_or_path:
+        student = load_model(args.student_model_name_or_path)
+        how = [f"the existing model `{args.student_model_name_or_path}`"]
+    else:
+        base = (teacher.config if args.student_config_name_or_path is None
+                else _student_base_config(args.student_config_name_or_path))
+        cfg = student_config(base, args.student_model_config)
+        for attr in ('quantization_config', '_pre_quantization_dtype'):
+            if hasattr(cfg, attr): delattr(cfg, attr)
+        cfg.vocab_size = teacher.config.vocab_size  # the student reads the teacher's tokens (Distily forces this too)
+        check_model_sizes(cfg, f"the student config ({args.student_config_name_or_path or 'from the teacher'})")
+        student = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        what = ('the teacher\'s config' if args.student_config_name_or_path is None
+                else f"the config `{args.student_config_name_or_path}`")
+        how = [f"built from {what}"
+               + (f" with {json.dumps(args.student_model_config)}" if args.student_model_config else '')]
+    if args.reinitialize_weights: xavier_reinitialize(student); how.append('re-initialised (Xavier-uniform)')
+    copied = _copy_modules(student, teacher, parse_copy_modules(args.copy_teacher_modules),
+                           args.student_layer_selection)
+    if copied: how.append('copied from the teacher: ' + ', '.join(copied))
+    elif not args.student_model_name_or_path: how.append('random weights (nothing copied from the teacher)')
+    return student.train(), '; '.join(how)

@@ -35,7 +35,16 @@ from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem
 # %% auto 0
 __all__ = ['BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers', 'load_teacher',
            'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches', 'DistillHooks', 'distill',
-           'results_table', 'parse_args', 'main', 'demo']
+           'results_table', 'parse_args', 'main', 'demo', 'DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES',
+           'parse_copy_modules', 'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments',
+           'harness_scores', 'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'distill_card',
+           'plot_distill']
+
+# %% ../nbs/42_train_distill.ipynb
+# the parts that moved into memlab.distill stay importable from here (star-import included)
+_all_ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments',
+         'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores', 'DistillationTrainingArguments',
+         'pack_rows', 'DistillData', 'build_data', 'distill_card', 'plot_distill']
 
 # %% ../nbs/42_train_distill.ipynb
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
@@ -122,6 +131,7 @@ def write_topk(teacher_args:TeacherModelArguments, teacher, teacher_name:str, to
     acc.wait_for_everyone()
     return TopKTeacher(ta.teacher_topk_dir, tokenizer=tok, dataset_fingerprint=data.fingerprint)
 
+# %% ../nbs/42_train_distill.ipynb
 def teacher_scores(teacher, tok, data:DistillData, eval_args:EvalArguments, tr:DistillationTrainingArguments, acc,
                    progress:bool) -> tuple:
     ("(perplexity on each evaluator, lm-eval scores) of the teacher, measured before training (it does not change); "

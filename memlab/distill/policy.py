@@ -28,6 +28,7 @@ def on_policy_lengths(seq_len:int, prompt_length:int=None, new_tokens:int=None) 
                                                   f"fit in a row of {seq_len} tokens, with at least 1 of each")
     return P, N
 
+# %% ../../nbs/distill/41_4_policy.ipynb
 @torch.no_grad()
 def sample_continuations(model, prompt:torch.Tensor, new_tokens:int, temperature:float=1.0,
                          generator:torch.Generator=None) -> torch.Tensor:
@@ -47,6 +48,7 @@ def sample_continuations(model, prompt:torch.Tensor, new_tokens:int, temperature
     finally: m.train(was)
     return torch.cat([prompt, *toks], 1)
 
+# %% ../../nbs/distill/41_4_policy.ipynb
 class OnPolicyBatches:
     ("Training batches of which a fraction λ are replaced by the student's own continuations of a prefix of each row "
      "(GKD): labels on the sampled tokens only; resumable.")

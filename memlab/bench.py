@@ -13,24 +13,34 @@ from .models import enable_activation_checkpointing
 
 # %% auto 0
 __all__ = ['BENCHMARKS', 'run_isolated', 'measure_step', 'ratio_table', 'reference_llama_config', 'hf_step_measurement',
-           'hf_train_step_benchmark', 'hf_benchmark', 'device_name', 'default_device', 'run_benchmark', 'main']
+           'hf_train_step_benchmark', 'register_benchmark', 'hf_benchmark', 'device_name', 'default_device',
+           'run_benchmark', 'main']
 
 # %% ../nbs/06_bench.ipynb
+def _resolve(target):
+    "A function from itself or from its 'module:function' name."
+    if callable(target): return target
+    mod, fn = target.split(':')
+    return getattr(importlib.import_module(mod), fn)
+
+def _target_name(target) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
 def _isolated_entry(q, target, args, kwargs):
     try:
-        mod, fn = target.split(':')
-        q.put(('ok', getattr(importlib.import_module(mod), fn)(*args, **kwargs)))
+        q.put(('ok', _resolve(target)(*args, **kwargs)))
     except BaseException as e:  # report, never hang the parent
         import traceback
         q.put(('error', f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
-def run_isolated(target:str, *args, timeout:float=3600, **kwargs):
-    "Run `module:function`(*args, **kwargs) in a fresh spawned process and return its (picklable) result."
+def run_isolated(target, *args, timeout:float=3600, **kwargs):
+    ("Run `target`(*args, **kwargs) in a fresh spawned process and return its (picklable) result; `target`: a module-level "
+     "function, or its 'module:function' name.")
     ctx = mp.get_context('spawn')
     q = ctx.Queue()
     p = ctx.Process(target=_isolated_entry, args=(q, target, args, kwargs))
     p.start()
-    deadline = time.monotonic() + timeout
+    deadline, target = time.monotonic() + timeout, _target_name(target)
     while True:
         try: status, value = q.get(timeout=1.0); break
         except queue.Empty: pass
@@ -115,28 +125,18 @@ def hf_train_step_benchmark(seq_lens=(2048, 8192),
     return rows
 
 # %% ../nbs/06_bench.ipynb
-BENCHMARKS = {
-    'hf': ('memlab.bench:hf_benchmark',
-           'plain Hugging Face training step: eager / SDPA / checkpointing (the reference figures)'),
-    'loop': ('memlab.benchmarks.loop:benchmark',
-             "memlab's training loop vs a bare PyTorch loop: same model, batches and precision"),
-    'bpt': ('memlab.benchmarks.bpt:benchmark',
-            'BPT vs HF attention: peak memory and tokens/s vs sequence length, longest sequence in a budget'),
-    'neurocache': ('memlab.benchmarks.neurocache:benchmark',
-                   'tokens/s with and without a 16K cache; memory per cached token vs Memorizing Transformers'),
-    'relora': ('memlab.benchmarks.relora:benchmark',
-               'ReLoRA vs full-rank: trainable parameters, optimizer memory, peak memory, tokens/s'),
-    'distill': ('memlab.benchmarks.distill:benchmark',
-                'distillation step vs CE step; chunked vs naive KL at vocabulary 49152'),
-    'mixer': ('memlab.benchmarks.mixer:benchmark',
-              'masked mixer vs Llama of equal parameters: tokens/s and peak memory'),
-    'precision': ('memlab.benchmarks.precision:benchmark',
-                  "each method's training step in fp32 and under bf16 autocast: tokens/s, loss difference"),
-}
+BENCHMARKS = {}     # name -> (the function, or its 'module:function' name; one-line description)
+
+def register_benchmark(name:str, target, description:str):
+    "Make benchmark `name` known to `memlab_bench`: `target` (a function or its 'module:function' name) returns its rows."
+    BENCHMARKS[name] = (target, description)
 
 def hf_benchmark(quick:bool=False):
     "The reference HF benchmark for `memlab_bench hf`."
     return hf_train_step_benchmark(seq_lens=(2048,) if quick else (2048, 8192)), 'sdpa'
+
+register_benchmark('hf', hf_benchmark,
+                   'plain Hugging Face training step: eager / SDPA / checkpointing (the reference figures)')
 
 # %% ../nbs/06_bench.ipynb
 def device_name(device) -> str:
@@ -154,9 +154,9 @@ def run_benchmark(name:str, quick:bool=False, device:str=None) -> tuple:
     ("Run benchmark `name` on `device` (default: CUDA when present): its rows, each naming the device, and its "
      "baseline.")
     device = default_device() if device is None else device
+    check(name in BENCHMARKS, f"no benchmark {name!r}: choose from {', '.join(sorted(BENCHMARKS))}")
     target = BENCHMARKS[name][0]
-    mod, fn = target.split(':')
-    try: f = getattr(importlib.import_module(mod), fn)
+    try: f = _resolve(target)
     except (ImportError, AttributeError):
         raise MemlabError(f"benchmark {name!r} is not available in this version ({target} missing)") from None
     on_device = 'device' in inspect.signature(f).parameters

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from .compat import QUANTIZED_LINEARS, quant_kind
+from .compat import is_quantized
 from .core import Config, MemlabError, check, atomic_write_text
 from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers,
                            detach_method, folder_methods, load_model, load_saved_methods, model_methods,
@@ -56,7 +56,7 @@ def rms_norm(x:torch.Tensor, weight:torch.Tensor, eps:float=1e-6) -> torch.Tenso
 def _linear_kind(m:nn.Module) -> str:
     ("'linear', 'conv1d', 'relora' (a weight-delta layer such as ReLoRA's, over a float linear), 'quantized' "
      "(bitsandbytes) or None.")
-    if type(m).__name__ in QUANTIZED_LINEARS or quant_kind(m): return 'quantized'
+    if is_quantized(m): return 'quantized'
     if is_weight_delta_layer(m): return 'relora'
     if isinstance(m, Conv1D): return 'conv1d'
     if isinstance(m, nn.Linear): return 'linear'
@@ -298,7 +298,7 @@ def _rebuild_bitnet(model:nn.Module, config:dict) -> nn.Module:
     return add_bitnet(model, dataclasses.replace(BitNetConfig.from_dict(config), keep_weights=True))
 
 register_method(MethodSpec('bitnet', rebuild=_rebuild_bitnet, plain=False, decode=_decode_bitnet,
-                           encode=lambda model, sd: _pack_modules(model, sd, frozen_only=True)))
+                           encode=lambda model, sd: _pack_modules(model, sd, frozen_only=True), remove=remove_bitnet))
 
 def save_packed(model:nn.Module, path,      # a model holding BitLinear modules; output directory
                 dtype=None) -> Path:       # dtype for the non-converted floating tensors (None: keep theirs)
@@ -328,6 +328,7 @@ def save_packed(model:nn.Module, path,      # a model holding BitLinear modules;
     atomic_write_text(path/'bitnet.json', json.dumps(meta, indent=1))
     return path
 
+# %% ../nbs/40_bitnet.ipynb
 def load_packed(path,               # a folder written by `save_packed` or by `save_pretrained` of a BitNet model
                 # an unconverted model of the same architecture to load into (default: built from config.json)
                 model:nn.Module=None,

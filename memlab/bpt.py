@@ -257,6 +257,7 @@ def _gqa_matmul_t(a, b, nkv:int):
     out = a.transpose(-1, -2) @ b                                              # (B, nh, y, z)
     return out if nkv == out.shape[1] else out.unflatten(1, (nkv, out.shape[1] // nkv)).sum(2)
 
+# %% ../nbs/10_bpt.ipynb
 def _torch_block_grads(q_i, k_j, v_j, mask, scale, float32_logits, lse_i, do_i, D_i):
     ("dq, dk, dv of one (query block, key block) pair of `torch_block`, from the rows' final log-sum-exp "
      "(FlashAttention's backward).")
@@ -286,6 +287,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             grads = _blockwise_backward(q, k, v, out, lse, rest[0] if ctx.has_mask else None, ctx.plan, dout)
         return (*grads, None, None)
 
+# %% ../nbs/10_bpt.ipynb
 def _blockwise_backward(q, k, v, out, lse, mask, plan:_Plan, dout):
     "dq, dk, dv of blockwise attention, one block pair at a time, accumulated in fp32, returned in the inputs' dtype."
     stat = _stat_dtype(q.dtype)
@@ -918,7 +920,7 @@ def bpt_config_of(model) -> BPTConfig | None:
     h = _handle(model)
     return None if h is None else h.config
 
-register_method(MethodSpec('bpt', rebuild=lambda m, c: add_bpt(m, BPTConfig.from_dict(c))))   # plain weights
+register_method(MethodSpec('bpt', rebuild=lambda m, c: add_bpt(m, BPTConfig.from_dict(c)), remove=remove_bpt))   # plain weights
 
 
 # %% ../nbs/10_bpt.ipynb

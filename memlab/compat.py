@@ -12,7 +12,7 @@ from torch import nn
 from .core import check
 
 # %% auto 0
-__all__ = ['QUANTIZED_LINEARS', 'quant_kind', 'unpack_4bit', 'keep_4bit_trainable', 'take_saved_4bit_stats',
+__all__ = ['QUANTIZED_LINEARS', 'quant_kind', 'is_quantized', 'unpack_4bit', 'keep_4bit_trainable', 'take_saved_4bit_stats',
            'check_frozen_4bit_stats', 'quantized_linear', 'dequantize_weight', 'store_weight_', 'accelerator_precision',
            'reset_accelerator_precision']
 
@@ -23,6 +23,11 @@ QUANTIZED_LINEARS = ('Linear4bit', 'LinearNF4', 'LinearFP4', 'Linear8bitLt', 'Li
 def quant_kind(layer) -> Optional[str]:
     "'4bit' or '8bit' for a bitsandbytes linear layer (by its weight's class), None for any other layer."
     return {'Params4bit': '4bit', 'Int8Params': '8bit'}.get(type(getattr(layer, 'weight', None)).__name__)
+
+def is_quantized(layer) -> bool:
+    ("Whether `layer` is a bitsandbytes 4-/8-bit linear layer, by its class or its weight's: memlab's one check "
+     "(a method that must skip or refuse such layers asks this).")
+    return type(layer).__name__ in QUANTIZED_LINEARS or quant_kind(layer) is not None
 
 # %% ../nbs/09_compat.ipynb
 def unpack_4bit(layer) -> None:

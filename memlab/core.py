@@ -92,6 +92,7 @@ def _launcher_args(pid:int) -> Optional[list]:
             return rest[1:] if rest and rest[0] == 'launch' else (rest if Path(a).name == 'accelerate-launch' else None)
     return None
 
+# %% ../nbs/00_core.ipynb
 def requested_processes() -> Optional[int]:
     ("The process count `accelerate launch` was asked for (its --num_processes, or its --config_file's "
      "num_processes), if it launched us.")

@@ -123,7 +123,8 @@ def demo_bpt(out:Path, quick:bool=False) -> tuple:
     ("BPT: peak memory of one training step against its length, SDPA + activation checkpointing vs BPT, "
      "on the reference Llama.")
     from memlab.train_bpt import demo
-    return demo(out, quick=quick)
+    from memlab.benchmarks.bpt import step_measurements
+    return demo(out, quick=quick, measure=step_measurements)
 
 SECTIONS = {'lm': demo_lm, 'neurocache': demo_neurocache, 'distill': demo_distill, 'relora': demo_relora,
             'mixer': demo_mixer, 'bpt': demo_bpt}

@@ -167,6 +167,7 @@ def source_url(obj) -> Optional[str]:
     cfg = _settings()
     return f"{cfg['git_url']}/blob/{cfg.get('branch', 'main')}/{rel.as_posix()}#L{line}" if cfg.get('git_url') else None
 
+# %% ../nbs/99_docs.ipynb
 def _settings() -> dict:
     import configparser, memlab
     p = configparser.ConfigParser(); p.read(Path(memlab.__file__).resolve().parent.parent/'settings.ini')
@@ -269,6 +270,7 @@ def _title(path) -> str:
             if m: return m.group(1).strip()
     return Path(path).stem
 
+# %% ../nbs/99_docs.ipynb
 def _module_of(path) -> str:
     nb = json.loads(Path(path).read_text())
     for c in nb['cells']:
@@ -297,6 +299,7 @@ def build_site(root='.', out='_site', strict:bool=True) -> Path:
     with tempfile.TemporaryDirectory(prefix='memlab-site-') as tmp:
         return _build_site(root, out, Path(tmp), strict)
 
+# %% ../nbs/99_docs.ipynb
 def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
     src = tmp/'src'
     (src/'img').mkdir(parents=True)

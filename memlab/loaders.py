@@ -9,7 +9,7 @@ import heapq, math, os
 import numpy as np
 import torch
 
-from .core import check
+from .core import check, patch_to
 from .data import Document
 from .tokenizers import Packer, encode_documents, pad_id
 
@@ -96,37 +96,6 @@ class TokenBatches:
         mask = torch.from_numpy(b['attention_mask'].astype(np.int64)) if 'attention_mask' in b else torch.ones_like(ids)
         return ids, mask
 
-    def _order(self, epoch:int) -> np.ndarray:
-        "The row order of `epoch`."
-        if self._order_cache[0] != epoch:
-            o = (np.random.default_rng([self.seed, epoch]).permutation(self.n_rows) if self.shuffle
-                 else np.arange(self.n_rows))
-            self._order_cache = (epoch, o)
-        return self._order_cache[1]
-
-    def _take_global(self) -> list:
-        "Row numbers of the next global batch (training), advancing the state."
-        N, G = self.n_rows, self.global_batch
-        if self.drop_last and self.position + G > N: self.epoch, self.position = self.epoch + 1, 0
-        rows = []
-        while len(rows) < G:
-            k = min(G - len(rows), N - self.position)
-            rows.extend(self._order(self.epoch)[self.position:self.position + k].tolist())
-            self.position += k
-            if self.position == N: self.epoch, self.position = self.epoch + 1, 0
-        return rows
-
-    def _batch(self, rows:list) -> dict:
-        "The batch of this rank from global rows (`None` = a padding row)."
-        mine = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        real = [r for r in mine if r is not None]
-        B, T = len(mine), self.seq_len
-        ids, mask = torch.full((B, T), self.pad_id, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
-        if real:
-            at = [j for j, r in enumerate(mine) if r is not None]
-            ids[at], mask[at] = self._rows(real)
-        return {'input_ids': ids, 'labels': shift_labels(ids, mask), 'attention_mask': mask}
-
     def __len__(self) -> int:
         "Batches per rank in one pass (evaluation); an endless training stream has no length."
         if self.loop: raise TypeError("TokenBatches(loop=True) is endless and has no len(); see steps_per_epoch")
@@ -147,29 +116,67 @@ class TokenBatches:
                 self.position = min((s + 1) * G, self.n_rows)
                 yield self._batch(rows + [None] * (G - len(rows)))
 
-    def state_dict(self) -> dict:
-        "Where the stream is: epoch and position in global rows (the same on every rank)."
-        return {'epoch': self.epoch, 'position': self.position, 'seed': self.seed, 'n_rows': self.n_rows,
-                'shuffle': self.shuffle, 'seq_len': self.seq_len}
-
-    def load_state_dict(self, state:dict):
-        "Continue from a `state_dict()`: the next batch is the one that followed it."
-        missing = [k for k in ('epoch', 'position', 'seed', 'n_rows', 'shuffle') if k not in state]
-        check(not missing, f"not a TokenBatches state: it lacks {', '.join(missing)}")
-        saved_len = state.get('seq_len', self.seq_len)            # (older checkpoints do not record it)
-        check(saved_len == self.seq_len, f"the checkpoint's run cut its data into rows of {saved_len} tokens, this run "
-              f"into rows of {self.seq_len}: resume with the sequence length the run was started with ({saved_len})")
-        for k in ('seed', 'n_rows', 'shuffle'):
-            check(state.get(k) == getattr(self, k), f"data state does not match this data: saved {k}={state.get(k)!r}, "
-                  f"now {getattr(self, k)!r}: resume with the dataset, split and seed the run was started with")
-        check(0 <= state['position'] < self.n_rows,
-              f"data state position {state['position']} is outside 0..{self.n_rows - 1}")
-        self.epoch, self.position = int(state['epoch']), int(state['position'])
-
     def __repr__(self):
         return (f"TokenBatches({self.n_rows} rows x {self.seq_len} tokens, batch {self.batch_size} x "
                 f"{self.world_size} processes, {'loop' if self.loop else 'one pass'}, epoch {self.epoch}, "
                 f"position {self.position})")
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(TokenBatches)
+def _order(self, epoch:int) -> np.ndarray:
+    "The row order of `epoch`."
+    if self._order_cache[0] != epoch:
+        o = (np.random.default_rng([self.seed, epoch]).permutation(self.n_rows) if self.shuffle
+             else np.arange(self.n_rows))
+        self._order_cache = (epoch, o)
+    return self._order_cache[1]
+
+@patch_to(TokenBatches)
+def _take_global(self) -> list:
+    "Row numbers of the next global batch (training), advancing the state."
+    N, G = self.n_rows, self.global_batch
+    if self.drop_last and self.position + G > N: self.epoch, self.position = self.epoch + 1, 0
+    rows = []
+    while len(rows) < G:
+        k = min(G - len(rows), N - self.position)
+        rows.extend(self._order(self.epoch)[self.position:self.position + k].tolist())
+        self.position += k
+        if self.position == N: self.epoch, self.position = self.epoch + 1, 0
+    return rows
+
+@patch_to(TokenBatches)
+def _batch(self, rows:list) -> dict:
+    "The batch of this rank from global rows (`None` = a padding row)."
+    mine = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+    real = [r for r in mine if r is not None]
+    B, T = len(mine), self.seq_len
+    ids, mask = torch.full((B, T), self.pad_id, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    if real:
+        at = [j for j, r in enumerate(mine) if r is not None]
+        ids[at], mask[at] = self._rows(real)
+    return {'input_ids': ids, 'labels': shift_labels(ids, mask), 'attention_mask': mask}
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(TokenBatches)
+def state_dict(self) -> dict:
+    "Where the stream is: epoch and position in global rows (the same on every rank)."
+    return {'epoch': self.epoch, 'position': self.position, 'seed': self.seed, 'n_rows': self.n_rows,
+            'shuffle': self.shuffle, 'seq_len': self.seq_len}
+
+@patch_to(TokenBatches)
+def load_state_dict(self, state:dict):
+    "Continue from a `state_dict()`: the next batch is the one that followed it."
+    missing = [k for k in ('epoch', 'position', 'seed', 'n_rows', 'shuffle') if k not in state]
+    check(not missing, f"not a TokenBatches state: it lacks {', '.join(missing)}")
+    saved_len = state.get('seq_len', self.seq_len)            # (older checkpoints do not record it)
+    check(saved_len == self.seq_len, f"the checkpoint's run cut its data into rows of {saved_len} tokens, this run "
+          f"into rows of {self.seq_len}: resume with the sequence length the run was started with ({saved_len})")
+    for k in ('seed', 'n_rows', 'shuffle'):
+        check(state.get(k) == getattr(self, k), f"data state does not match this data: saved {k}={state.get(k)!r}, "
+              f"now {getattr(self, k)!r}: resume with the dataset, split and seed the run was started with")
+    check(0 <= state['position'] < self.n_rows,
+          f"data state position {state['position']} is outside 0..{self.n_rows - 1}")
+    self.epoch, self.position = int(state['epoch']), int(state['position'])
 
 # %% ../nbs/03_loaders.ipynb
 def lm_batches(docs, tokenizer, sequence_length:int, batch_size:int, **kwargs) -> TokenBatches:
@@ -260,38 +267,6 @@ class DocumentStream:
             row[1] = off + L
         return {'input_ids': ids, 'labels': labels, 'attention_mask': mask, 'start_of_sequence': sos}
 
-    def _segments(self, n:int) -> int: return max(0, math.ceil((n - 1) / self.L))
-
-    def _count_batches(self) -> int:
-        "Batches of the longest rank in one evaluation pass (simulated from every document's token count)."
-        if self._n_batches is None:
-            lengths = {}
-            for d in range(self.n_docs):
-                t = self._tokens(d) if d % self.world_size == self.rank else None
-                if t is None:
-                    doc = self.docs[d]
-                    t = encode_documents(self.tokenizer, [doc.text if isinstance(doc, Document) else str(doc)],
-                                         self.add_special_tokens, self.append_eos)[0]
-                lengths[d] = len(t)
-            self._n_batches = max(self._simulate([lengths[int(d)] for d in self._share(0, r)])
-                                  for r in range(self.world_size))
-        return self._n_batches
-
-    def _simulate(self, lengths) -> int:
-        "Steps until B rows have read documents of these token counts, each row taking the next document when free."
-        free = [(0, i) for i in range(self.batch_size)]       # (step at which the row is free, row)
-        heapq.heapify(free); end = 0
-        for n in lengths:
-            k = self._segments(n)
-            if k == 0: continue
-            t, i = heapq.heappop(free); heapq.heappush(free, (t + k, i)); end = max(end, t + k)
-        return end
-
-    def __len__(self) -> int:
-        "Batches per rank in one evaluation pass (the same on every rank); an endless training stream has no length."
-        if self.loop: raise TypeError("DocumentStream(loop=True) is endless and has no len()")
-        return self._count_batches()
-
     def __iter__(self):
         if self.loop:
             while True: yield self._step()
@@ -300,28 +275,68 @@ class DocumentStream:
             self._reset()
             for _ in range(n): yield self._step()
 
-    # -- state ---------------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        "This process's position: epoch, position in its share of the order, and each row's document and offset."
-        return {'epoch': self.epoch, 'queue_position': self.queue_pos, 'rows': [list(r) for r in self._rows],
-                'rank': self.rank, 'world_size': self.world_size, 'batch_size': self.batch_size,
-                'sequence_length': self.L, 'seed': self.seed, 'n_docs': self.n_docs, 'shuffle': self.shuffle}
-
-    def load_state_dict(self, state:dict):
-        "Continue from a `state_dict()` saved by the same rank: every row resumes at its document and offset."
-        missing = [k for k in ('epoch', 'queue_position', 'rows', 'rank', 'world_size') if k not in state]
-        check(not missing, f"not a DocumentStream state: it lacks {', '.join(missing)}")
-        check((state.get('rank'), state.get('world_size')) == (self.rank, self.world_size),
-              f"this data state was saved by rank {state.get('rank')} of {state.get('world_size')}, "
-              f"not rank {self.rank} of {self.world_size}: each process must load its own state")
-        for k in ('batch_size', 'sequence_length', 'seed', 'n_docs', 'shuffle'):
-            check(state.get(k) == getattr(self, {'sequence_length': 'L'}.get(k, k)),
-                  f"data state does not match this stream: saved {k}={state.get(k)!r}, "
-                  f"now {getattr(self, {'sequence_length': 'L'}.get(k, k))!r}")
-        self.epoch, self.queue_pos = int(state['epoch']), int(state['queue_position'])
-        self._rows = [[int(d), int(o)] for d, o in state['rows']]
-        self._row_tokens = [None] * self.batch_size
-
     def __repr__(self):
         return (f"DocumentStream({self.n_docs} documents, {self.batch_size} rows x {self.L} tokens on "
                 f"rank {self.rank} of {self.world_size}, {'loop' if self.loop else 'one pass'}, epoch {self.epoch})")
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(DocumentStream)
+# -- state ---------------------------------------------------------------------------------------------------------
+def state_dict(self) -> dict:
+    "This process's position: epoch, position in its share of the order, and each row's document and offset."
+    return {'epoch': self.epoch, 'queue_position': self.queue_pos, 'rows': [list(r) for r in self._rows],
+            'rank': self.rank, 'world_size': self.world_size, 'batch_size': self.batch_size,
+            'sequence_length': self.L, 'seed': self.seed, 'n_docs': self.n_docs, 'shuffle': self.shuffle}
+
+@patch_to(DocumentStream)
+def load_state_dict(self, state:dict):
+    "Continue from a `state_dict()` saved by the same rank: every row resumes at its document and offset."
+    missing = [k for k in ('epoch', 'queue_position', 'rows', 'rank', 'world_size') if k not in state]
+    check(not missing, f"not a DocumentStream state: it lacks {', '.join(missing)}")
+    check((state.get('rank'), state.get('world_size')) == (self.rank, self.world_size),
+          f"this data state was saved by rank {state.get('rank')} of {state.get('world_size')}, "
+          f"not rank {self.rank} of {self.world_size}: each process must load its own state")
+    for k in ('batch_size', 'sequence_length', 'seed', 'n_docs', 'shuffle'):
+        check(state.get(k) == getattr(self, {'sequence_length': 'L'}.get(k, k)),
+              f"data state does not match this stream: saved {k}={state.get(k)!r}, "
+              f"now {getattr(self, {'sequence_length': 'L'}.get(k, k))!r}")
+    self.epoch, self.queue_pos = int(state['epoch']), int(state['queue_position'])
+    self._rows = [[int(d), int(o)] for d, o in state['rows']]
+    self._row_tokens = [None] * self.batch_size
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(DocumentStream)
+def _segments(self, n:int) -> int: return max(0, math.ceil((n - 1) / self.L))
+
+@patch_to(DocumentStream)
+def _count_batches(self) -> int:
+    "Batches of the longest rank in one evaluation pass (simulated from every document's token count)."
+    if self._n_batches is None:
+        lengths = {}
+        for d in range(self.n_docs):
+            t = self._tokens(d) if d % self.world_size == self.rank else None
+            if t is None:
+                doc = self.docs[d]
+                t = encode_documents(self.tokenizer, [doc.text if isinstance(doc, Document) else str(doc)],
+                                     self.add_special_tokens, self.append_eos)[0]
+            lengths[d] = len(t)
+        self._n_batches = max(self._simulate([lengths[int(d)] for d in self._share(0, r)])
+                              for r in range(self.world_size))
+    return self._n_batches
+
+@patch_to(DocumentStream)
+def _simulate(self, lengths) -> int:
+    "Steps until B rows have read documents of these token counts, each row taking the next document when free."
+    free = [(0, i) for i in range(self.batch_size)]       # (step at which the row is free, row)
+    heapq.heapify(free); end = 0
+    for n in lengths:
+        k = self._segments(n)
+        if k == 0: continue
+        t, i = heapq.heappop(free); heapq.heappush(free, (t + k, i)); end = max(end, t + k)
+    return end
+
+@patch_to(DocumentStream)
+def __len__(self) -> int:
+    "Batches per rank in one evaluation pass (the same on every rank); an endless training stream has no length."
+    if self.loop: raise TypeError("DocumentStream(loop=True) is endless and has no len()")
+    return self._count_batches()

@@ -46,6 +46,7 @@ OBJECTIVES = ('clm', 'copy', 'blank_copy', 'combined')
 _HF_KEYS = {'model_type', 'tie_word_embeddings', 'num_hidden_layers', 'torch_dtype', 'use_cache',
             'transformers_version', 'num_labels', 'low_memory'}
 
+# %% ../nbs/50_mixer.ipynb
 class MaskedMixerConfig(PretrainedConfig):
     "Configuration of masked-mixer language models, autoencoders and memory models."
     model_type = 'masked_mixer'
@@ -308,6 +309,7 @@ def standalone_source() -> str:
           "memlab.mixer imports another memlab module at module level: the standalone file would need memlab")
     return src
 
+# %% ../nbs/50_mixer.ipynb
 class MixerPreTrainedModel(PreTrainedModel):
     "Base class of memlab's mixer models: one config class, Hugging Face initialisation, saving and loading."
     config_class = MaskedMixerConfig
@@ -365,6 +367,7 @@ def check_right_padded(attention_mask:Optional[torch.Tensor]):
                           "after padding; pad on the right (tokenizer.padding_side='right') "
                           "or use prompts of equal length")
 
+# %% ../nbs/50_mixer.ipynb
 def _lm_loss(logits, labels):
     "Hugging Face-style loss: mean next-token cross-entropy, labels shifted here, -100 ignored, in fp32."
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),

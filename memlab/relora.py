@@ -348,7 +348,7 @@ def _relora_to_plain(model:nn.Module, sd:dict) -> tuple:
             aside.update({k: v for k, v in mine.items() if not k[len(p):].startswith('relora_')})
     return sd, aside
 
-register_method(MethodSpec('relora', rebuild=_rebuild_relora, to_plain=_relora_to_plain))
+register_method(MethodSpec('relora', rebuild=_rebuild_relora, to_plain=_relora_to_plain, remove=remove_relora))
 
 # %% ../nbs/30_relora.ipynb
 def get_cosine_schedule_with_restarts(optimizer, num_training_steps:int, warmup_steps:int, cycle_length:int,
@@ -433,6 +433,7 @@ def _local_part(t, full:torch.Tensor) -> torch.Tensor:
 
 def _param_seed(seed:int, i:int) -> int: return (seed * 1_000_003 + i) % 2**63
 
+# %% ../nbs/30_relora.ipynb
 @torch.no_grad()
 def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:int=None,
                     keys=('exp_avg', 'exp_avg_sq'), pruning:str='reference') -> dict:

@@ -236,6 +236,7 @@ def ROW_FEATURES():
     return datasets.Features({'input_ids': datasets.Sequence(datasets.Value('int32')),
                               'attention_mask': datasets.Sequence(datasets.Value('int8'))})
 
+# %% ../nbs/02_tokenizers.ipynb
 def tokenize_split(docs, tok, sequence_length, mode, padding_side, num_cpu, add_special_tokens, desc,
                    show_progress) -> tuple:
     "Rows, attention masks and counts for one split."
@@ -262,6 +263,7 @@ def _tokenizer_ref(tokenizer) -> str:
     p = Path(str(tokenizer)).expanduser()
     return str(p.resolve()) if p.exists() else str(tokenizer)
 
+# %% ../nbs/02_tokenizers.ipynb
 def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode:str='packed', padding_side:str='right',
                 dataset_config:str=None, text_field:str='text', take:int=None, num_cpu:int=1, output_name:str=None,
                 splits=('train', 'validation'), add_special_tokens:bool=False, show_progress:bool=True) -> Path:

@@ -14,15 +14,15 @@ from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main,
                          markdown_table, show_path)
 from .data import load_corpus
 from .loaders import lm_batches
-from .models import (as_dtype, load_model, load_tokenizer, plain_config, register_folder, resolve_model,
-                           save_full_state, state_names)
+from .models import load_model, load_tokenizer, resolve_model, save_full_state
+from .adapters import ADAPTER_INFO, load_adapter_folder, plain_lora_model
 from .tokenizers import check_sequence_length, check_vocab
 from .train_config import TrainConfig
 from .training import default_output_dir, run, run_summary
 
 # %% auto 0
-__all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'ADAPTER_INFO', 'LMTaskConfig', 'add_lora', 'train_lm',
-           'plain_lora_model', 'save_run_model', 'load_adapter_folder', 'results_table', 'main']
+__all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'LMTaskConfig', 'add_lora', 'train_lm', 'save_run_model',
+           'results_table', 'main', 'ADAPTER_INFO', 'plain_lora_model', 'load_adapter_folder']
 
 # %% ../nbs/07_train.ipynb
 @dataclass
@@ -116,31 +116,6 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
 # %% ../nbs/07_train.ipynb
 ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base
 
-@torch.no_grad()
-def plain_lora_model(model, merge:bool=True, dtype=torch.float32) -> torch.nn.Module:
-    "A new plain model from PEFT LoRA `model`: its base (4/8-bit dequantized) with each active adapter merged in fp32."
-    from peft.tuners.lora import LoraLayer
-    from transformers import AutoModelForCausalLM
-    from memlab.compat import dequantize_weight, quant_kind
-    base = model.get_base_model()
-    plain = AutoModelForCausalLM.from_config(plain_config(base.config), dtype=dtype)
-    sd, done, names = {}, [], state_names(base)
-    for name, m in base.named_modules():
-        if any(name.startswith(d) for d in done): continue
-        if isinstance(m, LoraLayer): layer = m.get_base_layer()
-        elif isinstance(m, torch.nn.Linear) and quant_kind(m): layer = m          # a 4/8-bit linear without LoRA
-        else: continue
-        W = dequantize_weight(layer)  # (out, in)
-        if merge and isinstance(m, LoraLayer):
-            for a in m.active_adapters: W = W + m.get_delta_weight(a).float()       # added in fp32, rounded once below
-        sd[f"{names[name]}.weight"] = W
-        if layer.bias is not None: sd[f"{names[name]}.bias"] = layer.bias.float()
-        done.append(name + '.')
-    handled = tuple(names[d[:-1]] + '.' for d in done)
-    sd.update({k: v for k, v in base.state_dict().items() if not k.startswith(handled)})
-    plain.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
-    return plain.eval()
-
 def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=False, state_dict:dict=None) -> dict:
     ("Write a run's model into `out`: a LoRA run's adapter to `adapter/` (and, `merged`, `model/`), else `model/` "
      "(`state_dict`: its full weights, gathered from FSDP shards or ZeRO-3 partitions).")
@@ -165,33 +140,8 @@ def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=Fa
             if k in written: tokenizer.save_pretrained(written[k])
     return written
 
-ADAPTER_INFO = 'memlab_adapter.json'   # beside PEFT's files: the base to load (and whether in nf4)
-
-def load_adapter_folder(folder, dtype='float32', quantization:str=None, strict:bool=True, **kwargs):
-    "A PEFT LoRA adapter folder as a plain model: its base (nf4 if it trained on one) with the adapter merged in fp32."
-    from peft import PeftConfig, PeftModel
-    folder = Path(folder)
-    info = json.loads((folder/ADAPTER_INFO).read_text()) if (folder/ADAPTER_INFO).exists() else {}
-    base_name = info.get('base') or PeftConfig.from_pretrained(folder).base_model_name_or_path
-    check(base_name, f"{folder} is a LoRA adapter naming no base model (base_model_name_or_path): load it with peft")
-    quantization = quantization or ('nf4' if info.get('nf4') else None)
-    base = load_model(base_name, dtype=dtype, quantization=quantization, strict=strict)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        try: lora = PeftModel.from_pretrained(base, folder)
-        except (ValueError, RuntimeError, KeyError) as e:
-            why = ' '.join(str(e).split())[:200]
-            raise MemlabError(f"cannot load the adapter {folder} onto {base_name}: {why}") from None
-    for w in caught:                      # peft only warns about adapter tensors it did not find or did not expect
-        msg = ' '.join(str(w.message).split())
-        if strict and 'keys' in msg:
-            raise MemlabError(f"cannot load the adapter {folder}: {msg[:200]}; pass strict=False to load anyway")
-        warnings.warn(msg, stacklevel=2)
-    return plain_lora_model(lora, dtype=as_dtype(dtype))
-
-def _is_adapter(folder) -> bool:
-    return (Path(folder)/'adapter_config.json').exists() and not (Path(folder)/'config.json').exists()
-register_folder('peft-adapter', _is_adapter, load_adapter_folder)
+# the PEFT adapter folder's loader and the LoRA merge are library code, in `memlab.adapters` (imported above)
+_all_ = ['ADAPTER_INFO', 'plain_lora_model', 'load_adapter_folder']
 
 # %% ../nbs/07_train.ipynb
 def results_table(res:dict) -> str:

@@ -186,6 +186,7 @@ class OptimizerArgs(Config):
         check(self.accumulate_gradient_steps >= 1,
               f"--optimizer.accumulate_gradient_steps must be positive, got {self.accumulate_gradient_steps}")
 
+# %% ../nbs/11_train_bpt.ipynb
 @dataclass
 class AdamWArgs(Config):
     ("The seed's --optimizer.adamw_optimizer.* group: AdamW with a linear warm-up and a cosine decay "
@@ -239,6 +240,7 @@ class TextProcessorArgs(Config):
         check(not bad, f"--train_dataset.text_processor.fields: {', '.join(bad)}: "
               "loss-masked [fields] and special tokens are not supported; list plain field names")
 
+# %% ../nbs/11_train_bpt.ipynb
 @dataclass
 class JsonDatasetArgs(Config):
     "The seed's --train_dataset.json_dataset.* group."
@@ -338,6 +340,7 @@ def with_bpt_updates(llama:LlamaBPTArgs, run:BPTRunConfig) -> LlamaBPTArgs:
     upd = {k: v for k, v in (run.update_llama_config or {}).items() if k in _bpt_fields()}
     return LlamaBPTArgs(**{**llama.to_dict(), **upd}) if upd else llama
 
+# %% ../nbs/11_train_bpt.ipynb
 def _is_hf_model(path) -> bool:
     p = Path(str(path)).expanduser()
     return str(path).lower() in BUILTIN_MODELS or (p.is_dir() and (p/'config.json').exists()
@@ -546,15 +549,17 @@ def main(argv=None):
     return res
 
 # %% ../nbs/11_train_bpt.ipynb
-def demo(out:Path, quick:bool=False) -> tuple:
+def demo(out:Path, quick:bool=False, measure=None) -> tuple:
     ("BPT: peak memory of a training step vs sequence length, SDPA + checkpointing vs BPT, "
-     "on the reference Llama; same loss.")
+     "on the reference Llama; same loss. `measure`: `memlab.benchmarks.bpt.step_measurements`, which the caller (the "
+     "demo, a layer above both) passes: a command line does not import a benchmark.")
     from memlab.bench import run_isolated
+    check(callable(measure), "demo needs measure=memlab.benchmarks.bpt.step_measurements (memlab_demo passes it)")
     lens = (1024, 2048) if quick else (1024, 2048, 4096)
     old = os.environ.get('MALLOC_MMAP_THRESHOLD_')
     # both measured as memlab_bpt runs: freed blocks leave resident memory at once
     os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 20)
-    try: res = {c: run_isolated('memlab.benchmarks.bpt:step_measurements', 'reference', lens, c)
+    try: res = {c: run_isolated(measure, 'reference', lens, c)
                 for c in ('sdpa + ckpt', 'bpt')}
     finally:
         if old is None: os.environ.pop('MALLOC_MMAP_THRESHOLD_', None)

@@ -29,14 +29,16 @@ from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_s
                                 read_state, sharded_metadata)
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'build_model', 'find_warm_start',
-           'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps', 'training_steps',
-           'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
-           'default_save_dir', 'train_relora', 'main']
+__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'check_relora_flags', 'build_model',
+           'find_warm_start', 'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps',
+           'training_steps', 'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
+           'default_save_dir', 'with_default_dataset', 'relora_schedule', 'relora_model', 'relora_batches',
+           'relora_callbacks', 'relora_train_config', 'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
 
+# %% ../nbs/31_train_relora.ipynb
 @dataclass
 class ReLoRARunConfig(Config):
     "torchrun_main.py's flags: model, data, batches, ReLoRA, optimizer and schedule, checkpoints."
@@ -113,57 +115,62 @@ class ReLoRARunConfig(Config):
                                            # warm start's): only the blocks (and final norm) train
     progress: bool = True                  # show a progress bar (main process)
 
-    def __post_init__(self):
-        check((self.model_config is None) != (self.model_name_or_path is None),
-              "give one of --model_config (a Llama config) and --model_name_or_path (a model to start from)")
-        check(self.batch_size is not None and self.batch_size >= 1,
-              f"--batch_size is required and must be positive, got {self.batch_size}")
-        check(self.max_length >= 2, f"--max_length must be at least 2, got {self.max_length}")
-        check(self.num_training_steps >= 1, f"--num_training_steps must be positive, got {self.num_training_steps}")
-        for name in ('gradient_accumulation', 'total_batch_size', 'keep_checkpoints'):
-            v = getattr(self, name)
-            check(v is None or v >= 1, f"--{name} must be positive, got {v}")
-        self.max_train_tokens = _count(self.max_train_tokens, 'max_train_tokens')
-        self.max_eval_tokens = _count(self.max_eval_tokens, 'max_eval_tokens')
-        check(self.relora is None or self.use_peft,
-              "--relora needs --use_peft: ReLoRA merges and restarts LoRA adapters")
-        check(self.relora is None or self.relora >= 2, f"--relora must be at least 2 updates, got {self.relora}")
-        self.reset = reset_mode_from_flags(self.reset_optimizer_on_relora, self.optimizer_random_pruning,
-                                           self.optimizer_magnitude_pruning)
-        check(self.optimizer_pruning in PRUNING_RULES,
-              f"--optimizer_pruning must be one of {', '.join(PRUNING_RULES)}; got {self.optimizer_pruning!r}")
-        check(self.scheduler in SCHEDULERS,
-              f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        if self.relora and self.cycle_length is None: self.cycle_length = self.relora
-        if self.scheduler == 'cosine_restarts':
-            check(self.cycle_length is not None, "--scheduler cosine_restarts needs --cycle_length (or --relora)")
-            check(self.restart_warmup_steps is not None, "--scheduler cosine_restarts needs --restart_warmup_steps")
-            check(self.relora is None or self.cycle_length == self.relora,
-                  f"--cycle_length {self.cycle_length} differs from --relora {self.relora}: "
-                  "the merges must come right after the schedule's restarts; drop --cycle_length or make them equal")
-        check(min(self.warmup_steps, self.adjust_step) >= 0, "--warmup_steps and --adjust_step must be non-negative")
-        check(self.optimizer.lower() in OPTIMIZERS, f"--optimizer {self.optimizer}: memlab_relora does Adam "
-              "(AdamW) and adam_zero (ZeroRedundancyOptimizer over AdamW), not other optimizers")
-        check(self.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {self.dtype!r}")
-        check(PRECISION_NAMES[self.dtype] != 'fp16' or torch.cuda.is_available(),
-              "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
-        check(self.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {self.quantize!r}")
-        check(self.quantize is None or self.use_peft,
-              "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
-        check(self.distributed_type in ('ddp', 'fsdp'),
-              f"--distributed_type must be ddp or fsdp, got {self.distributed_type!r}")
-        check(not (self.distributed_type == 'fsdp' and self.quantize), "--quantize with --distributed_type "
-              "fsdp is not supported: FSDP2 cannot shard bitsandbytes weights; use ddp")
-        check(not (self.distributed_type == 'fsdp' and self.optimizer.lower() == 'adam_zero'),
-              "--optimizer adam_zero with --distributed_type fsdp: FSDP already shards the optimizer state; use Adam")
-        check(self.report_to in ('tensorboard', 'wandb', 'none'),
-              f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
-        check(not (self.resume_from and self.autoresume and str(self.resume_from) != 'latest'),
-              "give --resume_from or --autoresume, not both")
+    def __post_init__(self): check_relora_flags(self)      # below
 
     @property
     def mixed_precision(self) -> str: return resolve_precision(self.dtype)
 
+# %% ../nbs/31_train_relora.ipynb
+def check_relora_flags(cfg:ReLoRARunConfig):
+    "Refuse, in one line each, flags that cannot run together; derive the reset mode and the cycle length."
+    check((cfg.model_config is None) != (cfg.model_name_or_path is None),
+          "give one of --model_config (a Llama config) and --model_name_or_path (a model to start from)")
+    check(cfg.batch_size is not None and cfg.batch_size >= 1,
+          f"--batch_size is required and must be positive, got {cfg.batch_size}")
+    check(cfg.max_length >= 2, f"--max_length must be at least 2, got {cfg.max_length}")
+    check(cfg.num_training_steps >= 1, f"--num_training_steps must be positive, got {cfg.num_training_steps}")
+    for name in ('gradient_accumulation', 'total_batch_size', 'keep_checkpoints'):
+        v = getattr(cfg, name)
+        check(v is None or v >= 1, f"--{name} must be positive, got {v}")
+    cfg.max_train_tokens = _count(cfg.max_train_tokens, 'max_train_tokens')
+    cfg.max_eval_tokens = _count(cfg.max_eval_tokens, 'max_eval_tokens')
+    check(cfg.relora is None or cfg.use_peft,
+          "--relora needs --use_peft: ReLoRA merges and restarts LoRA adapters")
+    check(cfg.relora is None or cfg.relora >= 2, f"--relora must be at least 2 updates, got {cfg.relora}")
+    cfg.reset = reset_mode_from_flags(cfg.reset_optimizer_on_relora, cfg.optimizer_random_pruning,
+                                       cfg.optimizer_magnitude_pruning)
+    check(cfg.optimizer_pruning in PRUNING_RULES,
+          f"--optimizer_pruning must be one of {', '.join(PRUNING_RULES)}; got {cfg.optimizer_pruning!r}")
+    check(cfg.scheduler in SCHEDULERS,
+          f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {cfg.scheduler!r}")
+    if cfg.relora and cfg.cycle_length is None: cfg.cycle_length = cfg.relora
+    if cfg.scheduler == 'cosine_restarts':
+        check(cfg.cycle_length is not None, "--scheduler cosine_restarts needs --cycle_length (or --relora)")
+        check(cfg.restart_warmup_steps is not None, "--scheduler cosine_restarts needs --restart_warmup_steps")
+        check(cfg.relora is None or cfg.cycle_length == cfg.relora,
+              f"--cycle_length {cfg.cycle_length} differs from --relora {cfg.relora}: "
+              "the merges must come right after the schedule's restarts; drop --cycle_length or make them equal")
+    check(min(cfg.warmup_steps, cfg.adjust_step) >= 0, "--warmup_steps and --adjust_step must be non-negative")
+    check(cfg.optimizer.lower() in OPTIMIZERS, f"--optimizer {cfg.optimizer}: memlab_relora does Adam "
+          "(AdamW) and adam_zero (ZeroRedundancyOptimizer over AdamW), not other optimizers")
+    check(cfg.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {cfg.dtype!r}")
+    check(PRECISION_NAMES[cfg.dtype] != 'fp16' or torch.cuda.is_available(),
+          "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
+    check(cfg.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {cfg.quantize!r}")
+    check(cfg.quantize is None or cfg.use_peft,
+          "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
+    check(cfg.distributed_type in ('ddp', 'fsdp'),
+          f"--distributed_type must be ddp or fsdp, got {cfg.distributed_type!r}")
+    check(not (cfg.distributed_type == 'fsdp' and cfg.quantize), "--quantize with --distributed_type "
+          "fsdp is not supported: FSDP2 cannot shard bitsandbytes weights; use ddp")
+    check(not (cfg.distributed_type == 'fsdp' and cfg.optimizer.lower() == 'adam_zero'),
+          "--optimizer adam_zero with --distributed_type fsdp: FSDP already shards the optimizer state; use Adam")
+    check(cfg.report_to in ('tensorboard', 'wandb', 'none'),
+          f"--report_to must be tensorboard, wandb or none, got {cfg.report_to!r}")
+    check(not (cfg.resume_from and cfg.autoresume and str(cfg.resume_from) != 'latest'),
+          "give --resume_from or --autoresume, not both")
+
+# %% ../nbs/31_train_relora.ipynb
 def _count(v, name:str):
     "A token count from the command line (int, or a string with a K/M/B suffix)."
     if v is None or isinstance(v, int): return v
@@ -371,42 +378,40 @@ def default_save_dir(cfg:ReLoRARunConfig) -> str:
     label = Path(str(cfg.model_config or cfg.model_name_or_path)).stem or 'model'
     return str(Path('checkpoints')/f"{label}-{time.strftime('%Y-%m-%d-%H-%M-%S')}")
 
-def train_relora(cfg:ReLoRARunConfig) -> dict:
-    "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
-    acc = make_accelerator(cfg.mixed_precision)
-    world = acc.num_processes
-    save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
-    resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
-                         'save_dir', acc)                                   # refused here, before anything is loaded
-    if cfg.dataset_path is None:  # the seed's commands 2-5 give no dataset: the original streams C4
-        path = main_process_value(str(default_dataset(cfg, cfg.progress)) if acc.is_main_process else None, acc)
-        acc.print(f"memlab_relora: no --dataset_path: training on the embedded {DEFAULT_CORPUS} "
-                  "corpus, pretokenized with "
-                  f"{cfg.tokenizer or DEFAULT_TOKENIZER} at {cfg.max_length} tokens in {path} "
-                  "(the original streams C4 when none is given)")
-        cfg = dataclasses.replace(cfg, dataset_path=path)
-    dd, data_args = load_data(cfg)
-    tok = load_data_tokenizer(cfg, data_args)
-    accum, steps = accumulation_steps(cfg, world), training_steps(cfg, world)
-    K = warm_start_step(cfg.warmed_up_model) if cfg.warmed_up_model else 0
-    check(steps > K, f"--num_training_steps {steps} does not go beyond the warm start's {K} updates")
-    sched_fn = lambda o: get_scheduler(o, cfg.scheduler, steps - K, cfg.warmup_steps, cfg.min_lr_ratio,
-                                       cfg.cycle_length,
-                                       cfg.restart_warmup_steps, cfg.adjust_step)
+def with_default_dataset(cfg:ReLoRARunConfig, acc) -> ReLoRARunConfig:
+    "Stage 1, config: without --dataset_path (the seed's commands 2-5), the embedded corpus pretokenized once."
+    if cfg.dataset_path is not None: return cfg
+    path = main_process_value(str(default_dataset(cfg, cfg.progress)) if acc.is_main_process else None, acc)
+    acc.print(f"memlab_relora: no --dataset_path: training on the embedded {DEFAULT_CORPUS} corpus, pretokenized with "
+              f"{cfg.tokenizer or DEFAULT_TOKENIZER} at {cfg.max_length} tokens in {path} "
+              "(the original streams C4 when none is given)")
+    return dataclasses.replace(cfg, dataset_path=path)
+
+def relora_schedule(cfg:ReLoRARunConfig, steps:int, start:int):
+    ("The scheduler factory for the updates `start` -> `steps`, every check made at once (on a throwaway optimizer), "
+     "before any model is built.")
+    check(steps > start, f"--num_training_steps {steps} does not go beyond the warm start's {start} updates")
     if cfg.cycle_length and cfg.scheduler != 'linear':
-        check((steps - K) % cfg.cycle_length == 0,
-              f"--num_training_steps {steps}" + (f" minus the warm start's {K} updates ({steps - K})"
-              if K else '')
+        check((steps - start) % cfg.cycle_length == 0,
+              f"--num_training_steps {steps}" + (f" minus the warm start's {start} updates ({steps - start})"
+              if start else '')
               + f" is not a multiple of --cycle_length {cfg.cycle_length}: the schedule must end at the end of a cycle")
-    sched_fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))  # every schedule check, before any model is built
+    sched_fn = lambda o: get_scheduler(o, cfg.scheduler, steps - start, cfg.warmup_steps, cfg.min_lr_ratio,
+                                       cfg.cycle_length, cfg.restart_warmup_steps, cfg.adjust_step)
+    sched_fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))
+    return sched_fn
+
+def relora_model(cfg:ReLoRARunConfig, vocab_size:int, resume, acc) -> tuple:
+    ("Stage 3, model: the Llama (seeded: the same on every process), its warm start, ReLoRA's adapters; returns (model, "
+     "warm start or None, parameter counts).")
     seed_everything(cfg.seed)
-    model = build_model(cfg, len(tok))
+    model = build_model(cfg, vocab_size)
     params_before = count_parameters(model)
     warm = None
     if cfg.warmed_up_model and not resume:
         warm = load_warm_start(model, cfg.warmed_up_model)
-        acc.print(f"warm start: weights of {show_path(warm['path'])} "
-                  f"(update {warm['step']}, {warm['tokens_seen']:,} tokens)")
+        acc.print(f"warm start: weights of {show_path(warm['path'])} (update {warm['step']}, "
+                  f"{warm['tokens_seen']:,} tokens)")
     if cfg.use_peft:
         keep = cfg.relora is not None or cfg.force_keep_original or cfg.warmed_up_model is not None
         add_relora(model, ReLoRAConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.1,
@@ -417,20 +422,27 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     counts = {'parameters': count_parameters(model),
               'trainable_parameters': count_parameters(model, trainable_only=True),
               'equivalent_parameters': params_before}
+    return model, warm, counts
+
+def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int, warm, acc) -> tuple:
+    ("Stage 2, data: the training batches (continuing a warm start's data order where it was trained on this data, "
+     "skipping --skip_batches updates) and the validation batches.")
     pad = data_args.get('pad_token_id') or 0
     train_data = TokenBatches(dd['train'], cfg.batch_size, shuffle=True, seed=cfg.seed, pad_id=pad)
     if warm and warm['data'] is not None:
         try: train_data.load_state_dict(warm['data'])
         except MemlabError:
-            acc.print("the warm start was trained on other data (or with another --seed): "
-                      "reading the data from its start")
-    if cfg.skip_batches: train_data = SkipUpdates(train_data, cfg.skip_batches, accum, start_step=K)
-    eval_data = TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
+            acc.print("the warm start was trained on other data (or with another --seed): reading the data from its start")
+    if cfg.skip_batches: train_data = SkipUpdates(train_data, cfg.skip_batches, accum, start_step=start)
+    return train_data, TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
+
+def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> list:
+    "Stage 5, hooks: ReLoRA's merges and resets, ZeRO's state consolidation, the profiler, as the flags ask."
     callbacks = []
     if cfg.relora:
-        callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=K - cfg.adjust_step, seed=cfg.seed,
+        callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=start - cfg.adjust_step, seed=cfg.seed,
                                         pruning=cfg.optimizer_pruning))
-    if cfg.optimizer.lower() == 'adam_zero' and world > 1:
+    if cfg.optimizer.lower() == 'adam_zero' and acc.num_processes > 1:
         callbacks.append(ConsolidateZeroState())
         # accelerate would round-trip the new optimizer's state_dict() to place it on the device, which a ZeRO optimizer
         # refuses before consolidation: place the model ourselves instead
@@ -439,24 +451,45 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     if cfg.report_to == 'wandb':   # wandb reads these when the loop starts it
         if cfg.tags: os.environ['WANDB_TAGS'] = ','.join(cfg.tags)
         if cfg.comment: os.environ['WANDB_NOTES'] = cfg.comment
-    tc = TrainConfig(output_dir=save_dir, max_steps=steps, per_device_batch_size=cfg.batch_size,
-                     gradient_accumulation_steps=accum,
-                     lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
-                     max_grad_norm=cfg.clip_grad_norm, eval_every=cfg.eval_every, save_every=cfg.save_every,
-                     max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
-                     keep_checkpoints=cfg.keep_checkpoints or 10**9, log_every=1, mixed_precision=cfg.mixed_precision,
-                     distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume, report_to=cfg.report_to,
-                     progress=cfg.progress)
-    run_config = {'relora': {k: v for k, v in cfg.to_dict().items()}, 'dataset': data_args, 'world_size': world,
-                  'gradient_accumulation': accum,
+    return callbacks
+
+def relora_train_config(cfg:ReLoRARunConfig, save_dir, steps:int, accum:int, world:int, resume) -> TrainConfig:
+    "Stage 4, the loop's settings: torchrun_main.py's flags under the loop's names."
+    return TrainConfig(output_dir=save_dir, max_steps=steps, per_device_batch_size=cfg.batch_size,
+                       gradient_accumulation_steps=accum, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                       adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, max_grad_norm=cfg.clip_grad_norm,
+                       eval_every=cfg.eval_every, save_every=cfg.save_every,
+                       max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
+                       keep_checkpoints=cfg.keep_checkpoints or 10**9, log_every=1, mixed_precision=cfg.mixed_precision,
+                       distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume,
+                       report_to=cfg.report_to, progress=cfg.progress)
+
+# %% ../nbs/31_train_relora.ipynb
+def train_relora(cfg:ReLoRARunConfig) -> dict:
+    "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
+    acc = make_accelerator(cfg.mixed_precision)
+    world = acc.num_processes
+    save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
+    resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
+                         'save_dir', acc)                                   # refused here, before anything is loaded
+    cfg = with_default_dataset(cfg, acc)
+    dd, data_args = load_data(cfg)
+    tok = load_data_tokenizer(cfg, data_args)
+    accum, steps = accumulation_steps(cfg, world), training_steps(cfg, world)
+    K = warm_start_step(cfg.warmed_up_model) if cfg.warmed_up_model else 0
+    sched_fn = relora_schedule(cfg, steps, K)
+    model, warm, counts = relora_model(cfg, len(tok), resume, acc)
+    train_data, eval_data = relora_batches(cfg, dd, data_args, accum, K, warm, acc)
+    callbacks = relora_callbacks(cfg, model, K, save_dir, acc)
+    tc = relora_train_config(cfg, save_dir, steps, accum, world, resume)
+    run_config = {'relora': cfg.to_dict(), 'dataset': data_args, 'world_size': world, 'gradient_accumulation': accum,
                   'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
     def prepare(trainer):                       # a warm start continues its update and token counts
         if warm: trainer.step, trainer.tokens_seen = warm['step'], warm['tokens_seen']
     def describe(trainer):
         return (f"memlab_relora: {counts['trainable_parameters']:,} trainable of {counts['parameters']:,} parameters "
-                f"({len(relora_layers(model))} ReLoRA layers); {world} process(es) "
-                f"x {cfg.batch_size} rows x {accum} micro-batches "
-                f"of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; "
+                f"({len(relora_layers(model))} ReLoRA layers); {world} process(es) x {cfg.batch_size} rows x {accum} "
+                f"micro-batches of {cfg.max_length} tokens per update; updates {trainer.step} -> {steps}; "
                 f"run folder {show_path(save_dir)}")
     def results(trainer, history, res):
         evals = [h for h in history if 'eval_loss' in h]

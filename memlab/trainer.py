@@ -156,29 +156,6 @@ class Trainer:
             self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
         self._build_optimizer()
 
-    def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
-        c = self.config
-        if self._given_optimizer is not None and keep_step is None: opt = self._given_optimizer
-        elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(model, c.weight_decay))
-        else:
-            opt = torch.optim.AdamW(_decay_groups(model, c.weight_decay), lr=c.lr,
-                                    betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
-        for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
-        return opt
-
-    def _build_optimizer(self, keep_step:int=None):
-        opt = self._new_optimizer(self.model, keep_step)
-        self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
-        self._set_schedule(opt, keep_step)
-
-    def _set_schedule(self, opt, keep_step:int=None):
-        self.optimizer = opt
-        if self._scheduler_fn is None: sched = get_scheduler(opt, self.config, start_step=keep_step or 0)
-        else:
-            sched = self._scheduler_fn(opt)
-            if keep_step: continue_at(sched, keep_step)               # continue the schedule where it was
-        self.scheduler = sched
-
     # ---- events --------------------------------------------------------------------------------------------
     def _event(self, name, *args):
         for cb in self.callbacks: getattr(cb, name)(self, *args)
@@ -189,6 +166,33 @@ class Trainer:
     def print(self, *a):
         "Print on the main process only."
         if self.is_main: print(*a, flush=True)
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
+    c = self.config
+    if self._given_optimizer is not None and keep_step is None: opt = self._given_optimizer
+    elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(model, c.weight_decay))
+    else:
+        opt = torch.optim.AdamW(_decay_groups(model, c.weight_decay), lr=c.lr,
+                                betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+    for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
+    return opt
+
+@patch_to(Trainer)
+def _build_optimizer(self, keep_step:int=None):
+    opt = self._new_optimizer(self.model, keep_step)
+    self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
+    self._set_schedule(opt, keep_step)
+
+@patch_to(Trainer)
+def _set_schedule(self, opt, keep_step:int=None):
+    self.optimizer = opt
+    if self._scheduler_fn is None: sched = get_scheduler(opt, self.config, start_step=keep_step or 0)
+    else:
+        sched = self._scheduler_fn(opt)
+        if keep_step: continue_at(sched, keep_step)               # continue the schedule where it was
+    self.scheduler = sched
 
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
@@ -476,6 +480,7 @@ def _write_checkpoint(self) -> Path:
 RESUME_FIELDS = ('per_device_batch_size', 'lr', 'weight_decay', 'adam_beta1', 'adam_beta2', 'adam_eps', 'scheduler',
                  'min_lr_ratio', 'lr_end', 'power', 'max_grad_norm', 'seed')
 
+# %% ../nbs/05g_trainer.ipynb
 def resume_differences(saved:dict, config:TrainConfig, world_size:int) -> list:
     "The settings in which `config` differs from the `saved` config of a checkpoint ('flag old -> new', one each)."
     out = [f"--{k} {saved[k]} -> {getattr(config, k)}" for k in RESUME_FIELDS
@@ -488,6 +493,7 @@ def resume_differences(saved:dict, config:TrainConfig, world_size:int) -> list:
         if rows[0] != rows[1]: out.append(f"rows per update (--total_batch_size) {rows[0]} -> {rows[1]}")
     return out
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def load_checkpoint(self, path):
     "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."

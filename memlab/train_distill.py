@@ -4,521 +4,67 @@
 
 # %% ../nbs/42_train_distill.ipynb 2
 from __future__ import annotations
-import dataclasses, hashlib, json, math, os, time
+import os, time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import nn
 
-from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, fmt_bytes,
-                         markdown_table, parse_configs, resolve_precision, seed_everything, show_path)
-from .data import load_corpus
-from .evaluation import lm_eval_scores, require_lm_eval
+from .core import MemlabError, check, cli_main, count_parameters, markdown_table, parse_configs, show_path
 from .loaders import TokenBatches
-from .models import (check_model_config, check_model_sizes, decoder_layers, load_model, load_tokenizer,
-                           resolve_model)
-from .tokenizers import Packer, check_vocab, encode_documents, pad_id
-from .train_config import TrainConfig
+from .models import check_model_config, load_model, load_tokenizer
+from .tokenizers import check_vocab
 from .distributed import make_accelerator
 from .checkpoints import resume_plan
 from .training import run, run_summary
 from .callbacks import GradientStats
-from .distill.teacher import TopKTeacher, dataset_fingerprint, generate_teacher_topk, tokenizer_fingerprint
+from .distill.arguments import (ADAMW_NAMES, DEFAULT_EVALUATORS, SCHEDULER_TYPES, DatasetArguments,
+                                      DistillationTrainingArguments, EvalArguments, StudentModelArguments,
+                                      TeacherModelArguments, harness_scores, parse_copy_modules, run_length,
+                                      loop_config)
+from .distill.data import DistillData, build_data, pack_rows, row_batches
+from .distill.teacher import TopKTeacher, generate_teacher_topk, tokenizer_fingerprint
 from .distill.objective import DistillationObjective, DistillLoss, remove_distill_heads, save_distill_heads
 from .distill.policy import OnPolicyBatches, on_policy_lengths
 from .distill.evaluation import PerplexityEvaluation, perplexity
-from .distill.student import copy_plan, student_config, weight_groups, xavier_reinitialize
-from .distill.card import model_card
+from .distill.student import student_from_args
+from .distill.card import distill_card, plot_distill
 from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem, packed_report,
                            save_hf_bitnet, save_packed)
 
 # %% auto 0
-__all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'parse_copy_modules',
-           'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores',
-           'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'build_distill_student',
-           'distill', 'distill_card', 'plot_distill', 'results_table', 'parse_args', 'main', 'demo']
+__all__ = ['BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers', 'load_teacher',
+           'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches', 'DistillHooks', 'distill',
+           'results_table', 'parse_args', 'main', 'demo', 'DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES',
+           'parse_copy_modules', 'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments',
+           'harness_scores', 'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'distill_card',
+           'plot_distill']
 
 # %% ../nbs/42_train_distill.ipynb
-_BOOL_WORDS = {'true': True, 'false': False, '1': True, '0': False, 'yes': True, 'no': False}
-
-def parse_copy_modules(spec) -> list:
-    ("Teacher modules to copy as [(name, freeze)], from 'layers,lm_head:freeze', "
-     "Distily's 'lm_head,True' or [('lm_head', False)].")
-    if spec is None: return []
-    if isinstance(spec, str): spec = [spec]
-    toks = []
-    for item in spec:
-        if isinstance(item, (list, tuple)): toks += [str(x) for x in item]
-        else: toks += str(item).split(',')
-    out = []
-    for t in (t.strip(' ()[]"\'') for t in toks):
-        if not t: continue
-        if t.lower() in _BOOL_WORDS:
-            check(out, f"copy_teacher_modules: {t!r} must follow a module name (as in lm_head,True)")
-            out[-1] = (out[-1][0], _BOOL_WORDS[t.lower()])
-        else:
-            name, _, flag = t.partition(':')
-            check(flag in ('', 'freeze', 'frozen', 'train'),
-                  f"copy_teacher_modules: unknown suffix {flag!r} in {t!r}; use name or name:freeze")
-            out.append((name, flag in ('freeze', 'frozen')))
-    return out
-
-@dataclass
-class StudentModelArguments(Config):
-    ("The student: an existing model, or one built from a config (the teacher's by default), "
-     "with modules copied from the teacher.")
-    student_model_name_or_path: str = None  # an existing student to distill into (folder, built-in name or hub id);
-                                            # None: build one
-    student_config_name_or_path: str = None  # the config to build the student from (model folder, config.json, built-in
-                                             # name such as tiny-llama); None: the teacher's
-    student_model_config: dict = None  # overrides of the student's config, e.g. '{"num_hidden_layers": 15}' (n_layer,
-                                       # num_layers, n_embd... mapped per family)
-    reinitialize_weights: str = None  # xavier: re-initialise every linear and embedding (Xavier-uniform, zero biases)
-                                      # before the copies
-    copy_teacher_modules: list[str] = None  # teacher modules copied into the student, each optionally :freeze: layers,
-                                            # embeddings, lm_head or a module path (None: lm_head for a built student,
-                                            # nothing for an existing one)
-    student_layer_selection: str = 'uniform'  # which teacher layers 'layers' copies: uniform (first and last included),
-                                              # first, last, or teacher indices '0,14,29'
-    student_model_as_bitnet: bool = False  # make the student BitNet b1.58: every linear of its blocks becomes a
-                                           # BitLinear (ternary weights, 8-bit activations)
-    bitnet_keep_weights: bool = True  # BitNet: start the latent weights from the student's own (copied) weights instead
-                                      # of Xavier re-initialisation
-    student_model_use_liger: bool = False  # Liger (Triton) kernels: not available (GPU-only); memlab's chunked and
-                                           # fused losses save the same logits memory
-
-    def __post_init__(self):
-        check(not (self.student_model_name_or_path and self.student_config_name_or_path),
-              "give --student_model_name_or_path (an existing student) or --student_config_name_or_path "
-              "(a config to build one), not both")
-        check(not (self.student_model_name_or_path and self.student_model_config),
-              "--student_model_config overrides a config the student is built from; "
-              "an existing --student_model_name_or_path has its own")
-        check(self.student_model_config is None or isinstance(self.student_model_config, dict),
-              f"--student_model_config must be a dict such as '{{\"num_hidden_layers\": 6}}', "
-              f"got {self.student_model_config!r}")
-        check_model_sizes(self.student_model_config or {}, '--student_model_config')   # a 0-layer student, say
-        if self.reinitialize_weights is not None and str(self.reinitialize_weights).lower() in ('none', 'false', ''):
-            self.reinitialize_weights = None
-        check(self.reinitialize_weights in (None, 'xavier'),
-              f"--reinitialize_weights supports xavier, got {self.reinitialize_weights!r}")
-        check(not self.student_model_use_liger, "--student_model_use_liger: Liger's Triton kernels need a GPU "
-              "and are not used here; memlab's chunked loss (--chunk_size) "
-              "and --fused True keep the full logits out of memory instead")
-        if self.copy_teacher_modules is None:
-            self.copy_teacher_modules = [] if self.student_model_name_or_path else ['lm_head']
-        self.copy_teacher_modules = [f"{n}:freeze" if f else n
-                                     for n, f in parse_copy_modules(self.copy_teacher_modules)]
-        sel = self.student_layer_selection
-        check(sel in ('uniform', 'first', 'last') or all(x.strip().lstrip('-').isdigit() for x in str(sel).split(',')),
-              "--student_layer_selection must be uniform, first, last or teacher layer indices like "
-              f"'0,14,29', got {sel!r}")
+# the parts that moved into memlab.distill stay importable from here (star-import included)
+_all_ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments',
+         'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores', 'DistillationTrainingArguments',
+         'pack_rows', 'DistillData', 'build_data', 'distill_card', 'plot_distill']
 
 # %% ../nbs/42_train_distill.ipynb
-@dataclass
-class TeacherModelArguments(Config):
-    ("The teacher: a causal LM run online in fp32, bf16, 8-bit or 4-bit, "
-     "or its top-k outputs written once and read back.")
-    teacher_model_name_or_path: str = arg(dataclasses.MISSING)  # the teacher: built-in name (smollm2-135m), folder,
-                                                                # GGUF file or hub id
-    teacher_load_in_8bit: bool = False  # load the teacher's linear layers in 8 bits (bitsandbytes; CPU too)
-    teacher_load_in_4bit: bool = False  # load the teacher's linear layers in 4-bit nf4 (bitsandbytes; CPU too)
-    teacher_dtype: str = 'float32'  # dtype of the teacher's weights: float32 or bfloat16 (it only runs forward)
-    teacher_topk_dir: str = None  # offline teacher: folder of top-k shards, written by the first run (one teacher pass)
-                                  # and reused by later ones
-    teacher_topk_k: int = 64  # tokens kept per position in the top-k shards
-    teacher_topk_dtype: str = 'float16'  # dtype of the stored log-probabilities: float16, bfloat16 or float32 (float32
-                                         # for exact k = vocabulary)
-    teacher_topk_only: bool = False  # write the top-k shards and stop (no student, no training)
-
-    def __post_init__(self):
-        check(self.teacher_model_name_or_path, "--teacher_model_name_or_path is required")
-        check(not (self.teacher_load_in_8bit and self.teacher_load_in_4bit),
-              "give --teacher_load_in_8bit or --teacher_load_in_4bit, not both")
-        check(self.teacher_dtype in ('float32', 'fp32', 'bfloat16', 'bf16'),
-              f"--teacher_dtype must be float32 or bfloat16, got {self.teacher_dtype!r}")
-        check(self.teacher_topk_k >= 1, f"--teacher_topk_k must be positive, got {self.teacher_topk_k}")
-        check(self.teacher_topk_dtype in ('float16', 'bfloat16', 'float32'),
-              f"--teacher_topk_dtype must be float16, bfloat16 or float32, got {self.teacher_topk_dtype!r}")
-        check(not self.teacher_topk_only or self.teacher_topk_dir,
-              "--teacher_topk_only needs --teacher_topk_dir (where to write the shards)")
-
-    @property
-    def quantization(self): return 'nf4' if self.teacher_load_in_4bit else '8bit' if self.teacher_load_in_8bit else None
-
-# %% ../nbs/42_train_distill.ipynb
-@dataclass
-class DatasetArguments(Config):
-    "The training text: a corpus, its split and column, packed into rows of fixed length."
-    dataset_uri: str = 'pydocs'  # training corpus: pydocs (embedded), a local .txt/.jsonl/.parquet file or folder (one
-                                 # .txt: ~20K-char pieces at blank lines), or a hub name
-    dataset_subset: str = None  # the hub dataset's configuration (Distily's default 20231101.en of wikimedia/wikipedia)
-    dataset_split: str = 'train'  # the split trained on
-    dataset_column_name: str = 'text'  # the field holding the text
-    dataset_sample_size: int = None  # rows of dataset_max_seq_length tokens taken from the start of the split (None:
-                                     # all)
-    dataset_max_seq_length: int = 1024  # tokens per row
-    dataset_test_size: float = 0.002  # fraction of the rows held out of training to measure the objective's loss (at
-                                      # least 1 row when > 0)
-    dataset_shuffle_seed: int = 42  # seed of the training order and of the choice of held-out rows
-
-    def __post_init__(self):
-        check(self.dataset_max_seq_length >= 2,
-              f"--dataset_max_seq_length must be at least 2, got {self.dataset_max_seq_length}")
-        check(self.dataset_sample_size is None or self.dataset_sample_size >= 2,
-              f"--dataset_sample_size must be at least 2 rows, got {self.dataset_sample_size}")
-        check(0 <= self.dataset_test_size < 1, f"--dataset_test_size must be in [0, 1), got {self.dataset_test_size}")
-
-# %% ../nbs/42_train_distill.ipynb
-DEFAULT_EVALUATORS = [{'name': 'pydocs_ppl', 'dataset': 'pydocs', 'split': 'validation', 'sample_size': 32}]
-_EVAL_KEYS = ('name', 'dataset', 'subset', 'split', 'column', 'sample_size')
-
-@dataclass
-class EvalArguments(Config):
-    "Held-out perplexity of teacher and student, and training statistics."
-    ppl_evaluators: object = arg(lambda: [dict(e) for e in DEFAULT_EVALUATORS])  # held-out sets: a JSON list of {name,
-                                                                                 # dataset, subset, split, column,
-                                                                                 # sample_size (rows)}
-    ppl_extra_evaluators: object = arg(lambda: [])  # more held-out sets in the same form, e.g. '[{"name":
-                                                    # "licences_ppl", "dataset": "/usr/share/common-licenses", "split":
-                                                    # "validation"}]'
-    harness_benchmarks: object = arg(lambda: [])  # lm-evaluation-harness task names, a JSON list: the teacher before
-                                                  # and the student after training (needs the lm-eval package)
-    harness_benchmark_limit: int = 5000  # examples per harness task
-    harness_benchmark_bootstrap_iters: int = 0  # bootstrap iterations of the harness's error bars (0: none)
-    harness_include_path: str = None  # memlab: a folder of local lm-eval task YAMLs (memlab.evaluation.lm_eval_task),
-                                      # which run offline; registry tasks download their data
-    extra_grad_stats: bool = False  # log the mean and variance of the gradient norm over each logging window
-
-    def __post_init__(self):
-        for f in ('ppl_evaluators', 'ppl_extra_evaluators', 'harness_benchmarks'):
-            v = getattr(self, f)
-            if v is None: setattr(self, f, [])
-            check(isinstance(getattr(self, f), list), f"--{f} must be a JSON list, got {v!r}")
-        check(all(isinstance(t, str) and t for t in self.harness_benchmarks),
-              f"--harness_benchmarks must be a JSON list of lm-eval task names, got {self.harness_benchmarks!r}")
-        check(self.harness_benchmark_limit >= 1, f"--harness_benchmark_limit must be >= 1, "
-              f"got {self.harness_benchmark_limit}")
-        check(self.harness_benchmark_bootstrap_iters >= 0, f"--harness_benchmark_bootstrap_iters must be >= 0, "
-              f"got {self.harness_benchmark_bootstrap_iters}")
-        check(self.harness_include_path is None or Path(self.harness_include_path).is_dir(),
-              f"--harness_include_path {self.harness_include_path} is not a folder")
-        if self.harness_benchmarks: require_lm_eval()
-        names = []
-        for e in self.evaluators:
-            check(isinstance(e, dict) and e.get('name') and e.get('dataset'),
-                  f"a perplexity evaluator needs at least a name and a dataset, got {e!r}")
-            bad = sorted(set(e) - set(_EVAL_KEYS))
-            check(not bad, f"perplexity evaluator {e['name']!r} has unknown key(s) {', '.join(bad)}; "
-                           f"use {', '.join(_EVAL_KEYS)}")
-            check(e.get('sample_size') is None or int(e['sample_size']) >= 1,
-                  f"perplexity evaluator {e['name']!r}: sample_size must be positive")
-            names.append(e['name'])
-        check(len(set(names)) == len(names), f"perplexity evaluators need distinct names, got {names}")
-
-    @property
-    def evaluators(self) -> list: return list(self.ppl_evaluators) + list(self.ppl_extra_evaluators)
-
-def harness_scores(model, tokenizer, eval_args:EvalArguments, batch_size:int) -> dict:
-    "lm-evaluation-harness scores of `model` on `eval_args`' tasks (empty without tasks): {task: {metric: value}}."
-    if not eval_args.harness_benchmarks: return {}
-    return lm_eval_scores(model, tokenizer, eval_args.harness_benchmarks, eval_args.harness_include_path, batch_size,
-                          eval_args.harness_benchmark_limit, bootstrap_iters=eval_args.harness_benchmark_bootstrap_iters)
-
-# %% ../nbs/42_train_distill.ipynb
-SCHEDULER_TYPES = ('linear', 'cosine', 'cosine_with_min_lr', 'constant', 'constant_with_warmup', 'polynomial')
-ADAMW_NAMES = ('adamw_torch', 'adamw_torch_fused', 'adamw_hf', 'adamw')
-
-@dataclass
-class DistillationTrainingArguments(Config):
-    ("Hugging Face TrainingArguments' names for the loop: batches, schedule, precision, logging, "
-     "evaluation, checkpoints.")
-    output_dir: str = None  # run folder: the student, its model card, results, plot, logs and checkpoints (None:
-                            # runs/distill-<time>)
-    max_steps: int = -1  # optimizer updates; > 0 overrides num_train_epochs
-    num_train_epochs: float = 1.0  # passes over the training rows (when max_steps <= 0)
-    per_device_train_batch_size: int = 16  # rows per process per micro-batch
-    per_device_eval_batch_size: int = 8  # rows per process per evaluation batch
-    gradient_accumulation_steps: int = 1  # micro-batches per update
-    learning_rate: float = 1e-4  # peak learning rate (AdamW)
-    weight_decay: float = 0.0  # AdamW weight decay (not on biases and norms)
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.999  # AdamW beta2
-    adam_epsilon: float = 1e-8  # AdamW epsilon
-    max_grad_norm: float = 1.0  # clip the gradient norm (0: off)
-    optim: str = 'adamw_torch' # optimizer: adamw_torch (AdamW; adamw_torch_fused, adamw_hf and adamw are the same here)
-    lr_scheduler_type: str = 'polynomial'  # linear | cosine | cosine_with_min_lr | constant | constant_with_warmup |
-                                           # polynomial
-    lr_scheduler_kwargs: dict = arg(lambda: {'lr_end': 2e-5, 'power': 0.7})  # polynomial: lr_end and power;
-                                                                             # cosine_with_min_lr: min_lr or min_lr_rate
-    warmup_ratio: float = 0.1  # linear warm-up over this fraction of the updates
-    warmup_steps: int = 0  # linear warm-up over this many updates (overrides warmup_ratio when > 0)
-    bf16: bool = None  # bf16 autocast (fp32 master weights); None: memlab's rule: accelerate launch's choice, else on
-                       # where bf16 is native
-    fp16: bool = False  # fp16 autocast with loss scaling (GPU only)
-    gradient_checkpointing: bool = True  # recompute the student's activations in backward (non-reentrant)
-    logging_steps: int = 25  # log the training loss and its components every N updates
-    eval_strategy: str = 'steps'  # steps: evaluate every eval_steps (and at the end) | no: only at the end
-    eval_steps: int = 5000  # updates between evaluations
-    eval_on_start: bool = True  # evaluate the student before training too
-    eval_teacher_metrics: bool = True  # measure the teacher's perplexity on the evaluators (the card's teacher column)
-    save_strategy: str = 'steps'  # steps: checkpoint every save_steps (and at the end) | no: only the final model
-    save_steps: int = 5000  # updates between checkpoints
-    save_total_limit: int = None  # checkpoints kept (None: 2)
-    resume_from_checkpoint: str = None  # continue a run exactly: a checkpoints/step-* folder, or 'latest' in output_dir
-    seed: int = 42  # seed of the student's initialisation and everything random in training
-    report_to: str = 'tensorboard'  # tensorboard | wandb | none (log.jsonl is always written)
-    push_to_hub: bool = False  # not done here: the output folder is ready to upload (huggingface-cli upload)
-    hub_model_id: str = None  # the student's name in its model card (None: <teacher>-distilled)
-    disable_tqdm: bool = False  # hide the progress bars
-
-    def __post_init__(self):
-        check(self.per_device_train_batch_size >= 1 and self.per_device_eval_batch_size >= 1,
-              "batch sizes must be positive")
-        check(self.gradient_accumulation_steps >= 1,
-              f"--gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}")
-        check(self.max_steps > 0 or self.num_train_epochs > 0, "give --max_steps > 0 or --num_train_epochs > 0")
-        check(self.optim in ADAMW_NAMES, f"--optim {self.optim}: memlab_distill trains with AdamW "
-              f"({', '.join(ADAMW_NAMES)}); Distily's paged_lion_32bit needs a GPU")
-        check(self.lr_scheduler_type in SCHEDULER_TYPES,
-              f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, got {self.lr_scheduler_type!r}")
-        kw = self.lr_scheduler_kwargs or {}
-        check(isinstance(kw, dict), f"--lr_scheduler_kwargs must be a dict, got {kw!r}")
-        if self.bf16 is None:                                          # the one precision rule (resolve_precision)
-            p = 'no' if self.fp16 else resolve_precision('auto')
-            self.bf16, self.fp16 = p == 'bf16', self.fp16 or p == 'fp16'
-        check(not (self.bf16 and self.fp16), "give --bf16 or --fp16, not both")
-        check(not self.fp16 or torch.cuda.is_available(),
-              "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
-        check(0 <= self.warmup_ratio < 1 and self.warmup_steps >= 0,
-              "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")
-        check(self.eval_strategy in ('steps', 'no'), f"--eval_strategy must be steps or no, got {self.eval_strategy!r}")
-        check(self.save_strategy in ('steps', 'no'), f"--save_strategy must be steps or no, got {self.save_strategy!r}")
-        if self.report_to == 'all': self.report_to = 'tensorboard'
-        check(self.report_to in ('tensorboard', 'wandb', 'none'),
-              f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
-        check(not self.push_to_hub, "--push_to_hub: memlab_distill does not upload; "
-              "the output folder is a complete model folder (upload it with huggingface-cli upload)")
-        check(self.save_total_limit is None or self.save_total_limit >= 1, "--save_total_limit must be positive")
-
-    @property
-    def mixed_precision(self) -> str: return 'bf16' if self.bf16 else 'fp16' if self.fp16 else 'no'
-
-    def schedule(self, steps:int) -> dict:
-        "TrainConfig's schedule fields for `steps` updates, following Hugging Face's definitions."
-        kw, t = dict(self.lr_scheduler_kwargs or {}), self.lr_scheduler_type
-        warmup = self.warmup_steps or math.ceil(self.warmup_ratio * steps)
-        if t == 'constant': return dict(scheduler='constant', warmup_steps=0)
-        if t == 'constant_with_warmup': return dict(scheduler='constant', warmup_steps=warmup)
-        if t == 'linear': return dict(scheduler='linear', warmup_steps=warmup)
-        if t == 'cosine': return dict(scheduler='cosine', warmup_steps=warmup)
-        if t == 'cosine_with_min_lr':
-            check('min_lr' in kw or 'min_lr_rate' in kw,
-                  "--lr_scheduler_type cosine_with_min_lr needs min_lr or min_lr_rate in --lr_scheduler_kwargs")
-            ratio = kw['min_lr_rate'] if 'min_lr_rate' in kw else kw['min_lr'] / self.learning_rate
-            return dict(scheduler='cosine', warmup_steps=warmup, min_lr_ratio=float(ratio))
-        lr_end, power = float(kw.get('lr_end', 1e-7)), float(kw.get('power', 1.0))  # Hugging Face's polynomial defaults
-        check(lr_end < self.learning_rate,
-              f"lr_end ({lr_end}) must be smaller than --learning_rate ({self.learning_rate})")
-        return dict(scheduler='polynomial', warmup_steps=warmup, lr_end=lr_end, power=power)
-
-# %% ../nbs/42_train_distill.ipynb
-def _doc_text(d) -> str: return d.text if hasattr(d, 'text') else str(d)
-def _text_key(text:str) -> str: return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
-
-def pack_rows(docs, tokenizer, sequence_length:int, max_rows:int=None, progress:bool=False,
-              desc:str='tokenize') -> tuple:
-    ("Documents packed into rows of `sequence_length` (EOS after each): ({'input_ids', 'attention_mask'} arrays, keys "
-     "of the documents read).")
-    from tqdm.auto import tqdm
-    packer, rows, n, keys, starts, total, chunk = Packer(sequence_length, pad_id(tokenizer)), [], 0, [], [], 0, 16
-    docs = docs if isinstance(docs, list) else list(docs)
-    bar = tqdm(total=max_rows or len(docs), desc=desc, unit='row' if max_rows else 'doc', disable=not progress,
-               leave=False, dynamic_ncols=True)
-    for i in range(0, len(docs), chunk):
-        texts = [_doc_text(d) for d in docs[i:i + chunk]]
-        keys += [_text_key(t) for t in texts]
-        enc = encode_documents(tokenizer, texts)
-        for e in enc: starts.append(total); total += len(e)
-        r = packer.add(enc); rows.append(r); n += len(r)
-        bar.update(min(len(r), (max_rows or 0) - bar.n) if max_rows else len(texts))
-        if max_rows and n >= max_rows: break
-    bar.close()
-    ids = np.concatenate(rows) if rows else np.zeros((0, sequence_length), np.int32)
-    mask = np.ones(ids.shape, dtype=np.int8)
-    if max_rows and len(ids) >= max_rows:
-        ids, mask = ids[:max_rows], mask[:max_rows]
-        # only the documents whose tokens are in the rows
-        keys = [k for k, s0 in zip(keys, starts) if s0 < max_rows * sequence_length]
-    elif (last := packer.finish()) is not None:
-        ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
-    return {'input_ids': ids.astype(np.int64), 'attention_mask': mask.astype(np.int64)}, keys
-
-def _rows_dict(rows:dict, idx) -> dict: return {k: v[idx] for k, v in rows.items()}
-
-# %% ../nbs/42_train_distill.ipynb
-@dataclass
-class DistillData:
-    "The rows of a run: training, held-out (objective), evaluators, and the dataset's identity for top-k shards."
-    train: dict                 # {'input_ids', 'attention_mask'} (N, T)
-    test: dict                  # held-out rows of the same sample (may be empty)
-    evaluators: dict            # name -> rows
-    fingerprint: dict           # dataset_fingerprint of train + test rows
-    label: str                  # what the data is, for the card
-
-def _load(uri, subset, column, cache):
-    key = (str(uri), subset, column)
-    if key not in cache: cache[key] = load_corpus(uri, text_field=column, config=subset)
-    return cache[key]
-
-def build_data(data:DatasetArguments, evals:EvalArguments, tokenizer, progress:bool=False) -> DistillData:
-    ("Pack the training sample and the evaluators' rows; hold out test rows; "
-     "refuse an evaluator that shares a document with training.")
-    cache, L = {}, data.dataset_max_seq_length
-    corpus = _load(data.dataset_uri, data.dataset_subset, data.dataset_column_name, cache)
-    docs = corpus.split(data.dataset_split)
-    check(len(docs) > 0, f"split {data.dataset_split!r} of {corpus.name} has no documents")
-    rows, keys = pack_rows(docs, tokenizer, L, data.dataset_sample_size, progress, desc=f"tokenize {data.dataset_uri}")
-    n = len(rows['input_ids'])
-    check(n >= 2, f"{corpus.name} ({data.dataset_split}) holds {n} row(s) of {L} tokens: too little to train on")
-    order = np.random.default_rng(data.dataset_shuffle_seed).permutation(n)
-    n_test = 0 if data.dataset_test_size == 0 else min(n - 1, max(1, round(data.dataset_test_size * n)))
-    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
-    train_docs = set(keys)
-    ev = {}
-    for e in evals.evaluators:
-        c = _load(e['dataset'], e.get('subset'), e.get('column', 'text'), cache)
-        split = e.get('split', 'validation')
-        edocs = c.split(split)
-        check(len(edocs) > 0, f"perplexity evaluator {e['name']!r}: split {split!r} of {c.name} has no documents")
-        erows, ekeys = pack_rows(edocs, tokenizer, L, e.get('sample_size'), progress, desc=f"tokenize {e['name']}")
-        shared = len(set(ekeys) & train_docs)
-        check(not shared,
-              f"perplexity evaluator {e['name']!r} shares {shared} document(s) with the training rows ({c.name}, split "
-              f"{split!r}): evaluate on held-out text, e.g. the validation split")
-        ev[e['name']] = erows
-    fp = dataset_fingerprint([{'input_ids': torch.from_numpy(rows['input_ids'])}], name=corpus.name,
-                             split=data.dataset_split, sequence_length=L)
-    fp['sample_size'] = n
-    label = corpus.name if data.dataset_split == 'train' else f"{corpus.name} ({data.dataset_split})"
-    return DistillData(_rows_dict(rows, train), _rows_dict(rows, test), ev, fp, label)
-
-# %% ../nbs/42_train_distill.ipynb
-def _student_base_config(name):
-    "A config to build the student from: a built-in name, a folder or a config.json."
-    from transformers import AutoConfig
-    kind, value = resolve_model(name)
-    if kind == 'config': return value
-    try: return AutoConfig.from_pretrained(str(Path(value).parent if str(value).endswith('.json') else value))
-    except (OSError, ValueError) as e:
-        raise MemlabError(f"cannot read a student config from {name}: {str(e).splitlines()[0]}") from None
-
-def _is_quantized(model) -> bool:
-    return any(type(m).__name__ in ('Linear4bit', 'Linear8bitLt') for m in model.modules())
-
-def _copy_modules(student, teacher, copies, layer_selection) -> list:
-    ("Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); "
-     "return a description of each copy.")
-    done = []
-    gt = weight_groups(teacher)
-    for name, freeze in copies:
-        if name == 'layers':
-            check(not _is_quantized(teacher),
-                  "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "
-                  "in float32 or bfloat16 to build the student, or drop 'layers' from --copy_teacher_modules")
-            sel = (layer_selection if layer_selection in ('uniform', 'first', 'last')
-                   else [int(x) for x in str(layer_selection).split(',')])
-            plan = copy_plan(sel, len(decoder_layers(student)), len(decoder_layers(teacher)))
-            for j, i in enumerate(plan):
-                src, dst = decoder_layers(teacher)[i], decoder_layers(student)[j]
-                bad = [k for k, v in dst.state_dict().items()
-                       if k not in src.state_dict() or src.state_dict()[k].shape != v.shape]
-                check(not bad, f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
-                      f"({bad[0] if bad else ''}); a student of another width cannot take the teacher's layers")
-                dst.load_state_dict(src.state_dict())
-                if freeze: dst.requires_grad_(False)
-            keys, params = gt['trunk'], dict(student.named_parameters())
-            _copy_state(student, teacher, keys, 'final norm')
-            if freeze: [params[k].requires_grad_(False) for k in keys if k in params]
-            done.append(f"layers {plan} ({layer_selection})" + (' frozen' if freeze else ''))
-            continue
-        if name in ('embeddings', 'embed_tokens', 'lm_head'):
-            group = 'lm_head' if name == 'lm_head' else 'embeddings'
-            _copy_state(student, teacher, gt[group], name)
-            if freeze:   # by module: a tied head and embedding are one parameter, listed once by named_parameters()
-                mods = ([student.get_output_embeddings()] if group == 'lm_head'
-                        else [m for m in student.modules() if isinstance(m, nn.Embedding)])
-                for m in mods: m.requires_grad_(False)
-            done.append(name + (' (frozen)' if freeze else ''))
-            continue
-        try: src, dst = teacher.get_submodule(name), student.get_submodule(name)
-        except AttributeError:
-            raise MemlabError(f"copy_teacher_modules: {name!r} is not a module of both the teacher and the student "
-                              "(use layers, embeddings, lm_head or a module path such as model.norm)") from None
-        ss, ds = src.state_dict(), dst.state_dict()
-        bad = sorted(set(ss) ^ set(ds)) or [k for k in ds if ss[k].shape != ds[k].shape]
-        check(not bad, f"copy_teacher_modules: the teacher's and the student's {name} differ ({bad[0] if bad else ''})")
-        dst.load_state_dict(ss)
-        if freeze: dst.requires_grad_(False)
-        done.append(name + (' (frozen)' if freeze else ''))
-    return done
-
-def _copy_state(student, teacher, keys, what):
-    sd_s, sd_t = student.state_dict(), teacher.state_dict()
-    bad = [k for k in keys if k not in sd_s or sd_s[k].shape != sd_t[k].shape]
-    check(not bad, f"cannot copy the teacher's {what} into the student: shapes differ ({bad[0] if bad else ''})")
-    with torch.no_grad():
-        for k in keys: sd_s[k].copy_(sd_t[k])
-
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
-    ("(student, description) as the student group says: load or build, re-initialise, "
-     "copy teacher modules, convert to BitNet.")
-    from transformers import AutoModelForCausalLM
-    seed_everything(seed)
-    if args.student_model_name_or_path:
-        student = load_model(args.student_model_name_or_path)
-        how = [f"the existing model `{args.student_model_name_or_path}`"]
-    else:
-        base = (teacher.config if args.student_config_name_or_path is None
-                else _student_base_config(args.student_config_name_or_path))
-        cfg = student_config(base, args.student_model_config)
-        for attr in ('quantization_config', '_pre_quantization_dtype'):
-            if hasattr(cfg, attr): delattr(cfg, attr)
-        cfg.vocab_size = teacher.config.vocab_size  # the student reads the teacher's tokens (Distily forces this too)
-        check_model_sizes(cfg, f"the student config ({args.student_config_name_or_path or 'from the teacher'})")
-        student = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        what = ('the teacher\'s config' if args.student_config_name_or_path is None
-                else f"the config `{args.student_config_name_or_path}`")
-        how = [f"built from {what}"
-               + (f" with {json.dumps(args.student_model_config)}" if args.student_model_config else '')]
-    if args.reinitialize_weights: xavier_reinitialize(student); how.append('re-initialised (Xavier-uniform)')
-    copied = _copy_modules(student, teacher, parse_copy_modules(args.copy_teacher_modules),
-                           args.student_layer_selection)
-    if copied: how.append('copied from the teacher: ' + ', '.join(copied))
-    elif not args.student_model_name_or_path: how.append('random weights (nothing copied from the teacher)')
+    ("(student, description) as the student group says: `student_from_args` (load or build, re-initialise, "
+     "copy teacher modules), then convert to BitNet.")
+    student, how = student_from_args(args, teacher, seed)
     if args.student_model_as_bitnet:
         add_bitnet(student, BitNetConfig(keep_weights=args.bitnet_keep_weights))
-        how.append(f"converted to BitNet b1.58 ({len(bitnet_modules(student))} BitLinear layers, latent weights "
-                   f"{'kept' if args.bitnet_keep_weights else 're-initialised'})")
-    return student.train(), '; '.join(how)
+        how += (f"; converted to BitNet b1.58 ({len(bitnet_modules(student))} BitLinear layers, latent weights "
+                f"{'kept' if args.bitnet_keep_weights else 're-initialised'})")
+    return student.train(), how
 
 # %% ../nbs/42_train_distill.ipynb
 # what memlab's built-in names are (for the card's base_model)
 BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}
 
-def _tokenizer_of(name):
-    "The tokenizer saved with model `name`, or None when it has none."
-    try: return load_tokenizer(name)
-    except MemlabError: return None
-
-def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
-            eval_args:EvalArguments, objective:DistillationObjective, train_args:DistillationTrainingArguments) -> dict:
-    ("Distill the teacher into a student as configured; write the student, README.md, "
-     "results.json and loss.png; return the results.")
-    ta, tr = teacher_args, train_args
-    feature_terms = objective.hs_weight > 0 or objective.attn_weight > 0
+def check_run(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
+              objective:DistillationObjective):
+    "Refuse, before anything loads, groups that contradict each other and a run memlab_distill does not do."
+    ta, feature_terms = teacher_args, objective.hs_weight > 0 or objective.attn_weight > 0
     check(not (ta.teacher_topk_dir and feature_terms), "--teacher_topk_dir stores the teacher's logits only: "
           "hidden-state and attention terms (--hs_weight, --attn_weight) need an online teacher")
     check(not (ta.teacher_topk_dir and objective.on_policy_fraction > 0), "--on_policy_fraction needs an online "
@@ -530,240 +76,242 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     check(not os.environ.get('ACCELERATE_USE_FSDP', '').lower() in ('true', '1'), "memlab_distill runs "
           "data-parallel (DDP): launch with torchrun or accelerate launch --multi_gpu, not with an FSDP config")
     for m in (ta.teacher_model_name_or_path, student_args.student_config_name_or_path): check_model_config(m)
-    out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
-    acc = make_accelerator(tr.mixed_precision)
-    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest',   # before anything loads
-                         accelerator=acc)
-    progress = not tr.disable_tqdm and acc.is_main_process
-    say = acc.print
-    # tokenizers: the teacher's is the run's; a student that brings its own must have the same vocabulary
-    tok = load_tokenizer(ta.teacher_model_name_or_path)
-    if student_args.student_model_name_or_path:
-        stok = _tokenizer_of(student_args.student_model_name_or_path)
-        if stok is not None:
-            a, b = tokenizer_fingerprint(tok), tokenizer_fingerprint(stok)
-            check(a['vocab_hash'] == b['vocab_hash'], "teacher and student tokenizers differ "
-                  f"({a['vocab_size']} tokens, vocab hash {a['vocab_hash']} vs {b['vocab_size']} tokens, vocab hash "
-                  f"{b['vocab_hash']}): distillation needs the student to read "
-                  "the teacher's tokens; build the student from the teacher (--student_model_config) instead")
-    data = build_data(data_args, eval_args, tok, progress=progress)
-    # the teacher (frozen, eval mode); eager attention when attention maps are distilled
+
+def _tokenizer_of(name):
+    "The tokenizer saved with model `name`, or None when it has none."
+    try: return load_tokenizer(name)
+    except MemlabError: return None
+
+def check_tokenizers(tok, student_args:StudentModelArguments):
+    "The teacher's tokenizer is the run's; a student that brings its own must have the same vocabulary."
+    stok = _tokenizer_of(student_args.student_model_name_or_path) if student_args.student_model_name_or_path else None
+    if stok is None: return
+    a, b = tokenizer_fingerprint(tok), tokenizer_fingerprint(stok)
+    check(a['vocab_hash'] == b['vocab_hash'], "teacher and student tokenizers differ "
+          f"({a['vocab_size']} tokens, vocab hash {a['vocab_hash']} vs {b['vocab_size']} tokens, vocab hash "
+          f"{b['vocab_hash']}): distillation needs the student to read "
+          "the teacher's tokens; build the student from the teacher (--student_model_config) instead")
+
+# %% ../nbs/42_train_distill.ipynb
+def load_teacher(teacher_args:TeacherModelArguments, objective:DistillationObjective, tok, acc) -> tuple:
+    "(teacher, its name for the card): frozen, in eval mode, with eager attention when attention maps are distilled."
+    ta = teacher_args
     attn = 'eager' if objective.attn_weight > 0 else None
     teacher = load_model(ta.teacher_model_name_or_path, dtype=ta.teacher_dtype, quantization=ta.quantization,
                          attn_implementation=attn, device=None if ta.quantization else acc.device)
     teacher.eval().requires_grad_(False)
     check_vocab(tok, teacher)
-    teacher_name = BUILTIN_HUB_IDS.get(str(ta.teacher_model_name_or_path).lower(), str(ta.teacher_model_name_or_path))
-    # offline teacher: shards that exist must match this tokenizer and these rows
-    topk = None
-    if ta.teacher_topk_dir and (Path(ta.teacher_topk_dir)/'index.json').exists():
-        topk = TopKTeacher(ta.teacher_topk_dir, tokenizer=tok, dataset_fingerprint=data.fingerprint)
-        check(topk.k == ta.teacher_topk_k, f"the top-k shards in {ta.teacher_topk_dir} hold k = {topk.k}, "
-              f"not --teacher_topk_k {ta.teacher_topk_k}: pass --teacher_topk_k {topk.k} to reuse them, "
-              "or another --teacher_topk_dir")
-    if not ta.teacher_topk_only:
-        student, how = build_distill_student(student_args, teacher, seed=tr.seed)
-        if attn: student.set_attn_implementation('eager')
-        student.to(acc.device)
-        # checks vocabularies, mappers, projectors
-        loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)
-    # generate the shards (once, in one process: a long teacher
-    # pass would outlast the other processes' wait at a barrier)
-    if ta.teacher_topk_dir and topk is None:
-        check(acc.num_processes == 1,
-              f"{ta.teacher_topk_dir} holds no top-k shards yet: write them first in one process (the same "
-              "command with --teacher_topk_only True, without the launcher), then launch the training on several")
-        if acc.is_main_process:
-            rows = {k: np.concatenate([data.train[k], data.test[k]]) for k in data.train}
-            B = tr.per_device_eval_batch_size
-            batches = [{k: torch.from_numpy(v[i:i + B]) for k, v in rows.items()}
-                       for i in range(0, len(rows['input_ids']), B)]
-            say(f"memlab_distill: writing the teacher's top-{ta.teacher_topk_k} log-probabilities of "
-                f"{len(rows['input_ids'])} rows to {ta.teacher_topk_dir}")
-            generate_teacher_topk(teacher, batches, ta.teacher_topk_dir, k=ta.teacher_topk_k, tokenizer=tok,
-                                  dataset=data.fingerprint, teacher_name=teacher_name, dtype=ta.teacher_topk_dtype,
-                                  progress=progress)
-        acc.wait_for_everyone()
-        topk = TopKTeacher(ta.teacher_topk_dir, tokenizer=tok, dataset_fingerprint=data.fingerprint)
-        if not ta.teacher_topk_only: loss_fn = DistillLoss(topk, objective, student)
-    if ta.teacher_topk_only:
-        say(f"memlab_distill: {len(topk):,} rows of top-{topk.k} teacher outputs in {ta.teacher_topk_dir}")
-        return {'teacher_topk_dir': str(ta.teacher_topk_dir), 'rows': len(topk), 'k': topk.k}
-    # teacher metrics (before training: the teacher does not change)
-    teacher_metrics = {}
+    return teacher, BUILTIN_HUB_IDS.get(str(ta.teacher_model_name_or_path).lower(), str(ta.teacher_model_name_or_path))
+
+def existing_topk(teacher_args:TeacherModelArguments, tok, data:DistillData):
+    "The top-k shards already in --teacher_topk_dir, checked against this tokenizer, these rows and k; else None."
+    ta = teacher_args
+    if not (ta.teacher_topk_dir and (Path(ta.teacher_topk_dir)/'index.json').exists()): return None
+    topk = TopKTeacher(ta.teacher_topk_dir, tokenizer=tok, dataset_fingerprint=data.fingerprint)
+    check(topk.k == ta.teacher_topk_k, f"the top-k shards in {ta.teacher_topk_dir} hold k = {topk.k}, "
+          f"not --teacher_topk_k {ta.teacher_topk_k}: pass --teacher_topk_k {topk.k} to reuse them, "
+          "or another --teacher_topk_dir")
+    return topk
+
+def write_topk(teacher_args:TeacherModelArguments, teacher, teacher_name:str, tok, data:DistillData, batch_size:int,
+               acc, progress:bool) -> TopKTeacher:
+    ("Write the teacher's top-k shards of the training and held-out rows, in one process (a long teacher pass "
+     "would outlast the other processes' wait at a barrier), and read them back.")
+    ta = teacher_args
+    check(acc.num_processes == 1,
+          f"{ta.teacher_topk_dir} holds no top-k shards yet: write them first in one process (the same "
+          "command with --teacher_topk_only True, without the launcher), then launch the training on several")
+    if acc.is_main_process:
+        batches = row_batches(data, batch_size)
+        acc.print(f"memlab_distill: writing the teacher's top-{ta.teacher_topk_k} log-probabilities of "
+                  f"{sum(len(b['input_ids']) for b in batches)} rows to {ta.teacher_topk_dir}")
+        generate_teacher_topk(teacher, batches, ta.teacher_topk_dir, k=ta.teacher_topk_k, tokenizer=tok,
+                              dataset=data.fingerprint, teacher_name=teacher_name, dtype=ta.teacher_topk_dtype,
+                              progress=progress)
+    acc.wait_for_everyone()
+    return TopKTeacher(ta.teacher_topk_dir, tokenizer=tok, dataset_fingerprint=data.fingerprint)
+
+# %% ../nbs/42_train_distill.ipynb
+def teacher_scores(teacher, tok, data:DistillData, eval_args:EvalArguments, tr:DistillationTrainingArguments, acc,
+                   progress:bool) -> tuple:
+    ("(perplexity on each evaluator, lm-eval scores) of the teacher, measured before training (it does not change); "
+     "the scores on the main process (lm-eval runs the model in memory).")
+    metrics = {}
     if tr.eval_teacher_metrics:
         for name, rows in data.evaluators.items():
-            teacher_metrics[name] = perplexity(teacher, rows, tr.per_device_eval_batch_size, acc, progress,
-                                               desc=f"teacher {name}")
-    # the teacher's benchmark scores, on the main process (lm-eval runs the model in memory)
-    teacher_harness = (harness_scores(teacher, tok, eval_args, tr.per_device_eval_batch_size)
-                       if acc.is_main_process else {})
-    n_teacher, arch_teacher = count_parameters(teacher), teacher
-    if topk is not None:   # an offline teacher needs no weights in memory: a weightless skeleton is enough for the card
-        from transformers import AutoModelForCausalLM
-        cfg = teacher.config
-        for attr in ('quantization_config', '_pre_quantization_dtype'):
-            if hasattr(cfg, attr): delattr(cfg, attr)
-        with torch.device('meta'): arch_teacher = AutoModelForCausalLM.from_config(cfg)
-        del teacher
-    # the loop
-    world = acc.num_processes
-    kw = dict(rank=acc.process_index, world_size=world)
-    train_data = TokenBatches(data.train, tr.per_device_train_batch_size, shuffle=True,
-                              seed=data_args.dataset_shuffle_seed, **kw)
-    eval_data = (TokenBatches(data.test, tr.per_device_eval_batch_size, loop=False, **kw)
-                 if len(data.test['input_ids']) else None)
-    if objective.on_policy_fraction > 0:   # GKD: this fraction of the micro-batches are the student's own continuations
-        train_data = OnPolicyBatches(train_data, student, objective.on_policy_fraction,
-                                     objective.on_policy_prompt_length, objective.on_policy_new_tokens,
-                                     objective.on_policy_temperature, seed=tr.seed)
-    rows_per_update = tr.per_device_train_batch_size * world * tr.gradient_accumulation_steps
-    steps = (tr.max_steps if tr.max_steps > 0
-             else max(1, math.ceil(tr.num_train_epochs * len(data.train['input_ids']) / rows_per_update)))
-    every = tr.eval_steps if tr.eval_strategy == 'steps' else 0
-    tc = TrainConfig(output_dir=str(out), max_steps=steps, per_device_batch_size=tr.per_device_train_batch_size,
-                     gradient_accumulation_steps=tr.gradient_accumulation_steps, lr=tr.learning_rate,
-                     weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
-                     adam_eps=tr.adam_epsilon, max_grad_norm=tr.max_grad_norm,
-                     **tr.schedule(steps), eval_every=every, eval_at_start=tr.eval_on_start, log_every=tr.logging_steps,
-                     save_every=tr.save_steps if tr.save_strategy == 'steps' else 0,
-                     keep_checkpoints=tr.save_total_limit or 2, mixed_precision=tr.mixed_precision,
-                     gradient_checkpointing=tr.gradient_checkpointing, distributed_type='ddp', seed=tr.seed,
-                     resume_from=resume, report_to=tr.report_to, progress=not tr.disable_tqdm)
-    callbacks = [PerplexityEvaluation(data.evaluators, tr.per_device_eval_batch_size, every, tr.eval_on_start)]
-    callbacks += loss_fn.callbacks   # CAKLD's β (checkpointed with the run), the forward-KL warm-up's update count
-    if eval_args.extra_grad_stats: callbacks.append(GradientStats())
-    configs = {'student': student_args.to_dict(), 'teacher': teacher_args.to_dict(), 'dataset': data_args.to_dict(),
-               'evaluation': eval_args.to_dict(), 'objective': objective.to_dict(), 'training': tr.to_dict()}
-    n_student, n_trainable = count_parameters(student), count_parameters(student, trainable_only=True)
-    extra = (f", the first {objective.kl_warmup_steps} under forward KL" if objective.kl_warmup_steps else '') + (
-        f", {objective.on_policy_fraction:.0%} of the micro-batches sampled from the student (on-policy)"
-        if objective.on_policy_fraction else '')
-    def describe(trainer):
-        return (f"memlab_distill: teacher {teacher_name} ({n_teacher:,} parameters, "
-                f"{'top-' + str(topk.k) + ' shards' if topk else 'online'}) -> student {type(student).__name__} "
-                f"({n_student:,} parameters, {n_trainable:,} trainable; {how}); {len(data.train['input_ids'])} "
-                f"training rows of {data_args.dataset_max_seq_length} tokens, {world} process(es) x "
+            metrics[name] = perplexity(teacher, rows, tr.per_device_eval_batch_size, acc, progress,
+                                       desc=f"teacher {name}")
+    return metrics, (harness_scores(teacher, tok, eval_args, tr.per_device_eval_batch_size)
+                     if acc.is_main_process else {})
+
+def card_teacher(teacher):
+    "A weightless (meta-device) copy of the teacher's architecture: all the card needs of an offline teacher."
+    from transformers import AutoModelForCausalLM
+    cfg = teacher.config
+    for attr in ('quantization_config', '_pre_quantization_dtype'):
+        if hasattr(cfg, attr): delattr(cfg, attr)
+    with torch.device('meta'): return AutoModelForCausalLM.from_config(cfg)
+
+# %% ../nbs/42_train_distill.ipynb
+def train_batches(data:DistillData, data_args:DatasetArguments, objective:DistillationObjective,
+                  tr:DistillationTrainingArguments, student, acc) -> tuple:
+    ("(training batches, held-out batches or None): this process's share; with on-policy distillation (GKD) a "
+     "fraction of the training micro-batches are the student's own continuations.")
+    kw = dict(rank=acc.process_index, world_size=acc.num_processes)
+    train = TokenBatches(data.train, tr.per_device_train_batch_size, shuffle=True, seed=data_args.dataset_shuffle_seed,
+                         **kw)
+    held_out = (TokenBatches(data.test, tr.per_device_eval_batch_size, loop=False, **kw)
+                if len(data.test['input_ids']) else None)
+    if objective.on_policy_fraction > 0:
+        train = OnPolicyBatches(train, student, objective.on_policy_fraction, objective.on_policy_prompt_length,
+                                objective.on_policy_new_tokens, objective.on_policy_temperature, seed=tr.seed)
+    return train, held_out
+
+# %% ../nbs/42_train_distill.ipynb
+def _metrics(evaluators, history:list, teacher_metrics:dict) -> dict:
+    "{evaluator: teacher, student before and after training, tokens} from the loop's history."
+    evals, metrics = [h for h in history if any(k in h for k in evaluators)], {}
+    for name in evaluators:
+        seen = [h for h in evals if name in h]
+        metrics[name] = {'teacher': teacher_metrics.get(name, {}).get('ppl'),
+                         'student_before': seen[0][name] if seen and seen[0]['step'] == 0 else None,
+                         'student': seen[-1][name] if seen else None,
+                         'tokens': seen[-1][f"{name}_tokens"] if seen else None}
+    return metrics
+
+# %% ../nbs/42_train_distill.ipynb
+@dataclass
+class DistillHooks:
+    "What the loop calls around a distillation run: its one-line description, its results, the saved student, its card."
+    groups: dict                # the six configuration groups, by name ('student', 'teacher', ..., 'training')
+    data: DistillData
+    tok: object                 # the run's (the teacher's) tokenizer
+    student: object
+    how: str                    # how the student was made
+    teacher_name: str
+    arch_teacher: object        # the teacher, or its weightless skeleton for an offline teacher
+    n_teacher: int
+    topk: object                # the TopKTeacher, or None for an online teacher
+    teacher_metrics: dict
+    teacher_harness: dict
+    steps: int
+    rows_per_update: int
+    acc: object
+    out: Path
+
+    def __post_init__(self):
+        self.n_student = count_parameters(self.student)
+        self.n_trainable = count_parameters(self.student, trainable_only=True)
+        self.configs = {k: g.to_dict() for k, g in self.groups.items()}
+
+    def describe(self, trainer) -> str:
+        o, tr, d = self.groups['objective'], self.groups['training'], self.data
+        extra = (f", the first {o.kl_warmup_steps} under forward KL" if o.kl_warmup_steps else '') + (
+            f", {o.on_policy_fraction:.0%} of the micro-batches sampled from the student (on-policy)"
+            if o.on_policy_fraction else '')
+        return (f"memlab_distill: teacher {self.teacher_name} ({self.n_teacher:,} parameters, "
+                f"{'top-' + str(self.topk.k) + ' shards' if self.topk else 'online'}) -> student "
+                f"{type(self.student).__name__} ({self.n_student:,} parameters, {self.n_trainable:,} trainable; "
+                f"{self.how}); {len(d.train['input_ids'])} training rows of "
+                f"{self.groups['dataset'].dataset_max_seq_length} tokens, {self.acc.num_processes} process(es) x "
                 f"{tr.per_device_train_batch_size} rows x {tr.gradient_accumulation_steps} micro-batches per update, "
-                f"{steps} updates{extra}; run folder {show_path(out)}")
-    def results(trainer, history, res):
-        evals = [h for h in history if any(k in h for k in data.evaluators)]
-        student_harness = (harness_scores(trainer.unwrapped_model, tok, eval_args, tr.per_device_eval_batch_size)
-                           if trainer.is_main else {})
-        harness = {t: {'teacher': teacher_harness.get(t), 'student': student_harness.get(t)} for t in student_harness}
+                f"{self.steps} updates{extra}; run folder {show_path(self.out)}")
+
+    def results(self, trainer, history:list, res:dict) -> dict:
+        "results.json: the run's measurements and everything that made it."
+        tr = self.groups['training']
+        student_harness = (harness_scores(trainer.unwrapped_model, self.tok, self.groups['evaluation'],
+                                          tr.per_device_eval_batch_size) if trainer.is_main else {})
+        harness = {t: {'teacher': self.teacher_harness.get(t), 'student': student_harness.get(t)}
+                   for t in student_harness}
         obj_evals = [h for h in history if 'eval_loss' in h]
-        metrics = {}
-        for name in data.evaluators:
-            seen = [h for h in evals if name in h]
-            metrics[name] = {'teacher': teacher_metrics.get(name, {}).get('ppl'),
-                             'student_before': seen[0][name] if seen and seen[0]['step'] == 0 else None,
-                             'student': seen[-1][name] if seen else None,
-                             'tokens': seen[-1][f"{name}_tokens"] if seen else None}
-        return {'teacher': teacher_name, 'teacher_parameters': n_teacher,
-                'teacher_outputs': f"top-{topk.k} shards ({ta.teacher_topk_dir})" if topk else 'online',
-                'student': type(student).__name__, 'student_parameters': n_student, 'trainable_parameters': n_trainable,
-                'student_init': how, 'bitnet': student_args.student_model_as_bitnet, 'dataset': data.fingerprint,
-                'train_rows': len(data.train['input_ids']), 'test_rows': len(data.test['input_ids']),
-                'objective': objective.to_dict(), **res, 'world_size': world, 'metrics': metrics,
-                'eval_objective': obj_evals[-1] if obj_evals else None, 'harness': harness, 'configs': configs,
-                'output_dir': str(out)}
-    def save(trainer, out):   # main process: the student (BitNet packed), its distillation heads, tokenizer, loss plot
+        return {'teacher': self.teacher_name, 'teacher_parameters': self.n_teacher,
+                'teacher_outputs': (f"top-{self.topk.k} shards ({self.groups['teacher'].teacher_topk_dir})" if self.topk
+                                    else 'online'),
+                'student': type(self.student).__name__, 'student_parameters': self.n_student,
+                'trainable_parameters': self.n_trainable, 'student_init': self.how,
+                'bitnet': self.groups['student'].student_model_as_bitnet, 'dataset': self.data.fingerprint,
+                'train_rows': len(self.data.train['input_ids']), 'test_rows': len(self.data.test['input_ids']),
+                'objective': self.groups['objective'].to_dict(), **res, 'world_size': self.acc.num_processes,
+                'metrics': _metrics(self.data.evaluators, history, self.teacher_metrics),
+                'eval_objective': obj_evals[-1] if obj_evals else None, 'harness': harness, 'configs': self.configs,
+                'output_dir': str(self.out)}
+
+    def save(self, trainer, out):
+        "On the main process: the student (a BitNet one packed), its distillation heads, the tokenizer, the loss plot."
         if not trainer.is_main: return None
         model, written = trainer.unwrapped_model, {}
         heads = save_distill_heads(model, out)
         remove_distill_heads(model)
-        if student_args.student_model_as_bitnet:
-            # transformers' own BitNet format where it can hold the student (plain from_pretrained runs it), else memlab's
+        if self.groups['student'].student_model_as_bitnet:
+            # transformers' own BitNet format where it can hold the student (plain from_pretrained runs it),
+            # else memlab's
             hf = hf_bitnet_problem(model) is None
             (save_hf_bitnet if hf else save_packed)(model, out)
             written['packed'] = {**packed_report(out), 'format': 'transformers' if hf else 'memlab'}
         else: model.save_pretrained(out)
-        tok.save_pretrained(out)
-        plot_distill(trainer.history, teacher_metrics, out/'loss.png',
-                     title=f"{teacher_name.split('/')[-1]} -> {type(model).__name__}")
+        self.tok.save_pretrained(out)
+        plot_distill(trainer.history, self.teacher_metrics, out/'loss.png',
+                     title=f"{self.teacher_name.split('/')[-1]} -> {type(model).__name__}")
         return {**written, 'distill_heads': str(heads) if heads else None}
-    def report(res):          # the model card
-        return {'README.md': distill_card(res, student, arch_teacher, objective, tr, data, rows_per_update, acc)}
-    # the fingerprint covers the whole student (its frozen weights too), checked equal on every process
-    return run(student, tc, train_data, eval_data, describe=describe, final=lambda trainer: trainer.unwrapped_model,
-               results=results, save=save, report=report, loss_fn=loss_fn, callbacks=callbacks, accelerator=acc,
-               run_config={'distill': configs, 'data': data.fingerprint})
+
+    def report(self, res:dict) -> dict:
+        "The model card."
+        return {'README.md': distill_card(res, self.student, self.arch_teacher, self.groups['objective'],
+                                          self.groups['training'], self.data, self.rows_per_update, self.acc)}
 
 # %% ../nbs/42_train_distill.ipynb
-def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingArguments, data:DistillData,
-                 rows_per_update:int, acc) -> str:
-    "The model card of a `distill` run."
-    metrics = {}
-    for name, m in res['metrics'].items():
-        metrics[f"{name} (perplexity)"] = {'teacher': m['teacher'], 'student': m['student']}
-        if m['student_before'] is not None:
-            metrics[f"{name}, student before training"] = {'teacher': None, 'student': m['student_before']}
-    for task, by in (res.get('harness') or {}).items():   # lm-evaluation-harness scores, teacher and student
-        for k, v in (by['student'] or {}).items():
-            if not k.endswith('_stderr'):
-                metrics[f"{task} {k} (lm-evaluation-harness)"] = {'teacher': (by['teacher'] or {}).get(k), 'student': v}
-    if res['eval_objective']:
-        metrics['objective on held-out training rows (per token)'] = {'teacher': None,
-                                                                      'student': res['eval_objective']['eval_loss']}
-    steps = res['steps']
-    hyper = {'updates': steps, 'learning rate': tr.learning_rate, 'schedule': tr.lr_scheduler_type,
-             **({'schedule arguments': json.dumps(tr.lr_scheduler_kwargs)}
-                if tr.lr_scheduler_type == 'polynomial' else {}),
-             'warm-up updates': tr.schedule(steps)['warmup_steps'],
-             'optimizer': f"AdamW (betas {tr.adam_beta1}, {tr.adam_beta2}; weight decay {tr.weight_decay})",
-             'gradient clipping': tr.max_grad_norm, 'rows per update': rows_per_update,
-             'sequence length': data.fingerprint['sequence_length'],
-             'precision': {'bf16': 'bf16 autocast, fp32 weights', 'fp16': 'fp16 autocast',
-                           'no': 'fp32'}[tr.mixed_precision],
-             'gradient checkpointing': tr.gradient_checkpointing, 'teacher outputs': res['teacher_outputs'],
-             'seed': tr.seed}
-    sections = {}
-    if res.get('packed'):
-        p = res['packed']
-        sections['BitNet b1.58 weights'] = ("Every linear layer of the blocks is a BitLinear (ternary weights, 8-bit "
-            "activations, an RMSNorm on its input). The folder holds them packed at 2 bits per weight: "
-            f"{p['ternary_params']:,} ternary weights in {fmt_bytes(p['packed_weights'])}, "
-            f"the whole weights file {fmt_bytes(p['file'])}. "
-            + ("It is in transformers' own BitNet format (`quant_method: bitnet`): plain "
-               "`AutoModelForCausalLM.from_pretrained(folder)` runs it with transformers' BitLinear layers, and "
-               "`memlab.load_model(folder)` loads it too." if p.get('format') == 'transformers' else
-               "It is in memlab's format (transformers' BitNet format cannot hold this student): load it with "
-               "`memlab.load_model(folder)`; plain `AutoModelForCausalLM.from_pretrained` refuses the folder "
-               "(no `model.safetensors`: a plain model would compute with full-precision weights, not ternary ones)."))
-    if res.get('distill_heads'):
-        sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm "
-                                          "trained with the student (not part of the model; "
-                                          "`memlab.distill.load_distill_heads` restores them to continue distilling).")
-    return model_card(student, res['teacher'], data.label, metrics, objective=objective, hyperparameters=hyper,
-                      training_tokens=res['train_tokens'],
-                      peak_memory=None if res['peak_memory_mib'] is None else int(res['peak_memory_mib'] * 2**20),
-                      teacher=teacher, student_name=tr.hub_model_id, tags=('bitnet', '1.58b') if res['bitnet'] else (),
-                      student_init=res['student_init'], devices=f"{res['world_size']} × {acc.device.type}",
-                      sections=sections)
-
-def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):
-    "Training loss (and its components) and evaluator perplexities of teacher and student against updates."
-    import matplotlib; matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    logs = [h for h in history if 'loss' in h]
-    for k in ('loss', 'logits', 'ce', 'hs', 'attn'):
-        pts = [(h['step'], h[k]) for h in logs if k in h]
-        if pts:
-            a.plot(*zip(*pts), label={'loss': 'objective', 'logits': 'logit term', 'ce': 'CE on labels',
-                                      'hs': 'hidden states', 'attn': 'attention'}[k])
-    ev = [(h['step'], h['eval_loss']) for h in history if 'eval_loss' in h]
-    if ev: a.plot(*zip(*ev), 'o--', label='objective, held-out rows')
-    a.set_xlabel('update'); a.set_ylabel('per token'); a.set_title('training'); a.legend(fontsize=7); a.grid(alpha=0.3)
-    for i, name in enumerate(sorted({k for h in history for k in h if f"{k}_tokens" in h})):
-        pts = [(h['step'], h[name]) for h in history if name in h]
-        line, = b.plot(*zip(*pts), 'o-', label=f"student, {name}")
-        if name in teacher_metrics:
-            b.axhline(teacher_metrics[name]['ppl'], ls='--', color=line.get_color(), label=f"teacher, {name}")
-    b.set_yscale('log'); b.set_xlabel('update'); b.set_ylabel('perplexity'); b.set_title('held-out perplexity')
-    b.legend(fontsize=7); b.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10); fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
-    return path
+def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
+            eval_args:EvalArguments, objective:DistillationObjective, train_args:DistillationTrainingArguments) -> dict:
+    ("Distill the teacher into a student as configured; write the student, README.md, "
+     "results.json and loss.png; return the results.")
+    ta, tr = teacher_args, train_args
+    # config: every contradiction found before anything loads; the run folder free, or being resumed
+    check_run(student_args, ta, data_args, objective)
+    out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
+    acc = make_accelerator(tr.mixed_precision)
+    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest', accelerator=acc)
+    progress = not tr.disable_tqdm and acc.is_main_process
+    # data: the teacher's tokenizer is the run's
+    tok = load_tokenizer(ta.teacher_model_name_or_path)
+    check_tokenizers(tok, student_args)
+    data = build_data(data_args, eval_args, tok, progress=progress)
+    # model: the teacher, shards that exist, the student and the loss (vocabularies, mappers, projectors checked)
+    teacher, teacher_name = load_teacher(ta, objective, tok, acc)
+    topk = existing_topk(ta, tok, data)
+    if not ta.teacher_topk_only:
+        student, how = build_distill_student(student_args, teacher, seed=tr.seed)
+        if objective.attn_weight > 0: student.set_attn_implementation('eager')
+        student.to(acc.device)
+        loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)
+    if ta.teacher_topk_dir and topk is None:
+        topk = write_topk(ta, teacher, teacher_name, tok, data, tr.per_device_eval_batch_size, acc, progress)
+        if not ta.teacher_topk_only: loss_fn = DistillLoss(topk, objective, student)
+    if ta.teacher_topk_only:
+        acc.print(f"memlab_distill: {len(topk):,} rows of top-{topk.k} teacher outputs in {ta.teacher_topk_dir}")
+        return {'teacher_topk_dir': str(ta.teacher_topk_dir), 'rows': len(topk), 'k': topk.k}
+    teacher_metrics, teacher_harness = teacher_scores(teacher, tok, data, eval_args, tr, acc, progress)
+    n_teacher, arch_teacher = count_parameters(teacher), teacher
+    if topk is not None:   # an offline teacher needs no weights in memory
+        arch_teacher = card_teacher(teacher)
+        del teacher
+    # train config
+    train_data, eval_data = train_batches(data, data_args, objective, tr, student, acc)
+    rows_per_update, steps = run_length(tr, len(data.train['input_ids']), acc.num_processes)
+    tc = loop_config(tr, out, steps, resume)
+    # hooks: perplexity during training, the loss's own callbacks (CAKLD's β, the warm-up's update count), the outputs
+    callbacks = [PerplexityEvaluation(data.evaluators, tr.per_device_eval_batch_size, tc.eval_every, tr.eval_on_start),
+                 *loss_fn.callbacks]
+    if eval_args.extra_grad_stats: callbacks.append(GradientStats())
+    groups = {'student': student_args, 'teacher': ta, 'dataset': data_args, 'evaluation': eval_args,
+              'objective': objective, 'training': tr}
+    hooks = DistillHooks(groups, data, tok, student, how, teacher_name, arch_teacher, n_teacher, topk, teacher_metrics,
+                         teacher_harness, steps, rows_per_update, acc, out)
+    # the fingerprint covers the whole student (its frozen weights too), checked equal on every process
+    return run(student, tc, train_data, eval_data, describe=hooks.describe,
+               final=lambda trainer: trainer.unwrapped_model, results=hooks.results, save=hooks.save,
+               report=hooks.report, loss_fn=loss_fn, callbacks=callbacks, accelerator=acc,
+               run_config={'distill': hooks.configs, 'data': data.fingerprint})
 
 # %% ../nbs/42_train_distill.ipynb
 def results_table(res:dict) -> str:

@@ -110,7 +110,7 @@ def test_bitnet_student_exports_packed_weights(teacher, tmp_path, monkeypatch):
     run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, out, '--student_model_as_bitnet', 'True', '--per_device_train_batch_size', 4)])
     r = results(out)
     from memlab.distill import perplexity
-    from memlab.train_distill import build_data, DatasetArguments, EvalArguments
+    from memlab.distill import build_data, DatasetArguments, EvalArguments
     from memlab.models import load_model, load_tokenizer
     from transformers import AutoModelForCausalLM
     from transformers.integrations.bitnet import BitLinear as HFBitLinear

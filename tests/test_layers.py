@@ -85,12 +85,9 @@ def test_no_private_name_crosses_modules():
                 bad += [f"{name} imports {a.name} from {node.module}" for a in node.names if a.name.startswith('_')]
     assert not bad, '\n'.join(bad)
 
-# Known failures, issue #33 ("Headers that tell the truth"): modules whose header names a notebook that holds only their
-# imports, while their code lives in the method's teaching notebook (nbs/20_neurocache.ipynb, nbs/41_distill.ipynb).
-# Not moved yet because those notebooks are being edited elsewhere; remove a name from this list when its cells move.
-HEADER_NOT_HOLDING_CODE = {
-    'distill/losses', 'distill/features', 'distill/teacher', 'distill/objective', 'distill/policy', 'distill/evaluation',
-    'distill/student', 'distill/card'}
+# Known failures (issue #33, "Headers that tell the truth"): modules whose header names a notebook that holds only their
+# imports. None left: every method package keeps one notebook per module.
+HEADER_NOT_HOLDING_CODE = set()
 
 def notebook_cells(path:Path, root:Path=ROOT) -> tuple:
     """(the notebook a generated module's header names, {notebook: number of its exported cells here that hold code, not
@@ -128,7 +125,7 @@ def test_the_header_check_reads_cells(tmp_path):
     assert notebook_cells(tmp_path/'memlab'/'n.py', tmp_path) == (None, {})
 
 # Known failures, issue #33 ("No module over 700 lines"): modules still to split at their seams.
-LONG_MODULES = {'core', 'train_distill', 'mixer', 'bpt'}
+LONG_MODULES = {'core', 'mixer', 'bpt'}
 
 def test_no_module_over_700_lines():
     long = {p.relative_to(ROOT/'memlab').with_suffix('').as_posix() for p in (ROOT/'memlab').rglob('*.py')
@@ -158,7 +155,7 @@ def long_exported_cells(limit:int=100) -> dict:
     return out
 
 # Known failures, issue #33 ("Cells that teach"): exported cells over 100 lines still to split, per notebook.
-LONG_CELLS = {'41_distill.ipynb': 3, '42_train_distill.ipynb': 1}
+LONG_CELLS = {}                     # none left
 
 def test_no_exported_cell_over_100_lines():
     "An exported cell is short enough to read with its example after it (fastai's notebooks: median 5 lines)."

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from ..compat import check_frozen_4bit_stats
 from ..core import MemlabError, check, patch_to
 from ..models import decoder_layers, layer_parts, unwrap
+from ..registry import attach_method, detach_method
 from .config import JOINT_FAMILIES, SUPPORTED_FAMILIES, NeurocacheConfig, format_retrieval_map
 from .attention import attention_weights
 from .layer import Neurocache, NeurocacheAttention, row_mask
@@ -187,6 +188,7 @@ class NeurocacheModel(PreTrainedModel):
                            "NeurocacheModel's save_pretrained (cache, LoRA and config), "
                            "or remove_neurocache(model) first")
         self.train(base_model.training)                                          # keep the base model's mode
+        attach_method(self, 'neurocache', config.to_dict())    # config.json records it; save_pretrained is the registry's
 
     @property
     def neurocache_config(self) -> NeurocacheConfig: return self.neurocache.config
@@ -360,6 +362,7 @@ def remove_neurocache(model) -> nn.Module:
             elif isinstance(child, LoraLayer): setattr(parent, name, child.get_base_layer())
     for n, p in base.named_parameters():
         if n in nm._requires_grad: p.requires_grad_(nm._requires_grad[n])
+    detach_method(nm, 'neurocache')                          # the base model's config no longer records it
     return base
 
 def has_neurocache(model) -> bool:

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/neurocache/20_3a_save.ipynb 2
 from __future__ import annotations
-import copy, dataclasses, json, os, sys
+import dataclasses, json, os, sys
 from pathlib import Path
 
 import torch
@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 
 from ..compat import quant_kind
 from ..core import MemlabError, atomic_write_text, check, patch_to
-from ..models import dedup_tensors, decoder_layers, load_model, register_folder, state_names, unwrap
+from ..models import dedup_tensors, decoder_layers, load_model, state_names, unwrap
+from ..registry import MethodSpec, plain_config, register_method
 from .config import NeurocacheConfig
 from .model import (NeurocacheModel, add_ffn_lora, add_neurocache, has_neurocache, remove_lora,
                                      remove_neurocache, reset_cache, resolve_config, unwrap_neurocache)
@@ -207,14 +208,14 @@ def save_plain(model, save_directory, config:NeurocacheConfig, state_dict:dict=N
     tensors = dedup_tensors(plain_state_dict(model, state_dict))
     dtype = next((v.dtype for k, v in tensors.items() if 'embed' in k or 'wte' in k), torch.float32)
     if nc:
-        cfg = NeurocacheLMConfig(base_config=base.config.to_dict(), architectures=['NeurocacheForCausalLM'],
+        cfg = NeurocacheLMConfig(base_config=plain_config(base.config).to_dict(), architectures=['NeurocacheForCausalLM'],
                                  neurocache=dataclasses.replace(config, lora_r=0).to_dict(),
                                  tie_word_embeddings=bool(getattr(base.config, 'tie_word_embeddings', False)),
                                  auto_map={'AutoConfig': f"{REMOTE_CODE_MODULE}.NeurocacheLMConfig",
                                            'AutoModelForCausalLM': f"{REMOTE_CODE_MODULE}.NeurocacheForCausalLM"})
         atomic_write_text(path/f"{REMOTE_CODE_MODULE}.py", standalone_source())
     else:
-        cfg = copy.deepcopy(base.config)
+        cfg = plain_config(base.config)                # without memlab's method record: a plain model
         cfg.architectures = [type(base).__name__]
     cfg.dtype = str(dtype).replace('torch.', '')
     _save_tensors(tensors, path/HF_WEIGHTS_NAME, {'format': 'pt'})
@@ -234,9 +235,13 @@ _STANDALONE_STUBS = '''
 def _needs_memlab(name):
     def stub(*args, **kwargs): raise MemlabError(f"{name} needs memlab")
     return stub
-load_model, atomic_write_text, dedup_tensors, dequantize_weight = map(
-    _needs_memlab, ('load_model', 'atomic_write_text', 'dedup_tensors', 'dequantize_weight'))
-def register_folder(*args, **kwargs): pass       # memlab's registry of folder kinds
+load_model, atomic_write_text, dedup_tensors, dequantize_weight, plain_config = map(
+    _needs_memlab, ('load_model', 'atomic_write_text', 'dedup_tensors', 'dequantize_weight', 'plain_config'))
+def register_method(spec): return spec           # memlab's method registry: nothing to record without memlab
+class MethodSpec:
+    def __init__(self, *args, **kwargs): pass
+def attach_method(model, name, config): return model
+def detach_method(model, name): return model
 class Callback: "memlab's training-loop callback"
 def quant_kind(layer): return None              # an exported model has no 4-/8-bit layers
 def check_frozen_4bit_stats(model): return model
@@ -336,5 +341,15 @@ def _is_saved_neurocache(folder) -> bool:
     folder = Path(folder)
     return (folder/NEUROCACHE_CONFIG_NAME).is_file() and (folder/NEUROCACHE_WEIGHTS_NAME).is_file()
 
-register_folder('neurocache', _is_saved_neurocache, lambda folder, **kw: load_saved_neurocache(folder, **kw),
-                base=lambda folder: saved_neurocache_info(folder)['base_model'])
+def _refuse_inner_save(model):
+    "The base model inside a `NeurocacheModel` records the method too (its config is the model's): it is not saved alone."
+    return None if has_neurocache(model) else ("this model carries a Neurocache (cache wrappers and LoRA): save it with "
+                                               "the NeurocacheModel's save_pretrained, or remove_neurocache(model) first")
+
+# save calls save_neurocache itself: the model's save_pretrained is the registry's, which calls this
+register_method(MethodSpec('neurocache', rebuild=lambda m, c: add_neurocache(m, NeurocacheConfig.from_dict(c)),
+                           remove=remove_neurocache, refuse_save=_refuse_inner_save,
+                           save=lambda m, d, is_main_process=True, state_dict=None, **kw:
+                               save_neurocache(m, d, state_dict=state_dict) if is_main_process else Path(d),
+                           detect=_is_saved_neurocache, load=lambda folder, **kw: load_saved_neurocache(folder, **kw),
+                           base=lambda folder: saved_neurocache_info(folder)['base_model']))

@@ -17,6 +17,7 @@ from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main,
                          patch_to, resolve_precision, seed_everything, show_path)
 from .data import load_corpus
 from .loaders import DocumentStream
+from .compat import quant_kind
 from .models import load_model, load_tokenizer
 from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add_ffn_lora, add_neurocache,
                                has_neurocache, load_neurocache, memory_per_token,
@@ -433,7 +434,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
                'trainable_parameters': count_parameters(model, True),
                'neurocache': nc_cfg.to_dict() if nc_cfg else None,
                'cache_enabled': bool(nc_cfg and model.neurocache.enabled),
-               'base_4bit': any(type(m).__name__ == 'Linear4bit' for m in model.modules()),
+               'base_4bit': any(quant_kind(m) == '4bit' for m in model.modules()),
                'eval': {k.replace('eval_', '', 1): v for k, v in final.items()},
                'test': {k.replace('test_', '', 1): v for k, v in test.items()} if test else None,
                'world_size': world, 'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none',

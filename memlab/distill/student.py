@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from ..compat import is_quantized
 from ..core import MemlabError, check, seed_everything
 from ..models import check_model_sizes, decoder_layers, load_model, resolve_model, unwrap
 from .features import layer_index
@@ -151,7 +152,8 @@ def _student_base_config(name):
         raise MemlabError(f"cannot read a student config from {name}: {str(e).splitlines()[0]}") from None
 
 def _is_quantized(model) -> bool:
-    return any(type(m).__name__ in ('Linear4bit', 'Linear8bitLt') for m in model.modules())
+    "Whether any layer of `model` is a 4-/8-bit one (`memlab.compat.is_quantized`)."
+    return any(is_quantized(m) for m in model.modules())
 
 def _copy_modules(student, teacher, copies, layer_selection) -> list:
     ("Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); "

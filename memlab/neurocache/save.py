@@ -55,7 +55,7 @@ def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_d
         own = {k: state_dict[name(k)] for k in own}
     meta = {'format': 'pt', 'family': str(getattr(base.config, 'model_type', '')), 'lora_only': str(lora_only).lower(),
             'base_model': str(getattr(base.config, '_name_or_path', '') or ''),
-            'base_quantization': 'nf4' if any(type(m).__name__ == 'Linear4bit' for m in base.modules()) else ''}
+            'base_quantization': 'nf4' if any(quant_kind(m) == '4bit' for m in base.modules()) else ''}
     path.mkdir(parents=True, exist_ok=True)
     for f in (HF_CONFIG_NAME, NEUROCACHE_CONFIG_NAME): (path/f).unlink(missing_ok=True)   # written last: complete
     _save_tensors(own, path/NEUROCACHE_WEIGHTS_NAME, meta)

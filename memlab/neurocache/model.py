@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from ..compat import check_frozen_4bit_stats
 from ..core import MemlabError, check, patch_to
-from ..models import decoder_layers, layer_parts, unwrap
+from ..wrappers import decoder_layers, layer_parts, unwrap
 from ..registry import attach_method, detach_method
 from .config import JOINT_FAMILIES, SUPPORTED_FAMILIES, NeurocacheConfig, format_retrieval_map
 from .attention import attention_weights

@@ -13,8 +13,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 
 from ..compat import quant_kind
 from ..core import MemlabError, atomic_write_text, check, patch_to
-from ..models import dedup_tensors, decoder_layers, load_model, state_names, unwrap
-from ..registry import MethodSpec, plain_config, register_method
+from ..models import load_model
+from ..registry import MethodSpec, dedup_tensors, plain_config, register_method
+from ..wrappers import decoder_layers, state_names, unwrap
 from .config import NeurocacheConfig
 from .model import (NeurocacheModel, add_ffn_lora, add_neurocache, has_neurocache, remove_lora,
                                      remove_neurocache, reset_cache, resolve_config, unwrap_neurocache)

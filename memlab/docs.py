@@ -50,8 +50,9 @@ def _fix_links(md:str, link_base:str='', ext:str='.ipynb') -> str:
         text, target = m.group(1), m.group(2)
         if re.match(r'^[a-z]+:|^#|^/', target): return m.group(0)
         path, _, anchor = target.partition('#')
-        if path.endswith('.ipynb'): path = link_base + path[:-len('.ipynb')] + ext
-        elif link_base and not path.startswith('..'): path = link_base + path
+        base = '' if link_base and path.startswith(link_base) else link_base   # a link written from the root already
+        if path.endswith('.ipynb'): path = base + path[:-len('.ipynb')] + ext
+        elif base and not path.startswith('..'): path = base + path
         return f"[{text}]({path}{'#' + anchor if anchor else ''})"
     return re.sub(r"\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
 
@@ -109,8 +110,9 @@ def write_readme(root='.') -> Path:
 # %% ../nbs/99_docs.ipynb
 import ast, dataclasses, html, importlib, inspect
 
-def _exported_names(source:str) -> list:
-    "Top-level public names defined in a code cell."
+def _exported_names(source:str, imported:bool=False) -> list:
+    ("Top-level public names defined in a code cell; with `imported`, also those it imports by name "
+     "(`from x import a, b as c`; not `*`), which a package's `__init__` exports.")
     try: tree = ast.parse(source)
     except SyntaxError: return []
     names = []
@@ -118,6 +120,8 @@ def _exported_names(source:str) -> list:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): names.append(node.name)
         elif isinstance(node, ast.Assign):
             names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif imported and isinstance(node, ast.ImportFrom):
+            names += [a.asname or a.name for a in node.names if a.name != '*']
     return [n for n in names if not n.startswith('_')]
 
 def _signature(obj):
@@ -207,12 +211,14 @@ def api_html(obj, name:str, level:int=4) -> str:
     return '\n'.join(out)
 
 def api_hook_for(module_name:str):
-    "An `api_hook` for `notebook_markdown` documenting what each exported cell of `module_name` defines."
+    ("An `api_hook` for `notebook_markdown` documenting what each exported cell of `module_name` defines; "
+     "for a package's `__init__`, also the public names it imports by name (what it exports).")
     mod = importlib.import_module(module_name)
     public = set(getattr(mod, '__all__', []) or [n for n in dir(mod) if not n.startswith('_')])
+    package = hasattr(mod, '__path__')
     def hook(source:str) -> str:
         return '\n\n'.join(api_html(getattr(mod, n), n)
-                           for n in _exported_names(source) if n in public and hasattr(mod, n))
+                           for n in _exported_names(source, imported=package) if n in public and hasattr(mod, n))
     return hook
 
 # %% ../nbs/99_docs.ipynb
@@ -275,7 +281,9 @@ def _module_of(path) -> str:
     nb = json.loads(Path(path).read_text())
     for c in nb['cells']:
         d = cell_directives(''.join(c['source'])) if c['cell_type'] == 'code' else {}
-        if 'default_exp' in d: return 'memlab.' + d['default_exp'].split()[0]
+        if 'default_exp' in d:                    # `x`, a package's `x.__init__`, the top's `__init__`
+            name = d['default_exp'].split()[0].removesuffix('__init__').rstrip('.')
+            return 'memlab' + ('.' + name if name else '')
     return None
 
 def site_pages(root='.') -> list:
@@ -286,6 +294,9 @@ def site_pages(root='.') -> list:
     for p in lib:
         sec = 'Foundations' if p.name[0] == '0' else ('Project' if p.name[0] == '9' else 'Methods')
         pages.append((sec, p, p.stem + '.md'))
+        # a method split into a package (20_neurocache: nbs/neurocache/): its module notebooks follow its overview
+        pkg = nbs/p.stem.split('_', 1)[1]
+        if pkg.is_dir(): pages += [(sec, q, f'{pkg.name}/{q.stem}.md') for q in sorted(pkg.glob('[0-9][0-9]*.ipynb'))]
     pages += [('Benchmarks', p, 'benchmarks/' + p.stem + '.md') for p in sorted((nbs/'benchmarks').glob('[!_]*.ipynb'))]
     pages += [('Experiments', p, 'experiments/' + p.stem + '.md')
               for p in sorted((nbs/'experiments').glob('[!_]*.ipynb'))]
@@ -303,7 +314,7 @@ def build_site(root='.', out='_site', strict:bool=True) -> Path:
 def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
     src = tmp/'src'
     (src/'img').mkdir(parents=True)
-    nav = {}
+    nav, groups = {}, {}
     for section, nb, page in site_pages(root):
         depth = page.count('/')
         def image_hook(b64, _page=page, _depth=depth):
@@ -319,7 +330,12 @@ def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
         md = _site_links(md, page)
         (src/page).parent.mkdir(parents=True, exist_ok=True)
         (src/page).write_text(md)
-        nav.setdefault(section, []).append({_title(nb): page})
+        folder = page.rpartition('/')[0]
+        if folder and section not in ('Benchmarks', 'Experiments'):     # a package's modules: a group after its overview
+            if folder not in groups:                                    # titled after the overview: "Neurocache: modules"
+                nav[section].append({f"{next(iter(nav[section][-1]))}: modules": groups.setdefault(folder, [])})
+            groups[folder].append({_title(nb): page})
+        else: nav.setdefault(section, []).append({_title(nb): page})
     (src/'js').mkdir(exist_ok=True); (src/'js'/'file-worker.js').write_text(FILE_WORKER_JS)
     (src/'css').mkdir(exist_ok=True)
     (src/'css'/'memlab.css').write_text(".memlab-api{border-left:3px solid #7c4dff;padding:.2em .8em;margin:1em 0;"

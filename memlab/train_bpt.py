@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
-from .core import (Config, MemlabError, PRECISION_NAMES, arg, atomic_write_text, check, cli_main,
+from .core import (Config, MemlabError, PRECISION_NAMES, arg, check, cli_main,
                          count_parameters, parse_configs, resolve_precision, seed_everything, show_path)
 from .data import Document, iter_json_records, text_of
 from .loaders import TokenBatches
@@ -31,7 +31,7 @@ __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig', 'parse_
            'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
            'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
            'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'read_dataset_state', 'full_state',
-           'train_bpt', 'main', 'demo']
+           'train_bpt', 'main']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -547,37 +547,6 @@ def main(argv=None):
               f"final training loss {res['final_loss']:.4f}; {res['tokens_per_s']:.0f} tokens/s, "
               f"peak memory {res['peak_memory_mib']:.0f} MiB; results in {show_path(res['output_dir'])}/results.json")
     return res
-
-# %% ../nbs/11_train_bpt.ipynb
-def demo(out:Path, quick:bool=False, measure=None) -> tuple:
-    ("BPT: peak memory of a training step vs sequence length, SDPA + checkpointing vs BPT, "
-     "on the reference Llama; same loss. `measure`: `memlab.benchmarks.bpt.step_measurements`, which the caller (the "
-     "demo, a layer above both) passes: a command line does not import a benchmark.")
-    from memlab.bench import run_isolated
-    check(callable(measure), "demo needs measure=memlab.benchmarks.bpt.step_measurements (memlab_demo passes it)")
-    lens = (1024, 2048) if quick else (1024, 2048, 4096)
-    old = os.environ.get('MALLOC_MMAP_THRESHOLD_')
-    # both measured as memlab_bpt runs: freed blocks leave resident memory at once
-    os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 20)
-    try: res = {c: run_isolated(measure, 'reference', lens, c)
-                for c in ('sdpa + ckpt', 'bpt')}
-    finally:
-        if old is None: os.environ.pop('MALLOC_MMAP_THRESHOLD_', None)
-        else: os.environ['MALLOC_MMAP_THRESHOLD_'] = old
-    a, b = res['sdpa + ckpt'][-1], res['bpt'][-1]
-    T = a['seq_len']
-    rows = [{'method': 'BPT', 'setting': "reference Llama (4 layers, hidden 256, vocab 8192), "
-                                         f"one training step of {T:,} tokens (glibc mmap threshold 1 MiB)",
-             'metric': 'peak memory growth', 'value': f"SDPA + checkpointing {a['peak_mib']:.0f} MiB, "
-                                                    f"BPT {b['peak_mib']:.0f} MiB "
-                                                    f"({a['peak_mib'] / max(b['peak_mib'], 1):.1f}x less)"},
-            {'method': 'BPT', 'setting': "the same step", 'metric': 'loss (exact reorganisation)',
-             'value': f"SDPA {a['loss']:.5f}, BPT {b['loss']:.5f}"}]
-    series = {'BPT: peak memory (MiB) of a training step vs tokens': {
-        name: [(r['seq_len'], r['peak_mib']) for r in res[c]]
-        for name, c in (('SDPA + ckpt', 'sdpa + ckpt'), ('BPT', 'bpt'))}}
-    atomic_write_text(Path(out)/'bpt'/'demo.json', json.dumps(res, indent=1))
-    return rows, series
 
 # %% ../nbs/11_train_bpt.ipynb
 #| eval: false

@@ -35,7 +35,7 @@ from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem
 # %% auto 0
 __all__ = ['BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers', 'load_teacher',
            'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches', 'DistillHooks', 'distill',
-           'results_table', 'parse_args', 'main', 'demo', 'DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES',
+           'results_table', 'parse_args', 'main', 'DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES',
            'parse_copy_modules', 'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments',
            'harness_scores', 'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'distill_card',
            'plot_distill']
@@ -347,28 +347,3 @@ def main(argv=None):
 # %% ../nbs/42_train_distill.ipynb
 #| eval: false
 if __name__ == '__main__': main()
-
-# %% ../nbs/42_train_distill.ipynb
-def demo(out:Path, quick:bool=False) -> tuple:
-    ("Distillation: SmolLM2-135M into a 15-layer student on pydocs with forward KL; "
-     "validation perplexity of teacher and student.")
-    steps = 3 if quick else 10
-    res = distill(StudentModelArguments(student_model_config={'num_hidden_layers': 15},
-                                        copy_teacher_modules=['layers', 'lm_head']),
-                  TeacherModelArguments(teacher_model_name_or_path='smollm2-135m'),
-                  DatasetArguments(dataset_sample_size=4 * steps, dataset_max_seq_length=64, dataset_test_size=0),
-                  EvalArguments(ppl_evaluators=[{'name': 'pydocs_ppl', 'dataset': 'pydocs', 'split': 'validation',
-                                                 'sample_size': 8}]),
-                  DistillationObjective(logits_loss_fn='kl'),
-                  DistillationTrainingArguments(output_dir=str(Path(out)/'distill'), max_steps=steps,
-                                                per_device_train_batch_size=4, learning_rate=3e-4, warmup_steps=1,
-                                                bf16=False, gradient_checkpointing=False, logging_steps=1,
-                                                eval_strategy='no', save_strategy='no', report_to='none'))
-    m = res['metrics']['pydocs_ppl']
-    rows = [{'method': 'Distillation (forward KL)',
-             'setting': f"SmolLM2-135M (30 layers) -> 15-layer student, {res['steps']} updates",
-             'metric': 'validation perplexity',
-             'value': f"teacher {m['teacher']:.1f}; student {m['student_before']:.0f} -> {m['student']:.0f}"}]
-    series = {'distillation: KL(teacher || student) per token': [(h['step'], h['logits'])
-                                                                 for h in res['history'] if 'logits' in h]}
-    return rows, series

@@ -36,8 +36,7 @@ from .cards import eval_metrics
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NeurocacheRunConfig', 'mixed_precision_of',
            'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams', 'stream_loss',
-           'save_run_neurocache', 'check_resume_flags', 'train_neurocache', 'summary', 'main', 'train_fact_recall',
-           'demo']
+           'save_run_neurocache', 'check_resume_flags', 'train_neurocache', 'summary', 'main', 'train_fact_recall']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -510,25 +509,6 @@ def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_tr
                       if 'loss' in h and h['answers']],                          # (update, answer loss, accuracy)
             'eval': [(h['step'], recall_metrics(h, 'eval_')['answer_loss'], recall_metrics(h, 'eval_')['accuracy'])
                      for h in history if 'eval_loss' in h]}
-
-# %% ../nbs/21_train_neurocache.ipynb
-def demo(out:Path, quick:bool=False) -> tuple:
-    ("Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, with and without "
-     "a cache.")
-    task, steps = FactRecallTask(), 40 if quick else 120
-    runs = {name: train_fact_recall(task, cache, steps=steps, eval_every=0)
-            for name, cache in (('with Neurocache', recall_cache_config()), ('without cache', None))}
-    w, wo = runs['with Neurocache'], runs['without cache']
-    rows = [{'method': 'Neurocache',
-             'setting': f"tiny Llama from scratch, facts asked {task.gap}+ tokens later, 32-token segments, "
-                        f"{steps} updates, separate cache attention ('auto' for a model "
-                        f"without induction heads)", 'metric': 'held-out answer accuracy',
-             'value': f"with cache {w['accuracy']:.2f}, without {wo['accuracy']:.2f} (chance {1 / task.n_values:.2f})"}]
-    series = {'Neurocache: answer loss (synthetic recall)': {name: [(s, l) for s, l, _ in r['train']]
-                                                             for name, r in runs.items()}}
-    atomic_write_text(Path(out)/'neurocache'/'demo.json',
-                      json.dumps({k: {kk: vv for kk, vv in r.items()} for k, r in runs.items()}, indent=1))
-    return rows, series
 
 # %% ../nbs/21_train_neurocache.ipynb
 #| eval: false

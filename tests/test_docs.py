@@ -8,9 +8,17 @@ from urllib.parse import urlparse, unquote
 import pytest
 from conftest import ROOT, run
 
-# Pages whose notebook exports no module (92_compose is tests and prose on the methods' own APIs) have no API section:
-NO_API = {'99_docs.html'} | {p.stem + '.html' for p in (ROOT/'nbs').glob('[0-9][0-9]_*.ipynb')
-                             if '#| default_exp' not in p.read_text()}
+# The library pages that may show no API documentation, and why. Every other page of a notebook with a `default_exp`
+# documents what its module exports (a package's `__init__` that imports a name by name, as 95_package imports
+# `declare_home`, documents that name).
+NO_API = {
+    # the top of a package split into modules: its `__init__` is star imports of the modules, each documented on its own page
+    '20_neurocache.html': "Neurocache's overview; exports memlab.neurocache's __init__, the names of neurocache/*",
+    'distill/41_package.html': "memlab.distill's __init__, the names of distill/*",
+    # notebooks that export no module
+    **{p.stem + '.html': 'exports nothing' for p in (ROOT/'nbs').glob('[0-9][0-9]_*.ipynb')
+       if '#| default_exp' not in p.read_text()},   # 92_compose (tests and prose on the methods' APIs), 41_distill (overview)
+}
 CHROMIUM = shutil.which('chromium') or shutil.which('chromium-browser')
 ARGS = ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
         '--disable-component-update', '--disable-sync']
@@ -25,8 +33,23 @@ def site(tmp_path_factory):
     assert git_status() == before, 'the build wrote into the repository'     # only --out is written (README.md is regenerated as it was)
     return out
 
+def test_every_notebook_has_a_page():
+    "Every notebook of nbs/ (a package's module notebooks in nbs/<method>/ too) is a page of the site, under the same path."
+    from memlab.docs import site_pages
+    pages = {nb.resolve(): page for _, nb, page in site_pages(ROOT)}
+    notebooks = {p.resolve() for p in (ROOT/'nbs').rglob('*.ipynb') if '.ipynb_checkpoints' not in p.parts}
+    assert notebooks - set(pages) == set(), sorted(str(p.relative_to(ROOT)) for p in notebooks - set(pages))
+    assert pages[(ROOT/'nbs'/'neurocache'/'20_3_model.ipynb').resolve()] == 'neurocache/20_3_model.md'  # relative links hold
+    assert pages[(ROOT/'nbs'/'distill'/'41_package.ipynb').resolve()] == 'distill/41_package.md'
+
+def test_readme_links_exist():
+    "README.md (generated from nbs/index.ipynb, whose links are relative to nbs/ or to the root) links files that exist."
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT/'README.md').read_text())
+    local = [l.split('#')[0] for l in links if not re.match(r'^[a-z]+:|^#', l)]
+    assert local and not [l for l in local if not (ROOT/unquote(l)).exists()], [l for l in local if not (ROOT/unquote(l)).exists()]
+
 def test_code_is_highlighted_and_docstrings_rendered(site):
-    page = (site/'20_neurocache.html').read_text()
+    page = (site/'neurocache'/'20_3_model.html').read_text()       # the module's page, not the overview's
     assert page.count('<span class="k">') > 50                               # Python keywords in notebook code, coloured by Pygments
     api = page[page.index('id="api-add_neurocache"'):][:4000]
     assert 'class="highlight"' in api and 'class="memlab-source"' in api     # highlighted signature, a link to its source
@@ -92,7 +115,10 @@ def test_no_broken_internal_link(site):
 @pytest.mark.skipif(CHROMIUM is None, reason='needs Chromium (Debian package chromium); .ci/run installs it')
 def test_pages_in_headless_chromium(site):
     from playwright.sync_api import sync_playwright
-    lib_pages = sorted(p for p in site.glob('[0-9][0-9]_*.html'))
+    lib_pages = sorted(p for g in ('[0-9][0-9]_*.html', '*/[0-9][0-9]_*.html') for p in site.glob(g)
+                       if p.parent.name not in ('benchmarks', 'experiments'))      # with nbs/neurocache/, nbs/distill/
+    assert {'neurocache/20_3_model.html', 'distill/41_package.html'} <= {str(p.relative_to(site)) for p in lib_pages}
+    assert set(NO_API) <= {str(p.relative_to(site)) for p in lib_pages}, 'an exemption names no page'
     exp_pages = sorted((site/'experiments').glob('*.html')) if (site/'experiments').exists() else []
     method_pages = [p for p in lib_pages if p.name[0] in '12345']
     assert method_pages, 'no method pages were built'
@@ -106,9 +132,12 @@ def test_pages_in_headless_chromium(site):
         assert page.locator('h1').first.inner_text().strip() == 'memlab'
         for p in lib_pages:
             page.goto(p.as_uri())
-            assert page.locator('h1').count() >= 1, p.name
-            if p.name not in NO_API:
-                assert page.locator('.memlab-api').count() > 0, f"{p.name} shows no API documentation"
+            name = str(p.relative_to(site))
+            assert page.locator('h1').count() >= 1, name
+            if name not in NO_API:
+                assert page.locator('.memlab-api').count() > 0, f"{name} shows no API documentation"
+        page.goto((site/'95_package.html').as_uri())                         # the package's `__init__` documents its import
+        assert page.locator('#api-declare_home').count() == 1
         page.goto((site/'index.html').as_uri())                                # search from file:// (the offline plugin)
         page.locator('input.md-search__input').fill('Neurocache')           # the header's search box, shown when search can work
         page.wait_for_selector('.md-search-result__item', timeout=15000)

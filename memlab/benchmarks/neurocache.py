@@ -53,6 +53,12 @@ def _bench_model(model_name:str):
                                                          attn_implementation='sdpa')
 
 # %% ../../nbs/neurocache/20_4_benchmark.ipynb
+def _flops(fn) -> int:
+    "Matrix-product FLOPs of `fn()` as PyTorch's `FlopCounterMode` counts them (mm, bmm, attention kernels)."
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter: fn()
+    return counter.get_total_flops()
+
 def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
                  threads:int=None, cache_attention:str='separate', device:str=None) -> dict:
     ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
@@ -96,7 +102,8 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
         for m in models.values(): m.train(mode == 'train')
         _fill_cache(models['cache'], batch_size)
         times = {k: [] for k in models}
-        for k in models: step(k)                                       # warm-up (and the optimizer state)
+        flops = {k: _flops(lambda: step(k)) for k in models}           # also the warm-up (and the optimizer state)
+        res[f"{mode}_flop_bound"] = flops['lora'] / flops['cache']
         for _ in range(repeats):
             for k in models:
                 sync(); t = time.perf_counter(); step(k); sync(); times[k].append(time.perf_counter() - t)
@@ -145,7 +152,8 @@ def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
                 what = f"{label}, {sp['precision']}"
                 rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
                 rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
-                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
+                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x",
+                             'FLOP bound': f"{sp[f'{mode}_flop_bound']:.2f}x"})
         return rows, None
     for design in ('separate', 'joint'):
         for n in threads or ((1,) if quick else (1, torch.get_num_threads())):
@@ -155,7 +163,8 @@ def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
                 what = f"{label}, {n} thread(s), {sp['precision']}"
                 rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
                 rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
-                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x"})
+                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x",
+                             'FLOP bound': f"{sp[f'{mode}_flop_bound']:.2f}x"})
     mem = run_isolated('memlab.benchmarks.neurocache:_bench_memory')
     mt = mem['memorizing']['bytes_per_token']
     for k, label in (('memorizing', 'memory: Memorizing Transformers K/V (one layer), 16K tokens'),
@@ -166,7 +175,7 @@ def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
         rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1),
                      'tensor_mib': round(m['tensor_mib'], 1), 'rss_growth_mib': round(m['rss_growth_mib'], 1),
                      'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
-    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib',
+    keys = ['config', 'tokens_per_s', 'speed vs no cache', 'FLOP bound', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib',
             'memory vs Memorizing']
     # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None
     # ('—')

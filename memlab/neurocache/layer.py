@@ -12,7 +12,7 @@ from torch import nn
 from ..core import check, patch_to
 from ..models import TransparentWrapper
 from .config import NeurocacheConfig
-from .cache import KNNCache, context_window, retrieval_scores
+from .cache import KNNCache, context_window, index_rows, retrieval_scores
 from .attention import (CacheAttention, WindowGrad, joint_mix, local_logsumexp, share_window)
 
 # %% auto 0
@@ -136,7 +136,7 @@ def _retrieve(self, r:int, x:torch.Tensor):
     if self.reencode:
         rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
         uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
-        vals, inverse = cache.raw.view(N * cache.size, -1).index_select(0, uniq), inverse.view(B, T, -1)  # (U, h)
+        vals, inverse = index_rows(cache.raw.view(N * cache.size, -1), uniq), inverse.view(B, T, -1)  # (U, h)
     # (B, T, M, d); joint: the K/V
     else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
     slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
@@ -253,17 +253,20 @@ def mix(self, layer:int, attn:nn.Module, u):
     lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
     if lse is None: lse = self._local_lse(call, attn, q, rotate)
     ret = self._retrieved[r]
-    if 'window' not in ret:
-        ret['window'] = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])
-    states, ok = ret['window'][:2]
-    i, kvd = self.served[r].index(layer), nkv * hs
-    kv = states[..., 2 * i * kvd:2 * (i + 1) * kvd]
+    if 'heads' not in ret:
+        states, ok = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])[:2]
+        W, L = states.shape[2], len(self.served[r])
+        # every served layer's keys and values head-major, (L, 2, B, T, nkv, W, hs): one copy for all the layers (the
+        # per-layer slices of the (B, T, W, L·2·nkv·hs) window would each be copied by the products)
+        ret['heads'] = states.view(B, T, W, L, 2, nkv, hs).permute(3, 4, 0, 1, 5, 2, 6).contiguous(), ok
+    kv, ok = ret['heads']
+    i = self.served[r].index(layer)
     # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position,
     # keys at 0)
     # one position for all
     cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))
     qd = rotate(q, q[:, :1, :1], cos_d, sin_d, unsqueeze_dim=2)[0].reshape(B, T, H * hs)
-    return joint_mix(u, lse, qd, kv[..., :kvd], kv[..., kvd:], ok, getattr(attn, 'scaling', None))
+    return joint_mix(u, lse, qd, kv[i, 0], kv[i, 1], ok, getattr(attn, 'scaling', None))
 
 @patch_to(Neurocache)
 def _local_lse(self, call:dict, attn:nn.Module, q, rotate):

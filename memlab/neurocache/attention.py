@@ -349,29 +349,30 @@ def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 def kv_heads(kv, head_dim:int):
-    "Retrieved keys or values (B, T, W, nkv·hs) head-major, (B, T, nkv, W, hs), contiguous: each head's W rows together."
+    "Retrieved keys or values (B, T, W, nkv·hs) head-major, (nkv, B, T, W, hs), contiguous: each head's W rows together."
     B, T, W, _ = kv.shape
-    return kv.view(B, T, W, -1, head_dim).transpose(2, 3).contiguous()
+    return kv.view(B, T, W, -1, head_dim).permute(3, 0, 1, 2, 4).contiguous()
 
 def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     """The joint softmax of the segment and the cache, head by head: u (B, T, H·hs) the layer's attention output over
     the segment (before W_o), lse_local (B, T, H) its logsumexp, q (B, T, H·hs) the queries before the rotary embedding,
-    k_mem, v_mem each token's retrieved keys and values, (B, T, W, nkv·hs) or head-major (B, T, nkv, W, hs) (`kv_heads`,
-    as `Neurocache.mix` passes them), ok (B, T, W) which are real. Returns (B, T, H·hs)."""
+    k_mem, v_mem each token's retrieved keys and values, (B, T, W, nkv·hs) or head-major (nkv, B, T, W, hs)
+    (`kv_heads`; `Neurocache.mix` gathers them so), ok (B, T, W) which are real. Returns (B, T, H·hs)."""
     B, T, W = ok.shape
     H = lse_local.shape[-1]
     hs = u.shape[-1] // H
     if k_mem.dim() == 4: k_mem, v_mem = kv_heads(k_mem, hs), kv_heads(v_mem, hs)
-    nkv = k_mem.shape[2]
-    g, n = H // nkv, B * T * nkv
-    # one batched product per token and kv head, on operands laid out for it (no copy)
-    qh = q.reshape(n, g, hs)
-    s = (torch.bmm(qh, k_mem.reshape(n, W, hs).to(qh.dtype).transpose(1, 2)).float().view(B, T, nkv, g, W)
+    nkv = k_mem.shape[0]
+    g, n = H // nkv, nkv * B * T
+    # one batched product per kv head and token, on the keys and values as they lie (the queries, g per head, are moved)
+    qh = q.reshape(B, T, nkv, g, hs).permute(2, 0, 1, 3, 4).reshape(n, g, hs)
+    s = (torch.bmm(qh, k_mem.reshape(n, W, hs).to(qh.dtype).transpose(1, 2)).float().view(nkv, B, T, g, W)
          * (scaling or hs**-0.5))
-    s = s.masked_fill(~ok[:, :, None, None, :], float('-inf'))
-    lse_mem = torch.logsumexp(s, -1, keepdim=True)                 # (B, T, nkv, g, 1); -inf: nothing retrieved
+    s = s.masked_fill(~ok[None, :, :, None, :], float('-inf'))
+    lse_mem = torch.logsumexp(s, -1, keepdim=True)                 # (nkv, B, T, g, 1); -inf: nothing retrieved
     p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))  # the softmax over the retrieved (0 where none)
-    out_mem = torch.bmm(p.to(v_mem.dtype).view(n, g, W), v_mem.reshape(n, W, hs)).view(B, T, nkv, g, hs)
+    out_mem = torch.bmm(p.to(v_mem.dtype).view(n, g, W), v_mem.reshape(n, W, hs)).view(nkv, B, T, g, hs)
+    out_mem, lse_mem = out_mem.permute(1, 2, 0, 3, 4), lse_mem.permute(1, 2, 0, 3, 4)   # (B, T, nkv, g, ·)
     # the cache's share of the joint softmax, e^L_m / (e^L + e^L_m) = sigmoid(L_m - L): 0 when nothing is retrieved, 1
     # when the segment offers nothing (a padding query that retrieved something), 0 when neither (NaN from -inf - -inf)
     b = torch.sigmoid(lse_mem[..., 0] - lse_local.view(B, T, nkv, g)).nan_to_num(0.)[..., None]

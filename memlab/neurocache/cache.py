@@ -172,6 +172,19 @@ def gather(self, slots:torch.Tensor, raw:bool=False) -> torch.Tensor:
     flat = (torch.arange(self.rows, device=self.device)[:, None, None] * self.size + slots).reshape(-1)
     return index_rows(src.reshape(self.rows * self.size, -1), flat).view(*slots.shape, src.shape[-1])
 
+@patch_to(KNNCache)
+def gather_parts(self, slots:torch.Tensor, parts:int) -> torch.Tensor:
+    ("The raw states at `slots` (N, Q, M), each cut into `parts` equal pieces, piece-major: (parts, N, Q, M, h/parts), "
+     "in one copy (a joint cache's row is its layers' keys and values, head after head: this lays each head's "
+     "retrieved rows side by side).")
+    check(self.raw is not None, "this cache keeps no raw states")
+    h = self.raw.shape[-1]
+    check(h % parts == 0, f"raw states of {h} features do not cut into {parts} equal pieces")
+    flat = (torch.arange(self.rows, device=self.device)[:, None, None] * self.size + slots).reshape(-1)
+    # the store as (N·S·parts, h/parts): piece p of slot s is row s·parts + p
+    idx = (flat[None, :] * parts + torch.arange(parts, device=self.device)[:, None]).reshape(-1)
+    return index_rows(self.raw.reshape(-1, h // parts), idx).view(parts, *slots.shape, h // parts)
+
 # %% ../../nbs/neurocache/20_1_cache.ipynb
 @patch_to(KNNCache)
 @torch.no_grad()

@@ -137,6 +137,10 @@ def _retrieve(self, r:int, x:torch.Tensor):
         rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
         uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
         vals, inverse = index_rows(cache.raw.view(N * cache.size, -1), uniq), inverse.view(B, T, -1)  # (U, h)
+    elif self.joint and cfg.context_size == 1:
+        # joint: the served layers' keys and values, (L·2·nkv, B, T, M, hs), as the joint attention reads them
+        vals = cache.gather_parts(slots, 2 * len(self.served[r]) * self.num_kv_heads).view(-1, B, T, slots.shape[-1],
+                                                                                            self.head_dim)
     # (B, T, M, d); joint: the K/V
     else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
     slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
@@ -253,12 +257,14 @@ def mix(self, layer:int, attn:nn.Module, u):
     lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
     if lse is None: lse = self._local_lse(call, attn, q, rotate)
     ret = self._retrieved[r]
-    if 'heads' not in ret:
-        states, ok = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])[:2]
-        W, L = states.shape[2], len(self.served[r])
-        # every served layer's keys and values head-major, (L, 2, B, T, nkv, W, hs): one copy for all the layers (the
-        # per-layer slices of the (B, T, W, L·2·nkv·hs) window would each be copied by the products)
-        ret['heads'] = states.view(B, T, W, L, 2, nkv, hs).permute(3, 4, 0, 1, 5, 2, 6).contiguous(), ok
+    if 'heads' not in ret:        # every served layer's keys and values head-major, (L, 2, nkv, B, T, W, hs)
+        L = len(self.served[r])
+        if ret['states'].dim() == 5:      # gathered so (`_retrieve`, a window of one token's retrievals)
+            ret['heads'] = ret['states'].view(L, 2, nkv, *ret['states'].shape[1:]), ret['valid']
+        else:                             # a wider window: (B, T, W, L·2·nkv·hs) reordered in one copy
+            states, ok = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])[:2]
+            ret['heads'] = (states.view(B, T, states.shape[2], L, 2, nkv, hs).permute(3, 4, 5, 0, 1, 2, 6).contiguous(),
+                            ok)
     kv, ok = ret['heads']
     i = self.served[r].index(layer)
     # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position,

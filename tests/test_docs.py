@@ -15,6 +15,7 @@ NO_API = {
     # the top of a package split into modules: its `__init__` is star imports of the modules, each documented on its own page
     '20_neurocache.html': "Neurocache's overview; exports memlab.neurocache's __init__, the names of neurocache/*",
     'distill/41_package.html': "memlab.distill's __init__, the names of distill/*",
+    '50_mixer.html': "the masked mixers' overview; exports memlab.mixer's __init__, the names of mixer/*",
     # notebooks that export no module
     **{p.stem + '.html': 'exports nothing' for p in (ROOT/'nbs').glob('[0-9][0-9]_*.ipynb')
        if '#| default_exp' not in p.read_text()},   # 92_compose (tests and prose on the methods' APIs), 41_distill (overview)

@@ -4,23 +4,14 @@
 
 # %% ../../nbs/mixer/50_1_layers.ipynb 2
 from __future__ import annotations
-import contextlib, copy, difflib, json, math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, LlamaModel, PretrainedConfig,
-                          PreTrainedModel)
+from transformers import LlamaConfig, LlamaModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutput
-from transformers.utils import ModelOutput
 
-from ..core import MemlabError, atomic_write_text, check, count_parameters
-from ..models import register_folder
-from ..protocol import LossOutput, model_inputs
+from ..core import check
 from .config import *
 
 # %% auto 0

@@ -4,23 +4,16 @@
 
 # %% ../../nbs/mixer/50_5_memory.ipynb 2
 from __future__ import annotations
-import contextlib, copy, difflib, json, math
-from dataclasses import dataclass
+import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, LlamaModel, PretrainedConfig,
-                          PreTrainedModel)
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutput
-from transformers.utils import ModelOutput
 
-from ..core import MemlabError, atomic_write_text, check, count_parameters
+from ..core import MemlabError, check
 from ..models import register_folder
-from ..protocol import LossOutput, model_inputs
 from .config import *
 from .layers import *
 from .model import *

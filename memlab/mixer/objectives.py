@@ -4,22 +4,13 @@
 
 # %% ../../nbs/mixer/50_6_objectives.ipynb 2
 from __future__ import annotations
-import contextlib, copy, difflib, json, math
-from dataclasses import dataclass
-from pathlib import Path
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, LlamaModel, PretrainedConfig,
-                          PreTrainedModel)
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutput
-from transformers.utils import ModelOutput
 
-from ..core import MemlabError, atomic_write_text, check, count_parameters
-from ..models import register_folder
+from ..core import MemlabError, check, count_parameters
 from ..protocol import LossOutput, model_inputs
 from .config import *
 from .model import *

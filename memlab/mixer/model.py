@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 from ..core import MemlabError, atomic_write_text, check
@@ -118,8 +118,10 @@ class MaskedMixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
               "generate them one at a time or group them by length")
         return {'input_ids': input_ids[:, -self.config.length:]}  # (B, ≤ length), left-aligned
 
-try: AutoModelForCausalLM.register(MaskedMixerConfig, MaskedMixerForCausalLM)
-except ValueError: pass
+# the Auto classes map 'masked_mixer' to this module's config and model together: registered here again, since a
+# notebook kernel (or a remote-code copy) may have registered another copy of the config class first
+AutoConfig.register(MaskedMixerConfig.model_type, MaskedMixerConfig, exist_ok=True)
+AutoModelForCausalLM.register(MaskedMixerConfig, MaskedMixerForCausalLM, exist_ok=True)
 
 # %% ../../nbs/mixer/50_3_model.ipynb
 def assert_causal(fn, input_ids:torch.Tensor, t:int, vocab_size:int, atol:float=1e-5):

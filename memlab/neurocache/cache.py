@@ -33,7 +33,7 @@ def bucketed_topk(scores:torch.Tensor, k:int, num_buckets:int):
     return v, slots.gather(-1, i)
 
 # %% ../../nbs/neurocache/20_1_cache.ipynb
-TOPK_BLOCK = 64          # slots per block of `blocked_topk` (64 measured best on these CPUs at 16K and 128K slots)
+TOPK_BLOCK = 64          # slots per block of `blocked_topk` (64 measured best on these CPUs: the cell after `gather_parts`)
 
 def blocked_topk(scores:torch.Tensor, k:int, block:int=TOPK_BLOCK) -> tuple:
     ("Exact top-k over the last dim in two passes (the k blocks with the largest maxima hold the k largest scores): "

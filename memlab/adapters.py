@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from .compat import dequantize_weight, quant_kind
 from .core import MemlabError, check
-from .models import as_dtype, load_model, plain_config, register_folder, state_names
+from .models import as_dtype, load_model
+from .registry import plain_config, register_folder
+from .wrappers import state_names
 
 # %% auto 0
 __all__ = ['ADAPTER_INFO', 'plain_lora_model', 'load_adapter_folder']

@@ -17,10 +17,10 @@ from transformers.pytorch_utils import Conv1D
 
 from .compat import is_quantized
 from .core import Config, MemlabError, check, atomic_write_text
-from .models import (MEMLAB_WEIGHTS, MethodSpec, TransparentWrapper, as_dtype, attach_method, decoder_layers,
-                           detach_method, folder_methods, load_model, load_saved_methods, model_methods,
-                           is_weight_delta_layer, register_folder, register_method, replace_module, state_names,
-                           write_memlab_folder)
+from .models import as_dtype, load_model, load_saved_methods
+from .registry import (MEMLAB_WEIGHTS, MethodSpec, attach_method, detach_method, folder_methods, model_methods,
+                             register_folder, register_method, write_memlab_folder)
+from .wrappers import TransparentWrapper, decoder_layers, is_weight_delta_layer, replace_module, state_names
 
 # %% auto 0
 __all__ = ['revert_bitnet', 'weight_quant', 'activation_quant', 'ste', 'rms_norm', 'BitLinear', 'BitNetConfig', 'bitnet_modules',
@@ -432,7 +432,7 @@ def save_hf_bitnet(model:nn.Module, path,      # a Hugging Face model holding Bi
     from safetensors.torch import save_file
     from transformers import BitNetQuantConfig
     from transformers.integrations.bitnet import VALUES_PER_ITEM, pack_weights
-    from memlab.models import plain_config
+    from memlab.registry import plain_config
     mods = bitnet_modules(model)
     check(mods, f"{type(model).__name__} has no BitLinear module: add_bitnet it before save_hf_bitnet")
     problem = hf_bitnet_problem(model)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .core import MemlabError, check, environment_error, lock_folder, release_folder
 from .distributed import main_process_value
-from .models import to_state_names
+from .wrappers import to_state_names
 
 # %% auto 0
 __all__ = ['CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'step_dir', 'list_checkpoints', 'find_checkpoint',

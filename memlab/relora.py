@@ -16,9 +16,9 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from .compat import dequantize_weight, quant_kind, quantized_linear, store_weight_
 from .core import Config, MemlabError, arg, check
-from .models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
-                           is_latent_weight_layer, layer_parts, plain_config, register_method, replace_module,
-                           state_names, MLP_NAMES)
+from .registry import MethodSpec, attach_method, detach_method, plain_config, register_method
+from .wrappers import (MLP_NAMES, TransparentWrapper, decoder_layers, is_latent_weight_layer, layer_parts,
+                             replace_module, state_names)
 from .schedules import Cosine, CosineRestarts, Linear, lambda_scheduler, make_schedule
 from .protocol import Callback
 

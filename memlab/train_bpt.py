@@ -16,7 +16,8 @@ from .core import (Config, MemlabError, PRECISION_NAMES, arg, check, cli_main,
                          count_parameters, parse_configs, resolve_precision, seed_everything, show_path)
 from .data import Document, iter_json_records, text_of
 from .loaders import TokenBatches
-from .models import LLAMA_CONFIGS, BUILTIN_MODELS, check_model_sizes, llama_config, load_model, plain_config
+from .models import BUILTIN_MODELS, LLAMA_CONFIGS, check_model_sizes, llama_config, load_model
+from .registry import plain_config
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .callbacks import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch

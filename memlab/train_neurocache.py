@@ -331,7 +331,7 @@ def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path, tokenizer=None) 
 
 def _resolved(model, cfg) -> NeurocacheConfig:
     from memlab.neurocache import resolve_config
-    from memlab.models import decoder_layers
+    from memlab.wrappers import decoder_layers
     return resolve_config(cfg.neurocache_config(), len(decoder_layers(model)))
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models import decoder_layers, load_model
+from ..models import load_model
+from ..wrappers import decoder_layers
 from ..distill.losses import Hidden, auto_chunk_size, loss_sum
 from ..distill.teacher import TopKTeacher, generate_teacher_topk
 from ..distill.objective import DistillLoss, DistillationObjective

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import check, native_bf16
-from ..models import unwrap
+from ..wrappers import unwrap
 from ..neurocache import KNNCache, NeurocacheConfig, add_ffn_lora, add_neurocache
 
 # %% auto 0

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 from ..core import check, compiled_fn
-from ..models import TransparentWrapper
+from ..wrappers import TransparentWrapper
 from .kernels import chunk_length, remat, stat_dtype
 
 # %% auto 0

@@ -16,8 +16,8 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import slice_logits_to_keep
 from ..core import Config, check
-from ..models import (MethodSpec, TransparentWrapper, attach_method, decoder_layers, detach_method,
-                           register_method, unwrap)
+from ..registry import MethodSpec, attach_method, detach_method, register_method
+from ..wrappers import TransparentWrapper, decoder_layers, unwrap
 from ..protocol import LossOutput, model_inputs
 from .kernels import DEVICE_KERNELS, KERNELS, blockwise_attention, check_remat_policy, remat, stat_dtype
 from .layers import BPTFeedForward, fused_linear_cross_entropy
@@ -386,7 +386,7 @@ def add_bpt(model, config:BPTConfig=None):
         for layer in layers: BPTDecoderLayer(layer, config)
     else: check(all(hasattr(layer, 'mlp') for layer in layers), f"{type(layers[0]).__name__} has no `mlp` to chunk")
     if config.lm_chunk_size != -1: _fused_head(hf)
-    from memlab.models import own_config
+    from memlab.registry import own_config
     own_config(hf)            # the attention implementation is set in this model's config, never in a sibling's
     original_attn, attn_name, replaced = hf.config._attn_implementation, None, []
     if config.attention_enabled:

@@ -13,7 +13,7 @@ import transformers
 
 import memlab
 from ..core import check, count_parameters, fmt_bytes
-from ..models import decoder_layers, unwrap
+from ..wrappers import decoder_layers, unwrap
 from .objective import DistillationObjective
 from .teacher import output_vocab_size
 from .arguments import DistillationTrainingArguments

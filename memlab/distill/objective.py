@@ -13,7 +13,7 @@ from torch import nn
 from safetensors.torch import save_file, load_file
 
 from ..core import Config, MemlabError, check
-from ..models import decoder_layers, unwrap
+from ..wrappers import decoder_layers, unwrap
 from ..protocol import Callback, LossOutput, model_inputs
 from .losses import (LOSS_NAMES, MISSING_MODES, Hidden, TeacherConfidence, TopK, auto_chunk_size,
                                    objective_sums, teacher_top1, vocab_of)

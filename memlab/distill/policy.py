@@ -9,7 +9,7 @@ import hashlib, math
 import torch
 
 from ..core import check
-from ..models import unwrap
+from ..wrappers import unwrap
 from .teacher import model_device
 
 # %% auto 0

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from ..compat import is_quantized
 from ..core import MemlabError, check, seed_everything
-from ..models import check_model_sizes, decoder_layers, load_model, resolve_model, unwrap
+from ..models import check_model_sizes, load_model, resolve_model
+from ..wrappers import decoder_layers, unwrap
 from .features import layer_index
 from .teacher import output_vocab_size
 from .arguments import StudentModelArguments, parse_copy_modules

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..core import atomic_write_text, check
-from ..models import as_dtype, unwrap
+from ..models import as_dtype
+from ..wrappers import unwrap
 from .losses import TopK
 
 # %% auto 0

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import MemlabError, check
-from ..models import register_folder
+from ..registry import register_folder
 from .config import *
 from .layers import *
 from .model import *

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..core import check, patch_to
-from ..models import TransparentWrapper
+from ..wrappers import TransparentWrapper
 from .config import NeurocacheConfig
 from .cache import KNNCache, context_window, index_rows, retrieval_scores
 from .attention import (CacheAttention, WindowGrad, joint_mix, local_logsumexp, share_window)

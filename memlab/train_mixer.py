@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import memlab.mixer as mixer
-from .core import (Config, MemlabError, arg, check, cli_main, count_parameters, field_docs, fmt_bytes,
-                         markdown_table, parse_configs, seed_everything, show_path, str2bool)
+from .core import (Config, MemlabError, arg, check, cli_main, field_docs, markdown_table, parse_configs,
+                         seed_everything, show_path, str2bool)
+from .runtime import count_parameters, fmt_bytes
 from .data import load_corpus
 from .loaders import TokenBatches
 from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits, normalized_loss, information,

@@ -207,18 +207,6 @@ def test_the_example_check_reads_groups():
 
 # Known failures, issue #33 ("Cells that teach: each followed by its example or test"), per notebook.
 UNFOLLOWED = {
-    '01_data.ipynb': 6,
-    '02_tokenizers.ipynb': 5,
-    '03_loaders.ipynb': 2,
-    '04_models.ipynb': 7,
-    '04b_registry.ipynb': 3,
-    '04c_adapters.ipynb': 1,
-    '05a_protocol.ipynb': 1,
-    '05d_checkpoints.ipynb': 1,
-    '05g_trainer.ipynb': 12,
-    '06_bench.ipynb': 1,
-    '07_train.ipynb': 4,
-    '09_compat.ipynb': 2,
     '11_train_bpt.ipynb': 6,
     '21_train_neurocache.ipynb': 6,
     '30_relora.ipynb': 6,
@@ -226,8 +214,7 @@ UNFOLLOWED = {
     '40_bitnet.ipynb': 3,
     '42_train_distill.ipynb': 3,
     '51_train_mixer.ipynb': 1,
-    '90_demo.ipynb': 5,
-    '99_docs.ipynb': 4,
+    '90_demo.ipynb': 3,
     'bpt/10_0_kernels.ipynb': 2,
     'bpt/10_2_model.ipynb': 6,
     'distill/41_2_teacher.ipynb': 2,
@@ -238,12 +225,6 @@ UNFOLLOWED = {
     'mixer/50_3_model.ipynb': 2,
     'mixer/50_4_autoencoder.ipynb': 1,
     'mixer/50_5_memory.ipynb': 2,
-    'neurocache/20_1_cache.ipynb': 3,
-    'neurocache/20_2_attention.ipynb': 5,
-    'neurocache/20_2a_layer.ipynb': 3,
-    'neurocache/20_3_model.ipynb': 5,
-    'neurocache/20_3a_save.ipynb': 5,
-    'neurocache/20_5_recall.ipynb': 1,
 }
 
 def test_every_exported_cell_is_followed_by_its_example():

@@ -258,3 +258,11 @@ def test_names_are_imported_from_where_they_live():
             if isinstance(n, ast.ImportFrom) and (n.module or '').split('.')[-1] == 'models' and n.module != 'transformers.models':
                 bad += [f"{p.relative_to(ROOT)}: {a.name}" for a in n.names if a.name in passed_on]
     assert not bad, 'imported through memlab.models:\n' + '\n'.join(bad)
+
+def test_no_function_over_80_lines():
+    "Issue #33: a recipe is named stages, not one long function; no function or method of the package over 80 lines."
+    long = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for p in sorted((ROOT/'memlab').rglob('*.py')) if not p.stem.startswith('_')
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, '\n'.join(long)

@@ -209,22 +209,11 @@ def test_the_example_check_reads_groups():
 UNFOLLOWED = {
     '11_train_bpt.ipynb': 6,
     '21_train_neurocache.ipynb': 6,
-    '30_relora.ipynb': 6,
     '31_train_relora.ipynb': 5,
-    '40_bitnet.ipynb': 3,
     '42_train_distill.ipynb': 3,
     '51_train_mixer.ipynb': 1,
     '90_demo.ipynb': 3,
-    'bpt/10_0_kernels.ipynb': 2,
-    'bpt/10_2_model.ipynb': 6,
-    'distill/41_2_teacher.ipynb': 2,
-    'distill/41_3_objective.ipynb': 2,
-    'distill/41_7_card.ipynb': 1,
     'distill/41_8_arguments.ipynb': 3,
-    'distill/41_9_data.ipynb': 1,
-    'mixer/50_3_model.ipynb': 2,
-    'mixer/50_4_autoencoder.ipynb': 1,
-    'mixer/50_5_memory.ipynb': 2,
 }
 
 def test_every_exported_cell_is_followed_by_its_example():

@@ -8,7 +8,8 @@ import importlib, inspect, json, multiprocessing as mp, queue, statistics, time
 
 import torch
 
-from .core import MemlabError, check, cli_main, markdown_table, peak_memory, atomic_write_text
+from .core import MemlabError, check, cli_main, markdown_table, atomic_write_text
+from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 
 # %% auto 0

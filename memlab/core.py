@@ -4,8 +4,8 @@
 
 # %% ../nbs/00_core.ipynb 2
 from __future__ import annotations
-import argparse, ast, contextlib, dataclasses, errno, functools, hashlib, inspect, io, json, logging, os, platform, \
-    random, re, sys, tempfile, threading, time, types, typing, warnings
+import argparse, ast, contextlib, dataclasses, errno, functools, inspect, io, json, logging, os, random, re, \
+    sys, tempfile, types, typing, warnings
 from pathlib import Path
 from typing import Optional
 
@@ -13,14 +13,11 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['LOCK_FILE', 'VALUE_RULES', 'BF16_MIN_SPEEDUP', 'PRECISIONS', 'PRECISION_NAMES', 'MemlabError', 'check',
-           'environment_error', 'requested_processes', 'check_launch', 'cli_main', 'run_cli', 'DropLogMessages',
-           'field_docs', 'arg', 'Config', 'atomic_write_text', 'check_writable', 'lock_folder', 'release_folder',
-           'release_folders', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args',
-           'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state',
-           'peak_memory', 'fmt_bytes', 'count_parameters', 'memlab_home', 'bf16_matmul_speedup', 'cpu_bf16_speedup',
-           'native_bf16', 'compiled_fn', 'reset_compiled', 'resolve_precision', 'precision_reason', 'patch_to',
-           'show_path', 'markdown_table']
+__all__ = ['LOCK_FILE', 'VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'requested_processes', 'check_launch',
+           'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
+           'check_writable', 'lock_folder', 'release_folder', 'release_folders', 'str2bool', 'parse_literal',
+           'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs',
+           'seed_everything', 'rng_state', 'set_rng_state', 'patch_to', 'show_path', 'markdown_table']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -504,184 +501,6 @@ def set_rng_state(st:dict):
     "Restore a state from `rng_state`."
     random.setstate(st['python']); np.random.set_state(st['numpy']); torch.set_rng_state(st['torch'])
     if 'cuda' in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st['cuda'])
-
-# %% ../nbs/00_core.ipynb
-def _proc_kib(field):
-    try:
-        m = re.search(rf"{field}:\s+(\d+)", Path('/proc/self/status').read_text())
-        return int(m.group(1)) if m else None
-    except OSError: return None
-
-def _malloc_trim():
-    ("Return the allocator's free pages to the OS, so that memory freed earlier is not silently reused unseen by "
-     "the next measurement.")
-    try:
-        import ctypes
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-    except (OSError, AttributeError): pass
-
-def _reset_hwm() -> bool:
-    try: Path('/proc/self/clear_refs').write_text('5'); return True
-    except OSError: return False
-
-class peak_memory:
-    "Context manager measuring peak memory growth (bytes) of the enclosed block: `.peak` on exit; CUDA-aware."
-    def __init__(self, device=None, collect:bool=True):
-        self.device = torch.device(device) if device is not None else (
-            torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu'))
-        self.collect, self.peak, self.start = collect, None, None
-    def __enter__(self):
-        if self.device.type == 'cuda':
-            torch.cuda.synchronize(self.device); torch.cuda.reset_peak_memory_stats(self.device)
-            self.start = torch.cuda.memory_allocated(self.device)
-        else:
-            if self.collect: import gc; gc.collect()
-            _malloc_trim()
-            self._reset = _reset_hwm()
-            self.start = (_proc_kib('VmRSS') or 0) * 1024
-            if not self._reset: self._poll()
-        return self
-    def _poll(self):
-        "Fallback when the peak cannot be reset: sample RSS in a thread."
-        self._max, self._stop = self.start, threading.Event()
-        def run():
-            while not self._stop.wait(0.005): self._max = max(self._max, (_proc_kib('VmRSS') or 0) * 1024)
-        self._thread = threading.Thread(target=run, daemon=True); self._thread.start()
-    def __exit__(self, *exc):
-        if self.device.type == 'cuda':
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
-        elif self._reset: self.peak = (_proc_kib('VmHWM') or 0) * 1024 - self.start
-        else:
-            self._stop.set(); self._thread.join(); self.peak = self._max - self.start
-        self.peak = max(int(self.peak), 0)
-    @property
-    def mib(self) -> float: return self.peak / 2**20
-    @property
-    def absolute(self) -> int:
-        "Peak memory in use during the block (not only its growth), in bytes."
-        return self.start + self.peak
-
-# %% ../nbs/00_core.ipynb
-def fmt_bytes(n) -> str:
-    "Human-readable size: 1536 → '1.5 KiB'."
-    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-        if abs(n) < 1024 or unit == 'TiB': return f"{n:.0f} {unit}" if unit == 'B' else f"{n:.1f} {unit}"
-        n /= 1024
-
-def count_parameters(model, trainable_only:bool=False) -> int:
-    "Number of (trainable) parameters, counting tied weights once and 4-bit weights at their logical size."
-    seen, n = set(), 0
-    for p in model.parameters():
-        if id(p) in seen or (trainable_only and not p.requires_grad): continue
-        seen.add(id(p))
-        qs = getattr(p, 'quant_state', None)  # bitsandbytes 4-bit: packed storage, logical shape in quant_state
-        n += qs.shape.numel() if qs is not None and hasattr(qs, 'shape') else p.numel()
-    return n
-
-# %% ../nbs/00_core.ipynb
-def memlab_home() -> Path:
-    "Root of memlab's cache: `$MEMLAB_HOME` or `~/.cache/memlab`."
-    return Path(os.environ.get('MEMLAB_HOME', Path.home()/'.cache'/'memlab'))
-
-def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
-    "fp32 time over bf16 time of a (`size` x `size`) matrix product on the CPU: best of `repeats` each, interleaved."
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
-    pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
-    best = dict.fromkeys(pairs, float('inf'))
-    for x, y in pairs.values(): x @ y                 # the first product builds the kernel
-    for _ in range(repeats):                          # interleaved and best-of: a busy machine slows both alike
-        for dt, (x, y) in pairs.items():
-            t = time.perf_counter(); x @ y; best[dt] = min(best[dt], time.perf_counter() - t)
-    return best[torch.float32] / best[torch.bfloat16]
-
-BF16_MIN_SPEEDUP = 1.25  # bf16 products must beat fp32 by this much before autocast's casts are worth it
-
-def _cpu_signature() -> str:
-    "What the bf16 measurement depends on: the CPU model and flags, torch's version and the thread count."
-    try: info = Path('/proc/cpuinfo').read_text()
-    except OSError: info = ''
-    first = lambda key: next((l.split(':', 1)[-1].strip() for l in info.splitlines() if l.startswith(key)), '')
-    flags = hashlib.sha1(first('flags').encode()).hexdigest()[:12]
-    cpu = first('model name') or platform.processor()
-    return f"{cpu} | flags {flags} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-
-def cpu_bf16_speedup() -> float:
-    "`bf16_matmul_speedup()` on this CPU, measured once per `_cpu_signature()`, kept in `memlab_home()/machine.json`."
-    path, key = memlab_home()/'machine.json', _cpu_signature()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix('.lock'), 'a+') as lock:
-        try:
-            import fcntl; fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together measure once and agree
-        except ImportError: pass                           # no fcntl (Windows): each process measures
-        try: known = json.loads(path.read_text())
-        except (OSError, ValueError): known = {}
-        if key not in known.get('bf16_matmul_speedup', {}):
-            known.setdefault('bf16_matmul_speedup', {})[key] = round(bf16_matmul_speedup(), 3)
-            atomic_write_text(path, json.dumps(known, indent=1))
-        return known['bf16_matmul_speedup'][key]
-
-def _cpu_bf16_instructions() -> bool:
-    "Whether the CPU has bf16 instructions (AVX512-BF16 or AMX); elsewhere oneDNN emulates bf16, several times slower."
-    try: return any(f in Path('/proc/cpuinfo').read_text().split() for f in ('avx512_bf16', 'amx_bf16'))
-    except OSError: return False                           # not Linux: no way to tell here, so no
-
-def native_bf16(device=None) -> bool:
-    ("Whether bf16 matrix products are faster than fp32 on `device` (default: CUDA if available, else the CPU): "
-     "on a CPU, measured once.")
-    dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
-    if dev.type == 'cuda': return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    if dev.type != 'cpu': return False
-    return _cpu_bf16_instructions() and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
-
-# %% ../nbs/00_core.ipynb
-_COMPILED = {}
-
-def compiled_fn(fn, compile=True):
-    ("`fn` itself when `compile` is falsy, else `torch.compile(fn, dynamic=True)` with the backend `compile` names "
-     "(True: inductor), built once per function and backend.")
-    if not compile: return fn
-    backend = 'inductor' if compile is True else compile
-    if (fn, backend) not in _COMPILED: _COMPILED[fn, backend] = torch.compile(fn, dynamic=True, backend=backend)
-    return _COMPILED[fn, backend]
-
-def reset_compiled():
-    "Drop every function `compiled_fn` built, and torch's compilation caches (their guards) with them."
-    _COMPILED.clear()
-    if 'torch._dynamo' in sys.modules: torch._dynamo.reset()
-
-# %% ../nbs/00_core.ipynb
-PRECISIONS = ('auto', 'no', 'bf16', 'fp16')
-# the seeds' names (--dtype fp32, bfloat16, ...) for the same settings
-PRECISION_NAMES = {'auto': 'auto', 'no': 'no', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16',
-                   'fp16': 'fp16', 'float16': 'fp16'}
-
-def resolve_precision(precision:str='auto', device=None) -> str:
-    ("'no', 'bf16' or 'fp16' from a setting: explicit values stay; 'auto'/None = accelerate launch's choice, "
-     "else bf16 where native_bf16 measured it faster.")
-    p = 'auto' if precision is None else str(precision)
-    check(p in PRECISION_NAMES, f"mixed precision must be one of {', '.join(PRECISION_NAMES)}, got {precision!r}")
-    p = PRECISION_NAMES[p]
-    if p == 'auto': p = os.environ.get('ACCELERATE_MIXED_PRECISION') or ('bf16' if native_bf16(device) else 'no')
-    check(p in PRECISIONS[1:], f"mixed precision {p!r} (from accelerate launch) is not one of no, bf16, fp16")
-    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')
-    check(p != 'fp16' or on_gpu, "fp16 mixed precision needs a GPU: on a CPU the autocast would "
-                                 "silently compute in fp32; use bf16 (or no)")
-    return p
-
-
-# %% ../nbs/00_core.ipynb
-def precision_reason(device=None) -> str:
-    "One line for a run's log: what `auto` precision is on `device` and why."
-    p = resolve_precision('auto', device)
-    if os.environ.get('ACCELERATE_MIXED_PRECISION'): return f"{p} (set by accelerate launch --mixed_precision)"
-    name = {'no': 'fp32', 'bf16': 'bf16 autocast', 'fp16': 'fp16 autocast'}[p]
-    dev = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
-    if dev.type == 'cpu' and _cpu_bf16_instructions():
-        return (f"{name}: bf16 matrix products measured {cpu_bf16_speedup():.2f}x of fp32 on this CPU "
-                f"(auto takes bf16 from {BF16_MIN_SPEEDUP}x)")
-    return f"{name}: {'bf16 is native' if p == 'bf16' else 'no native bf16'} on {dev.type}"
 
 # %% ../nbs/00_core.ipynb
 def patch_to(cls):

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from .compat import accelerator_precision, reset_accelerator_precision
-from .core import check, check_launch, resolve_precision
+from .core import check, check_launch
+from .runtime import resolve_precision
 
 # %% auto 0
 __all__ = ['launched_processes', 'deepspeed_launched', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes',

@@ -14,7 +14,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .compat import keep_4bit_trainable
-from .core import MemlabError, check, cli_main, atomic_write_text, memlab_home
+from .core import MemlabError, check, cli_main, atomic_write_text
+from .runtime import memlab_home
 from .data import hub_offline_unless_reachable
 from .wrappers import (MLP_NAMES, TransparentWrapper, decoder_layers, is_latent_weight_layer, is_weight_delta_layer,
                              layer_parts, plain_names, replace_module, state_names, to_state_names, unwrap)

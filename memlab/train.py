@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         markdown_table, show_path)
+from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, parse_configs, markdown_table,
+                         show_path)
+from .runtime import count_parameters
 from .data import load_corpus
 from .loaders import lm_batches
 from .models import load_model, load_tokenizer, resolve_model, save_full_state

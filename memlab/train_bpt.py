@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
-from .core import (Config, MemlabError, PRECISION_NAMES, arg, check, cli_main,
-                         count_parameters, parse_configs, resolve_precision, seed_everything, show_path)
+from .core import Config, MemlabError, arg, check, cli_main, parse_configs, seed_everything, show_path
+from .runtime import PRECISION_NAMES, count_parameters, resolve_precision
 from .data import Document, iter_json_records, text_of
 from .loaders import TokenBatches
 from .models import BUILTIN_MODELS, LLAMA_CONFIGS, check_model_sizes, llama_config, load_model

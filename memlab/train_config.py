@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .core import Config, check, check_ranges, resolve_precision
+from .core import Config, check, check_ranges
+from .runtime import resolve_precision
 from .schedules import lambda_scheduler, make_schedule
 
 # %% auto 0

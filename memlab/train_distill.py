@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .core import MemlabError, check, cli_main, count_parameters, markdown_table, parse_configs, show_path
+from .core import MemlabError, check, cli_main, markdown_table, parse_configs, show_path
+from .runtime import count_parameters
 from .loaders import TokenBatches
 from .models import check_model_config, load_model, load_tokenizer
 from .tokenizers import check_vocab

@@ -6,11 +6,12 @@
 from __future__ import annotations
 import dataclasses, importlib.util, os
 
-from .core import MemlabError, check, cli_main, count_parameters, markdown_table, parse_configs, show_path, str2bool
+from .core import MemlabError, check, cli_main, markdown_table, parse_configs, show_path, str2bool
 from .mixer import (MixerModelArgs, MixerTaskConfig, autoencoder_loss, build_model, check_fits, check_memory,
                           data_info, information, input_length, load_mixer, memory_cost, mixer_config, mixer_data,
                           normalized_loss, objective_loss, save_trained_model)
 from .models import load_tokenizer
+from .runtime import count_parameters
 from .tokenizers import pretokenized_args
 from .train_config import TrainConfig
 from .distributed import make_accelerator, resolve_distributed_type

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, count_parameters, parse_configs,
-                         patch_to, resolve_precision, seed_everything, show_path)
+from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, parse_configs, patch_to,
+                         seed_everything, show_path)
+from .runtime import count_parameters, resolve_precision
 from .data import load_corpus
 from .loaders import DocumentStream
 from .compat import quant_kind

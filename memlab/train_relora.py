@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, PRECISION_NAMES, arg, check, cli_main,
-                         count_parameters, parse_configs, parse_count, resolve_precision, seed_everything, show_path)
+from .core import (Config, MemlabError, arg, check, cli_main, parse_configs, parse_count, seed_everything,
+                         show_path)
+from .runtime import PRECISION_NAMES, count_parameters, resolve_precision
 from .loaders import TokenBatches
 from .models import llama_config, load_model
-from .core import memlab_home
+from .runtime import memlab_home
 from .relora import (PRUNING_RULES, SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler,
                            merged_model, relora_layers, reset_mode_from_flags)
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import MemlabError, atomic_write_text, check, patch_to, peak_memory, rng_state, set_rng_state
+from .core import MemlabError, atomic_write_text, check, patch_to, rng_state, set_rng_state
+from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 from .schedules import continue_at
 from .protocol import causal_lm_loss, model_callbacks

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..core import resolve_precision
+from ..runtime import resolve_precision
 from ..models import as_dtype
 from ..training import BatchList, Callback, TrainConfig, Trainer
 

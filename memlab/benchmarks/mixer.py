@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from ..core import count_parameters
+from ..runtime import count_parameters
 from ..mixer import MaskedMixerConfig, MaskedMixerForCausalLM, count_model_parameters
 
 # %% auto 0

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..core import check, native_bf16
+from ..core import check
+from ..runtime import native_bf16
 from ..wrappers import unwrap
 from ..neurocache import KNNCache, NeurocacheConfig, add_ffn_lora, add_neurocache
 

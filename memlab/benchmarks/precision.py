@@ -67,7 +67,7 @@ def benchmark(quick:bool=False, methods=PRECISION_METHODS):
      "(fresh processes, alternately).")
     import statistics
     from memlab.bench import run_isolated
-    from memlab.core import precision_reason
+    from memlab.runtime import precision_reason
     kw = dict(rows=2, seq_len=64, steps=4, vocab=512) if quick else {}
     rows = []
     for method in methods:

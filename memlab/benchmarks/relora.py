@@ -19,7 +19,7 @@ def _bench_config(model_name:str, relora_r:int=0, seq_len:int=256, batch_size:in
      "or ReLoRA training of the Llama `model_name`.")
     import statistics, time
     from transformers import AutoModelForCausalLM
-    from memlab.core import peak_memory, count_parameters
+    from memlab.runtime import peak_memory, count_parameters
     from memlab.models import llama_config
     torch.manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch_size, seq_len))

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Callable
 import torch
 from torch import nn
-from ..core import check, compiled_fn
+from ..core import check
+from ..runtime import compiled_fn
 from ..wrappers import TransparentWrapper
 from .kernels import chunk_length, remat, stat_dtype
 

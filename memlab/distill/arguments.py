@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..core import Config, arg, check, resolve_precision
+from ..core import Config, arg, check
+from ..runtime import resolve_precision
 from ..evaluation import lm_eval_scores, require_lm_eval
 from ..models import check_model_sizes
 from ..train_config import TrainConfig

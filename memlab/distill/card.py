@@ -12,7 +12,8 @@ import torch
 import transformers
 
 import memlab
-from ..core import check, count_parameters, fmt_bytes
+from ..core import check
+from ..runtime import count_parameters, fmt_bytes
 from ..wrappers import decoder_layers, unwrap
 from .objective import DistillationObjective
 from .teacher import output_vocab_size

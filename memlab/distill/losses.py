@@ -10,7 +10,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..core import MemlabError, check, compiled_fn
+from ..core import MemlabError, check
+from ..runtime import compiled_fn
 from ..protocol import Callback
 
 # %% auto 0

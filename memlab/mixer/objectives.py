@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..core import MemlabError, check, count_parameters
+from ..core import MemlabError, check
+from ..runtime import count_parameters
 from ..protocol import LossOutput, model_inputs
 from .config import *
 from .model import *

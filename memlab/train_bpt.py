@@ -23,16 +23,16 @@ from .schedules import Cosine, lambda_scheduler
 from .callbacks import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
 from .checkpoints import load_sharded, resume_plan, sharded_metadata
 from .training import run as run_training
-from .train_config import TrainConfig
+from .train_config import TrainConfig, train_config_from
 from .distributed import launched_processes, make_accelerator
 from .checkpoints import list_checkpoints, load_strict
 
 # %% auto 0
-__all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPTRunConfig', 'parse_mesh', 'parse_load', 'mesh_processes',
-           'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
-           'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
-           'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'read_dataset_state', 'full_state',
-           'train_bpt', 'main']
+__all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPT_LOOP_FLAGS', 'BPTRunConfig', 'parse_mesh', 'parse_load',
+           'mesh_processes', 'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs',
+           'JsonDatasetArgs', 'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates',
+           'strip_bpt_names', 'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows',
+           'read_dataset_state', 'bpt_train_config', 'full_state', 'train_bpt', 'main']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -444,6 +444,24 @@ def read_dataset_state(path) -> dict:
         raise MemlabError(f"--load_dataset_state {p} is not valid JSON ({e.msg})") from None
 
 # %% ../nbs/11_train_bpt.ipynb
+# the loop's settings that llamabpt.train's flags give directly: {loop field: flag}
+BPT_LOOP_FLAGS = dict(max_steps='total_steps', gradient_accumulation_steps='optimizer.accumulate_gradient_steps',
+                      lr='optimizer.adamw_optimizer.lr', weight_decay='optimizer.adamw_optimizer.weight_decay',
+                      adam_beta1='optimizer.adamw_optimizer.b1', adam_beta2='optimizer.adamw_optimizer.b2',
+                      max_grad_norm='optimizer.adamw_optimizer.clip_gradient', log_every='log_freq', seed='seed', report_to='report_to', progress='progress')
+
+def bpt_train_config(args:dict, out, per_micro:int, fsdp:int, resume) -> TrainConfig:
+    ("The loop's `TrainConfig` from the parsed flags `args` ({prefix: config}): the flags of `BPT_LOOP_FLAGS`, and "
+     "what the run works out (rows per process per micro-batch, the mesh's FSDP, checkpoints only at the end).")
+    fused = with_bpt_updates(args['llama'], args['']).fused       # --update_llama_config may set it
+    return train_config_from(args, BPT_LOOP_FLAGS, output_dir=str(out),
+                             per_device_batch_size=args['train_dataset.json_dataset'].batch_size // per_micro,
+                             save_every=0, keep_checkpoints=10**9, save_final=True, resume_from=resume,
+                             mixed_precision=args[''].mixed_precision,       # from --dtype
+                             distributed_type='fsdp' if fsdp > 1 else 'ddp',
+                             fsdp_layer_cls=['BPTDecoderLayer'] if fused else None)
+
+# %% ../nbs/11_train_bpt.ipynb
 from .cards import output_card
 
 def full_state(trainer) -> dict:
@@ -492,14 +510,7 @@ def train_bpt(args:dict) -> dict:
                         ds.batch_size // per_micro, shuffle=False, seed=run.seed, pad_id=pad_id(tok))
     callbacks = [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq),
                  OptimizerStateSwitch(ckpt.save_optimizer_state), DatasetStateFile()]
-    tc = TrainConfig(output_dir=str(out), max_steps=run.total_steps, per_device_batch_size=ds.batch_size // per_micro,
-                     gradient_accumulation_steps=opt.accumulate_gradient_steps, lr=adamw.lr,
-                     weight_decay=adamw.weight_decay, adam_beta1=adamw.b1, adam_beta2=adamw.b2,
-                     max_grad_norm=adamw.clip_gradient, save_every=0, keep_checkpoints=10**9, save_final=True,
-                     log_every=run.log_freq, mixed_precision=run.mixed_precision,
-                     distributed_type='fsdp' if fsdp > 1 else 'ddp',
-                     fsdp_layer_cls=['BPTDecoderLayer'] if llama.fused else None,
-                     seed=run.seed, resume_from=resume, report_to=run.report_to, progress=run.progress)
+    tc = bpt_train_config(args, out, per_micro, fsdp, resume)
     sched = lambda o: lambda_scheduler(o, adamw.schedule())
     run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(),
                   'world_size': world, 'mesh': {'dp': dp, 'fsdp': fsdp}, 'data': rows['counts'], 'parameters': n_params,

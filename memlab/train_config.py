@@ -4,6 +4,7 @@
 
 # %% ../nbs/05b_train_config.ipynb 2
 from __future__ import annotations
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from .runtime import resolve_precision
 from .schedules import lambda_scheduler, make_schedule
 
 # %% auto 0
-__all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'TrainConfig', 'schedule_of', 'get_scheduler']
+__all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'TrainConfig', 'train_config_from', 'schedule_of', 'get_scheduler']
 
 # %% ../nbs/05b_train_config.ipynb
 SCHEDULERS = ('linear', 'cosine', 'constant', 'polynomial')
@@ -89,6 +90,22 @@ class TrainConfig(Config):
               f"total_batch_size {self.total_batch_size} is not a multiple of per_device_batch_size × processes = "
               f"{self.per_device_batch_size} × {world_size}: choose sizes that divide")
         return self.total_batch_size // per_step
+
+# %% ../nbs/05b_train_config.ipynb
+def train_config_from(flags, names:dict, **computed) -> TrainConfig:
+    """The loop's `TrainConfig` from a command's parsed `flags`: `names` maps loop fields to the flags that set them,
+    `computed` gives the fields the command works out. `flags` is a config, or `parse_configs`' {prefix: config} of a
+    command with dotted flags, where 'optimizer.adamw_optimizer.lr' reads `flags['optimizer.adamw_optimizer'].lr`."""
+    loop = {f.name for f in dataclasses.fields(TrainConfig)}
+    check(not (set(names) | set(computed)) - loop,
+          f"TrainConfig has no field(s) {', '.join(sorted((set(names) | set(computed)) - loop))}")
+    check(not set(names) & set(computed), f"set both from a flag and computed: {', '.join(sorted(set(names) & set(computed)))}")
+    def read(flag:str):
+        prefix, _, name = flag.rpartition('.') if isinstance(flags, dict) else ('', '', flag)
+        part = flags.get(prefix) if isinstance(flags, dict) else flags
+        check(hasattr(part, name), f"{type(part).__name__ if part is not None else 'the command'} has no flag --{flag} (named for the loop's settings)")
+        return getattr(part, name)
+    return TrainConfig(**{field: read(flag) for field, flag in names.items()}, **computed)
 
 # %% ../nbs/05b_train_config.ipynb
 def schedule_of(config:TrainConfig):

@@ -27,7 +27,7 @@ from .neurocache import (TINY_RECALL_MODEL, FactRecallTask, RecallLoss, RecallPr
                                fact_recall_tokenizer, recall_cache_config, recall_metrics)  # they lived here
 from .tokenizers import check_sequence_length, check_vocab
 from .protocol import LossOutput, causal_lm_loss
-from .train_config import TrainConfig
+from .train_config import TrainConfig, train_config_from
 from .distributed import make_accelerator
 from .checkpoints import find_checkpoint, resume_plan
 from .trainer import Trainer
@@ -35,9 +35,10 @@ from .training import run
 from .cards import eval_metrics
 
 # %% auto 0
-__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NeurocacheRunConfig', 'mixed_precision_of',
-           'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams', 'stream_loss',
-           'save_run_neurocache', 'check_resume_flags', 'train_neurocache', 'summary', 'main', 'train_fact_recall']
+__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NEUROCACHE_LOOP_FLAGS', 'NeurocacheRunConfig',
+           'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
+           'stream_loss', 'save_run_neurocache', 'check_resume_flags', 'neurocache_train_config', 'train_neurocache',
+           'summary', 'main', 'train_fact_recall']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -353,20 +354,24 @@ def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
           "flags the run was started with, or start a new run")
 
 # %% ../nbs/21_train_neurocache.ipynb
-def _train_config(cfg:NeurocacheRunConfig, mp:str, training:bool, resume) -> TrainConfig:
-    "The loop's `TrainConfig` from the seed's flags (the output folder only for a run that trains or resumes)."
-    return TrainConfig(output_dir=cfg.output_dir if training or resume else None, max_steps=cfg.max_train_steps,
-                       per_device_batch_size=cfg.per_device_train_batch_size,
-                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, lr=cfg.learning_rate,
-                       weight_decay=cfg.weight_decay, scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type],
-                       warmup_steps=cfg.num_warmup_steps, max_grad_norm=cfg.max_grad_norm,
-                       eval_every=cfg.evaluate_every_steps, max_eval_steps=cfg.max_eval_steps or None,
-                       save_every=cfg.checkpointing_steps, keep_checkpoints=cfg.keep_n_checkpoints, save_final=False,
-                       log_every=cfg.logging_steps, mixed_precision=mp,
-                       gradient_checkpointing=training and not cfg.disable_grad_checkpointing,
-                       distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume,
-                       report_to=cfg.report_to if cfg.with_tracking else 'none', progress=cfg.progress)
+# the loop's settings that the seed's flags give directly: {loop field: flag}
+NEUROCACHE_LOOP_FLAGS = dict(max_steps='max_train_steps', per_device_batch_size='per_device_train_batch_size',
+                             gradient_accumulation_steps='gradient_accumulation_steps', lr='learning_rate',
+                             weight_decay='weight_decay', warmup_steps='num_warmup_steps', max_grad_norm='max_grad_norm',
+                             eval_every='evaluate_every_steps', save_every='checkpointing_steps',
+                             keep_checkpoints='keep_n_checkpoints', log_every='logging_steps',
+                             distributed_type='distributed_type', seed='seed', progress='progress')
 
+def neurocache_train_config(cfg:NeurocacheRunConfig, mp:str, training:bool, resume) -> TrainConfig:
+    ("The loop's `TrainConfig`: the flags of `NEUROCACHE_LOOP_FLAGS`, and what the run works out from the others "
+     "(the output folder only for a run that trains or resumes).")
+    return train_config_from(cfg, NEUROCACHE_LOOP_FLAGS, output_dir=cfg.output_dir if training or resume else None,
+                             scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type], max_eval_steps=cfg.max_eval_steps or None,
+                             save_final=False, mixed_precision=mp, resume_from=resume,
+                             gradient_checkpointing=training and not cfg.disable_grad_checkpointing,
+                             report_to=cfg.report_to if cfg.with_tracking else 'none')
+
+# %% ../nbs/21_train_neurocache.ipynb
 def _run_card(cfg:NeurocacheRunConfig, res:dict, training:bool) -> dict:
     "The run folder's model card: the saved Neurocache (memlab.load_model opens it), its final evaluation."
     out = Path(cfg.output_dir)
@@ -408,7 +413,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     check(trainable or cfg.only_evaluate, "nothing to train: the model has no trainable parameter")
     check(not (cfg.resume_from_checkpoint and not trainable),
           "--resume_from_checkpoint needs a model with trainable weights")
-    tc = _train_config(cfg, mp, training, resume)
+    tc = neurocache_train_config(cfg, mp, training, resume)
     # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
     optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
     loop = dict(loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks], optimizer=optimizer, accelerator=acc,

@@ -13,10 +13,9 @@ from torch import nn
 
 from .core import (Config, MemlabError, arg, check, cli_main, parse_configs, parse_count, seed_everything,
                          show_path)
-from .runtime import PRECISION_NAMES, count_parameters, resolve_precision
+from .runtime import PRECISION_NAMES, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
 from .models import llama_config, load_model
-from .runtime import memlab_home
 from .relora import (PRUNING_RULES, SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler,
                            merged_model, relora_layers, reset_mode_from_flags)
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
@@ -25,17 +24,17 @@ from .distributed import main_process_value
 from .checkpoints import resume_plan
 from .training import run
 from .callbacks import ConsolidateZeroState, ProfileCallback
-from .train_config import TrainConfig
+from .train_config import TrainConfig, train_config_from
 from .distributed import make_accelerator
 from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_sharded, load_strict, read_json,
                                 read_state, sharded_metadata)
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'ReLoRARunConfig', 'check_relora_flags', 'build_model',
-           'find_warm_start', 'original_training_state', 'warm_start_step', 'load_warm_start', 'accumulation_steps',
-           'training_steps', 'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory',
-           'default_save_dir', 'with_default_dataset', 'relora_schedule', 'relora_model', 'relora_batches',
-           'relora_callbacks', 'relora_train_config', 'train_relora', 'main']
+__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig', 'check_relora_flags',
+           'build_model', 'find_warm_start', 'original_training_state', 'warm_start_step', 'load_warm_start',
+           'accumulation_steps', 'training_steps', 'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates',
+           'optimizer_factory', 'default_save_dir', 'with_default_dataset', 'relora_schedule', 'relora_model',
+           'relora_batches', 'relora_callbacks', 'relora_train_config', 'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
@@ -455,16 +454,20 @@ def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> li
         if cfg.comment: os.environ['WANDB_NOTES'] = cfg.comment
     return callbacks
 
+# %% ../nbs/31_train_relora.ipynb
+# the loop's settings that torchrun_main.py's flags give directly: {loop field: flag}
+RELORA_LOOP_FLAGS = dict(per_device_batch_size='batch_size', lr='lr', weight_decay='weight_decay',
+                         adam_beta1='adam_beta1', adam_beta2='adam_beta2', max_grad_norm='clip_grad_norm',
+                         eval_every='eval_every', save_every='save_every',
+                         distributed_type='distributed_type', seed='seed', report_to='report_to', progress='progress')
+
 def relora_train_config(cfg:ReLoRARunConfig, save_dir, steps:int, accum:int, world:int, resume) -> TrainConfig:
-    "Stage 4, the loop's settings: torchrun_main.py's flags under the loop's names."
-    return TrainConfig(output_dir=save_dir, max_steps=steps, per_device_batch_size=cfg.batch_size,
-                       gradient_accumulation_steps=accum, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                       adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, max_grad_norm=cfg.clip_grad_norm,
-                       eval_every=cfg.eval_every, save_every=cfg.save_every,
-                       max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
-                       keep_checkpoints=cfg.keep_checkpoints or 10**9, log_every=1, mixed_precision=cfg.mixed_precision,
-                       distributed_type=cfg.distributed_type, seed=cfg.seed, resume_from=resume,
-                       report_to=cfg.report_to, progress=cfg.progress)
+    "Stage 4, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others."
+    return train_config_from(cfg, RELORA_LOOP_FLAGS, output_dir=save_dir, max_steps=steps,
+                             gradient_accumulation_steps=accum, log_every=1, resume_from=resume,
+                             mixed_precision=cfg.mixed_precision,            # from --dtype
+                             max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
+                             keep_checkpoints=cfg.keep_checkpoints or 10**9)
 
 # %% ../nbs/31_train_relora.ipynb
 def train_relora(cfg:ReLoRARunConfig) -> dict:

@@ -477,11 +477,11 @@ def _write_checkpoint(self) -> Path:
     acc.wait_for_everyone()
     return final
 
+# %% ../nbs/05g_trainer.ipynb
 # what a resume may not change: the batch, the optimizer, the schedule's kind and the data order (max_steps may grow)
 RESUME_FIELDS = ('per_device_batch_size', 'lr', 'weight_decay', 'adam_beta1', 'adam_beta2', 'adam_eps', 'scheduler',
                  'min_lr_ratio', 'lr_end', 'power', 'max_grad_norm', 'seed')
 
-# %% ../nbs/05g_trainer.ipynb
 def resume_differences(saved:dict, config:TrainConfig, world_size:int) -> list:
     "The settings in which `config` differs from the `saved` config of a checkpoint ('flag old -> new', one each)."
     out = [f"--{k} {saved[k]} -> {getattr(config, k)}" for k in RESUME_FIELDS

@@ -14,7 +14,7 @@ from ..core import check
 
 # %% auto 0
 __all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'check_remat_policy', 'remat', 'stat_dtype', 'torch_block',
-           'sdpa_block', 'flash_block', 'key_blocks', 'chunk_length', 'blockwise_attention', 'resolve_kernel',
+           'sdpa_block', 'flash_block', 'resolve_kernel', 'key_blocks', 'chunk_length', 'blockwise_attention',
            'native_attention', 'set_mmap_threshold']
 
 # %% ../../nbs/bpt/10_0_kernels.ipynb
@@ -162,6 +162,14 @@ def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
     return dq, dk, dv
 
 KERNELS = {'torch': torch_block, 'sdpa': sdpa_block, 'flash': flash_block}
+
+DEVICE_KERNELS = ('auto', 'native')   # chosen per device, beside the block-pair kernels of KERNELS
+
+def resolve_kernel(kernel, device):
+    ("The kernel `kernel` means on `device`: 'auto' is 'native' on CUDA (its fused SDPA kernels tile keys inside, in "
+     "memory linear in T) and 'flash' elsewhere; any other name or callable is itself.")
+    if not (isinstance(kernel, str) and kernel == 'auto'): return kernel
+    return 'native' if torch.device(device).type == 'cuda' else 'flash'
 
 def _merge(state, block):
     "Fold one block's (a, m, ℓ) into the running (a, m, ℓ); the running max is a constant for autograd."
@@ -360,14 +368,6 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
         return torch.cat(outs, dim=2).to(dtype)       # (B, nh, Tq, hs)
 
 # %% ../../nbs/bpt/10_0_kernels.ipynb
-DEVICE_KERNELS = ('auto', 'native')   # chosen per device, beside the block-pair kernels of KERNELS
-
-def resolve_kernel(kernel, device):
-    ("The kernel `kernel` means on `device`: 'auto' is 'native' on CUDA (its fused SDPA kernels tile keys inside, in "
-     "memory linear in T) and 'flash' elsewhere; any other name or callable is itself.")
-    if not (isinstance(kernel, str) and kernel == 'auto'): return kernel
-    return 'native' if torch.device(device).type == 'cuda' else 'flash'
-
 def _native_keep(mask, causal:bool, qs:int, qe:int, Tk:int, offset:int):
     ("Which keys the queries qs:qe may see, as SDPA takes a mask: bool (B|1, 1|nh, qc, Tk) (True = attend) or "
      "additive float (−∞ = masked), with the causal rule folded in.")

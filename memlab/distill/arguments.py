@@ -14,11 +14,11 @@ from ..core import Config, arg, check
 from ..runtime import resolve_precision
 from ..evaluation import lm_eval_scores, require_lm_eval
 from ..models import check_model_sizes
-from ..train_config import TrainConfig
+from ..train_config import TrainConfig, train_config_from
 
 # %% auto 0
-__all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments',
-           'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores',
+__all__ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'DISTILL_LOOP_FLAGS', 'parse_copy_modules',
+           'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores',
            'DistillationTrainingArguments', 'run_length', 'loop_config']
 
 # %% ../../nbs/distill/41_8_arguments.ipynb
@@ -312,15 +312,20 @@ def run_length(tr:DistillationTrainingArguments, rows:int, world:int=1) -> tuple
     steps = tr.max_steps if tr.max_steps > 0 else max(1, math.ceil(tr.num_train_epochs * rows / rows_per_update))
     return rows_per_update, steps
 
+# the loop's settings that Hugging Face's TrainingArguments give directly: {loop field: argument}
+DISTILL_LOOP_FLAGS = dict(per_device_batch_size='per_device_train_batch_size',
+                          gradient_accumulation_steps='gradient_accumulation_steps', lr='learning_rate',
+                          weight_decay='weight_decay', adam_beta1='adam_beta1', adam_beta2='adam_beta2',
+                          adam_eps='adam_epsilon', max_grad_norm='max_grad_norm', eval_at_start='eval_on_start',
+                          log_every='logging_steps',
+                          gradient_checkpointing='gradient_checkpointing', seed='seed', report_to='report_to')
+
 def loop_config(tr:DistillationTrainingArguments, output_dir, steps:int, resume_from=None) -> TrainConfig:
-    "The loop's `TrainConfig` for `steps` updates as the training arguments say, writing to `output_dir`."
-    return TrainConfig(output_dir=str(output_dir), max_steps=steps,
-                       per_device_batch_size=tr.per_device_train_batch_size,
-                       gradient_accumulation_steps=tr.gradient_accumulation_steps, lr=tr.learning_rate,
-                       weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
-                       adam_eps=tr.adam_epsilon, max_grad_norm=tr.max_grad_norm, **tr.schedule(steps),
-                       eval_every=tr.eval_steps if tr.eval_strategy == 'steps' else 0, eval_at_start=tr.eval_on_start,
-                       log_every=tr.logging_steps, save_every=tr.save_steps if tr.save_strategy == 'steps' else 0,
-                       keep_checkpoints=tr.save_total_limit or 2, mixed_precision=tr.mixed_precision,
-                       gradient_checkpointing=tr.gradient_checkpointing, distributed_type='ddp', seed=tr.seed,
-                       resume_from=resume_from, report_to=tr.report_to, progress=not tr.disable_tqdm)
+    ("The loop's `TrainConfig` for `steps` updates, writing to `output_dir`: the arguments of `DISTILL_LOOP_FLAGS`, "
+     "and what the others mean (the schedule, the strategies).")
+    return train_config_from(tr, DISTILL_LOOP_FLAGS, output_dir=str(output_dir), max_steps=steps, **tr.schedule(steps),
+                             eval_every=tr.eval_steps if tr.eval_strategy == 'steps' else 0,
+                             save_every=tr.save_steps if tr.save_strategy == 'steps' else 0,
+                             keep_checkpoints=tr.save_total_limit or 2, distributed_type='ddp',
+                             resume_from=resume_from, progress=not tr.disable_tqdm,
+                             mixed_precision=tr.mixed_precision)         # from --bf16 / --fp16

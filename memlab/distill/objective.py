@@ -23,7 +23,7 @@ from .teacher import TopKTeacher, model_device, output_vocab_size
 
 # %% auto 0
 __all__ = ['DISTILY_LOSSES', 'HEADS_ATTR', 'distily_loss_name', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads',
-           'save_distill_heads', 'load_distill_heads', 'LossSchedule', 'DistillLoss']
+           'save_distill_heads', 'load_distill_heads', 'DistillLoss', 'LossSchedule']
 
 # %% ../../nbs/distill/41_3_objective.ipynb
 import warnings
@@ -251,13 +251,6 @@ def _feature_sums(obj, out_s, out_t, mask, hs_pairs, attn_pairs, heads) -> dict:
         sums['attn'] = attention_loss(out_s.attentions, out_t.attentions, attn_pairs, obj.attn_loss_fn)[mask].sum()
     return sums
 
-class LossSchedule(Callback):
-    ("Tells a `DistillLoss` which update (0-based) the loop is about to train, read from the loop at every update "
-     "(so a resumed run picks the same loss at the same update).")
-    def __init__(self, loss): self.loss = loss
-    def on_train_begin(self, trainer): self.loss.step = trainer.step
-    def on_step_begin(self, trainer): self.loss.step = trainer.step
-
 # %% ../../nbs/distill/41_3_objective.ipynb
 class DistillLoss:
     ("A distillation objective as memlab's `loss_fn(model, batch) -> LossOutput`; the teacher is frozen, "
@@ -345,3 +338,10 @@ class DistillLoss:
         for k, v in _feature_sums(obj, out_s, out_t, mask, self.hs_pairs, self.attn_pairs, self.heads).items():
             total = total + getattr(obj, f"{k}_weight") * v; logs[k] = v.detach()
         return LossOutput(total, n, logs)
+
+class LossSchedule(Callback):
+    ("Tells a `DistillLoss` which update (0-based) the loop is about to train, read from the loop at every update "
+     "(so a resumed run picks the same loss at the same update).")
+    def __init__(self, loss): self.loss = loss
+    def on_train_begin(self, trainer): self.loss.step = trainer.step
+    def on_step_begin(self, trainer): self.loss.step = trainer.step

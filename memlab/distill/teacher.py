@@ -17,8 +17,8 @@ from ..wrappers import unwrap
 from .losses import TopK
 
 # %% auto 0
-__all__ = ['TOPK_FORMAT', 'tokenizer_fingerprint', 'dataset_fingerprint', 'TopKTeacher', 'generate_teacher_topk', 'model_device',
-           'output_vocab_size']
+__all__ = ['TOPK_FORMAT', 'tokenizer_fingerprint', 'dataset_fingerprint', 'model_device', 'output_vocab_size',
+           'generate_teacher_topk', 'TopKTeacher']
 
 # %% ../../nbs/distill/41_2_teacher.ipynb
 def tokenizer_fingerprint(tokenizer) -> dict:
@@ -48,62 +48,18 @@ def _same_identity(recorded:dict, given:dict, fields) -> list:
     return [f for f in fields if recorded.get(f) is not None and given.get(f) is not None and recorded[f] != given[f]]
 
 # %% ../../nbs/distill/41_2_teacher.ipynb
-TOPK_FORMAT = 'memlab-topk'
+def model_device(model) -> torch.device:
+    "The device of a (wrapped) model's first parameter."
+    return next(unwrap(model).parameters()).device
 
-class TopKTeacher:
-    ("Offline teacher outputs written by `generate_teacher_topk`; checked against the tokenizer and dataset "
-     "they were made from.")
-    def __init__(self, out_dir, tokenizer=None, dataset_fingerprint:dict=None):
-        self.dir = Path(out_dir)
-        f = self.dir/'index.json'
-        check(f.exists(), f"no top-k teacher outputs in {self.dir} (no index.json): run generate_teacher_topk first")
-        self.index = idx = json.loads(f.read_text())
-        check(idx.get('format') == TOPK_FORMAT and idx.get('complete'), f"{f} is not a complete memlab top-k index")
-        if tokenizer is not None:
-            tok = tokenizer_fingerprint(tokenizer)
-            bad = _same_identity(idx['tokenizer'], tok, ('vocab_size', 'vocab_hash'))
-            check(not bad, f"top-k shards in {self.dir} were made with tokenizer {idx['tokenizer']['name']!r} "
-                  f"({idx['tokenizer']['vocab_size']} tokens, vocab hash {idx['tokenizer']['vocab_hash']}), "
-                  f"not {tok['name']!r} ({tok['vocab_size']} tokens, vocab hash {tok['vocab_hash']})")
-        if dataset_fingerprint is not None:
-            bad = _same_identity(idx['dataset'], dataset_fingerprint,
-                                 ('name', 'split', 'sequence_length', 'token_hash'))
-            check(not bad, f"top-k shards in {self.dir} were made from another dataset: " +
-                  ', '.join(f"{b} {idx['dataset'][b]!r} != {dataset_fingerprint[b]!r}" for b in bad))
-        self.k, self.vocab_size, self.teacher_name = idx['k'], idx['vocab_size'], idx['teacher']
-        self._rows, self._files = {}, {}
-        for i, sh in enumerate(idx['shards']):
-            with safe_open(str(self.dir/sh['file']), framework='pt') as fh: keys = fh.get_tensor('row_key').tolist()
-            for r, key in enumerate(keys): self._rows[key] = (i, r)
-
-    def __len__(self): return len(self._rows)
-
-    def _file(self, i):
-        if i not in self._files:
-            self._files[i] = safe_open(str(self.dir/self.index['shards'][i]['file']), framework='pt')
-        return self._files[i]
-
-    def lookup(self, input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> TopK:
-        ("The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); "
-         "padding rows get a uniform filler.")
-        idx, vals = [], []
-        real = attention_mask.bool().any(-1).tolist() if attention_mask is not None else [True] * len(input_ids)
-        for row, r in zip(input_ids, real):
-            if not r:   # a padding row (no real token, every target masked): not stored, never read by a loss
-                idx.append(torch.arange(self.k).expand(len(row), self.k))
-                vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
-            key = _row_key(row)
-            check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: "
-                                     "the shards were made from other data or another sequence length")
-            i, r = self._rows[key]
-            fh = self._file(i)
-            idx.append(fh.get_slice('indices')[r]); vals.append(fh.get_slice('logprobs')[r])
-        out = TopK(torch.stack(idx).long(), torch.stack(vals).float())
-        check(out.indices.shape[1] == input_ids.shape[1],
-              f"top-k rows hold {out.indices.shape[1]} positions, the batch {input_ids.shape[1]}")
-        return out
+def output_vocab_size(model) -> int:
+    "Number of logits per token of a causal LM (rows of its output embedding)."
+    head = unwrap(model).get_output_embeddings()
+    return head.weight.shape[0] if head is not None else unwrap(model).config.vocab_size
 
 # %% ../../nbs/distill/41_2_teacher.ipynb
+TOPK_FORMAT = 'memlab-topk'
+
 def _write_shard(out_dir, n, keys, idx, vals) -> dict:
     name = f"topk-{n:05d}.safetensors"
     save_file({'row_key': torch.tensor(keys, dtype=torch.int64), 'indices': torch.stack(idx).contiguous(),
@@ -175,11 +131,55 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
     return out_dir
 
 # %% ../../nbs/distill/41_2_teacher.ipynb
-def model_device(model) -> torch.device:
-    "The device of a (wrapped) model's first parameter."
-    return next(unwrap(model).parameters()).device
+class TopKTeacher:
+    ("Offline teacher outputs written by `generate_teacher_topk`; checked against the tokenizer and dataset "
+     "they were made from.")
+    def __init__(self, out_dir, tokenizer=None, dataset_fingerprint:dict=None):
+        self.dir = Path(out_dir)
+        f = self.dir/'index.json'
+        check(f.exists(), f"no top-k teacher outputs in {self.dir} (no index.json): run generate_teacher_topk first")
+        self.index = idx = json.loads(f.read_text())
+        check(idx.get('format') == TOPK_FORMAT and idx.get('complete'), f"{f} is not a complete memlab top-k index")
+        if tokenizer is not None:
+            tok = tokenizer_fingerprint(tokenizer)
+            bad = _same_identity(idx['tokenizer'], tok, ('vocab_size', 'vocab_hash'))
+            check(not bad, f"top-k shards in {self.dir} were made with tokenizer {idx['tokenizer']['name']!r} "
+                  f"({idx['tokenizer']['vocab_size']} tokens, vocab hash {idx['tokenizer']['vocab_hash']}), "
+                  f"not {tok['name']!r} ({tok['vocab_size']} tokens, vocab hash {tok['vocab_hash']})")
+        if dataset_fingerprint is not None:
+            bad = _same_identity(idx['dataset'], dataset_fingerprint,
+                                 ('name', 'split', 'sequence_length', 'token_hash'))
+            check(not bad, f"top-k shards in {self.dir} were made from another dataset: " +
+                  ', '.join(f"{b} {idx['dataset'][b]!r} != {dataset_fingerprint[b]!r}" for b in bad))
+        self.k, self.vocab_size, self.teacher_name = idx['k'], idx['vocab_size'], idx['teacher']
+        self._rows, self._files = {}, {}
+        for i, sh in enumerate(idx['shards']):
+            with safe_open(str(self.dir/sh['file']), framework='pt') as fh: keys = fh.get_tensor('row_key').tolist()
+            for r, key in enumerate(keys): self._rows[key] = (i, r)
 
-def output_vocab_size(model) -> int:
-    "Number of logits per token of a causal LM (rows of its output embedding)."
-    head = unwrap(model).get_output_embeddings()
-    return head.weight.shape[0] if head is not None else unwrap(model).config.vocab_size
+    def __len__(self): return len(self._rows)
+
+    def _file(self, i):
+        if i not in self._files:
+            self._files[i] = safe_open(str(self.dir/self.index['shards'][i]['file']), framework='pt')
+        return self._files[i]
+
+    def lookup(self, input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> TopK:
+        ("The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); "
+         "padding rows get a uniform filler.")
+        idx, vals = [], []
+        real = attention_mask.bool().any(-1).tolist() if attention_mask is not None else [True] * len(input_ids)
+        for row, r in zip(input_ids, real):
+            if not r:   # a padding row (no real token, every target masked): not stored, never read by a loss
+                idx.append(torch.arange(self.k).expand(len(row), self.k))
+                vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
+            key = _row_key(row)
+            check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: "
+                                     "the shards were made from other data or another sequence length")
+            i, r = self._rows[key]
+            fh = self._file(i)
+            idx.append(fh.get_slice('indices')[r]); vals.append(fh.get_slice('logprobs')[r])
+        out = TopK(torch.stack(idx).long(), torch.stack(vals).float())
+        check(out.indices.shape[1] == input_ids.shape[1],
+              f"top-k rows hold {out.indices.shape[1]} positions, the batch {input_ids.shape[1]}")
+        return out

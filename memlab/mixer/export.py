@@ -50,8 +50,8 @@ class LossOutput(_NamedTuple):
 def model_inputs(batch:dict) -> dict: return {k: v for k, v in batch.items() if k != 'labels'}
 """
 # the memlab names the prelude stands in for, by the module they come from
-_PRELUDE_NAMES = {'core': {'MemlabError', 'atomic_write_text', 'check', 'count_parameters'},
-                  'models': {'register_folder'}, 'protocol': {'LossOutput', 'model_inputs'}}
+_PRELUDE_NAMES = {'core': {'MemlabError', 'atomic_write_text', 'check'}, 'runtime': {'count_parameters'},
+                  'registry': {'register_folder'}, 'protocol': {'LossOutput', 'model_inputs'}}
 
 def _strip_imports(src:str, first:bool) -> str:
     "`src` without its memlab imports (the prelude in their place in the first module) and, after the first, its `__future__` line."

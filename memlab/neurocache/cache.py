@@ -125,6 +125,67 @@ class KNNCache:
 # %% ../../nbs/neurocache/20_1_cache.ipynb
 @patch_to(KNNCache)
 @torch.no_grad()
+def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None, breaks:torch.Tensor=None):
+    ("Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new "
+     "document run starts.")
+    N, M, _ = keys.shape
+    S, dev = self.size, self.device
+    keys = keys.to(dev)
+    mask = torch.ones(N, M, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
+    n = mask.sum(1)                                                        # (N,) tokens to store per row
+    # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any
+    # neighbourhood
+    t = self.clock[:, None] + mask.long().cumsum(1) - 1
+    if breaks is not None: t = t + S * breaks.to(dev).long().cumsum(1)
+    self.clock = self.clock + n + (S * breaks.to(dev).long().sum(1) if breaks is not None else 0)
+    # pack each row's stored tokens to the front, in order (padding is dropped here)
+    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)    # (N, M)
+    row = torch.arange(N, device=dev)[:, None]
+    keys, t = keys[row, order], t[row, order]
+    raw = raw.to(dev)[row, order] if raw is not None and self.raw is not None else None
+    j = torch.arange(M, device=dev)[None, :]         # (1, M) position among the row's stored tokens
+    keep = (j < n[:, None]) & (j >= n[:, None] - S)  # only the last S tokens of a long segment survive
+    if self.cache_type == 'FIFO':
+        slot = (self.ptr[:, None] + j) % S
+        self.ptr = (self.ptr + n) % S
+    else:
+        slot = self._lru_make_room(torch.clamp(n, max=S))[:, None] + j - torch.clamp(n - S, min=0)[:, None]
+    r, s = row.expand(N, M)[keep], slot[keep]
+    stored = keys[keep].to(self.keys.dtype)
+    self.keys[r, s] = stored
+    self.sqnorm[r, s] = stored.float().pow(2).sum(-1)
+    if raw is not None: self.raw[r, s] = raw[keep].to(self.raw.dtype)
+    self.valid[r, s] = True
+    self.time[r, s] = t[keep]
+    self.tick = self.tick + 1
+    self.used[r, s] = self.tick[r]
+
+@patch_to(KNNCache)
+def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
+    ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
+     "the first free slot (N,).")
+    count = self.valid.sum(1)
+    evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
+    if not bool(evict.any()): return count
+    N, S = self.valid.shape
+    row = torch.arange(N, device=self.device)[:, None]
+    # rank slots by (last use, age); empty slots last
+    by_age = torch.argsort(torch.where(self.valid, self.time, torch.iinfo(torch.long).max), dim=1, stable=True)
+    use = torch.where(self.valid, self.used, torch.iinfo(torch.long).max)[row, by_age]
+    order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
+    keep = self.valid & (rank >= evict[:, None])
+    # kept entries first, still in insertion order
+    pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
+    for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
+        t = getattr(self, name)
+        if t is not None: setattr(self, name, t[row, pack])
+    self.valid = keep[row, pack]
+    return self.valid.sum(1)
+
+# %% ../../nbs/neurocache/20_1_cache.ipynb
+@patch_to(KNNCache)
+@torch.no_grad()
 def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1, touch:bool=True):
     ("Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity "
      "(N, Q, k·w).")
@@ -184,67 +245,6 @@ def gather_parts(self, slots:torch.Tensor, parts:int) -> torch.Tensor:
     # the store as (N·S·parts, h/parts): piece p of slot s is row s·parts + p
     idx = (flat[None, :] * parts + torch.arange(parts, device=self.device)[:, None]).reshape(-1)
     return index_rows(self.raw.reshape(-1, h // parts), idx).view(parts, *slots.shape, h // parts)
-
-# %% ../../nbs/neurocache/20_1_cache.ipynb
-@patch_to(KNNCache)
-@torch.no_grad()
-def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None, breaks:torch.Tensor=None):
-    ("Store `keys` (N, M, d) (and `raw` (N, M, h)) where `mask` (N, M) is true; `breaks` (N, M) marks where a new "
-     "document run starts.")
-    N, M, _ = keys.shape
-    S, dev = self.size, self.device
-    keys = keys.to(dev)
-    mask = torch.ones(N, M, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
-    n = mask.sum(1)                                                        # (N,) tokens to store per row
-    # time stamps: consecutive for consecutive stored tokens; a gap of S at every break, wider than any
-    # neighbourhood
-    t = self.clock[:, None] + mask.long().cumsum(1) - 1
-    if breaks is not None: t = t + S * breaks.to(dev).long().cumsum(1)
-    self.clock = self.clock + n + (S * breaks.to(dev).long().sum(1) if breaks is not None else 0)
-    # pack each row's stored tokens to the front, in order (padding is dropped here)
-    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)    # (N, M)
-    row = torch.arange(N, device=dev)[:, None]
-    keys, t = keys[row, order], t[row, order]
-    raw = raw.to(dev)[row, order] if raw is not None and self.raw is not None else None
-    j = torch.arange(M, device=dev)[None, :]         # (1, M) position among the row's stored tokens
-    keep = (j < n[:, None]) & (j >= n[:, None] - S)  # only the last S tokens of a long segment survive
-    if self.cache_type == 'FIFO':
-        slot = (self.ptr[:, None] + j) % S
-        self.ptr = (self.ptr + n) % S
-    else:
-        slot = self._lru_make_room(torch.clamp(n, max=S))[:, None] + j - torch.clamp(n - S, min=0)[:, None]
-    r, s = row.expand(N, M)[keep], slot[keep]
-    stored = keys[keep].to(self.keys.dtype)
-    self.keys[r, s] = stored
-    self.sqnorm[r, s] = stored.float().pow(2).sum(-1)
-    if raw is not None: self.raw[r, s] = raw[keep].to(self.raw.dtype)
-    self.valid[r, s] = True
-    self.time[r, s] = t[keep]
-    self.tick = self.tick + 1
-    self.used[r, s] = self.tick[r]
-
-@patch_to(KNNCache)
-def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
-    ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
-     "the first free slot (N,).")
-    count = self.valid.sum(1)
-    evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
-    if not bool(evict.any()): return count
-    N, S = self.valid.shape
-    row = torch.arange(N, device=self.device)[:, None]
-    # rank slots by (last use, age); empty slots last
-    by_age = torch.argsort(torch.where(self.valid, self.time, torch.iinfo(torch.long).max), dim=1, stable=True)
-    use = torch.where(self.valid, self.used, torch.iinfo(torch.long).max)[row, by_age]
-    order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
-    keep = self.valid & (rank >= evict[:, None])
-    # kept entries first, still in insertion order
-    pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
-    for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
-        t = getattr(self, name)
-        if t is not None: setattr(self, name, t[row, pack])
-    self.valid = keep[row, pack]
-    return self.valid.sum(1)
 
 # %% ../../nbs/neurocache/20_1_cache.ipynb
 def brute_force_knn(keys, valid, time, query, k:int, similarity_fn:str='l2', neighborhood_size:int=1) -> list:

@@ -19,32 +19,10 @@ from .attention import attention_weights
 from .layer import Neurocache, NeurocacheAttention, row_mask
 
 # %% auto 0
-__all__ = ['CACHE_FIELDS', 'induction_scores', 'copying_layers', 'resolve_design', 'resolve_config', 'NeurocacheModel',
-           'add_neurocache', 'add_ffn_lora', 'unwrap_neurocache', 'remove_lora', 'remove_neurocache', 'has_neurocache',
-           'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict', 'disable_neurocache',
-           'freeze_neurocache']
-
-# %% ../../nbs/neurocache/20_3_model.ipynb
-@torch.no_grad()
-def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor:
-    """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length`
-    tokens to the successor of their first occurrence (near 1: an induction head)."""
-    model = getattr(model, 'base_model', model) if isinstance(model, NeurocacheModel) else model
-    V = model.get_input_embeddings().num_embeddings
-    x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
-    ids = torch.cat([x, x], 1).to(model.get_input_embeddings().weight.device)
-    prev = getattr(model.config, '_attn_implementation', None)
-    # the only implementation that returns the weights
-    model.set_attn_implementation('eager')
-    try: att = model(input_ids=ids, output_attentions=True).attentions  # per layer (1, H, 2L, 2L)
-    finally:
-        if prev: model.set_attn_implementation(prev)
-    q = torch.arange(length, 2 * length - 1)
-    return torch.stack([a[0, :, q, q - length + 1].float().mean(-1) for a in att]).cpu()
-
-def copying_layers(model:nn.Module, threshold:float=0.3) -> list:
-    "The layers with an induction head scoring above `threshold` (`induction_scores`), lowest first."
-    return (induction_scores(model).max(-1).values > threshold).nonzero().flatten().tolist()
+__all__ = ['CACHE_FIELDS', 'resolve_design', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora',
+           'unwrap_neurocache', 'remove_lora', 'remove_neurocache', 'has_neurocache', 'induction_scores',
+           'copying_layers', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict',
+           'disable_neurocache', 'freeze_neurocache']
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
 def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig:
@@ -119,6 +97,38 @@ def _add_lora(base_model, layers, config, family):
     inject_adapter_in_model(lora, base_model, adapter_name='neurocache')
     n = sum(isinstance(m, LoraLayer) for m in base_model.modules())
     check(n == len(targets), f"LoRA was added to {n} modules instead of the {len(targets)} FFN linears targeted")
+
+# %% ../../nbs/neurocache/20_3_model.ipynb
+class _SaveRefused:
+    "A Hugging Face model's `save_pretrained` while a memlab method is inside it that a plain load would misread."
+    def __init__(self, why:str): self.why = why
+    def __call__(self, *args, **kwargs): raise MemlabError(self.why)
+
+def _refuse_plain_save(model:nn.Module, why:str):
+    "Make `model.save_pretrained` (on this instance only) refuse with one line; `_allow_plain_save` undoes it."
+    model.save_pretrained = _SaveRefused(why)
+
+def _allow_plain_save(model:nn.Module):
+    if isinstance(vars(model).get('save_pretrained'), _SaveRefused): del model.save_pretrained
+
+def _joint_hooks(nc:Neurocache, j:int, attn:nn.Module) -> list:
+    ("Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in "
+     "the cache.")
+    def keep(what): return lambda mod, args, out: nc.capture(j, what, out)
+    def mix(mod, args): return (nc.mix(j, attn, args[0]), *args[1:])
+    return ([getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv']
+            + [attn.o_proj.register_forward_pre_hook(mix)])
+
+def _stop_gradient(module, args, kwargs):
+    "Pre-hook on the lowest Neurocache layer: detach its input so the backward pass stops there."
+    def cut(h):
+        h = h.detach()
+        # under checkpointing, a layer whose input needs no gradient would give its own parameters none (reentrant
+        # variant)
+        return h.requires_grad_() if getattr(module, 'gradient_checkpointing', False) and torch.is_grad_enabled() else h
+    if args: args = (cut(args[0]), *args[1:])
+    elif 'hidden_states' in kwargs: kwargs = {**kwargs, 'hidden_states': cut(kwargs['hidden_states'])}
+    return args, kwargs
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
 class NeurocacheModel(PreTrainedModel):
@@ -280,38 +290,6 @@ def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs:dict=None)
 def gradient_checkpointing_disable(self): self.activation_checkpointing_disable()
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
-class _SaveRefused:
-    "A Hugging Face model's `save_pretrained` while a memlab method is inside it that a plain load would misread."
-    def __init__(self, why:str): self.why = why
-    def __call__(self, *args, **kwargs): raise MemlabError(self.why)
-
-def _refuse_plain_save(model:nn.Module, why:str):
-    "Make `model.save_pretrained` (on this instance only) refuse with one line; `_allow_plain_save` undoes it."
-    model.save_pretrained = _SaveRefused(why)
-
-def _allow_plain_save(model:nn.Module):
-    if isinstance(vars(model).get('save_pretrained'), _SaveRefused): del model.save_pretrained
-
-def _joint_hooks(nc:Neurocache, j:int, attn:nn.Module) -> list:
-    ("Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in "
-     "the cache.")
-    def keep(what): return lambda mod, args, out: nc.capture(j, what, out)
-    def mix(mod, args): return (nc.mix(j, attn, args[0]), *args[1:])
-    return ([getattr(attn, f'{w}_proj').register_forward_hook(keep(w)) for w in 'qkv']
-            + [attn.o_proj.register_forward_pre_hook(mix)])
-
-def _stop_gradient(module, args, kwargs):
-    "Pre-hook on the lowest Neurocache layer: detach its input so the backward pass stops there."
-    def cut(h):
-        h = h.detach()
-        # under checkpointing, a layer whose input needs no gradient would give its own parameters none (reentrant
-        # variant)
-        return h.requires_grad_() if getattr(module, 'gradient_checkpointing', False) and torch.is_grad_enabled() else h
-    if args: args = (cut(args[0]), *args[1:])
-    elif 'hidden_states' in kwargs: kwargs = {**kwargs, 'hidden_states': cut(kwargs['hidden_states'])}
-    return args, kwargs
-
-# %% ../../nbs/neurocache/20_3_model.ipynb
 def add_neurocache(model:nn.Module, config:NeurocacheConfig=None, train_base:bool=False) -> NeurocacheModel:
     ("Give a Llama, Mistral, OPT, GPT-2, Phi or GPT-J causal LM a Neurocache; the base model is frozen "
      "(unless `train_base`) and changed in place.")
@@ -369,6 +347,28 @@ def has_neurocache(model) -> bool:
     "Whether `model` (possibly inside DDP / accelerate / torch.compile wrappers) is a `NeurocacheModel`."
     try: unwrap_neurocache(model); return True
     except MemlabError: return False
+
+# %% ../../nbs/neurocache/20_3_model.ipynb
+@torch.no_grad()
+def induction_scores(model:nn.Module, length:int=64, seed:int=0) -> torch.Tensor:
+    """(layers, heads): each head's mean attention from the tokens of the second copy of a random sequence of `length`
+    tokens to the successor of their first occurrence (near 1: an induction head)."""
+    model = getattr(model, 'base_model', model) if isinstance(model, NeurocacheModel) else model
+    V = model.get_input_embeddings().num_embeddings
+    x = torch.randint(V // 8, V, (1, length), generator=torch.Generator().manual_seed(seed))   # clear of special tokens
+    ids = torch.cat([x, x], 1).to(model.get_input_embeddings().weight.device)
+    prev = getattr(model.config, '_attn_implementation', None)
+    # the only implementation that returns the weights
+    model.set_attn_implementation('eager')
+    try: att = model(input_ids=ids, output_attentions=True).attentions  # per layer (1, H, 2L, 2L)
+    finally:
+        if prev: model.set_attn_implementation(prev)
+    q = torch.arange(length, 2 * length - 1)
+    return torch.stack([a[0, :, q, q - length + 1].float().mean(-1) for a in att]).cpu()
+
+def copying_layers(model:nn.Module, threshold:float=0.3) -> list:
+    "The layers with an induction head scoring above `threshold` (`induction_scores`), lowest first."
+    return (induction_scores(model).max(-1).values > threshold).nonzero().flatten().tolist()
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
 CACHE_FIELDS = ('cache_size', 'eval_cache_size', 'cache_dtype', 'topk', 'neighborhood_size', 'context_size',

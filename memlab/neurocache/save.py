@@ -21,12 +21,13 @@ from .model import (NeurocacheModel, add_ffn_lora, add_neurocache, has_neurocach
                                      remove_neurocache, reset_cache, resolve_config, unwrap_neurocache)
 
 # %% auto 0
-__all__ = ['NEUROCACHE_CONFIG_NAME', 'NEUROCACHE_WEIGHTS_NAME', 'REMOTE_CODE_MODULE', 'HF_CONFIG_NAME', 'HF_WEIGHTS_NAME',
+__all__ = ['NEUROCACHE_CONFIG_NAME', 'NEUROCACHE_WEIGHTS_NAME', 'HF_CONFIG_NAME', 'HF_WEIGHTS_NAME', 'REMOTE_CODE_MODULE',
            'neurocache_state_dict', 'save_neurocache', 'saved_neurocache_info', 'load_neurocache', 'NeurocacheLMConfig',
            'NeurocacheForCausalLM', 'plain_state_dict', 'save_plain', 'standalone_source', 'load_saved_neurocache']
 
 # %% ../../nbs/neurocache/20_3a_save.ipynb
 NEUROCACHE_CONFIG_NAME, NEUROCACHE_WEIGHTS_NAME = 'neurocache_config.json', 'neurocache_model.safetensors'
+HF_CONFIG_NAME, HF_WEIGHTS_NAME = 'config.json', 'model.safetensors'
 
 def neurocache_state_dict(model) -> dict:
     ("The tensors a saved Neurocache holds: the `neurocache.*` parameters and the LoRA weights "
@@ -36,6 +37,14 @@ def neurocache_state_dict(model) -> dict:
     state = {f"base_model.{k}": v for k, v in unwrap(model).state_dict().items() if '.lora_' in k}
     check(state, "this model has neither a Neurocache nor LoRA weights: nothing to save")
     return state
+
+# %% ../../nbs/neurocache/20_3a_save.ipynb
+def _save_tensors(tensors:dict, path:Path, metadata:dict):
+    "A safetensors file written atomically (a reader never sees half of it)."
+    from safetensors.torch import save_file
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
 
 def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_dict:dict=None, tokenizer=None,
                     plain:bool=None) -> Path:
@@ -118,23 +127,7 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     return model
 
 # %% ../../nbs/neurocache/20_3a_save.ipynb
-@patch_to(NeurocacheModel)
-@classmethod
-def from_pretrained(cls, path, base_model=None, **kwargs):
-    ("The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by "
-     "`load_model`).")
-    return load_saved_neurocache(path, base_model, **kwargs)
-
-@patch_to(NeurocacheModel)
-def save_pretrained(self, save_directory, is_main_process:bool=True, state_dict:dict=None, **kwargs):
-    ("`save_neurocache`: the Neurocache's files (its weights and its LoRA) and the whole model as plain transformers "
-     "loads it, from `state_dict` if given (the HF Trainer's); the Trainer's other arguments are ignored.")
-    if not is_main_process: return Path(save_directory)
-    return save_neurocache(self, save_directory, state_dict=state_dict)
-
-# %% ../../nbs/neurocache/20_3a_save.ipynb
 REMOTE_CODE_MODULE = 'modeling_memlab_neurocache'   # the model code an exported folder carries for transformers
-HF_CONFIG_NAME, HF_WEIGHTS_NAME = 'config.json', 'model.safetensors'
 
 class NeurocacheLMConfig(PretrainedConfig):
     "config.json of an exported Neurocache model: the base model's config and the Neurocache's settings."
@@ -190,13 +183,6 @@ def plain_state_dict(model, state_dict:dict=None) -> dict:
     left = [k for k in state if '.lora_' in k or '.base_layer.' in k]
     check(not left, f"cannot export {left[0] if left else ''} as a plain weight: save with plain=False")
     return {(f"model.{k}" if nc else k): v for k, v in state.items()}
-
-def _save_tensors(tensors:dict, path:Path, metadata:dict):
-    "A safetensors file written atomically (a reader never sees half of it)."
-    from safetensors.torch import save_file
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
 
 def save_plain(model, save_directory, config:NeurocacheConfig, state_dict:dict=None) -> PretrainedConfig:
     ("Write `model` as plain transformers loads it: model.safetensors (LoRA merged), generation_config.json and, for a "
@@ -354,3 +340,18 @@ register_method(MethodSpec('neurocache', rebuild=lambda m, c: add_neurocache(m, 
                                save_neurocache(m, d, state_dict=state_dict) if is_main_process else Path(d),
                            detect=_is_saved_neurocache, load=lambda folder, **kw: load_saved_neurocache(folder, **kw),
                            base=lambda folder: saved_neurocache_info(folder)['base_model']))
+
+# %% ../../nbs/neurocache/20_3a_save.ipynb
+@patch_to(NeurocacheModel)
+@classmethod
+def from_pretrained(cls, path, base_model=None, **kwargs):
+    ("The Neurocache saved at `path` on `base_model` (default: the base model it was saved on, loaded by "
+     "`load_model`).")
+    return load_saved_neurocache(path, base_model, **kwargs)
+
+@patch_to(NeurocacheModel)
+def save_pretrained(self, save_directory, is_main_process:bool=True, state_dict:dict=None, **kwargs):
+    ("`save_neurocache`: the Neurocache's files (its weights and its LoRA) and the whole model as plain transformers "
+     "loads it, from `state_dict` if given (the HF Trainer's); the Trainer's other arguments are ignored.")
+    if not is_main_process: return Path(save_directory)
+    return save_neurocache(self, save_directory, state_dict=state_dict)

@@ -1,0 +1,33 @@
+"Each command maps its seed's flags onto the loop's settings in one table, read by `train_config_from`: the tables are checked here, before any run."
+import dataclasses
+import pytest
+from memlab.train_config import TrainConfig
+
+def fields(cls) -> set: return {f.name for f in dataclasses.fields(cls)}
+
+def tables():
+    from memlab.train_relora import RELORA_LOOP_FLAGS, ReLoRARunConfig
+    from memlab.train_neurocache import NEUROCACHE_LOOP_FLAGS, NeurocacheRunConfig
+    from memlab.train_bpt import BPT_LOOP_FLAGS, FLAG_GROUPS
+    from memlab.distill.arguments import DISTILL_LOOP_FLAGS, DistillationTrainingArguments
+    return {'relora': (RELORA_LOOP_FLAGS, {'': ReLoRARunConfig}), 'neurocache': (NEUROCACHE_LOOP_FLAGS, {'': NeurocacheRunConfig}),
+            'bpt': (BPT_LOOP_FLAGS, FLAG_GROUPS), 'distill': (DISTILL_LOOP_FLAGS, {'': DistillationTrainingArguments})}
+
+@pytest.mark.parametrize('command', ['relora', 'neurocache', 'bpt', 'distill'])
+def test_a_loop_table_names_loop_settings_and_real_flags(command):
+    names, groups = tables()[command]
+    assert set(names) <= fields(TrainConfig), set(names) - fields(TrainConfig)
+    for field, flag in names.items():
+        prefix, _, name = flag.rpartition('.')
+        assert prefix in groups and name in fields(groups[prefix]), f"{command}: --{flag} (for {field}) is not a flag"
+
+def test_no_command_builds_the_loop_config_field_by_field():
+    "The mapping is written once: the command lines hand their tables to `train_config_from`, not TrainConfig(...)."
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]/'memlab'
+    for p in [*root.glob('train_*.py'), root/'distill'/'arguments.py']:
+        if p.name == 'train_config.py': continue
+        src = p.read_text()
+        for line in src.splitlines():
+            if 'TrainConfig(' in line and 'def ' not in line:
+                assert 'train_fact_recall' in src and 'output_dir=output_dir, max_steps=steps' in line, f"{p.name}: {line.strip()}"

@@ -4,210 +4,22 @@
 
 # %% ../nbs/51_train_mixer.ipynb 2
 from __future__ import annotations
-import dataclasses, importlib.util, math, os, typing
-from dataclasses import dataclass
+import dataclasses, importlib.util, os
 
-import numpy as np
-import torch
-from torch import nn
-
-import memlab.mixer as mixer
-from .core import (Config, MemlabError, arg, check, cli_main, field_docs, markdown_table, parse_configs,
-                         seed_everything, show_path, str2bool)
-from .runtime import count_parameters, fmt_bytes
-from .data import load_corpus
-from .loaders import TokenBatches
-from .mixer import (MaskedMixerConfig, autoencoder_loss, load_mixer, memory_bits, normalized_loss, information,
-                          objective_loss)
-from .models import load_model, load_tokenizer, save_full_state
-from .tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
+from .core import MemlabError, check, cli_main, markdown_table, parse_configs, show_path, str2bool
+from .mixer import (MixerModelArgs, MixerTaskConfig, autoencoder_loss, build_model, check_fits, check_memory,
+                          data_info, information, input_length, load_mixer, memory_cost, mixer_config, mixer_data,
+                          normalized_loss, objective_loss, save_trained_model)
+from .models import load_tokenizer
+from .runtime import count_parameters
+from .tokenizers import pretokenized_args
 from .train_config import TrainConfig
 from .distributed import make_accelerator, resolve_distributed_type
-from .trainer import Trainer
 from .training import default_output_dir, run, run_summary
 
 # %% auto 0
-__all__ = ['SEED_ALIASES', 'MixerModelArgs', 'MODEL_KINDS', 'CHUNKED', 'COPY_OBJECTIVES', 'FSDP_CONFIG', 'ZERO_CONFIG',
-           'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'model_args_class', 'MixerTaskConfig', 'mixer_config', 'model_class',
-           'input_length', 'free_memory', 'check_memory', 'build_model', 'DataInfo', 'data_info', 'check_fits',
-           'packed_rows', 'mixer_data', 'check_launcher', 'memory_cost', 'save_trained_model', 'train_mixer',
-           'results_table', 'main']
-
-# %% ../nbs/51_train_mixer.ipynb
-# the original drivers' names
-SEED_ALIASES = {'hidden_size': ('dim',), 'num_layers': ('depth',), 'length': ('tokenized_length',)}
-_NOT_FLAGS = ('vocab_size', 'pad_token_id')  # set from the data
-
-def model_args_class():
-    ("A plain `Config` dataclass with `MaskedMixerConfig`'s own fields (types, defaults, help): "
-     "the command line's model flags.")
-    from transformers import PretrainedConfig
-    base = {f.name for f in dataclasses.fields(PretrainedConfig)}
-    hints = typing.get_type_hints(MaskedMixerConfig, localns={'torch': torch})
-    docs = field_docs(MaskedMixerConfig)
-    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata={
-                   'help': docs.get(f.name, ''), 'aliases': SEED_ALIASES.get(f.name, ())}))
-              for f in dataclasses.fields(MaskedMixerConfig) if f.name not in base and f.name not in _NOT_FLAGS]
-    cls = dataclasses.make_dataclass('MixerModelArgs', fields, bases=(Config,))
-    cls.__doc__ = 'Architecture of the model (the fields of MaskedMixerConfig).'
-    cls.__module__ = __name__
-    return cls
-
-MixerModelArgs = model_args_class()
-
-# %% ../nbs/51_train_mixer.ipynb
-MODEL_KINDS = {'lm': 'MaskedMixerForCausalLM', 'autoencoder': 'MaskedMixerAutoencoder', 'oracle': 'OracleMemoryModel',
-               'parallel': 'ParallelMemoryModel', 'recurrent': 'RecurrentMemoryModel'}
-CHUNKED = ('parallel', 'recurrent')
-
-@dataclass
-class MixerTaskConfig(Config):
-    "What to train on what: the kind of model, its data, the objective's special tokens, and what to write."
-    model: str = 'lm'  # lm | autoencoder | oracle | parallel | recurrent (no-memory baseline: parallel --no_memory)
-    dataset_path: str = arg(None, 'pretokenized')       # rows pretokenized by memlab_pretokenize (packed or padded);
-                                                        # overrides dataset_name
-    dataset_name: str = arg('pydocs', 'dataset')        # corpus tokenized on the fly: pydocs, a local file/folder (one
-                                                        # .txt: ~20K-char pieces at blank lines), a hub name
-    dataset_config: str = None                          # hub dataset configuration
-    text_field: str = 'text'                            # field holding the text in .jsonl/.parquet/hub datasets
-    tokenizer: str = 'smollm2-135m'                     # tokenizer for on-the-fly data: a folder (e.g. an 8k BPE from
-                                                        # memlab_train_tokenizer) or a built-in name
-    take: int = None                                    # on-the-fly data: only the first N documents of each split
-    sequence_length: int = None                         # on-the-fly data: tokens per row (default: the model's input,
-                                                        # length or n_chunks × length)
-    vocab_size: int = arg(None, 'n_vocab')  # model vocabulary (default: the tokenizer's, or the pretokenized data's)
-    delimiter_id: int = None                            # copy objectives: the token closing each half (default: EOS)
-    blank_id: int = None  # blank copy: the token filling the second half (default: the pad token)
-    encoder_from: str = None  # memory models: start the memory encoder from this saved autoencoder or memory model
-    decoder_model: str = None  # parallel memory: a pretrained causal LM (folder or built-in name) as the decoder
-    decoder_lora_r: int = 0  # LoRA rank on that pretrained decoder (PEFT; 0: train all its weights)
-    save_model: bool = True                             # save the trained model to output_dir/model (save_pretrained)
-    plot: bool = True                                   # write loss.png in the output folder
-
-    def __post_init__(self):
-        check(self.model in MODEL_KINDS, f"unknown model {self.model!r}; choose one of {', '.join(MODEL_KINDS)} "
-              "(the no-memory baseline is --model parallel --no_memory)")
-        check(self.decoder_model is None or self.model == 'parallel',
-              "--decoder_model (a pretrained decoder) is an option of --model parallel")
-        check(self.decoder_lora_r >= 0, f"decoder_lora_r must be 0 (off) or positive, got {self.decoder_lora_r}")
-        for name in ('take', 'sequence_length', 'vocab_size'):
-            v = getattr(self, name)
-            check(v is None or v > 0, f"{name} must be positive, got {v}")
-
-# %% ../nbs/51_train_mixer.ipynb
-def mixer_config(model_args, vocab_size:int, pad_token_id:int=None) -> MaskedMixerConfig:
-    "The validated `MaskedMixerConfig` of the architecture flags `model_args` and a vocabulary."
-    return MaskedMixerConfig(**model_args.to_dict(), vocab_size=vocab_size, pad_token_id=pad_token_id)
-
-def model_class(kind:str) -> type:
-    "The `memlab.mixer` class of model kind `kind`."
-    check(kind in MODEL_KINDS, f"unknown model {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
-    return getattr(mixer, MODEL_KINDS[kind])
-
-def input_length(kind:str, config:MaskedMixerConfig) -> int:
-    "Tokens one row of data may hold for model kind `kind`: n_chunks × length for chunked memory models, else length."
-    return config.n_chunks * config.length if kind in CHUNKED else config.length
-
-def free_memory(device) -> int:
-    "Bytes free now on `device`: the GPU's free memory, or the machine's available memory (MemAvailable)."
-    if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
-    try: return next(int(l.split()[1]) * 1024 for l in open('/proc/meminfo') if l.startswith('MemAvailable:'))
-    except (OSError, StopIteration, ValueError): return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-
-def check_memory(task:MixerTaskConfig, config:MaskedMixerConfig, device, free:int=None):
-    ("Refuse a model whose training state (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter) "
-     "cannot fit in `device`'s free memory, counted on the meta device before anything is allocated.")
-    if task.decoder_model: return                       # a pretrained decoder is loaded as it is
-    with torch.device('meta'): n = count_parameters(model_class(task.model)(config))
-    free = free_memory(torch.device(device)) if free is None else free
-    check(16 * n <= free, f"the {task.model} model has {n:,} parameters: training it needs about {fmt_bytes(16 * n)} "
-          f"(weights, gradients and AdamW state), more than the {fmt_bytes(free)} free on {device}: lower --length "
-          "(a mixing layer holds length x length weights), --hidden_size or --num_layers")
-
-def build_model(task:MixerTaskConfig, config:MaskedMixerConfig, seed:int=0) -> nn.Module:
-    "The model `task.model` of `config`, seeded; with a pretrained (LoRA) decoder and a loaded encoder when asked."
-    check(task.model != 'autoencoder' or config.objective == 'clm', "autoencoders are trained to "
-          f"reconstruct their input; --objective {config.objective} applies to the lm and memory models")
-    seed_everything(seed)
-    if task.decoder_model:
-        decoder = load_model(task.decoder_model)
-        if task.decoder_lora_r:
-            from peft import LoraConfig, get_peft_model
-            decoder = get_peft_model(decoder, LoraConfig(r=task.decoder_lora_r, lora_alpha=2 * task.decoder_lora_r,
-                                                         target_modules='all-linear', task_type='CAUSAL_LM'))
-        model = mixer.ParallelMemoryModel(config, decoder=decoder)
-    else: model = model_class(task.model)(config)
-    if task.encoder_from: model.load_encoder(load_mixer(task.encoder_from))
-    return model
-
-# %% ../nbs/51_train_mixer.ipynb
-COPY_OBJECTIVES = ('copy', 'blank_copy', 'combined')
-
-@dataclass
-class DataInfo:
-    "What the model needs to know about its data."
-    vocab_size: int        # tokens of the tokenizer
-    eos_id: int            # end-of-sequence id (the default copy delimiter)
-    pad_id: int            # padding id (the default blank)
-    sequence_length: int   # tokens per row
-    source: str            # where the rows come from
-
-def data_info(task:MixerTaskConfig, tokenizer=None) -> DataInfo:
-    "Vocabulary, special ids and row length of the task's data (from args.json, or from the tokenizer)."
-    if task.dataset_path:
-        a = pretokenized_args(task.dataset_path)
-        return DataInfo(int(a['vocab_size']), int(a['eos_token_id']), int(a['pad_token_id']), int(a['sequence_length']),
-                        f"{task.dataset_path} ({a.get('mode', 'packed')})")
-    return DataInfo(len(tokenizer), eos_id(tokenizer), pad_id(tokenizer), task.sequence_length,
-                    f"{task.dataset_name} (tokenized on the fly)")
-
-def check_fits(info:DataInfo, kind:str, config:MaskedMixerConfig):
-    "One line if rows of `info.sequence_length` tokens do not fit model kind `kind`."
-    cap, L = input_length(kind, config), info.sequence_length
-    chunks = f" (n_chunks {config.n_chunks} × length {config.length})" if kind in CHUNKED else ''
-    check(L <= cap, f"rows of {L} tokens are longer than the masked mixer's fixed length: "
-          f"the {kind} model reads {cap} tokens{chunks}; pretokenize with --sequence_length {cap}, "
-          f"or build the model with --length {math.ceil(L / config.n_chunks) if kind in CHUNKED else L}")
-
-def packed_rows(docs, tokenizer, sequence_length:int, full_only:bool=False) -> dict:
-    ("Documents tokenized and packed into rows of `sequence_length` (EOS between documents); "
-     "`full_only` drops the padded last row.")
-    texts = [getattr(d, 'text', d) for d in docs]
-    check(texts, "no documents to tokenize")
-    packer = Packer(sequence_length, pad_id(tokenizer))
-    ids = [packer.add(encode_documents(tokenizer, texts[i:i + 64])) for i in range(0, len(texts), 64)]
-    ids = np.concatenate(ids) if ids else np.zeros((0, sequence_length), np.int64)
-    mask = np.ones(ids.shape, dtype=np.int8)
-    last = packer.finish()
-    if last is not None and not full_only: ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
-    check(len(ids), f"the documents hold fewer than {sequence_length} tokens: no full row to train on")
-    return {'input_ids': ids, 'attention_mask': mask}
-
-def mixer_data(task:MixerTaskConfig, config:MaskedMixerConfig, batch_size:int, seed:int=0, rank:int=0, world_size:int=1,
-               tokenizer=None) -> tuple:
-    ("(train_data, eval_data or None) for the task: `TokenBatches` over pretokenized or freshly packed "
-     "rows, sharded by rank.")
-    kw = dict(rank=rank, world_size=world_size)
-    full_only = config.objective in COPY_OBJECTIVES and task.model != 'autoencoder'
-    if task.dataset_path:
-        a = pretokenized_args(task.dataset_path)
-        check(not (full_only and a.get('mode') == 'padded'), f"the {config.objective} objective needs rows "
-              "whose first half is never padding; pretokenize with --mode packed")
-        dd = load_pretokenized(task.dataset_path)
-        train = TokenBatches(dd['train'], batch_size, shuffle=True, seed=seed, pad_id=int(a['pad_token_id']), **kw)
-        has_eval = 'validation' in dd and len(dd['validation']) > 0
-        evals = (TokenBatches(dd['validation'], batch_size, loop=False, pad_id=int(a['pad_token_id']), **kw)
-                 if has_eval else None)
-        return train, evals
-    corpus = load_corpus(task.dataset_name, text_field=task.text_field, config=task.dataset_config)
-    L = task.sequence_length or input_length(task.model, config)
-    split = lambda s: list(corpus.split(s))[:task.take] if task.take else corpus.split(s)
-    train = TokenBatches(packed_rows(split('train'), tokenizer, L, full_only), batch_size, shuffle=True, seed=seed,
-                         pad_id=pad_id(tokenizer), **kw)
-    val = split('validation')
-    evals = (TokenBatches(packed_rows(val, tokenizer, L, full_only), batch_size, loop=False,
-                          pad_id=pad_id(tokenizer), **kw) if len(val) else None)
-    return train, evals
+__all__ = ['FSDP_CONFIG', 'ZERO_CONFIG', 'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'check_launcher', 'train_mixer', 'results_table',
+           'parse_mixer_args', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
 FSDP_CONFIG, ZERO_CONFIG = 'data/configs/fsdp_config.yaml', 'data/configs/zero_config.yaml'
@@ -226,23 +38,6 @@ TRAIN_DEFAULTS = dict(max_steps=200, per_device_batch_size=8, lr=5e-4, scheduler
                       log_every=10, eval_every=50, max_eval_steps=20, save_every=0, report_to='tensorboard')
 # a few minutes on a CPU; the papers use 512-1024 wide, 512 long
 MODEL_DEFAULTS = dict(hidden_size=256, num_layers=4, length=128)
-
-def memory_cost(kind:str, config:MaskedMixerConfig) -> tuple:
-    ("(numbers stored per memory, bits per number, tokens each memory stands for) of model kind `kind`; "
-     "None without memories.")
-    if kind == 'lm' or (kind == 'parallel' and config.no_memory): return None
-    if kind == 'recurrent': return config.hidden_size, 32, config.length  # the carried state, fp32
-    n = config.memory_size
-    return n, memory_bits(config.memory_format, n) / n, config.length
-
-def save_trained_model(trainer:Trainer, path, kind:str, config:MaskedMixerConfig):
-    ("Save the trained model to `path` with `save_pretrained`; under FSDP, "
-     "gather the shards into an unsharded copy first.")
-    if trainer.fsdp or trainer.deepspeed:   # shards (FSDP) or partitions (ZeRO-3) gathered on the main process
-        sd = trainer.full_state_dict()
-        if trainer.is_main: save_full_state(trainer.unwrapped_model, sd, path)
-    elif trainer.is_main: trainer.unwrapped_model.save_pretrained(str(path))
-    trainer.accelerator.wait_for_everyone()
 
 def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     ("Train `task.model` as configured on memlab's loop; write results.json, results.md, "
@@ -319,12 +114,17 @@ def results_table(res:dict) -> str:
     return '\n'.join(lines) + '\n'
 
 # %% ../nbs/51_train_mixer.ipynb
+def parse_mixer_args(argv=None) -> tuple:
+    ("(task, architecture, loop): the configs of a memlab_mixer command line as `main` reads them (the command's "
+     "defaults, then `--config FILE`, then the flags).")
+    return parse_configs([MixerTaskConfig, MixerModelArgs, TrainConfig], argv, prog='memlab_mixer',
+                         description=main.__doc__, config_file_flag='config',
+                         defaults={TrainConfig: TRAIN_DEFAULTS, MixerModelArgs: MODEL_DEFAULTS})
+
 @cli_main
 def main(argv=None):
     "memlab_mixer: train a masked-mixer LM, autoencoder or memory model with any objective on memlab's loop."
-    task, model_args, train = parse_configs([MixerTaskConfig, MixerModelArgs, TrainConfig], argv, prog='memlab_mixer',
-                                            description=main.__doc__, config_file_flag='config',
-                                            defaults={TrainConfig: TRAIN_DEFAULTS, MixerModelArgs: MODEL_DEFAULTS})
+    task, model_args, train = parse_mixer_args(argv)
     res = train_mixer(task, model_args, train)
     if res.get('final') is not None and int(os.environ.get('RANK', '0')) == 0:
         print('\n' + results_table(res) + f"\nlog.jsonl, loss.png, results and model/ in {show_path(train.output_dir)}")

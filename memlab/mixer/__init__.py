@@ -13,7 +13,9 @@ from .model import *
 from .autoencoder import *
 from .memory import *
 from .objectives import *
+from .training import *
 from . import (config as _config, layers as _layers, export as _export, model as _model,
-                          autoencoder as _autoencoder, memory as _memory, objectives as _objectives)
+                          autoencoder as _autoencoder, memory as _memory, objectives as _objectives,
+                          training as _training)
 __all__ = [*_config.__all__, *_layers.__all__, *_export.__all__, *_model.__all__,
-           *_autoencoder.__all__, *_memory.__all__, *_objectives.__all__]
+           *_autoencoder.__all__, *_memory.__all__, *_objectives.__all__, *_training.__all__]

@@ -85,7 +85,8 @@ def demo_relora(out:Path, quick:bool=False) -> tuple:
 # %% ../nbs/90_demo.ipynb
 def demo_mixer(out:Path, quick:bool=False) -> tuple:
     "memorymodels: masked-mixer vs transformer autoencoders of equal size on pydocs; held-out reconstruction loss."
-    from memlab.train_mixer import MixerModelArgs, MixerTaskConfig, train_mixer
+    from memlab.mixer import MixerModelArgs, MixerTaskConfig
+    from memlab.train_mixer import train_mixer
     steps = 20 if quick else 200
     task = MixerTaskConfig(model='autoencoder', dataset_path=str(demo_rows(out, 32)), save_model=False, plot=False)
     archs = {'masked mixer': (MixerModelArgs(hidden_size=128, num_layers=2, length=32, kernel=4,

@@ -31,7 +31,7 @@ def losses(out) -> tuple:
     return res, [h['loss'] for h in res['history'] if 'loss' in h], [h['eval_loss'] for h in res['history'] if 'eval_loss' in h]
 
 def load(out):
-    from memlab.train_mixer import load_mixer
+    from memlab.mixer import load_mixer
     return load_mixer(Path(out)/'model')
 
 def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):

@@ -255,3 +255,25 @@ def test_no_function_over_80_lines():
             for n in ast.walk(ast.parse(p.read_text()))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
     assert not long, '\n'.join(long)
+
+def test_experiments_run_commands_and_import_components():
+    """Issue #33: an experiment runs a command as its user types it (`run_cli(main, argv)`) and checks its flags with the
+    command's own parser and config classes; every other piece it needs comes from the library, not from a command line."""
+    import importlib, inspect
+    from memlab.core import Config
+    bad = []
+    for nb in sorted((ROOT/'nbs'/'experiments').glob('*.ipynb')):
+        for c in json.loads(nb.read_text())['cells']:
+            src = ''.join(c['source'])
+            if c['cell_type'] != 'code': continue
+            try: tree = ast.parse('\n'.join(l for l in src.splitlines() if not l.lstrip().startswith(('%', '!'))))
+            except SyntaxError: continue
+            for n in ast.walk(tree):
+                if isinstance(n, ast.ImportFrom) and (n.module or '').startswith('memlab.train_'):
+                    mod = importlib.import_module(n.module)
+                    for a in n.names:
+                        obj = getattr(mod, a.name)
+                        if not (a.name == 'main' or a.name.startswith('parse') or
+                                (inspect.isclass(obj) and issubclass(obj, Config))):
+                            bad.append(f"{nb.name}: {a.name} from {n.module}")
+    assert not bad, 'experiments importing command-line components:\n' + '\n'.join(bad)

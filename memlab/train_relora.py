@@ -388,6 +388,7 @@ def with_default_dataset(cfg:ReLoRARunConfig, acc) -> ReLoRARunConfig:
               "(the original streams C4 when none is given)")
     return dataclasses.replace(cfg, dataset_path=path)
 
+# %% ../nbs/31_train_relora.ipynb
 def relora_schedule(cfg:ReLoRARunConfig, steps:int, start:int):
     ("The scheduler factory for the updates `start` -> `steps`, every check made at once (on a throwaway optimizer), "
      "before any model is built.")
@@ -402,6 +403,7 @@ def relora_schedule(cfg:ReLoRARunConfig, steps:int, start:int):
     sched_fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))
     return sched_fn
 
+# %% ../nbs/31_train_relora.ipynb
 def relora_model(cfg:ReLoRARunConfig, vocab_size:int, resume, acc) -> tuple:
     ("Stage 3, model: the Llama (seeded: the same on every process), its warm start, ReLoRA's adapters; returns (model, "
      "warm start or None, parameter counts).")
@@ -425,6 +427,7 @@ def relora_model(cfg:ReLoRARunConfig, vocab_size:int, resume, acc) -> tuple:
               'equivalent_parameters': params_before}
     return model, warm, counts
 
+# %% ../nbs/31_train_relora.ipynb
 def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int, warm, acc) -> tuple:
     ("Stage 2, data: the training batches (continuing a warm start's data order where it was trained on this data, "
      "skipping --skip_batches updates) and the validation batches.")
@@ -437,6 +440,7 @@ def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int
     if cfg.skip_batches: train_data = SkipUpdates(train_data, cfg.skip_batches, accum, start_step=start)
     return train_data, TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
 
+# %% ../nbs/31_train_relora.ipynb
 def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> list:
     "Stage 5, hooks: ReLoRA's merges and resets, ZeRO's state consolidation, the profiler, as the flags ask."
     callbacks = []
@@ -518,7 +522,6 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
                callbacks=callbacks, optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc,
                run_config=run_config, card=card)
 
-# %% ../nbs/31_train_relora.ipynb
 @cli_main
 def main(argv=None):
     ("memlab_relora: ReLoRA (or full-rank, or LoRA) pretraining of a Llama on pretokenized data; "

@@ -207,13 +207,7 @@ def test_the_example_check_reads_groups():
 
 # Known failures, issue #33 ("Cells that teach: each followed by its example or test"), per notebook.
 UNFOLLOWED = {
-    '11_train_bpt.ipynb': 6,
-    '21_train_neurocache.ipynb': 6,
-    '31_train_relora.ipynb': 5,
-    '42_train_distill.ipynb': 3,
     '51_train_mixer.ipynb': 1,
-    '90_demo.ipynb': 3,
-    'distill/41_8_arguments.ipynb': 3,
 }
 
 def test_every_exported_cell_is_followed_by_its_example():

@@ -206,9 +206,7 @@ def test_the_example_check_reads_groups():
     assert cells_without_example(cells) == [5, 8]      # A's cell is followed by its patch, not an example; k by nothing
 
 # Known failures, issue #33 ("Cells that teach: each followed by its example or test"), per notebook.
-UNFOLLOWED = {
-    '51_train_mixer.ipynb': 1,
-}
+UNFOLLOWED = {}                     # none left
 
 def test_every_exported_cell_is_followed_by_its_example():
     "As in fastai's notebooks: what a cell defines is shown working right after it, not in a test block at the end."

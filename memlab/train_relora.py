@@ -390,8 +390,8 @@ def with_default_dataset(cfg:ReLoRARunConfig, acc) -> ReLoRARunConfig:
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_schedule(cfg:ReLoRARunConfig, steps:int, start:int):
-    ("The scheduler factory for the updates `start` -> `steps`, every check made at once (on a throwaway optimizer), "
-     "before any model is built.")
+    ("Stage 2, schedule: the scheduler factory for the updates `start` -> `steps`, every check made at once (on a "
+     "throwaway optimizer), before any model is built.")
     check(steps > start, f"--num_training_steps {steps} does not go beyond the warm start's {start} updates")
     if cfg.cycle_length and cfg.scheduler != 'linear':
         check((steps - start) % cfg.cycle_length == 0,
@@ -429,7 +429,7 @@ def relora_model(cfg:ReLoRARunConfig, vocab_size:int, resume, acc) -> tuple:
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int, warm, acc) -> tuple:
-    ("Stage 2, data: the training batches (continuing a warm start's data order where it was trained on this data, "
+    ("Stage 4, data: the training batches (continuing a warm start's data order where it was trained on this data, "
      "skipping --skip_batches updates) and the validation batches.")
     pad = data_args.get('pad_token_id') or 0
     train_data = TokenBatches(dd['train'], cfg.batch_size, shuffle=True, seed=cfg.seed, pad_id=pad)
@@ -442,7 +442,7 @@ def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> list:
-    "Stage 5, hooks: ReLoRA's merges and resets, ZeRO's state consolidation, the profiler, as the flags ask."
+    "Stage 6, hooks: ReLoRA's merges and resets, ZeRO's state consolidation, the profiler, as the flags ask."
     callbacks = []
     if cfg.relora:
         callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=start - cfg.adjust_step, seed=cfg.seed,
@@ -466,7 +466,7 @@ RELORA_LOOP_FLAGS = dict(per_device_batch_size='batch_size', lr='lr', weight_dec
                          distributed_type='distributed_type', seed='seed', report_to='report_to', progress='progress')
 
 def relora_train_config(cfg:ReLoRARunConfig, save_dir, steps:int, accum:int, world:int, resume) -> TrainConfig:
-    "Stage 4, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others."
+    "Stage 5, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others."
     return train_config_from(cfg, RELORA_LOOP_FLAGS, output_dir=save_dir, max_steps=steps,
                              gradient_accumulation_steps=accum, log_every=1, resume_from=resume,
                              mixed_precision=cfg.mixed_precision,            # from --dtype
@@ -489,8 +489,8 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     sched_fn = relora_schedule(cfg, steps, K)
     model, warm, counts = relora_model(cfg, len(tok), resume, acc)
     train_data, eval_data = relora_batches(cfg, dd, data_args, accum, K, warm, acc)
-    callbacks = relora_callbacks(cfg, model, K, save_dir, acc)
     tc = relora_train_config(cfg, save_dir, steps, accum, world, resume)
+    callbacks = relora_callbacks(cfg, model, K, save_dir, acc)
     run_config = {'relora': cfg.to_dict(), 'dataset': data_args, 'world_size': world, 'gradient_accumulation': accum,
                   'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
     def prepare(trainer):                       # a warm start continues its update and token counts

@@ -124,14 +124,11 @@ def test_the_header_check_reads_cells(tmp_path):
     (tmp_path/'memlab'/'n.py').write_text('import os\n')                   # not written by nbdev
     assert notebook_cells(tmp_path/'memlab'/'n.py', tmp_path) == (None, {})
 
-# Known failures, issue #33 ("No module over 700 lines"): modules still to split at their seams.
-LONG_MODULES = set()                # none left
-
 def test_no_module_over_700_lines():
+    "Issue #33: a module that grows past 700 lines is split at its seams (PEFT's tuners/lora/{config,layer,model}.py)."
     long = {p.relative_to(ROOT/'memlab').with_suffix('').as_posix() for p in (ROOT/'memlab').rglob('*.py')
             if not p.stem.startswith('_') and len(p.read_text().splitlines()) > 700}
-    assert long - LONG_MODULES == set(), f"over 700 lines: {sorted(long - LONG_MODULES)}"
-    assert LONG_MODULES - long == set(), f"now 700 lines or fewer, remove from LONG_MODULES: {sorted(LONG_MODULES - long)}"
+    assert not long, f"over 700 lines: {sorted(long)}"
 
 def test_the_contributors_map_names_every_library_notebook():
     "'Where to make a change' (nbs/index.ipynb) links notebooks that exist, and every top-level library notebook is in it."
@@ -154,16 +151,10 @@ def long_exported_cells(limit:int=100) -> dict:
                 out[name] = out.get(name, 0) + 1
     return out
 
-# Known failures, issue #33 ("Cells that teach"): exported cells over 100 lines still to split, per notebook.
-LONG_CELLS = {}                     # none left
-
 def test_no_exported_cell_over_100_lines():
     "An exported cell is short enough to read with its example after it (fastai's notebooks: median 5 lines)."
     found = long_exported_cells()
-    worse = {nb: n for nb, n in found.items() if n > LONG_CELLS.get(nb, 0)}
-    assert not worse, f"exported cells over 100 lines: {worse}"
-    better = {nb: n for nb, n in LONG_CELLS.items() if found.get(nb, 0) < n}
-    assert not better, f"fewer long cells now, lower LONG_CELLS: {better} (found {found})"
+    assert not found, f"exported cells over 100 lines: {found}"
 
 def _code(src:str) -> str: return '\n'.join(l for l in src.splitlines() if not l.lstrip().startswith('#|'))
 
@@ -205,16 +196,10 @@ def test_the_example_check_reads_groups():
              cell('#| export\n@patch_to(A)\ndef g(self): pass'), cell('A().g()'), cell('#| export\ndef k(): pass')]
     assert cells_without_example(cells) == [5, 8]      # A's cell is followed by its patch, not an example; k by nothing
 
-# Known failures, issue #33 ("Cells that teach: each followed by its example or test"), per notebook.
-UNFOLLOWED = {}                     # none left
-
 def test_every_exported_cell_is_followed_by_its_example():
     "As in fastai's notebooks: what a cell defines is shown working right after it, not in a test block at the end."
     found = unfollowed_cells()
-    worse = {nb: n for nb, n in found.items() if n > UNFOLLOWED.get(nb, 0)}
-    assert not worse, f"exported cells with no example after them: {worse}"
-    better = {nb: n for nb, n in UNFOLLOWED.items() if found.get(nb, 0) < n}
-    assert not better, f"fewer cells without examples now, lower UNFOLLOWED: {better}"
+    assert not found, f"exported cells with no example after them: {found}"
 
 def test_most_exported_cells_are_short():
     "Most exported cells under 40 lines (issue #33); none over 100 (the test above)."

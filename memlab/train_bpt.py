@@ -32,7 +32,8 @@ __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPT_LOOP_FLAGS', 'BPTR
            'mesh_processes', 'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs',
            'JsonDatasetArgs', 'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates',
            'strip_bpt_names', 'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows',
-           'read_dataset_state', 'bpt_train_config', 'full_state', 'train_bpt', 'main']
+           'read_dataset_state', 'bpt_train_config', 'check_bpt_run', 'bpt_output_dir', 'bpt_resume', 'bpt_data',
+           'bpt_model', 'bpt_callbacks', 'full_state', 'train_bpt', 'main']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -462,6 +463,62 @@ def bpt_train_config(args:dict, out, per_micro:int, fsdp:int, resume) -> TrainCo
                              fsdp_layer_cls=['BPTDecoderLayer'] if fused else None)
 
 # %% ../nbs/11_train_bpt.ipynb
+def check_bpt_run(args:dict, world:int) -> tuple:
+    ("Stage 1, config: what the flags ask of a launch of `world` processes, checked before anything loads; "
+     "(data-parallel groups, FSDP group size, processes × micro-batches).")
+    run, opt, ds, ckpt = args[''], args['optimizer'], args['train_dataset.json_dataset'], args['checkpointer']
+    dp, fsdp = mesh_processes(run.mesh, world)
+    per_micro = world * opt.accumulate_gradient_steps
+    check(ds.batch_size % per_micro == 0, f"--train_dataset.json_dataset.batch_size {ds.batch_size} is not a "
+          f"multiple of processes × --optimizer.accumulate_gradient_steps = {world} × {opt.accumulate_gradient_steps}")
+    check(Path(ds.path).expanduser().is_file(), f"--train_dataset.json_dataset.path {ds.path}: no such file")
+    check(not (fsdp > 1 and not ckpt.save_optimizer_state), "--checkpointer.save_optimizer_state=False is not "
+          "available under FSDP (the sharded checkpoint holds the optimizer state with the "
+          "weights); drop it or use DDP")
+    kind, path = run.load
+    if kind:
+        check(Path(path).expanduser().exists() or str(path).lower() in BUILTIN_MODELS,
+              f"--load_checkpoint {run.load_checkpoint}: no such folder")
+    return dp, fsdp, per_micro
+
+def bpt_output_dir(run:BPTRunConfig) -> Path:
+    "The run folder: --output_dir, else runs/bpt-<the model's name>."
+    return Path(run.output_dir or f"runs/bpt-{Path(run.load_llama_config or str(run.load[1])).stem or 'model'}")
+
+def bpt_resume(run:BPTRunConfig, out:Path, acc):
+    ("The checkpoint the run continues: the folder's latest with --autoresume=True, or, in a fresh folder, the whole "
+     "state of --load_checkpoint trainstate::DIR; None for a new run (the folder rule refuses a folder holding one).")
+    kind, path = run.load
+    resume = resume_plan(out, 'latest' if run.autoresume else None, '--autoresume=True', accelerator=acc)
+    if resume is None and kind == 'trainstate':    # a fresh folder continuing a memlab checkpoint's whole state
+        resume = str(Path(path).expanduser())
+        check((Path(resume)/'trainer_state.json').exists(),
+              f"--load_checkpoint trainstate::{resume} is not a memlab checkpoint (no trainer_state.json)")
+    return resume
+
+# %% ../nbs/11_train_bpt.ipynb
+def bpt_data(args:dict, tok, per_micro:int, show_progress:bool=False) -> tuple:
+    ("Stage 2, data: the JSON-lines records as rows of `seq_length` tokens (the text processor's fields), in batches "
+     "of one process's micro-batch; (rows, batches).")
+    run, ds, text = args[''], args['train_dataset.json_dataset'], args['train_dataset.text_processor']
+    rows = json_rows(ds, text, tok, show_progress=show_progress)
+    data = TokenBatches({'input_ids': rows['input_ids'], 'attention_mask': rows['attention_mask']},
+                        ds.batch_size // per_micro, shuffle=False, seed=run.seed, pad_id=pad_id(tok))
+    return rows, data
+
+def bpt_model(args:dict, vocab_size:int) -> tuple:
+    "Stage 3, model: the Llama the flags describe (new, or loaded by --load_checkpoint), made blockwise; (model, parameters)."
+    run, llama = args[''], with_bpt_updates(args['llama'], args[''])
+    model = build_model(run, llama, vocab_size, args['train_dataset.json_dataset'].seq_length)
+    return add_bpt(model, llama.bpt), count_parameters(model)
+
+def bpt_callbacks(args:dict) -> list:
+    "Stage 5, hooks: the seed's checkpoint and milestone schedule, its optimizer-state switch, the data position saved."
+    run, ckpt = args[''], args['checkpointer']
+    return [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq),
+            OptimizerStateSwitch(ckpt.save_optimizer_state), DatasetStateFile()]
+
+# %% ../nbs/11_train_bpt.ipynb
 from .cards import output_card
 
 def full_state(trainer) -> dict:
@@ -475,42 +532,21 @@ def full_state(trainer) -> dict:
     return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
 
 def train_bpt(args:dict) -> dict:
-    "Train as the parsed flags `args` ({prefix: config}) say; returns the results (also in <output_dir>/results.json)."
+    ("Train as the parsed flags `args` ({prefix: config}) say, stage by stage; returns the results (also in "
+     "<output_dir>/results.json).")
     run, llama, opt, adamw = args[''], args['llama'], args['optimizer'], args['optimizer.adamw_optimizer']
-    ds, text, tok_args, ckpt = (args['train_dataset.json_dataset'], args['train_dataset.text_processor'],
-                                args['tokenizer'], args['checkpointer'])
-    llama = with_bpt_updates(llama, run)
+    ds, llama, (kind, path) = args['train_dataset.json_dataset'], with_bpt_updates(llama, run), run.load
     world = launched_processes()
-    dp, fsdp = mesh_processes(run.mesh, world)
-    per_micro = world * opt.accumulate_gradient_steps
-    check(ds.batch_size % per_micro == 0, f"--train_dataset.json_dataset.batch_size {ds.batch_size} is not a "
-          f"multiple of processes × --optimizer.accumulate_gradient_steps = {world} × {opt.accumulate_gradient_steps}")
-    check(Path(ds.path).expanduser().is_file(), f"--train_dataset.json_dataset.path {ds.path}: no such file")
-    check(not (fsdp > 1 and not ckpt.save_optimizer_state), "--checkpointer.save_optimizer_state=False is not "
-          "available under FSDP (the sharded checkpoint holds the optimizer state with the "
-          "weights); drop it or use DDP")
-    kind, path = run.load
-    if kind:
-        check(Path(path).expanduser().exists() or str(path).lower() in BUILTIN_MODELS,
-              f"--load_checkpoint {run.load_checkpoint}: no such folder")
-    out = Path(run.output_dir or f"runs/bpt-{Path(run.load_llama_config or str(path)).stem or 'model'}")
+    dp, fsdp, per_micro = check_bpt_run(args, world)
+    out = bpt_output_dir(run)
     set_mmap_threshold(run.malloc_mmap_threshold)
     acc = make_accelerator(run.mixed_precision)
-    resume = resume_plan(out, 'latest' if run.autoresume else None, '--autoresume=True', accelerator=acc)
-    if resume is None and kind == 'trainstate':    # a fresh folder continuing a memlab checkpoint's whole state
-        resume = str(Path(path).expanduser())
-        check((Path(resume)/'trainer_state.json').exists(),
-              f"--load_checkpoint trainstate::{resume} is not a memlab checkpoint (no trainer_state.json)")
-    tok = load_bpt_tokenizer(tok_args.vocab_file)
-    rows = json_rows(ds, text, tok, show_progress=run.progress and acc.is_main_process)
-    model = build_model(run, llama, len(tok), ds.seq_length)
-    n_params = count_parameters(model)
-    model = add_bpt(model, llama.bpt)
-    data = TokenBatches({'input_ids': rows['input_ids'], 'attention_mask': rows['attention_mask']},
-                        ds.batch_size // per_micro, shuffle=False, seed=run.seed, pad_id=pad_id(tok))
-    callbacks = [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq),
-                 OptimizerStateSwitch(ckpt.save_optimizer_state), DatasetStateFile()]
+    resume = bpt_resume(run, out, acc)
+    tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)
+    rows, data = bpt_data(args, tok, per_micro, show_progress=run.progress and acc.is_main_process)
+    model, n_params = bpt_model(args, len(tok))
     tc = bpt_train_config(args, out, per_micro, fsdp, resume)
+    callbacks = bpt_callbacks(args)
     sched = lambda o: lambda_scheduler(o, adamw.schedule())
     run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(),
                   'world_size': world, 'mesh': {'dp': dp, 'fsdp': fsdp}, 'data': rows['counts'], 'parameters': n_params,

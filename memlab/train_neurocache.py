@@ -37,8 +37,8 @@ from .cards import eval_metrics
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NEUROCACHE_LOOP_FLAGS', 'NeurocacheRunConfig',
            'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'save_run_neurocache', 'check_resume_flags', 'neurocache_train_config', 'train_neurocache',
-           'summary', 'main', 'train_fact_recall']
+           'stream_loss', 'save_run_neurocache', 'check_resume_flags', 'neurocache_resume', 'neurocache_train_config',
+           'train_neurocache', 'summary', 'main', 'train_fact_recall']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -354,6 +354,22 @@ def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
           "flags the run was started with, or start a new run")
 
 # %% ../nbs/21_train_neurocache.ipynb
+def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None):
+    ("Stage 1, the run folder, before anything loads: the checkpoint a training run continues (trained with these "
+     "Neurocache and LoRA flags), None for a new run; an evaluation refuses a folder that already holds results.")
+    if cfg.with_tracking and cfg.report_to == 'wandb':
+        check(importlib.util.find_spec('wandb') is not None,
+              "--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)")
+    out, resume = Path(cfg.output_dir), cfg.resume_from_checkpoint
+    if training:   # the loop's folder rule, on the main process (with `acc`) before anything loads
+        resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc)
+        if resume: check_resume_flags(cfg, find_checkpoint(resume, out))
+    elif cfg.only_evaluate and not resume:   # an evaluation only refuses to overwrite results
+        check(not (out/'results.json').exists(),
+              f"--output_dir {out} already holds results.json: choose another folder")
+    return resume
+
+# %% ../nbs/21_train_neurocache.ipynb
 # the loop's settings that the seed's flags give directly: {loop field: flag}
 NEUROCACHE_LOOP_FLAGS = dict(max_steps='max_train_steps', per_device_batch_size='per_device_train_batch_size',
                              gradient_accumulation_steps='gradient_accumulation_steps', lr='learning_rate',
@@ -392,19 +408,10 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "
      "(also <output_dir>/results.json).")
     mp = mixed_precision_of(cfg)
-    if cfg.with_tracking and cfg.report_to == 'wandb':
-        check(importlib.util.find_spec('wandb') is not None,
-              "--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)")
     acc = make_accelerator(mp)
     world, out = acc.num_processes, Path(cfg.output_dir)
     training = not (cfg.only_evaluate or cfg.save_and_quit)
-    resume = cfg.resume_from_checkpoint
-    if training:   # the loop's folder rule, on the main process before anything loads
-        resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc)
-        if resume: check_resume_flags(cfg, find_checkpoint(resume, out))
-    elif cfg.only_evaluate and not resume:   # an evaluation only refuses to overwrite results
-        check(not (out/'results.json').exists(),
-              f"--output_dir {out} already holds results.json: choose another folder")
+    resume = neurocache_resume(cfg, training, acc)
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path)
     train_data, eval_data, test_data = load_streams(cfg, tok)

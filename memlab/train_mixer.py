@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses, importlib.util, os
 
 from .core import MemlabError, check, cli_main, markdown_table, parse_configs, show_path, str2bool
-from .mixer import (MixerModelArgs, MixerTaskConfig, autoencoder_loss, build_model, check_fits, check_memory,
-                          data_info, information, input_length, load_mixer, memory_cost, mixer_config, mixer_data,
+from .mixer import (DataInfo, MaskedMixerConfig, MixerModelArgs, MixerTaskConfig, autoencoder_loss, build_model,
+                          check_fits, check_memory, data_info, information, input_length, memory_cost, mixer_config, mixer_data,
                           normalized_loss, objective_loss, save_trained_model)
 from .models import load_tokenizer
 from .runtime import count_parameters
@@ -18,8 +18,8 @@ from .distributed import make_accelerator, resolve_distributed_type
 from .training import default_output_dir, run, run_summary
 
 # %% auto 0
-__all__ = ['FSDP_CONFIG', 'ZERO_CONFIG', 'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'check_launcher', 'train_mixer', 'results_table',
-           'parse_mixer_args', 'main']
+__all__ = ['FSDP_CONFIG', 'ZERO_CONFIG', 'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'check_launcher', 'mixer_setup', 'mixer_loss',
+           'train_mixer', 'results_table', 'parse_mixer_args', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
 FSDP_CONFIG, ZERO_CONFIG = 'data/configs/fsdp_config.yaml', 'data/configs/zero_config.yaml'
@@ -30,6 +30,30 @@ def check_launcher():
     check(importlib.util.find_spec('deepspeed') is not None,
           f"a DeepSpeed launch needs the deepspeed package (pip install deepspeed), or launch with --config_file "
           f"{FSDP_CONFIG} (FSDP full sharding partitions parameters, gradients and optimizer state as ZeRO-3 does)")
+
+# %% ../nbs/51_train_mixer.ipynb
+def mixer_setup(task:MixerTaskConfig, model_args, train:TrainConfig, device='cpu') -> tuple:
+    ("Stage 1, config: the data's facts and the architecture for them, checked against each other, the launch and "
+     "the device's memory before anything is built; (tokenizer or None, data facts, `MaskedMixerConfig`, vocabulary).")
+    tok = None if task.dataset_path else load_tokenizer(task.tokenizer)
+    info = data_info(task, tok)
+    vocab = task.vocab_size or info.vocab_size
+    config = mixer_config(model_args, vocab, info.pad_id)
+    if info.sequence_length is None: info.sequence_length = input_length(task.model, config)
+    check_fits(info, task.model, config)
+    check(vocab >= info.vocab_size, f"the data's tokenizer has {info.vocab_size} tokens but --vocab_size is {vocab}")
+    sharded = resolve_distributed_type(train.distributed_type) in ('fsdp', 'deepspeed')
+    check(not (task.decoder_model and sharded),
+          "a pretrained --decoder_model is not supported under FSDP or DeepSpeed: launch with torchrun (DDP)")
+    check_memory(task, config, device)
+    return tok, info, config, vocab
+
+def mixer_loss(task:MixerTaskConfig, config:MaskedMixerConfig, info:DataInfo):
+    ("Stage 3, the loss: reconstruction for an autoencoder, else the objective's, with the data's own delimiter and "
+     "blank tokens unless the flags name others.")
+    if task.model == 'autoencoder': return autoencoder_loss
+    return objective_loss(config.objective, info.eos_id if task.delimiter_id is None else task.delimiter_id,
+                          info.pad_id if task.blank_id is None else task.blank_id)
 
 # %% ../nbs/51_train_mixer.ipynb
 from .cards import output_card
@@ -44,21 +68,9 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
      "loss.png and model/; return the results.")
     check_launcher()
     acc = make_accelerator(train.mixed_precision, deepspeed=True)
-    tok = None if task.dataset_path else load_tokenizer(task.tokenizer)
-    info = data_info(task, tok)
-    vocab = task.vocab_size or info.vocab_size
-    config = mixer_config(model_args, vocab, info.pad_id)
-    if info.sequence_length is None: info.sequence_length = input_length(task.model, config)
-    check_fits(info, task.model, config)
-    check(vocab >= info.vocab_size, f"the data's tokenizer has {info.vocab_size} tokens but --vocab_size is {vocab}")
-    sharded = resolve_distributed_type(train.distributed_type) in ('fsdp', 'deepspeed')
-    check(not (task.decoder_model and sharded),
-          "a pretrained --decoder_model is not supported under FSDP or DeepSpeed: launch with torchrun (DDP)")
-    check_memory(task, config, acc.device)
+    tok, info, config, vocab = mixer_setup(task, model_args, train, acc.device)
     model = build_model(task, config, seed=train.seed)
-    loss_fn = autoencoder_loss if task.model == 'autoencoder' else objective_loss(
-        config.objective, info.eos_id if task.delimiter_id is None else task.delimiter_id,
-        info.pad_id if task.blank_id is None else task.blank_id)
+    loss_fn = mixer_loss(task, config, info)
     train_data, eval_data = mixer_data(task, config, train.per_device_batch_size, train.seed, acc.process_index,
                                        acc.num_processes, tok)
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)

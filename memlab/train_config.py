@@ -4,8 +4,7 @@
 
 # %% ../nbs/05b_train_config.ipynb 2
 from __future__ import annotations
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -96,10 +95,9 @@ def train_config_from(flags, names:dict, **computed) -> TrainConfig:
     """The loop's `TrainConfig` from a command's parsed `flags`: `names` maps loop fields to the flags that set them,
     `computed` gives the fields the command works out. `flags` is a config, or `parse_configs`' {prefix: config} of a
     command with dotted flags, where 'optimizer.adamw_optimizer.lr' reads `flags['optimizer.adamw_optimizer'].lr`."""
-    loop = {f.name for f in dataclasses.fields(TrainConfig)}
-    check(not (set(names) | set(computed)) - loop,
-          f"TrainConfig has no field(s) {', '.join(sorted((set(names) | set(computed)) - loop))}")
-    check(not set(names) & set(computed), f"set both from a flag and computed: {', '.join(sorted(set(names) & set(computed)))}")
+    unknown, both = (set(names) | set(computed)) - {f.name for f in fields(TrainConfig)}, set(names) & set(computed)
+    check(not unknown, f"TrainConfig has no field(s) {', '.join(sorted(unknown))}")
+    check(not both, f"set both from a flag and computed: {', '.join(sorted(both))}")
     def read(flag:str):
         prefix, _, name = flag.rpartition('.') if isinstance(flags, dict) else ('', '', flag)
         part = flags.get(prefix) if isinstance(flags, dict) else flags

@@ -165,6 +165,14 @@ def teaches(src:str) -> bool:
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith('_')
                for n in tree.body)
 
+def runs_something(src:str) -> bool:
+    "Whether a cell does more than import or call `nbdev_export()`: only such a cell can be an example."
+    try: tree = ast.parse(_code(src))
+    except SyntaxError: return True
+    export = lambda n: (isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+                        and getattr(n.value.func, 'id', getattr(n.value.func, 'attr', None)) == 'nbdev_export')
+    return any(not isinstance(n, (ast.Import, ast.ImportFrom)) and not export(n) for n in tree.body)
+
 def cells_without_example(cells:list) -> list:
     """Indices of exported cells defining public names with no example: no code cell runs before the next such cell.
     Exported cells of constants, imports or private helpers between them belong to the group and need none of their own."""
@@ -175,7 +183,9 @@ def cells_without_example(cells:list) -> list:
         for d in cells[i+1:]:
             s = ''.join(d['source'])
             if d['cell_type'] != 'code' or not s.strip(): continue
-            if not s.lstrip().startswith('#| export'): break                      # an example, a test, a demonstration
+            if not s.lstrip().startswith('#| export'):
+                if runs_something(s): break                                       # an example, a test, a demonstration
+                continue                                                          # imports or nbdev_export(): not one
             if teaches(s): out.append(i); break
         else: out.append(i)
     return out
@@ -195,6 +205,11 @@ def test_the_example_check_reads_groups():
              cell('prose', 'markdown'), cell('assert f() is None'), cell('#| export\nclass A: pass'),
              cell('#| export\n@patch_to(A)\ndef g(self): pass'), cell('A().g()'), cell('#| export\ndef k(): pass')]
     assert cells_without_example(cells) == [5, 8]      # A's cell is followed by its patch, not an example; k by nothing
+    # imports and the closing nbdev_export() cell are not examples: q and r have none
+    cells = [cell('#| export\ndef q(): pass'), cell('#| hide\nfrom fastcore.test import *'),
+             cell('#| export\ndef r(): pass'), cell('#| hide\nimport nbdev; nbdev.nbdev_export()'),
+             cell('#| export\ndef s(): pass'), cell('test_eq(s(), None)')]
+    assert cells_without_example(cells) == [0, 2]
 
 def test_every_exported_cell_is_followed_by_its_example():
     "As in fastai's notebooks: what a cell defines is shown working right after it, not in a test block at the end."

@@ -79,6 +79,7 @@ class MaskedMixerBlock(GradientCheckpointingLayer):
         x = x + self.dropout(self.token_mixing(self.token_norm(x)))
         return x + self.dropout(self.mlp(self.channel_norm(x)))
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MixerStack(nn.Module):
     ("`n_layers` masked-mixer blocks of width `dim` at a fixed `length`; "
      "shorter inputs are right-padded inside and sliced.")
@@ -97,6 +98,7 @@ class MixerStack(nn.Module):
         for block in self.blocks: x = block(x)
         return x[:, :T]
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class TransformerStack(nn.Module):
     ("Llama decoder layers (transformers' `LlamaModel` without its token embedding) "
      "mapping hidden states to hidden states.")
@@ -116,6 +118,7 @@ class TransformerStack(nn.Module):
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         return self.model(inputs_embeds=x, use_cache=False).last_hidden_state
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 def make_stack(kind:str, config:MaskedMixerConfig, dim:int, n_layers:int, length:int) -> nn.Module:
     "A 'mixer' or 'transformer' stack of `n_layers` blocks of width `dim` over `length` positions."
     check(kind in STACK_TYPES, f"unknown stack type {kind!r}; choose one of {', '.join(STACK_TYPES)}")

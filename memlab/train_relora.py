@@ -16,8 +16,11 @@ from .core import (Config, MemlabError, arg, check, cli_main, parse_configs, par
 from .runtime import PRECISION_NAMES, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
 from .models import llama_config, load_model
-from .relora import (PRUNING_RULES, SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler,
-                           merged_model, relora_layers, reset_mode_from_flags)
+from .relora import (PRUNING_RULES, ReLoRACallback, ReLoRAConfig, add_relora, merged_model, relora_layers,
+                           reset_mode_from_flags)
+# ReLoRA's --scheduler chooser, renamed in memlab.relora so that get_scheduler / SCHEDULERS mean the loop's
+# (memlab.train_config) only; the cells below still use the old names
+from .relora import RELORA_SCHEDULES as SCHEDULERS, make_relora_scheduler as get_scheduler
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
                                pretokenized_name)
 from .distributed import main_process_value

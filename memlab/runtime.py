@@ -35,6 +35,7 @@ def _reset_hwm() -> bool:
     try: Path('/proc/self/clear_refs').write_text('5'); return True
     except OSError: return False
 
+# %% ../nbs/00a_runtime.ipynb
 class peak_memory:
     "Context manager measuring peak memory growth (bytes) of the enclosed block: `.peak` on exit; CUDA-aware."
     def __init__(self, device=None, collect:bool=True):
@@ -95,6 +96,7 @@ def memlab_home() -> Path:
     "Root of memlab's cache: `$MEMLAB_HOME` or `~/.cache/memlab`."
     return Path(os.environ.get('MEMLAB_HOME', Path.home()/'.cache'/'memlab'))
 
+# %% ../nbs/00a_runtime.ipynb
 def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
     "fp32 time over bf16 time of a (`size` x `size`) matrix product on the CPU: best of `repeats` each, interleaved."
     g = torch.Generator().manual_seed(0)
@@ -109,6 +111,7 @@ def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
 
 BF16_MIN_SPEEDUP = 1.25  # bf16 products must beat fp32 by this much before autocast's casts are worth it
 
+# %% ../nbs/00a_runtime.ipynb
 def _cpu_signature() -> str:
     "What the bf16 measurement depends on: the CPU model and flags, torch's version and the thread count."
     try: info = Path('/proc/cpuinfo').read_text()
@@ -133,6 +136,7 @@ def cpu_bf16_speedup() -> float:
             atomic_write_text(path, json.dumps(known, indent=1))
         return known['bf16_matmul_speedup'][key]
 
+# %% ../nbs/00a_runtime.ipynb
 def _cpu_bf16_instructions() -> bool:
     "Whether the CPU has bf16 instructions (AVX512-BF16 or AMX); elsewhere oneDNN emulates bf16, several times slower."
     try: return any(f in Path('/proc/cpuinfo').read_text().split() for f in ('avx512_bf16', 'amx_bf16'))

@@ -19,7 +19,18 @@ from .layers import *
 from .export import *
 
 # %% auto 0
-__all__ = ['MixerPreTrainedModel', 'check_right_padded', 'mixer_lm_loss', 'MaskedMixerForCausalLM', 'assert_causal']
+__all__ = ['check_right_padded', 'MixerPreTrainedModel', 'mixer_lm_loss', 'MaskedMixerForCausalLM', 'assert_causal']
+
+# %% ../../nbs/mixer/50_3_model.ipynb
+def check_right_padded(attention_mask:Optional[torch.Tensor]):
+    "Refuse an attention mask with a token after padding (left padding, or padding in the middle)."
+    if attention_mask is None: return
+    m = attention_mask.bool()
+    bad = (m[:, 1:] & ~m[:, :-1]).any(1).nonzero()  # rows with a token right after a pad
+    if len(bad):
+        raise MemlabError(f"masked mixers need left-aligned, right-padded rows, but row {int(bad[0])} has a token "
+                          "after padding; pad on the right (tokenizer.padding_side='right') "
+                          "or use prompts of equal length")
 
 # %% ../../nbs/mixer/50_3_model.ipynb
 class MixerPreTrainedModel(PreTrainedModel):
@@ -69,22 +80,13 @@ class MixerPreTrainedModel(PreTrainedModel):
         except RuntimeError as e:
             raise MemlabError('encoder weights do not fit: ' + ' '.join(str(e).split())[:300]) from None
 
-def check_right_padded(attention_mask:Optional[torch.Tensor]):
-    "Refuse an attention mask with a token after padding (left padding, or padding in the middle)."
-    if attention_mask is None: return
-    m = attention_mask.bool()
-    bad = (m[:, 1:] & ~m[:, :-1]).any(1).nonzero()  # rows with a token right after a pad
-    if len(bad):
-        raise MemlabError(f"masked mixers need left-aligned, right-padded rows, but row {int(bad[0])} has a token "
-                          "after padding; pad on the right (tokenizer.padding_side='right') "
-                          "or use prompts of equal length")
-
 # %% ../../nbs/mixer/50_3_model.ipynb
 def mixer_lm_loss(logits, labels):
     "Hugging Face-style loss: mean next-token cross-entropy, labels shifted here, -100 ignored, in fp32."
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
                            ignore_index=-100)
 
+# %% ../../nbs/mixer/50_3_model.ipynb
 class MaskedMixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
     "A causal language model made of masked-mixer blocks."
     _tied_weights_keys = {'lm_head.weight': 'wte.weight'}

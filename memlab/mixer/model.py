@@ -33,6 +33,15 @@ def check_right_padded(attention_mask:Optional[torch.Tensor]):
                           "or use prompts of equal length")
 
 # %% ../../nbs/mixer/50_3_model.ipynb
+def _loading_problems(info:dict) -> dict:
+    "{'missing_keys' | 'unexpected_keys' | 'mismatched_keys': sorted descriptions}, the kinds with none left out."
+    def fmt(k):
+        return k if isinstance(k, str) else f"{k[0]} is {list(k[1])} in the checkpoint, {list(k[2])} in the model"
+    problems = {k: sorted(map(fmt, info.get(k) or ()))
+                for k in ('missing_keys', 'unexpected_keys', 'mismatched_keys')}
+    return {k: v for k, v in problems.items() if v}
+
+# %% ../../nbs/mixer/50_3_model.ipynb
 class MixerPreTrainedModel(PreTrainedModel):
     "Base class of memlab's mixer models: one config class, Hugging Face initialisation, saving and loading."
     config_class = MaskedMixerConfig
@@ -47,11 +56,7 @@ class MixerPreTrainedModel(PreTrainedModel):
         want_info = kwargs.pop('output_loading_info', False)
         if strict: kwargs.setdefault('ignore_mismatched_sizes', True)  # report shape mismatches below, in one line
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        def fmt(k):
-            return k if isinstance(k, str) else f"{k[0]} is {list(k[1])} in the checkpoint, {list(k[2])} in the model"
-        problems = {k: sorted(map(fmt, info.get(k) or ()))
-                    for k in ('missing_keys', 'unexpected_keys', 'mismatched_keys')}
-        problems = {k: v for k, v in problems.items() if v}
+        problems = _loading_problems(info)
         if strict and problems:
             raise MemlabError(f"checkpoint does not fit {cls.__name__}: " + '; '.join(
                 f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', …' if len(v) > 3 else ''})"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..compat import quant_kind, quantized_linear
-from ..core import MemlabError, check
+from ..core import MemlabError, check, patch_to
 from ..registry import attach_method
 from ..wrappers import (MLP_NAMES, TransparentWrapper, decoder_layers, is_latent_weight_layer, layer_parts,
                              replace_module)
@@ -91,16 +91,19 @@ class ReLoRALinear(TransparentWrapper):
             s = self.relora_scaling.float().tanh() if self.trainable_scaling else self.scaling
             return (self.relora_B.float() @ self.relora_A.float()) * s                 # (out, r) @ (r, in) -> (out, in)
 
-    def forward(self, x:torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)                                       # (..., out)
-        h = self.relora_dropout(x)                                     # (..., in)
-        if not torch.is_autocast_enabled(x.device.type): h = h.to(self.relora_A.dtype)
-        lora = F.linear(F.linear(h, self.relora_A), self.relora_B)    # (..., r) -> (..., out)
-        return out + (lora * self.scale()).to(out.dtype)
+# %% ../../nbs/relora/30_1_layer.ipynb
+@patch_to(ReLoRALinear)
+def forward(self, x:torch.Tensor) -> torch.Tensor:
+    out = self.base_layer(x)                                       # (..., out)
+    h = self.relora_dropout(x)                                     # (..., in)
+    if not torch.is_autocast_enabled(x.device.type): h = h.to(self.relora_A.dtype)
+    lora = F.linear(F.linear(h, self.relora_A), self.relora_B)    # (..., r) -> (..., out)
+    return out + (lora * self.scale()).to(out.dtype)
 
-    def extra_repr(self) -> str:
-        s = 'tanh(p)' if self.trainable_scaling else f"{self.scaling:g}"
-        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={s}"
+@patch_to(ReLoRALinear)
+def extra_repr(self) -> str:
+    s = 'tanh(p)' if self.trainable_scaling else f"{self.scaling:g}"
+    return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={s}"
 
 # %% ../../nbs/relora/30_1_layer.ipynb
 def relora_layers(model:nn.Module) -> list:
@@ -129,11 +132,8 @@ def _expected_targets(model) -> dict:
     return out
 
 # %% ../../nbs/relora/30_1_layer.ipynb
-def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.Module:
-    ("Wrap every target linear of `model` in place in a `ReLoRALinear` (frozen base, A random, B zero); "
-     "refuse when targets are missing.")
-    config = config or ReLoRAConfig()
-    check(not relora_layers(model), "add_relora: the model already has ReLoRA layers")
+def _relora_targets(model:nn.Module, config:ReLoRAConfig) -> list:
+    "The names of the linears of `model` that `config` wraps; refuse a target that is missing or cannot be wrapped."
     pats, default = config.target_modules, sorted(config.target_modules) == sorted(DEFAULT_TARGETS)
     targets, not_linear = [], []
     for name, mod in model.named_modules():
@@ -163,6 +163,15 @@ def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.M
               "dropout has no meaning: pass lora_dropout=0")
         check(config.quantize is None, f"add_relora: quantize={config.quantize!r} cannot store the latent "
               f"weights of BitNet layers (e.g. {in_bitnet[0]}): BitNet trains them in full precision")
+    return targets
+
+# %% ../../nbs/relora/30_1_layer.ipynb
+def add_relora(model:nn.Module, config:ReLoRAConfig=None, seed:int=None) -> nn.Module:
+    ("Wrap every target linear of `model` in place in a `ReLoRALinear` (frozen base, A random, B zero); "
+     "refuse when targets are missing.")
+    config = config or ReLoRAConfig()
+    check(not relora_layers(model), "add_relora: the model already has ReLoRA layers")
+    targets = _relora_targets(model, config)
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     for name in targets:
         base = model.get_submodule(name)

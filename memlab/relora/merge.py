@@ -71,6 +71,7 @@ def merge_layer_(layer:ReLoRALinear, generator:torch.Generator=None, reinit:bool
             raise RuntimeError(f"ReLoRA re-initialisation of {name or 'a layer'} failed (B not zero or A zero)")
     return stats
 
+# %% ../../nbs/relora/30_2_merge.ipynb
 @torch.no_grad()
 def merge_and_reinit(model:nn.Module, seed:int=None) -> dict:
     ("Merge every ReLoRA adapter of `model` into its base weight (fp32), re-draw A and zero B; "
@@ -95,6 +96,7 @@ def remove_relora(model:nn.Module, merge:bool=True) -> nn.Module:
         if quant_kind(m.base_layer) is None: m.base_layer.weight.requires_grad_(True)
     return detach_method(model, 'relora')
 
+# %% ../../nbs/relora/30_2_merge.ipynb
 @torch.no_grad()
 def merged_model(model:nn.Module, dtype=torch.float32) -> nn.Module:
     ("A new plain Hugging Face model (no ReLoRA layers, no quantization) "

@@ -71,16 +71,10 @@ def _local_part(t, full:torch.Tensor) -> torch.Tensor:
 def _param_seed(seed:int, i:int) -> int: return (seed * 1_000_003 + i) % 2**63
 
 # %% ../../nbs/relora/30_4_optimizer.ipynb
-@torch.no_grad()
-def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:int=None,
-                    keys=('exp_avg', 'exp_avg_sq'), pruning:str='reference') -> dict:
-    ("Zero all (`zero`), a random fraction (`random`) or the smallest-magnitude fraction (`magnitude`, by `pruning`'s "
-     "rule) of the Adam moments of `params`; check it.")
-    check(mode in RESET_MODES, f"unknown optimizer reset mode {mode!r}; use one of {', '.join(RESET_MODES)}")
-    check(pruning in PRUNING_RULES, f"unknown pruning rule {pruning!r}; use one of {', '.join(PRUNING_RULES)}")
-    ratio = 1.0 if mode == 'zero' else ratio
-    check(ratio is not None and 0 < ratio <= 1, f"the {mode} reset needs a ratio in (0, 1], got {ratio}")
-    opt, params = torch_optimizer(optimizer), list(params)
+def _held_state(optimizer, params:list, keys:tuple) -> tuple:
+    ("(the torch optimizer holding the state, [(position in `params`, parameter)] of this rank, whether ZeRO partitions "
+     "the state); refuse a parameter the optimizer does not hold or that has no `keys` state yet.")
+    opt = torch_optimizer(optimizer)
     check(params, "reset_optimizer: no parameters to reset")
     held = {id(p) for g in opt.param_groups for p in g['params']}
     outside = sum(id(p) not in held for p in params)
@@ -93,13 +87,19 @@ def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:i
     stateless = sum(not any(k in opt.state.get(p, {}) for k in keys) for _, p in numbered)
     check(not stateless, f"reset_optimizer: {stateless} of the {len(params)} parameters have no {'/'.join(keys)} state "
           "(no optimizer step yet, or not an Adam-type optimizer)")
-    target, sharded = 0, zero_opt
+    return opt, numbered, zero_opt
+
+# %% ../../nbs/relora/30_4_optimizer.ipynb
+@torch.no_grad()
+def _zero_moments_(opt, numbered:list, mode:str, ratio:float, seed, keys:tuple, pruning:str) -> tuple:
+    "Zero the `mode` entries of each parameter's `keys` state in place; (how many it zeroed here, whether any was a DTensor)."
+    target, dtensor = 0, False
     for i, p in numbered:
         st, mask = opt.state[p], None
         for k in keys:
             if k not in st: continue
             t = st[k]
-            sharded |= is_dtensor(t)
+            dtensor |= is_dtensor(t)
             n = t.numel()                                          # the whole tensor's size (a DTensor's too)
             kz = n if mode == 'zero' else int(round(ratio * n))
             if not kz: continue
@@ -123,13 +123,34 @@ def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:i
         if mode == 'magnitude' and pruning == 'coupled' and all(k in st for k in ('exp_avg', 'exp_avg_sq')):
             # no momentum without its second moment
             local_tensor(st['exp_avg']).masked_fill_(local_tensor(st['exp_avg_sq']) == 0, 0)
-    counts = {k: [0, 0] for k in keys}  # zeros after, entries: counted afresh from the optimizer's state
+    return target, dtensor
+
+def _zero_counts(opt, numbered:list, keys:tuple) -> dict:
+    "{key: [entries at zero, entries]} of the parameters' state as the optimizer holds it now (this rank's part)."
+    counts = {k: [0, 0] for k in keys}
     for _, p in numbered:
         for k in keys:
             if k not in opt.state[p]: continue
             v = opt.state[p][k]
             v = v.to_local() if is_dtensor(v) else v
             counts[k][0] += int((v == 0).sum()); counts[k][1] += v.numel()
+    return counts
+
+# %% ../../nbs/relora/30_4_optimizer.ipynb
+@torch.no_grad()
+def reset_optimizer(optimizer, params, mode:str='zero', ratio:float=None, seed:int=None,
+                    keys=('exp_avg', 'exp_avg_sq'), pruning:str='reference') -> dict:
+    ("Zero all (`zero`), a random fraction (`random`) or the smallest-magnitude fraction (`magnitude`, by `pruning`'s "
+     "rule) of the Adam moments of `params`; check it.")
+    check(mode in RESET_MODES, f"unknown optimizer reset mode {mode!r}; use one of {', '.join(RESET_MODES)}")
+    check(pruning in PRUNING_RULES, f"unknown pruning rule {pruning!r}; use one of {', '.join(PRUNING_RULES)}")
+    ratio = 1.0 if mode == 'zero' else ratio
+    check(ratio is not None and 0 < ratio <= 1, f"the {mode} reset needs a ratio in (0, 1], got {ratio}")
+    params = list(params)
+    opt, numbered, zero_opt = _held_state(optimizer, params, keys)
+    target, dtensor = _zero_moments_(opt, numbered, mode, ratio, seed, keys, pruning)
+    sharded = zero_opt or dtensor
+    counts = _zero_counts(opt, numbered, keys)  # zeros after, entries: counted afresh from the optimizer's state
     zeros, total = sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())
     if zeros < target or (target and not zeros):
         raise RuntimeError(f"optimizer reset ({mode}, ratio {ratio}) left {zeros} of {total} state entries at zero, "
@@ -160,6 +181,7 @@ def _rewrap_scheduler(scheduler, optimizer, n_new_groups:int):
     lambdas = list(sched.lr_lambdas) + [sched.lr_lambdas[0]] * n_new_groups
     return lambda_scheduler(optimizer, lambdas, start_step=sched.last_epoch)
 
+# %% ../../nbs/relora/30_4_optimizer.ipynb
 def rebuild_optimizer(optimizer, model:nn.Module, scheduler=None, scheduler_fn=None) -> tuple:
     ("A new optimizer of the same class over `model`'s trainable parameters, "
      "keeping the state of those it already held; and its scheduler.")

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import logging, warnings
 
-from ..core import check
+from ..core import check, patch_to
 from ..protocol import Callback
 from .config import ReLoRAConfig
 from .layer import add_relora, relora_layers, relora_parameters
@@ -44,42 +44,46 @@ class ReLoRACallback(Callback):
         d = u - self.start_step
         return d > self.relora_every and d % self.relora_every == 1
 
-    def on_step_begin(self, trainer): self._lr = _current_lr(trainer.optimizer)   # the rate this update runs with
-
-    def on_step_end(self, trainer):
-        u = trainer.step
-        if not self.is_merge_step(u): return
-        model = trainer.unwrapped_model
-        check(relora_layers(model), f"ReLoRACallback: a merge is due after update {u} but the model "
-              f"has no ReLoRA layers (start_step={self.start_step}: with a warm start it must be the switch step)")
-        if self._lr and not self._warned:
-            warnings.warn(f"ReLoRA merge after update {u}, which ran with learning rate {self._lr:.3g}, "
-                          "not 0: the merges are not aligned with the schedule's restarts "
-                          "(start_step = scheduler start - adjust_step)")
-            self._warned = True
-        stats = merge_and_reinit(model, seed=self.seed + self.merges + 1)
-        check(stats['delta_norm'] > 0, "ReLoRACallback: the adapters did not change in the "
-              f"{self.relora_every} updates before update {u} (every B is still zero): are they in the optimizer, "
-              "is the learning rate zero?")
-        stats = {f"relora/{k}": v for k, v in stats.items()}
-        if self.reset_mode:
-            r = reset_optimizer(trainer.optimizer, relora_parameters(model), self.reset_mode, self.reset_ratio,
-                                seed=self.seed + self.merges + 1, pruning=self.pruning)
-            stats['relora/reset_fraction_zeroed'] = r['fraction_zeroed']
-        self.merges += 1
-        self.last_stats = {**stats, 'relora/merge_step': u, 'relora/merge_lr': self._lr}
-        self._fresh = True
-        _log.info("ReLoRA merge %d after update %d: %s", self.merges, u, stats)
-
-    def on_log(self, trainer, logs:dict):
-        logs['relora/merges'] = self.merges
-        if self._fresh: logs.update(self.last_stats); self._fresh = False
-
     def state_dict(self) -> dict: return {'merges': self.merges, 'start_step': self.start_step}
     def load_state_dict(self, state:dict):
         self.merges = state['merges']
         # the run's own warm-start step wins over a re-typed one
         self.start_step = state.get('start_step', self.start_step)
+
+# %% ../../nbs/relora/30_5_callbacks.ipynb
+@patch_to(ReLoRACallback)
+def on_step_begin(self, trainer): self._lr = _current_lr(trainer.optimizer)   # the rate this update runs with
+
+@patch_to(ReLoRACallback)
+def on_step_end(self, trainer):
+    u = trainer.step
+    if not self.is_merge_step(u): return
+    model = trainer.unwrapped_model
+    check(relora_layers(model), f"ReLoRACallback: a merge is due after update {u} but the model "
+          f"has no ReLoRA layers (start_step={self.start_step}: with a warm start it must be the switch step)")
+    if self._lr and not self._warned:
+        warnings.warn(f"ReLoRA merge after update {u}, which ran with learning rate {self._lr:.3g}, "
+                      "not 0: the merges are not aligned with the schedule's restarts "
+                      "(start_step = scheduler start - adjust_step)")
+        self._warned = True
+    stats = merge_and_reinit(model, seed=self.seed + self.merges + 1)
+    check(stats['delta_norm'] > 0, "ReLoRACallback: the adapters did not change in the "
+          f"{self.relora_every} updates before update {u} (every B is still zero): are they in the optimizer, "
+          "is the learning rate zero?")
+    stats = {f"relora/{k}": v for k, v in stats.items()}
+    if self.reset_mode:
+        r = reset_optimizer(trainer.optimizer, relora_parameters(model), self.reset_mode, self.reset_ratio,
+                            seed=self.seed + self.merges + 1, pruning=self.pruning)
+        stats['relora/reset_fraction_zeroed'] = r['fraction_zeroed']
+    self.merges += 1
+    self.last_stats = {**stats, 'relora/merge_step': u, 'relora/merge_lr': self._lr}
+    self._fresh = True
+    _log.info("ReLoRA merge %d after update %d: %s", self.merges, u, stats)
+
+@patch_to(ReLoRACallback)
+def on_log(self, trainer, logs:dict):
+    logs['relora/merges'] = self.merges
+    if self._fresh: logs.update(self.last_stats); self._fresh = False
 
 # %% ../../nbs/relora/30_5_callbacks.ipynb
 class WarmStartCallback(Callback):

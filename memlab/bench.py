@@ -34,6 +34,7 @@ def _isolated_entry(q, target, args, kwargs):
         import traceback
         q.put(('error', f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
+# %% ../nbs/06_bench.ipynb
 def run_isolated(target, *args, timeout:float=3600, **kwargs):
     ("Run `target`(*args, **kwargs) in a fresh spawned process and return its (picklable) result; `target`: a module-level "
      "function, or its 'module:function' name.")
@@ -151,6 +152,7 @@ def default_device() -> str:
     "CUDA when this machine has it, else the CPU."
     return 'cuda' if torch.cuda.is_available() else 'cpu'
 
+# %% ../nbs/06_bench.ipynb
 def run_benchmark(name:str, quick:bool=False, device:str=None) -> tuple:
     ("Run benchmark `name` on `device` (default: CUDA when present): its rows, each naming the device, and its "
      "baseline.")
@@ -169,6 +171,7 @@ def run_benchmark(name:str, quick:bool=False, device:str=None) -> tuple:
     rows, baseline = res if isinstance(res, tuple) else (res, None)
     return [{**r, 'device': r.get('device', device_name(device))} for r in rows], baseline
 
+# %% ../nbs/06_bench.ipynb
 @cli_main
 def main():
     "memlab_bench: run a named benchmark and print its table of measured ratios."

@@ -56,6 +56,20 @@ def standard_results(trainer:Trainer, history:list) -> dict:
             'mixed_precision': trainer.config.mixed_precision,
             'final': evals[-1] if evals else None}
 
+# %% ../nbs/05_training.ipynb
+def _write_run_folder(trainer, out:Path, res:dict, history:list, report=None, plot_title:str=None, card=None):
+    "Write `res` as results.json into `out`, with `report`'s files, the loss plot and `card`'s model cards."
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
+    if report is not None:
+        text = report(res)
+        for name, t in (text if isinstance(text, dict) else {'results.md': text}).items():
+            atomic_write_text(out/name, t)
+    if plot_title is not None and history: plot_history(history, out/'loss.png', title=plot_title)
+    for where, kw in ((card(trainer, res) or {}) if card is not None else {}).items():
+        if (out/where).is_dir(): write_model_card(out/where, **{'model_name': out.name, **kw})   # if written
+
+# %% ../nbs/05_training.ipynb
 def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, describe=None, final=None, results=None,
         save=None, report=None, plot_title:str=None, fit:bool=True, folder=None, card=None,
         **trainer_kwargs) -> dict:
@@ -83,16 +97,7 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
     out = folder or trainer.config.output_dir
     out = Path(out) if out else None
     if save is not None and out is not None: res.update(save(trainer, out) or {})
-    if trainer.is_main and out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
-        if report is not None:
-            text = report(res)
-            for name, t in (text if isinstance(text, dict) else {'results.md': text}).items():
-                atomic_write_text(out/name, t)
-        if plot_title is not None and history: plot_history(history, out/'loss.png', title=plot_title)
-        for where, kw in ((card(trainer, res) or {}) if card is not None else {}).items():
-            if (out/where).is_dir(): write_model_card(out/where, **{'model_name': out.name, **kw})   # if written
+    if trainer.is_main and out is not None: _write_run_folder(trainer, out, res, history, report, plot_title, card)
     trainer.accelerator.wait_for_everyone()
     return res
 

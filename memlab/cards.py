@@ -48,6 +48,7 @@ def _card_text(model_name:str, method:str, description:str, base:Optional[str], 
     for title, text in (sections or {}).items(): L += [f"## {title}", '', text.strip(), '']
     return '\n'.join(L)
 
+# %% ../nbs/05e_cards.ipynb
 def model_card(model_name:str, method:str, description:str, base_model=None, datasets=(), metrics:dict=None,
                license:str=None, tags=(), dataset_name:str=None, sections:dict=None, library_name:str='transformers'):
     ("A `huggingface_hub.ModelCard` of a trained output: `metrics` maps a metric name ('eval loss', "

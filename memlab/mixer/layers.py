@@ -27,6 +27,7 @@ def causal_mask_like(w:torch.Tensor, groups:int=1) -> torch.Tensor:
     if groups > 1: m = m.repeat(groups, 1)                         # (g·T, T)
     return m[..., None] if w.dim() == 3 else m
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MaskedConv1d(nn.Conv1d):
     "Conv1d with positions as channels and the kernel sliding over features; the causal mask is applied in `forward`."
     def __init__(self, length:int, kernel:int=1, groups:int=1):
@@ -39,6 +40,7 @@ class MaskedConv1d(nn.Conv1d):
         x = F.pad(x, ((k - 1) // 2, k // 2))
         return F.conv1d(x, w, self.bias, groups=self.groups)
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MultiHeadMixing(nn.Module):
     "h heads: project d → d/h per head, masked conv per head, concatenate, project d → d."
     def __init__(self, dim:int, length:int, heads:int, kernel:int=1):
@@ -55,6 +57,7 @@ class MultiHeadMixing(nn.Module):
         y = self.conv(v).view(B, nh, T, hs).transpose(1, 2).reshape(B, T, C)       # (B, T, C)
         return self.out(y)
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MaskedLinearMixing(nn.Linear):
     "A masked Linear(length, length) mixing positions: y[o] = Σ_{i ≤ o} W[o, i] x[i] + b[o]."
     def __init__(self, length:int): super().__init__(length, length)

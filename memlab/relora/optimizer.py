@@ -90,6 +90,18 @@ def _held_state(optimizer, params:list, keys:tuple) -> tuple:
     return opt, numbered, zero_opt
 
 # %% ../../nbs/relora/30_4_optimizer.ipynb
+def _zero_counts(opt, numbered:list, keys:tuple) -> dict:
+    "{key: [entries at zero, entries]} of the parameters' state as the optimizer holds it now (this rank's part)."
+    counts = {k: [0, 0] for k in keys}
+    for _, p in numbered:
+        for k in keys:
+            if k not in opt.state[p]: continue
+            v = opt.state[p][k]
+            v = v.to_local() if is_dtensor(v) else v
+            counts[k][0] += int((v == 0).sum()); counts[k][1] += v.numel()
+    return counts
+
+# %% ../../nbs/relora/30_4_optimizer.ipynb
 @torch.no_grad()
 def _zero_moments_(opt, numbered:list, mode:str, ratio:float, seed, keys:tuple, pruning:str) -> tuple:
     "Zero the `mode` entries of each parameter's `keys` state in place; (how many it zeroed here, whether any was a DTensor)."
@@ -124,17 +136,6 @@ def _zero_moments_(opt, numbered:list, mode:str, ratio:float, seed, keys:tuple, 
             # no momentum without its second moment
             local_tensor(st['exp_avg']).masked_fill_(local_tensor(st['exp_avg_sq']) == 0, 0)
     return target, dtensor
-
-def _zero_counts(opt, numbered:list, keys:tuple) -> dict:
-    "{key: [entries at zero, entries]} of the parameters' state as the optimizer holds it now (this rank's part)."
-    counts = {k: [0, 0] for k in keys}
-    for _, p in numbered:
-        for k in keys:
-            if k not in opt.state[p]: continue
-            v = opt.state[p][k]
-            v = v.to_local() if is_dtensor(v) else v
-            counts[k][0] += int((v == 0).sum()); counts[k][1] += v.numel()
-    return counts
 
 # %% ../../nbs/relora/30_4_optimizer.ipynb
 @torch.no_grad()

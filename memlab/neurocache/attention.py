@@ -456,6 +456,7 @@ class _JointAttention(torch.autograd.Function):
         wt = torch.promote_types(out_s.dtype, torch.float32)                      # fp32 at least (fp64 stays fp64)
         u = out_s.to(wt) if attend is None else out_s.to(wt).masked_fill(~attend[..., None], 0.)
         out = (u + b[..., None].to(wt) * (out_m.to(wt) - u)).to(out_s.dtype)     # (B, H, T, hs)
+        if not any(ctx.needs_input_grad): return out                            # evaluation: nothing to keep
         # the kernel's backward reads its softmax from the logsumexp it is given: the joint one (a query that sees no
         # key here keeps the kernel's own; its output gradient is zeroed there)
         lse_b = z if attend is None else torch.where(attend, z, lse_k)

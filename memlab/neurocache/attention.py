@@ -448,19 +448,24 @@ class _JointAttention(torch.autograd.Function):
         B, H, T, hs = q.shape
         nkv = k_mem.shape[0]
         out_s, lse_k, aux = _lse_forward(q, k, v, mask, causal, scale)          # (B, H, T, hs), (B, H, T)
-        p, lse_m, out_m = _memory_attention(qd, k_mem, v_mem, ok, mem_scale)
-        lse_m, out_m = _heads_first(lse_m, B, T)[..., 0], _heads_first(out_m, B, T)
+        p, lse_m, out_m = _memory_attention(qd, k_mem, v_mem, ok, mem_scale)    # (nkv, B, T, g, ·)
+        # the mix in the layout (B, T, nkv, g, ·): views of both parts (the kernel's output lies as (B, T, H, hs))
+        tokens_first = lambda x: x.transpose(1, 2).unflatten(2, (nkv, H // nkv))
+        lse_m, out_m = lse_m.permute(1, 2, 0, 3, 4)[..., 0], out_m.permute(1, 2, 0, 3, 4)
         lse_s = lse_k if attend is None else lse_k.masked_fill(~attend, float('-inf'))   # a query that sees no key
-        z = torch.logaddexp(lse_s, lse_m)                                         # (B, H, T): the joint softmax's
+        z = torch.logaddexp(tokens_first(lse_s), lse_m)                          # (B, T, nkv, g): the joint softmax's
         b = torch.exp(lse_m - z).nan_to_num(0.)                                   # the cache's share (0: neither)
         wt = torch.promote_types(out_s.dtype, torch.float32)                      # fp32 at least (fp64 stays fp64)
-        u = out_s.to(wt) if attend is None else out_s.to(wt).masked_fill(~attend[..., None], 0.)
-        out = (u + b[..., None].to(wt) * (out_m.to(wt) - u)).to(out_s.dtype)     # (B, H, T, hs)
+        u = tokens_first(out_s).to(wt)
+        if attend is not None: u = u.masked_fill(~attend.transpose(1, 2)[..., None, None], 0.)
+        out = (u + b[..., None].to(wt) * (out_m.to(wt) - u)).to(out_s.dtype)     # (B, T, nkv, g, hs)
+        out = out.view(B, T, H, hs).transpose(1, 2)                               # (B, H, T, hs), as the kernel's
         if not any(ctx.needs_input_grad): return out                            # evaluation: nothing to keep
         # the kernel's backward reads its softmax from the logsumexp it is given: the joint one (a query that sees no
         # key here keeps the kernel's own; its output gradient is zeroed there)
-        lse_b = z if attend is None else torch.where(attend, z, lse_k)
-        pj = p * b.view(B, nkv, H // nkv, T).permute(1, 0, 3, 2)[..., None]      # (nkv, B, T, g, W) joint probs
+        z = z.view(B, T, H).transpose(1, 2)
+        lse_b = (z if attend is None else torch.where(attend, z, lse_k)).contiguous()
+        pj = p * b.permute(2, 0, 1, 3)[..., None]                                 # (nkv, B, T, g, W) joint probs
         ctx.save_for_backward(q, out, lse_b, qd, k_mem, v_mem, pj, attend)
         ctx.aux, ctx.causal, ctx.scale, ctx.mem_scale = aux, causal, scale, mem_scale
         return out

@@ -82,7 +82,8 @@ class DistillationObjective(Config):
     attn_projector: str = 'identity'    # only identity: the last axis of an attention map is the sequence, not a width
     topk_missing: str = 'rest'          # offline top-k teacher: the missing mass is one 'rest' bucket, or 'zero' (top-k
                                         # renormalised)
-    chunk_size: int = -1  # tokens per chunk of the logit term: -1 = auto (about 2M logits per chunk), 0 = dense
+    chunk_size: int = -1  # tokens per chunk of the logit term: -1 = auto (about 1M logits per chunk on a CPU,
+                          # measured on a GPU), 0 = dense
     fused: bool = False  # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
     kl_warmup_steps: int = 0  # train the first N updates under forward KL, then under logits_loss_fn (a warm-up for
                               # reverse_kl, jsd...; 0: off)
@@ -330,7 +331,7 @@ class DistillLoss:
                 self.confidence.update(teacher_top1(t, mask, obj.temperature, obj.topk_missing))
             beta = self.confidence.value
         chunk = (auto_chunk_size(self.vocab_size or vocab_of(s), device=dev) if obj.chunk_size == -1
-                 else (obj.chunk_size or None))
+                 else obj.chunk_size)                              # 0: the dense reference
         total, kd, ce, n = objective_sums(name, s, t, mask=mask, labels=labels, temperature=obj.temperature, beta=beta,
                                           missing=obj.topk_missing, kd_weight=obj.logits_weight,
                                           ce_weight=obj.ce_weight, chunk_size=chunk)

@@ -150,15 +150,27 @@ def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None
         self.ptr = (self.ptr + n) % S
     else:
         slot = self._lru_make_room(torch.clamp(n, max=S))[:, None] + j - torch.clamp(n - S, min=0)[:, None]
-    r, s = row.expand(N, M)[keep], slot[keep]
-    stored = keys[keep].to(self.keys.dtype)
-    self.keys[r, s] = stored
-    self.sqnorm[r, s] = stored.float().pow(2).sum(-1)
-    if raw is not None: self.raw[r, s] = raw[keep].to(self.raw.dtype)
-    self.valid[r, s] = True
-    self.time[r, s] = t[keep]
+    stored = keys.to(self.keys.dtype)
+    new = {'keys': stored, 'sqnorm': stored.float().pow(2).sum(-1), 'time': t, 'used': (self.tick + 1)[:, None].expand(N, M),
+           'valid': torch.ones_like(keep), 'raw': None if raw is None else raw.to(self.raw.dtype)}
     self.tick = self.tick + 1
-    self.used[r, s] = self.tick[r]
+    if self.cache_type == 'FIFO' and M <= S: _put_all(self, row.expand(N, M), slot, keep, new)
+    else: _put_kept(self, row.expand(N, M), slot, keep, new)
+
+def _put_all(cache, r, s, keep, new:dict):
+    ("Write `new` (N, M, ...) at slots (r, s) where `keep`, without a host sync: every position is written, those not "
+     "kept with what their slot holds (the M slots of a row are distinct: a ring buffer and M <= S).")
+    for name, value in new.items():
+        if value is None: continue
+        buf = getattr(cache, name)
+        k = keep.view(*keep.shape, *([1] * (value.dim() - 2)))
+        buf[r, s] = torch.where(k, value, buf[r, s])
+
+def _put_kept(cache, r, s, keep, new:dict):
+    "Write `new` (N, M, ...) at slots (r, s) where `keep` (boolean indexing: the host waits for the count on a GPU)."
+    r, s = r[keep], s[keep]
+    for name, value in new.items():
+        if value is not None: getattr(cache, name)[r, s] = value[keep]
 
 @patch_to(KNNCache)
 def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
@@ -208,7 +220,7 @@ def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1,
         hits.append(i); ok.append(v > float('-inf'))
     hits, ok = torch.cat(hits, 1), torch.cat(ok, 1)                       # (N, Q, k)
     if query_mask is not None: ok = ok & query_mask.to(self.device)[..., None]
-    off = torch.tensor(self.offsets, device=self.device)                  # (w,)
+    off = torch.arange(self.offsets[0], self.offsets[-1] + 1, device=self.device)   # (w,) (no copy from the host)
     row = torch.arange(N, device=self.device)[:, None, None, None]
     want = self.time[row, hits[..., None]] + off  # (N, Q, k, w) write time of each neighbour
     # a ring buffer holds consecutive tokens in consecutive slots

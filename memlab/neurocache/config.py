@@ -14,7 +14,7 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'JOINT_FAMILIES', 'parse_layers
            'NeurocacheConfig']
 
 # %% ../../nbs/neurocache/20_0_config.ipynb
-CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
+CACHE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')   # float64: exactness tests
 SUPPORTED_FAMILIES = ('llama', 'mistral', 'opt', 'gpt2', 'phi', 'gptj')
 JOINT_FAMILIES = ('llama', 'mistral')             # cache_attention='joint' works inside their attention (see below)
 
@@ -77,7 +77,8 @@ class NeurocacheConfig(Config):
                                        # eval_cache_size, resize_cache)
     eval_cache_size: int = None        # entries per cache in evaluation mode (model.eval()); None = cache_size. Train
                                        # at 16K, evaluate at 128K
-    cache_dtype: str = 'float32'       # storage dtype of the cache: float32, bfloat16 or float16
+    cache_dtype: str = 'float32'       # storage dtype of the cache: float32, bfloat16 or float16 (float64 for
+                                       # tests in float64)
     compression_factor: int = 8        # cached states have d = hidden_size / compression_factor features; 1 stores the
                                        # states as they are
     topk: int = 32                     # nearest cache entries retrieved per token

@@ -16,7 +16,7 @@ from .cache import KNNCache, context_window, index_rows, retrieval_scores
 from .attention import (CacheAttention, WindowGrad, joint_mix, local_logsumexp, share_window)
 
 # %% auto 0
-__all__ = ['CacheProjection', 'row_mask', 'Neurocache', 'NeurocacheAttention']
+__all__ = ['DEDUP_DEVICES', 'CacheProjection', 'row_mask', 'Neurocache', 'NeurocacheAttention']
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 class CacheProjection(nn.Module):
@@ -84,6 +84,7 @@ class Neurocache(nn.Module):
          "(incremental decoding).")
         self._mask, self._retrieved, self._queries, self._stashed, self._pending = token_mask, {}, {}, set(), []
         self._calls = {}  # joint: each attention layer's q, k, v and call
+        self._rotation = {}  # joint: the rotation to `joint_distance` (hs, hs), per device and dtype
         if not continuing: self._tail = {}
 
     def _new_cache(self, r:int, rows:int, training:bool, device) -> KNNCache:
@@ -112,6 +113,8 @@ class Neurocache(nn.Module):
                 else torch.ones(B, T, dtype=torch.bool, device=device))
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
+DEDUP_DEVICES = ('cpu',)   # device types where training reads each distinct retrieved slot once (`torch.unique`)
+
 @patch_to(Neurocache)
 def before_attention(self, layer:int, x:torch.Tensor):
     ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
@@ -135,7 +138,10 @@ def _retrieve(self, r:int, x:torch.Tensor):
     # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
     if self.reencode:
         rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
-        uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
+        flat = (rows * cache.size + slots).flatten()
+        # the distinct ones on a CPU; on a GPU every retrieved slot, since finding the distinct ones makes the host wait
+        if flat.device.type in DEDUP_DEVICES: uniq, inverse = torch.unique(flat, return_inverse=True)
+        else: uniq, inverse = flat, torch.arange(flat.numel(), device=flat.device)
         vals, inverse = index_rows(cache.raw.view(N * cache.size, -1), uniq), inverse.view(B, T, -1)  # (U, h)
     elif self.joint and cfg.context_size == 1:
         # joint: the served layers' keys and values, (L·2·nkv, B, T, M, hs), as the joint attention reads them
@@ -242,20 +248,17 @@ def capture(self, layer:int, what:str, value):
     self._calls.setdefault(layer, {})[what] = value
 
 @patch_to(Neurocache)
-def mix(self, layer:int, attn:nn.Module, u):
-    ("Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to "
-     "the cache.")
+def joint_inputs(self, layer:int, attn:nn.Module):
+    ("Joint attention in layer `layer`: its queries rotated to `joint_distance` (B, T, H·hs), the retrieved keys and "
+     "values head-major (nkv, B, T, W, hs), which are real (B, T, W), and the logits' scale; None where the layer reads "
+     "no cache in this forward.")
     call, r = self._calls.get(layer, {}), self.source.get(layer)
-    if not self.enabled or r is None or r not in self._retrieved: return u
+    if not self.enabled or r is None or r not in self._retrieved: return None
     check(all(k in call for k in ('q', 'k', 'kwargs')),
           f"cache_attention='joint': the attention of layer {layer} did not "
           f"call its q_proj / k_proj (or was called without going through the Neurocache wrapper)")
-    B, T, _ = u.shape
+    B, T, _ = call['q'].shape
     H, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
-    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q = call['q'].view(B, T, H, hs)
-    lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
-    if lse is None: lse = self._local_lse(call, attn, q, rotate)
     ret = self._retrieved[r]
     if 'heads' not in ret:        # every served layer's keys and values head-major, (L, 2, nkv, B, T, W, hs)
         L = len(self.served[r])
@@ -268,11 +271,31 @@ def mix(self, layer:int, attn:nn.Module, u):
     kv, ok = ret['heads']
     i = self.served[r].index(layer)
     # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position,
-    # keys at 0)
-    # one position for all
-    cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))
-    qd = rotate(q, q[:, :1, :1], cos_d, sin_d, unsqueeze_dim=2)[0].reshape(B, T, H * hs)
-    return joint_mix(u, lse, qd, kv[i, 0], kv[i, 1], ok, getattr(attn, 'scaling', None))
+    # one position for all, keys at 0)
+    q = call['q'].view(B, T, H, hs)
+    key = (q.device, q.dtype)
+    if key not in self._rotation:   # the rotation as an (hs, hs) matrix, once per forward: the model's own rotary
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb          # function applied to each unit vector
+        cos, sin = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))
+        eye = torch.eye(hs, device=q.device, dtype=q.dtype)[None, :, None, :]   # (1, hs, 1, hs): hs queries
+        self._rotation[key] = rotate(eye, eye, cos, sin, unsqueeze_dim=2)[0][0, :, 0, :]
+    qd = (q @ self._rotation[key]).reshape(B, T, H * hs)  # one product instead of the rotary's elementwise passes
+    return qd, kv[i, 0], kv[i, 1], ok, getattr(attn, 'scaling', None) or hs**-0.5
+
+@patch_to(Neurocache)
+def mix(self, layer:int, attn:nn.Module, u):
+    ("Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to "
+     "the cache (unless `joint_attention` did both in one call).")
+    call = self._calls.get(layer, {})
+    if call.get('mixed'): return u
+    mem = self.joint_inputs(layer, attn)
+    if mem is None: return u
+    B, T, _ = u.shape
+    lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
+    if lse is None:
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        lse = self._local_lse(call, attn, call['q'].view(B, T, self.num_heads, self.head_dim), rotate)
+    return joint_mix(u, lse, *mem)
 
 @patch_to(Neurocache)
 def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
@@ -326,7 +349,7 @@ class NeurocacheAttention(TransparentWrapper):
         base = self.base_layer
         if nc.joint:
             nc.capture(self.layer_idx, 'kwargs', kwargs)  # the rotary embedding, mask and KV cache of this call
-            nc._calls[self.layer_idx].pop('lse', None)
+            for what in ('lse', 'mixed'): nc._calls[self.layer_idx].pop(what, None)
         # a joint layer: its attention through joint_attention
         if nc.joint and nc.enabled and self.layer_idx in nc.source:
             config, base.config = base.config, _JointRoute(base.config, nc, self.layer_idx)

@@ -2,7 +2,10 @@
 
 python tests/dist_train.py OUT [--dist ddp|fsdp] [--steps N] [--save_every K] [--die_at_step S] [--die_in_save S]
                              [--signal_at_step S --signal SIGTERM|SIGINT] [--resume]
-Writes OUT/result_rank{r}.json with the losses and a fingerprint of the final parameters.
+python tests/dist_train.py OUT --mesh dp,fsdp,tp[,cp] [--bpt] [--steps N] [--save_every K] [--resume]
+python tests/dist_train.py OUT --data_world D [--bpt] ...      (one process standing in for D data-parallel processes)
+Writes OUT/result_rank{r}.json with the losses and a fingerprint of the final parameters (mesh runs: and of the first
+update's gradients).
 """
 import argparse, json, os, signal, sys
 from pathlib import Path
@@ -43,7 +46,12 @@ def main():
     p.add_argument('--resume', action='store_true'); p.add_argument('--accum', type=int, default=2)
     p.add_argument('--count_comms', action='store_true', help='record which micro-batch each gradient reduction happens in')
     p.add_argument('--reload', action='store_true', help='after training, load the final checkpoint into a new model in this process')
+    p.add_argument('--mesh', help='dp,fsdp,tp[,cp]: train on this process mesh (rows split by data-parallel rank)')
+    p.add_argument('--data_world', type=int, help='one process reading the rows of this many data-parallel processes')
+    p.add_argument('--bpt', action='store_true', help='the model made blockwise (BPT, small chunks, fused loss)')
+    p.add_argument('--kv_heads', type=int, default=2)
     a = p.parse_args()
+    if a.mesh or a.data_world: return train_on_mesh(a)
     rank = int(os.environ.get('RANK', 0)); world = int(os.environ.get('WORLD_SIZE', 1))
     cfg = TrainConfig(output_dir=a.out, max_steps=a.steps, save_every=a.save_every, log_every=1, lr=3e-3, report_to='none',
                       progress=False, per_device_batch_size=2, total_batch_size=2 * world * a.accum, distributed_type=a.dist,
@@ -66,6 +74,67 @@ def main():
     Path(a.out, f'result_rank{t.accelerator.process_index}.json').write_text(json.dumps(
         {'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fp, 'world': t.world_size,
          'dist': 'fsdp' if t.fsdp else 'ddp', 'reductions_in_micro_batch': comms, 'reloaded_fingerprint': reloaded}))
+
+MESH_T = 16       # tokens per row of the mesh runs: a multiple of 2 x cp for cp up to 4 (the zig-zag split)
+
+def mesh_batches(steps, data_world, accum, seed=0, B=2, T=MESH_T, vocab=256) -> list:
+    "Every micro-batch of `steps` updates, in order: update u's micro-batch m of data rank d at (u * data_world + d) * accum + m."
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(steps * data_world * accum):
+        ids = torch.randint(0, vocab // 8, (B, T + 1), generator=g)
+        labels = ids[:, 1:].clone(); labels[0, : (i * 5) % T] = -100      # a different count of targets in every row
+        out.append({'input_ids': ids[:, :-1], 'labels': labels, 'attention_mask': torch.ones(B, T, dtype=torch.long)})
+    return out
+
+def full(t): return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()   # a collective for a DTensor
+
+class FirstGrads(Callback):
+    "Keep every parameter's full gradient at the first update of this process (after the reduction, before clipping)."
+    def __init__(self): self.grads = None
+    def on_before_optimizer_step(self, t):
+        if self.grads is None:
+            self.grads = {n: full(p.grad) for n, p in sorted(t.unwrapped_model.named_parameters())}
+
+def train_on_mesh(a):
+    "A mesh run (`--mesh`), or its one-process reference (`--data_world D`): the same rows, the same updates."
+    from memlab.distributed import data_rank, make_accelerator, resolve_mesh
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    shape = resolve_mesh(a.mesh, world) if a.mesh else None
+    rank, data_world = data_rank(shape, int(os.environ.get('RANK', 0))) if shape else (0, a.data_world)
+    accum = a.accum
+    every = mesh_batches(a.steps, data_world, accum)
+    per_update = data_world * accum
+    mine = ([b for u in range(a.steps) for b in every[u * per_update + rank * accum:u * per_update + (rank + 1) * accum]]
+            if shape else every)
+    cfg = TrainConfig(output_dir=a.out, max_steps=a.steps, save_every=a.save_every, log_every=1, lr=3e-3, report_to='none',
+                      progress=False, per_device_batch_size=2, total_batch_size=2 * data_world * accum, mesh_dim=a.mesh,
+                      resume_from='latest' if a.resume else None, seed=5, warmup_steps=0, scheduler='constant',
+                      mixed_precision='no', max_grad_norm=0.5)        # clipped: the global norm across meshes counts
+    model, loss_fn = tiny_model('llama', seed=1, num_layers=2, num_kv_heads=a.kv_heads), causal_lm_loss
+    if a.bpt:
+        from memlab.bpt import BPTConfig, add_bpt, bpt_causal_lm_loss
+        model = add_bpt(model, BPTConfig(q_chunk_size=4, k_chunk_size=4, ffn_chunk_size=4, head_chunk_size=8,
+                                         attention_kernel='torch'))
+        loss_fn = bpt_causal_lm_loss
+    acc = make_accelerator('no')                                        # the process group, before the mesh
+    if shape and shape.cp > 1:
+        from memlab.bpt.context import add_context_parallel, ContextParallelLoss
+        from memlab.distributed import device_mesh
+        group = device_mesh(shape)['cp'].get_group()
+        model = add_context_parallel(model, group, q_chunk_size=4, k_chunk_size=4, kernel='torch')
+        loss_fn = ContextParallelLoss(loss_fn, group)
+    grads = FirstGrads()
+    t = Trainer(model, cfg, BatchList(mine, loop=False), callbacks=[grads], loss_fn=loss_fn, accelerator=acc)
+    hist = t.fit()
+    tensors = {f'param.{k}': full(v) for k, v in sorted(t.unwrapped_model.state_dict().items())}
+    tensors.update({f'grad.{k}': v for k, v in (grads.grads or {}).items()})
+    if t.is_main:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(a.out)/'tensors.safetensors'))
+    Path(a.out, f'result_rank{t.accelerator.process_index}.json').write_text(json.dumps(
+        {'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fingerprint(t.model), 'world': t.world_size,
+         'mesh': list(t.mesh), 'tokens_seen': t.tokens_seen}))
 
 def fingerprint(model) -> list:
     "Sum of every parameter (gathered when sharded), in name order."

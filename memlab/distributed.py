@@ -205,12 +205,13 @@ def device_mesh(shape:MeshShape, device_type:str=None):
           f"the mesh {shape} needs {shape.world} processes in a process group; this one has {world}: launch with "
           f"torchrun --nproc-per-node {shape.world} (on CPU with ACCELERATE_USE_CPU=1)")
     device_type = device_type or ('cuda' if torch.cuda.is_available() else 'cpu')
-    key = (tuple(shape), device_type, id(dist.group.WORLD))
-    if key not in _DEVICE_MESHES:
+    key, world_group = (tuple(shape), device_type), dist.group.WORLD if dist.is_initialized() else None
+    held = _DEVICE_MESHES.get(key)
+    if held is None or held[0] is not world_group:       # none yet, or one of a process group since destroyed
         mesh = init_device_mesh(device_type, tuple(getattr(shape, n) for n in MESH_ORDER), mesh_dim_names=MESH_ORDER)
         mesh['fsdp', 'cp']._flatten('fsdp_cp')      # (torchtitan's way; DeviceMesh has no public flatten yet)
-        _DEVICE_MESHES[key] = mesh
-    return _DEVICE_MESHES[key]
+        _DEVICE_MESHES[key] = held = (world_group, mesh)
+    return held[1]
 
 def gradient_mesh(mesh):
     "The (sub-)mesh FSDP2 shards over and reduces gradients on: ('dp', 'fsdp_cp') when dp > 1 (HSDP), else 'fsdp_cp'."

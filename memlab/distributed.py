@@ -18,9 +18,9 @@ from .wrappers import decoder_layers, state_names, unwrap
 # %% auto 0
 __all__ = ['MESH_AXES', 'MESH_ORDER', 'TP_STYLES', 'launched_processes', 'deepspeed_launched', 'make_accelerator',
            'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'MeshShape',
-           'parse_mesh', 'resolve_mesh', 'mesh_coordinates', 'data_rank', 'resume_process', 'checkpoint_mesh',
-           'device_mesh', 'gradient_mesh', 'tensor_parallel_plan', 'apply_tensor_parallel', 'apply_mesh',
-           'clip_grad_norm', 'fingerprint', 'check_replicas']
+           'parse_mesh', 'resolve_mesh', 'mesh_coordinates', 'data_rank', 'launch_data_rank', 'resume_process',
+           'checkpoint_mesh', 'device_mesh', 'gradient_mesh', 'tensor_parallel_plan', 'apply_tensor_parallel',
+           'apply_mesh', 'clip_grad_norm', 'fingerprint', 'check_replicas']
 
 # %% ../nbs/05c_distributed.ipynb
 def launched_processes() -> int:
@@ -175,6 +175,12 @@ def data_rank(shape:MeshShape, rank:int) -> tuple:
      "same rows.")
     c = mesh_coordinates(shape, rank)
     return c['dp'] * shape.fsdp + c['fsdp'], shape.data
+
+def launch_data_rank(mesh_dim, flag:str='--mesh_dim') -> tuple:
+    ("(rank, world_size) for this launched process's loaders under `mesh_dim`, before any process group exists; "
+     "(None, None) without a mesh: the loaders' own (every process its own rows).")
+    if not mesh_dim: return None, None
+    return data_rank(resolve_mesh(mesh_dim, launched_processes(), flag), int(os.environ.get('RANK', '0')))
 
 def resume_process(saved:MeshShape, now:MeshShape, rank:int) -> int:
     ("The process of a checkpoint written under mesh `saved` whose data position and RNG process `rank` of mesh "

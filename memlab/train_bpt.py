@@ -444,8 +444,8 @@ def check_bpt_run(args:dict, world:int) -> tuple:
     mesh = resolve_mesh(run.mesh, world)
     per_micro = mesh.data * opt.accumulate_gradient_steps          # tensor- and context-parallel groups share rows
     check(ds.batch_size % per_micro == 0, f"--train_dataset.json_dataset.batch_size {ds.batch_size} is not a "
-          f"multiple of data-parallel processes (dp × fsdp) × --optimizer.accumulate_gradient_steps = {mesh.data} × "
-          f"{opt.accumulate_gradient_steps}")
+          f"multiple of processes × --optimizer.accumulate_gradient_steps = {mesh.data} × {opt.accumulate_gradient_steps} "
+          "(the processes that read different rows: dp × fsdp)")
     check(ds.seq_length % (2 * mesh.cp) == 0, f"--mesh_dim {run.mesh_dim}: context parallelism over {mesh.cp} processes "
           f"cuts each row into {2 * mesh.cp} chunks; --train_dataset.json_dataset.seq_length {ds.seq_length} is not a "
           "multiple of it")

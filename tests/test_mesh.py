@@ -167,3 +167,58 @@ def test_memlab_bpt_mesh_saves_a_plain_model(data, tmp_path):
         assert type(plain).__name__ == 'LlamaForCausalLM' and plain.config._attn_implementation == 'sdpa'
         with torch.no_grad():
             torch.testing.assert_close(plain(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+
+# ---- memlab_train and memlab_relora under a mesh ------------------------------------------------------------------------------
+
+def test_memlab_train_tensor_parallel_writes_the_gathered_model(tmp_path):
+    """memlab_train --mesh_dim 1,1,2 (full fine-tuning split by the model's tensor-parallel plan) on 2 processes trains what one
+    process trains on the same rows, and writes the model gathered from its shards, which plain transformers loads."""
+    run([sys.executable, '-c', "import sys; from memlab.models import save_tiny_model, load_tokenizer; "
+         "save_tiny_model('llama', sys.argv[1], vocab_size=49152, num_layers=2); "
+         "load_tokenizer('smollm2-135m').save_pretrained(sys.argv[1])", tmp_path/'tiny'])
+    from memlab.data import load_corpus
+    docs = load_corpus('pydocs').split('train')[:8]         # a small corpus: 6 training documents, 2 for validation
+    (tmp_path/'docs.jsonl').write_text(''.join(json.dumps({'text': d.text[:4000], 'split': 'validation' if i >= 6 else 'train'})
+                                               + '\n' for i, d in enumerate(docs)))
+    flags = ['--model', tmp_path/'tiny', '--dataset', tmp_path/'docs.jsonl', '--max_steps', '2', '--per_device_batch_size', '2',
+             '--max_eval_steps', '1', '--sequence_length', '32', '--report_to', 'none', '--progress', 'false',
+             '--mixed_precision', 'no', '--lr', '1e-3', '--lora_r', '0', '--eval_at_start', 'false', '--plot', 'false']
+    run([sys.executable, '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'one'])
+    torchrun('-m', 'memlab.train', *flags, '--output_dir', tmp_path/'tp', '--mesh_dim', '1,1,2', ACCELERATE_USE_CPU=1)
+    from transformers import AutoModelForCausalLM
+    one, tp, tiny = (AutoModelForCausalLM.from_pretrained(tmp_path/k/'model') if k != 'tiny' else
+                     AutoModelForCausalLM.from_pretrained(tmp_path/k) for k in ('one', 'tp', 'tiny'))
+    assert not torch.equal(one.model.layers[0].mlp.up_proj.weight, tiny.model.layers[0].mlp.up_proj.weight)   # it trained
+    for (n, a), b in zip(one.named_parameters(), tp.parameters()): torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)
+
+@pytest.fixture(scope='module')
+def pretokenized(tmp_path_factory):
+    "A 512-token BPE on pydocs and pydocs pretokenized at length 128 by memlab_pretokenize (memlab_relora's data)."
+    from memlab.core import run_cli
+    from memlab.tokenizers import pretokenize_main, train_tokenizer
+    root = tmp_path_factory.mktemp('relora-mesh')
+    train_tokenizer('pydocs', vocab_size=512, save_dir=root/'tok', take=40, show_progress=False)
+    code, out, err = run_cli(pretokenize_main, ['--tokenizer', root/'tok', '--dataset', 'pydocs', '--sequence_length', 128,
+                                                '--take', 20, '--save_dir', root/'data', '--output_name', 'pydocs_128'],
+                             prog='memlab_pretokenize')
+    assert code == 0, err
+    return root
+
+def test_memlab_relora_full_rank_tensor_parallel(pretokenized, tmp_path):
+    """memlab_relora --mesh_dim 1,1,2 (full-rank training, tensor parallel) on 2 processes: the one-process run's losses and merged
+    model; with --use_peft (ReLoRA's layers) the same mesh is refused in one line."""
+    flags = ['--model_config', 'llama_9m', '--dataset_path', pretokenized/'data'/'pydocs_128', '--tokenizer', pretokenized/'tok',
+             '--batch_size', '2', '--max_length', '128', '--num_training_steps', '2', '--warmup_steps', '1', '--lr', '1e-3',
+             '--eval_every', '2', '--save_every', '2', '--max_eval_tokens', '256', '--report_to', 'none', '--dtype', 'float32',
+             '--progress', 'False']
+    run([sys.executable, '-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'one'])
+    torchrun('-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'tp', '--mesh_dim', '1,1,2', ACCELERATE_USE_CPU=1)
+    one, tp = (json.loads((tmp_path/k/'results.json').read_text()) for k in ('one', 'tp'))
+    assert tp['mesh'] == [1, 1, 2, 1] and tp['replicas_agree']
+    got, want = ([h['loss'] for h in r['history'] if 'loss' in h] for r in (tp, one))
+    assert len(got) == 2 and got == pytest.approx(want, rel=1e-5)
+    assert tp['fingerprint'] == pytest.approx(one['fingerprint'], rel=1e-4, abs=1e-3)
+    r = run([sys.executable, '-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'peft', '--mesh_dim', '1,1,2',
+             '--use_peft'], check=False)
+    assert r.returncode == 2 and "ReLoRA's layers (--use_peft) compute from their whole weight" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path/'peft').exists()

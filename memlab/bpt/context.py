@@ -202,7 +202,6 @@ def ring_plan(q, q_chunk_size:int=1024, k_chunk_size:int=1024, kernel='auto', sc
     return RingPlan(chunk_length('q_chunk_size', q_chunk_size, c), chunk_length('k_chunk_size', k_chunk_size, c),
                     q.shape[-1] ** -0.5 if scale is None else scale, fn, float32_logits)
 
-# %% ../../nbs/bpt/10_3_context.ipynb
 def ring_attention(q, k, v, group=None, key_mask=None, *, q_chunk_size:int=1024, k_chunk_size:int=1024,
                    kernel='auto', scale:float=None, float32_logits:bool=False) -> torch.Tensor:
     ("Exact causal attention of this process's zig-zag share q (B, nh, 2c, hs), k, v (B, nkv, 2c, hs) of rows split "

@@ -20,7 +20,7 @@ __all__ = ['MESH_AXES', 'MESH_ORDER', 'TP_STYLES', 'launched_processes', 'deepsp
            'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'MeshShape',
            'parse_mesh', 'resolve_mesh', 'mesh_coordinates', 'data_rank', 'launch_data_rank', 'resume_process',
            'checkpoint_mesh', 'device_mesh', 'gradient_mesh', 'tensor_parallel_plan', 'apply_tensor_parallel',
-           'apply_mesh', 'clip_grad_norm', 'fingerprint', 'check_replicas']
+           'apply_mesh', 'clip_grad_norm', 'mesh_step_context', 'fingerprint', 'check_replicas']
 
 # %% ../nbs/05c_distributed.ipynb
 def launched_processes() -> int:
@@ -288,6 +288,13 @@ def clip_grad_norm(parameters, max_norm:float) -> float:
     total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
     for ps in groups.values(): torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device))
     return float(total)
+
+def mesh_step_context(shape:MeshShape=None):
+    ("Context for a training step's forward on mesh `shape`: under tensor parallelism, a layer recomputed in backward "
+     "(BPT's remat, activation checkpointing) is recomputed whole.")
+    import contextlib
+    if shape is None or shape.tp == 1: return contextlib.nullcontext()
+    return torch.utils.checkpoint.set_checkpoint_early_stop(False)
 
 # %% ../nbs/05c_distributed.ipynb
 def fingerprint(weights, trainable_only:bool=False) -> list:

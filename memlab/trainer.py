@@ -17,7 +17,7 @@ from .schedules import continue_at
 from .protocol import causal_lm_loss, model_callbacks
 from .train_config import TrainConfig, get_scheduler
 from .distributed import (MeshShape, apply_fsdp, apply_mesh, checkpoint_mesh, clip_grad_norm, make_accelerator,
-                                resolve_distributed_type, resolve_mesh, resume_process)
+                                mesh_step_context, resolve_distributed_type, resolve_mesh, resume_process)
 from .checkpoints import (CHECKPOINTS, DEEPSPEED_TAG, clear_unfinished_run, find_checkpoint, list_checkpoints,
                                 load_sharded, load_strict, read_json, read_safetensors, read_state,
                                 resume_plan, step_dir, write_state)
@@ -321,7 +321,7 @@ def train_step(self, micro_batches:list) -> dict:
         batch = _to_device(batch, self.accelerator.device)
         # no_sync covers forward and backward: DDP decides in forward, FSDP2 in backward, whether to reduce gradients
         with self._sync_context(last=i == len(micro_batches) - 1):
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), mesh_step_context(self.mesh):
                 out = self.loss_fn(self.model, batch)
                 # gradients are averaged over the processes that are not tensor-parallel ranks of one another
                 loss = out.loss_sum * (self.world_size // self._tp) / n_global

@@ -3,8 +3,8 @@ each mesh gives the one-process losses and gradients within rounding, resumes ex
 under another mesh, or refuses in one line), and memlab_bpt under a mesh saves a model that plain transformers loads.
 
 Default tier: 2 processes (dp; fsdp; tp; cp) with the tiniest model, the meshes one after the other in one launch. The 4-process
-meshes (dp x fsdp; fsdp x tp; tp over 4; cp over 4; fsdp x cp; a 4-process checkpoint continued on 2) oversubscribe the 2 cores
-twice over: they run with MEMLAB_SLOW_TESTS=1."""
+meshes (dp; fsdp; dp x fsdp; fsdp x tp; tp over 4; cp over 4; fsdp x cp; a 4-process checkpoint continued on 2) oversubscribe the
+2 cores twice over: they run with MEMLAB_SLOW_TESTS=1."""
 import json, os, sys
 from pathlib import Path
 import pytest
@@ -129,12 +129,12 @@ def test_mesh_resumes_exactly_or_refuses(tmp_path, meshes, reference):
 
 # ---- 4 processes (MEMLAB_SLOW_TESTS=1) -----------------------------------------------------------------------------------------
 
-FOUR = {'dp_x_fsdp': ('2,2,1', 4), 'fsdp_x_tp': ('1,2,2', 2), 'tp4': ('1,1,4', 1), 'cp4': ('1,1,1,4', 1),
-        'fsdp_x_cp': ('1,2,1,2', 2)}
+FOUR = {'dp4': ('4,1,1', 4), 'fsdp4': ('1,4,1', 4), 'dp_x_fsdp': ('2,2,1', 4), 'fsdp_x_tp': ('1,2,2', 2), 'tp4': ('1,1,4', 1),
+        'cp4': ('1,1,1,4', 1), 'fsdp_x_cp': ('1,2,1,2', 2)}
 
 @slow
 def test_four_process_meshes_match_one_process(tmp_path):
-    """dp x fsdp (HSDP), fsdp x tp, tp over 4 (4 key/value heads), cp over 4 and fsdp x cp on 4 processes; then the fsdp x tp run
+    """dp and fsdp over 4, dp x fsdp (HSDP), fsdp x tp, tp over 4 (4 key/value heads), cp over 4 and fsdp x cp on 4 processes; then the fsdp x tp run
     cut after update 2 continues on 2 processes under fsdp alone (the same two processes' rows): the one-process runs."""
     jobs(tmp_path/'ref', 'data1:data=1', 'data2:data=2', 'data4:data=4', nproc=1, extra=['--kv_heads', 4])
     jobs(tmp_path, *(f'{n}:{m}' for n, (m, _) in FOUR.items()), nproc=4, extra=['--kv_heads', 4, '--save_every', 2])

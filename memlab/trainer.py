@@ -175,11 +175,9 @@ def _prepare(self, model):
     self.fsdp = kind == 'fsdp' and self.world_size > 1
     self.mesh = self.mesh or (MeshShape(fsdp=self.world_size) if self.fsdp else MeshShape(dp=self.world_size))
     if self.deepspeed: return self._prepare_deepspeed(model)
-    if self.fsdp and self.mesh.kind == 'mesh':    # tensor parallel, then FSDP2 over the data (and context) axes
-        self.model = apply_mesh(model, self.mesh, acc.device, c.mixed_precision, c.fsdp_layer_cls)
-        self.unwrapped_model = self.model
-    elif self.fsdp:
-        self.model = apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls)
+    if self.fsdp:                       # a mesh: tensor parallel, then FSDP2 over its data (and context) axes
+        self.model = (apply_mesh(model, self.mesh, acc.device, c.mixed_precision, c.fsdp_layer_cls)
+                      if self.mesh.kind == 'mesh' else apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls))
         self.unwrapped_model = self.model
     else:
         self.model = acc.prepare_model(model)

@@ -131,25 +131,24 @@ def _ungqa(t, g:int):
     "A (B, nh, ...) gradient summed back to the key/value heads."
     return t if g == 1 else t.unflatten(1, (-1, g)).sum(2)
 
-def _pair_backward(q, k, v, kmask, causal:bool, lse, dout, D, plan:RingPlan):
-    "dq, dk, dv (statistics dtype) of one chunk pair from the rows' final log-sum-exp `lse` and D = rowsum(dO ⊙ O)."
+def _pair_backward(q, k, v, kmask, causal:bool, lse, dout, D, plan:RingPlan, dq, dk, dv):
+    ("Add one chunk pair's gradients into dq, dk, dv (statistics dtype), from the rows' final log-sum-exp `lse` and "
+     "D = rowsum(dO ⊙ O); two score-sized temporaries at a time.")
     stat, g = lse.dtype, q.shape[1] // k.shape[1]
-    dq, dk, dv = (torch.zeros(t.shape, dtype=stat, device=t.device) for t in (q, k, v))
     for qs in range(0, q.shape[2], plan.qc):
         qe = min(qs + plan.qc, q.shape[2])
         q_i, do_i = q[:, :, qs:qe].to(stat), dout[:, :, qs:qe]                   # (B, nh, qc, hs)
         lse_i = torch.where(torch.isfinite(lse[:, :, qs:qe]), lse[:, :, qs:qe], 0)[..., None]
         for ks, ke, diag in key_blocks(qs, qe, k.shape[2], plan.kc, causal):
             k_j, v_j = _gqa(k[:, :, ks:ke].to(stat), g), _gqa(v[:, :, ks:ke].to(stat), g)   # (B, nh, kc, hs)
-            s = (q_i * plan.scale) @ k_j.transpose(-1, -2)                                 # (B, nh, qc, kc)
+            p = (q_i * plan.scale) @ k_j.transpose(-1, -2)                                 # (B, nh, qc, kc) scores
             mask = _pair_mask(kmask, qs, qe, ks, ke, diag)
-            if mask is not None: s = s.masked_fill(~mask, float('-inf'))
-            p = torch.exp(s - lse_i)                                                       # final probabilities
+            if mask is not None: p.masked_fill_(~mask, float('-inf'))
+            p.sub_(lse_i).exp_()                                                           # final probabilities
             dv[:, :, ks:ke] += _ungqa(p.transpose(-1, -2) @ do_i, g)
-            ds = p * (do_i @ v_j.transpose(-1, -2) - D[:, :, qs:qe, None])
-            dq[:, :, qs:qe] += (ds @ k_j) * plan.scale
-            dk[:, :, ks:ke] += _ungqa(ds.transpose(-1, -2) @ q_i, g) * plan.scale
-    return dq, dk, dv
+            ds = p.mul_((do_i @ v_j.transpose(-1, -2)).sub_(D[:, :, qs:qe, None]))      # dS = P ⊙ (dP − D), in P
+            dq[:, :, qs:qe] += (ds @ k_j).mul_(plan.scale)
+            dk[:, :, ks:ke] += _ungqa(ds.transpose(-1, -2) @ q_i, g).mul_(plan.scale)
 
 def _ring_backward(dout, q, k, v, kmask, out, lse, ring:RingExchange, plan:RingPlan):
     "dq, dk, dv of `_ring_forward`: key/value blocks around the ring, their gradients travelling with them."
@@ -165,8 +164,7 @@ def _ring_backward(dout, q, k, v, kmask, out, lse, ring:RingExchange, plan:RingP
         dk, dv = (torch.zeros(t.shape, dtype=stat, device=t.device) for t in blk[:2])
         dkh, dvh = _halves(dk), _halves(dv)
         for a, b, diag in _visible(ring.rank, src, ring.size):
-            gq, gk, gv = _pair_backward(qh[a], kh[b], vh[b], mh[b], diag, lh[a], doh[a], Dh[a], plan)
-            dqh[a].add_(gq); dkh[b].add_(gk); dvh[b].add_(gv)
+            _pair_backward(qh[a], kh[b], vh[b], mh[b], diag, lh[a], doh[a], Dh[a], plan, dqh[a], dkh[b], dvh[b])
         if sums is not None:                                  # what the processes before added to this block's gradients
             before = ring.finish(sums); dk.add_(before[0]); dv.add_(before[1])
         sums = ring.start((dk, dv), tag=3)                    # on with the block's owner's gradients

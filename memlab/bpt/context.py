@@ -8,13 +8,12 @@ import contextlib, functools
 from typing import NamedTuple
 import torch
 import torch.distributed as dist
-from torch import nn
 import transformers
 from transformers.masking_utils import AttentionMaskInterface
 from ..core import check
 from ..protocol import LossOutput
 from ..wrappers import unwrap
-from .kernels import KERNELS, chunk_length, flash_block, key_blocks, resolve_kernel, stat_dtype, torch_block
+from .kernels import KERNELS, chunk_length, flash_block, key_blocks, resolve_kernel, torch_block
 
 # %% auto 0
 __all__ = ['zigzag_chunks', 'zigzag_indices', 'RingExchange', 'RingPlan', 'ring_plan', 'ring_attention', 'context_attention',
@@ -44,17 +43,18 @@ class RingExchange:
 
     def start(self, tensors, tag:int=0):
         "Start sending `tensors` on and receiving their like from behind; `finish` waits and returns what arrived."
-        if self.size == 1: return list(tensors), []                      # a ring of one: the block comes back at once
+        if self.size == 1: return list(tensors), [], ()                  # a ring of one: the block comes back at once
+        sent = [t.contiguous() for t in tensors]                          # kept until the exchange ends
         got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]   # contiguous, as p2p needs
-        ops = [op for i, (t, g) in enumerate(zip(tensors, got))
-               for op in (dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag + i),
+        ops = [op for i, (t, g) in enumerate(zip(sent, got))
+               for op in (dist.P2POp(dist.isend, t, self.next, self.group, tag + i),
                           dist.P2POp(dist.irecv, g, self.prev, self.group, tag + i))]
-        return got, dist.batch_isend_irecv(ops)
+        return got, dist.batch_isend_irecv(ops), sent
 
     @staticmethod
     def finish(pending) -> list:
         "Wait for an exchange `start` began; the tensors received."
-        got, requests = pending
+        got, requests, _ = pending
         for r in requests: r.wait()
         return got
 

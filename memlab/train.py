@@ -19,6 +19,7 @@ from .models import load_model, load_tokenizer, resolve_model, save_full_state
 from .adapters import ADAPTER_INFO, load_adapter_folder, plain_lora_model
 from .tokenizers import check_sequence_length, check_vocab
 from .train_config import TrainConfig
+from .distributed import launch_data_rank, parse_mesh
 from .training import default_output_dir, run, run_summary
 
 # %% auto 0
@@ -77,14 +78,22 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
         check(corpus.split(split), f"--dataset {task.dataset_name} has no {split} documents ({len(corpus)} in all; "
               "each document goes to train, validation or test by a hash of its id, or by its 'split' field): "
               "pass more documents, or records with a 'split' field")
+    if train.mesh_dim:           # the mesh axes this command runs: dp, fsdp and tp (the model's own plan)
+        dp, fsdp, tp, cp = parse_mesh(train.mesh_dim)
+        check(cp == 1, f"--mesh_dim {train.mesh_dim}: context parallelism (cp) is memlab_bpt's (a ring over BPT's "
+              "attention blocks); memlab_train runs dp, fsdp and tp")
+        check(tp == 1 or not task.lora_r, f"--mesh_dim {train.mesh_dim}: tensor parallelism splits the model's linear "
+              f"layers, which LoRA's layers (--lora_r {task.lora_r}) wrap and cannot be split: use --lora_r 0 (all "
+              "weights) or a mesh without tp")
+    rank, world = launch_data_rank(train.mesh_dim)        # tensor-parallel processes read the same rows
     model = load_model(task.model_name_or_path, quantization='nf4' if task.nf4 else None)
     check_vocab(tok, model); check_sequence_length(model, task.sequence_length)
     if task.lora_r: model = add_lora(model, task)
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
     train_data = lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True,
-                            seed=train.seed)
+                            seed=train.seed, rank=rank, world_size=world)
     eval_data = lm_batches(corpus.split('validation'), tok, task.sequence_length, train.per_device_batch_size,
-                           shuffle=False, loop=False)
+                           shuffle=False, loop=False, rank=rank, world_size=world)
     def results(trainer, history, res):
         evals = [h for h in history if 'eval_loss' in h]
         return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params,

@@ -28,7 +28,7 @@ from .checkpoints import resume_plan
 from .training import run
 from .callbacks import ConsolidateZeroState, ProfileCallback
 from .train_config import TrainConfig, train_config_from
-from .distributed import make_accelerator
+from .distributed import launch_data_rank, make_accelerator, parse_mesh, resolve_mesh
 from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_sharded, load_strict, read_json,
                                 read_state, sharded_metadata)
 
@@ -107,6 +107,8 @@ class ReLoRARunConfig(Config):
                                            # (autocast, fp32 master weights) | float32 | float16 (GPU)
     quantize: str = None  # store the frozen base weights in 4bit (nf4) or 8bit (bitsandbytes; needs --use_peft)
     distributed_type: str = 'ddp'  # ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded by layer)
+    mesh_dim: str = None                   # memlab: process mesh dp,fsdp,tp (one -1 takes the rest): DDP, FSDP2 (both >
+                                           # 1: HSDP), tensor parallel (full-rank training); replaces --distributed_type
     profile: bool = False                  # record torch.profiler traces of a few updates in <save_dir>/profiler_logs
     skip_batches: list[int] = None         # comma-separated update numbers whose data is dropped (the reference's
                                            # update_step: updates before it, skipped ones included)
@@ -169,6 +171,16 @@ def check_relora_flags(cfg:ReLoRARunConfig):
           "fsdp is not supported: FSDP2 cannot shard bitsandbytes weights; use ddp")
     check(not (cfg.distributed_type == 'fsdp' and cfg.optimizer.lower() == 'adam_zero'),
           "--optimizer adam_zero with --distributed_type fsdp: FSDP already shards the optimizer state; use Adam")
+    if cfg.mesh_dim is not None:                     # the mesh replaces --distributed_type; what it cannot shard, refused
+        dp, fsdp, tp, cp = parse_mesh(cfg.mesh_dim)
+        check(cfg.distributed_type == 'ddp', "give --mesh_dim or --distributed_type fsdp, not both (the mesh says "
+              "how the processes share the work)")
+        check(cp == 1, f"--mesh_dim {cfg.mesh_dim}: context parallelism (cp) is memlab_bpt's; memlab_relora runs dp, "
+              "fsdp and tp")
+        check(tp == 1 or not cfg.use_peft, f"--mesh_dim {cfg.mesh_dim}: tensor parallelism splits each linear layer, "
+              "and ReLoRA's layers (--use_peft) compute from their whole weight: use a mesh without tp")
+        check(fsdp == tp == 1 or not (cfg.quantize or cfg.optimizer.lower() == 'adam_zero'), f"--mesh_dim "
+              f"{cfg.mesh_dim} shards the weights: --quantize and --optimizer adam_zero run under dp only")
     check(cfg.report_to in ('tensorboard', 'wandb', 'none'),
           f"--report_to must be tensorboard, wandb or none, got {cfg.report_to!r}")
     check(not (cfg.resume_from and cfg.autoresume and str(cfg.resume_from) != 'latest'),
@@ -435,13 +447,16 @@ def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int
     ("Stage 4, data: the training batches (continuing a warm start's data order where it was trained on this data, "
      "skipping --skip_batches updates) and the validation batches.")
     pad = data_args.get('pad_token_id') or 0
-    train_data = TokenBatches(dd['train'], cfg.batch_size, shuffle=True, seed=cfg.seed, pad_id=pad)
+    rank, world = launch_data_rank(cfg.mesh_dim)        # under a mesh, tensor-parallel processes read the same rows
+    train_data = TokenBatches(dd['train'], cfg.batch_size, shuffle=True, seed=cfg.seed, pad_id=pad, rank=rank,
+                              world_size=world)
     if warm and warm['data'] is not None:
         try: train_data.load_state_dict(warm['data'])
         except MemlabError:
             acc.print("the warm start was trained on other data (or with another --seed): reading the data from its start")
     if cfg.skip_batches: train_data = SkipUpdates(train_data, cfg.skip_batches, accum, start_step=start)
-    return train_data, TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
+    return train_data, TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad, rank=rank,
+                                    world_size=world)
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> list:
@@ -466,33 +481,36 @@ def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> li
 RELORA_LOOP_FLAGS = dict(per_device_batch_size='batch_size', lr='lr', weight_decay='weight_decay',
                          adam_beta1='adam_beta1', adam_beta2='adam_beta2', max_grad_norm='clip_grad_norm',
                          eval_every='eval_every', save_every='save_every',
-                         distributed_type='distributed_type', seed='seed', report_to='report_to', progress='progress')
+                         mesh_dim='mesh_dim', seed='seed', report_to='report_to', progress='progress')
 
 def relora_train_config(cfg:ReLoRARunConfig, save_dir, steps:int, accum:int, world:int, resume) -> TrainConfig:
-    "Stage 5, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others."
+    ("Stage 5, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others "
+     "(`world`: the processes reading different rows).")
     return train_config_from(cfg, RELORA_LOOP_FLAGS, output_dir=save_dir, max_steps=steps,
                              gradient_accumulation_steps=accum, log_every=1, resume_from=resume,
                              mixed_precision=cfg.mixed_precision,            # from --dtype
                              max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
-                             keep_checkpoints=cfg.keep_checkpoints or 10**9)
+                             keep_checkpoints=cfg.keep_checkpoints or 10**9,
+                             distributed_type='auto' if cfg.mesh_dim else cfg.distributed_type)   # a mesh decides
 
 # %% ../nbs/31_train_relora.ipynb
 def train_relora(cfg:ReLoRARunConfig) -> dict:
     "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
     acc = make_accelerator(cfg.mixed_precision)
     world = acc.num_processes
+    rows_world = resolve_mesh(cfg.mesh_dim, world).data if cfg.mesh_dim else world   # processes reading different rows
     save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
     resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
                          'save_dir', acc)                                   # refused here, before anything is loaded
     cfg = with_default_dataset(cfg, acc)
     dd, data_args = load_data(cfg)
     tok = load_data_tokenizer(cfg, data_args)
-    accum, steps = accumulation_steps(cfg, world), training_steps(cfg, world)
+    accum, steps = accumulation_steps(cfg, rows_world), training_steps(cfg, rows_world)
     K = warm_start_step(cfg.warmed_up_model) if cfg.warmed_up_model else 0
     sched_fn = relora_schedule(cfg, steps, K)
     model, warm, counts = relora_model(cfg, len(tok), resume, acc)
     train_data, eval_data = relora_batches(cfg, dd, data_args, accum, K, warm, acc)
-    tc = relora_train_config(cfg, save_dir, steps, accum, world, resume)
+    tc = relora_train_config(cfg, save_dir, steps, accum, rows_world, resume)
     callbacks = relora_callbacks(cfg, model, K, save_dir, acc)
     run_config = {'relora': cfg.to_dict(), 'dataset': data_args, 'world_size': world, 'gradient_accumulation': accum,
                   'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
@@ -509,7 +527,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
                 'merges': next((cb.merges for cb in callbacks if isinstance(cb, ReLoRACallback)), 0),
                 'final_eval_loss': evals[-1]['eval_loss'] if evals else None,
                 'final_eval_ppl': evals[-1]['eval_ppl'] if evals else None,
-                'world_size': world, 'distributed_type': cfg.distributed_type if world > 1 else 'none',
+                'world_size': world, 'distributed_type': trainer.distributed, 'mesh': list(trainer.mesh),
                 'save_dir': save_dir}
     def save(trainer, out):                     # the merged plain model and the tokenizer
         if trainer.is_main and cfg.export_model:

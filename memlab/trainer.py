@@ -16,7 +16,8 @@ from .models import enable_activation_checkpointing
 from .schedules import continue_at
 from .protocol import causal_lm_loss, model_callbacks
 from .train_config import TrainConfig, get_scheduler
-from .distributed import apply_fsdp, make_accelerator, resolve_distributed_type
+from .distributed import (MeshShape, apply_fsdp, apply_mesh, checkpoint_mesh, clip_grad_norm, make_accelerator,
+                                mesh_step_context, resolve_distributed_type, resolve_mesh, resume_process)
 from .checkpoints import (CHECKPOINTS, DEEPSPEED_TAG, clear_unfinished_run, find_checkpoint, list_checkpoints,
                                 load_sharded, load_strict, read_json, read_safetensors, read_state,
                                 resume_plan, step_dir, write_state)
@@ -97,15 +98,25 @@ class Trainer:
         self.run_config = run_config or {}
         self.accelerator = accelerator or make_accelerator(config.mixed_precision, deepspeed=True)
         self.world_size = self.accelerator.num_processes
-        self.accum = config.accumulation_steps(self.world_size)
+        # the process mesh (None until _prepare: DDP or FSDP over every process), and how many processes read different
+        # rows (a tensor- or context-parallel group shares its rows)
+        self.mesh = resolve_mesh(config.mesh_dim, self.world_size) if config.mesh_dim else None
+        self.data_world = self.mesh.data if self.mesh else self.world_size
+        self._tp = self.mesh.tp if self.mesh else 1
+        check(self.mesh is None or self.mesh.cp == 1 or getattr(self.loss_fn, 'splits_sequences', False),
+              f"mesh_dim {config.mesh_dim}: context parallelism (cp = {self.mesh and self.mesh.cp}) needs a loss that "
+              "splits each sequence over the cp processes (memlab_bpt's, memlab.bpt.context); this run's does not: "
+              "use cp = 1")
+        self.accum = config.accumulation_steps(self.data_world)
         self._check_output_dir()
         self.accelerator.wait_for_everyone()   # no rank writes to output_dir before every rank has checked it
         self._clear_unfinished_run()
         for name, data in (('train_data', train_data), ('eval_data', eval_data)):
             w = getattr(data, 'world_size', None)
-            check(w is None or w == self.world_size, f"{name} was built for {w} process(es) "
-                  f"but {self.world_size} are running: build the loaders inside the launched processes "
-                  "(they read RANK/WORLD_SIZE) or pass rank= and world_size=")
+            check(w is None or w == self.data_world, f"{name} was built for {w} process(es) "
+                  f"but {self.data_world} are running (reading different rows): build the loaders inside the launched "
+                  "processes (they read RANK/WORLD_SIZE) or pass rank= and world_size= (under a mesh: "
+                  "memlab.distributed.data_rank)")
         from memlab.core import seed_everything
         seed_everything(config.seed)
         self.step, self.tokens_seen, self.history, self._log_sums = 0, 0, [], {}
@@ -134,29 +145,6 @@ class Trainer:
                 print(f"memlab: starting over in {self.config.output_dir}: "
                       f"it held a run that stopped before its first checkpoint (removed {', '.join(gone)})")
 
-    def _prepare(self, model):
-        c, acc = self.config, self.accelerator
-        if c.gradient_checkpointing: enable_activation_checkpointing(model)
-        from accelerate.utils import DistributedType
-        kind = resolve_distributed_type(c.distributed_type)
-        self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED   # one process of it is DeepSpeed too
-        launch = ('a DeepSpeed one' if self.deepspeed else
-                  'not a DeepSpeed one (accelerate launch --config_file data/configs/zero_config.yaml)')
-        check(self.deepspeed == (kind == 'deepspeed'),
-              f"distributed_type is {c.distributed_type} but the launch was {launch}: make them agree")
-        self.fsdp = kind == 'fsdp' and self.world_size > 1
-        if self.deepspeed: return self._prepare_deepspeed(model)
-        if self.fsdp:
-            self.model = apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls)
-            self.unwrapped_model = self.model
-        else:
-            self.model = acc.prepare_model(model)
-            # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch
-            # would stay on the user's model after training (bf16 forwards in their own code, logits unlike the saved
-            # model's): remove it
-            self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
-        self._build_optimizer()
-
     # ---- events --------------------------------------------------------------------------------------------
     def _event(self, name, *args):
         for cb in self.callbacks: getattr(cb, name)(self, *args)
@@ -169,6 +157,36 @@ class Trainer:
         if self.is_main: print(*a, flush=True)
 
 # %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _prepare(self, model):
+    c, acc = self.config, self.accelerator
+    if c.gradient_checkpointing: enable_activation_checkpointing(model)
+    from accelerate.utils import DistributedType
+    kind = resolve_distributed_type(c.distributed_type)
+    if self.mesh is not None:               # the mesh decides; a distributed_type given as well must agree
+        kind = 'fsdp' if self.mesh.kind == 'mesh' else self.mesh.kind
+        check(c.distributed_type in ('auto', kind), f"distributed_type {c.distributed_type} and mesh_dim "
+              f"{c.mesh_dim} ({self.mesh}) disagree: give one of them")
+    self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED   # one process of it is DeepSpeed too
+    launch = ('a DeepSpeed one' if self.deepspeed else
+              'not a DeepSpeed one (accelerate launch --config_file data/configs/zero_config.yaml)')
+    check(self.deepspeed == (kind == 'deepspeed'),
+          f"distributed_type is {c.distributed_type} but the launch was {launch}: make them agree")
+    self.fsdp = kind == 'fsdp' and self.world_size > 1
+    self.mesh = self.mesh or (MeshShape(fsdp=self.world_size) if self.fsdp else MeshShape(dp=self.world_size))
+    if self.deepspeed: return self._prepare_deepspeed(model)
+    if self.fsdp:                       # a mesh: tensor parallel, then FSDP2 over its data (and context) axes
+        self.model = (apply_mesh(model, self.mesh, acc.device, c.mixed_precision, c.fsdp_layer_cls)
+                      if self.mesh.kind == 'mesh' else apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls))
+        self.unwrapped_model = self.model
+    else:
+        self.model = acc.prepare_model(model)
+        # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch
+        # would stay on the user's model after training (bf16 forwards in their own code, logits unlike the saved
+        # model's): remove it
+        self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
+    self._build_optimizer()
+
 @patch_to(Trainer)
 def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
     c = self.config
@@ -286,7 +304,8 @@ def _sync_context(self, last:bool):
 @patch_to(Trainer)
 def _reduce(self, t:torch.Tensor) -> torch.Tensor:
     t = t.detach().float().to(self.accelerator.device)
-    return self.accelerator.reduce(t, reduction='sum') if self.world_size > 1 else t
+    # a tensor-parallel group computes the same tokens' sums: they count once
+    return self.accelerator.reduce(t, reduction='sum') / self._tp if self.world_size > 1 else t
 
 @patch_to(Trainer)
 def train_step(self, micro_batches:list) -> dict:
@@ -300,9 +319,10 @@ def train_step(self, micro_batches:list) -> dict:
         batch = _to_device(batch, self.accelerator.device)
         # no_sync covers forward and backward: DDP decides in forward, FSDP2 in backward, whether to reduce gradients
         with self._sync_context(last=i == len(micro_batches) - 1):
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), mesh_step_context(self.mesh):
                 out = self.loss_fn(self.model, batch)
-                loss = out.loss_sum * self.world_size / n_global
+                # gradients are averaged over the processes that are not tensor-parallel ranks of one another
+                loss = out.loss_sum * (self.world_size // self._tp) / n_global
             if self.deepspeed: self._engine_backward(loss, last=i == len(micro_batches) - 1)
             else: self.accelerator.backward(loss)
         loss_sum += out.loss_sum.detach().float()
@@ -342,10 +362,8 @@ def _clip(self):
     params = [p for p in self.model.parameters() if p.grad is not None]
     if not params: return None
     self.accelerator.unscale_gradients()
-    norm = torch.nn.utils.clip_grad_norm_(params,
-                                          c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
-    if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()
-    return float(norm)
+    # gradients on several meshes (tensor parallel's and FSDP's) are clipped by one global norm
+    return clip_grad_norm(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
 
 # %% ../nbs/05g_trainer.ipynb
 class EvaluationStopped(Exception):
@@ -467,7 +485,7 @@ def _write_checkpoint(self) -> Path:
     acc.wait_for_everyone()
     if self.is_main:
         state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
-                 'distributed_type': self._checkpoint_kind, 'history': self.history, 'config': c.to_dict()}
+                 'distributed_type': self._checkpoint_kind, 'mesh': list(self.mesh), 'history': self.history, 'config': c.to_dict()}
         atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
         import shutil
         if final.exists(): shutil.rmtree(final)
@@ -500,12 +518,16 @@ def load_checkpoint(self, path):
     "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
     path, acc = Path(path), self.accelerator
     state = read_json(path/'trainer_state.json')
-    check(state['world_size'] == self.world_size,
-          f"{path} was written by {state['world_size']} process(es); resume it with the same number "
-          f"(now {self.world_size})")
     check(state['distributed_type'] == self._checkpoint_kind,
           f"{path} was written under {state['distributed_type']}; resume it the same way")
-    changed = resume_differences(state.get('config') or {}, self.config, self.world_size)
+    if self.fsdp:     # torch.distributed.checkpoint reshards: another mesh reading the same rows continues the run
+        source = resume_process(checkpoint_mesh(state), self.mesh, acc.process_index)
+    else:
+        check(state['world_size'] == self.world_size,
+              f"{path} was written by {state['world_size']} process(es); resume it with the same number "
+              f"(now {self.world_size})")
+        source = acc.process_index
+    changed = resume_differences(state.get('config') or {}, self.config, self.data_world)
     check(not changed, f"{path} was trained with other settings ({'; '.join(changed)}): a resume continues the run "
           "exactly, so pass the settings it was started with (or start a new run from its weights)")
     # Callbacks first: one may need to change the model (say, add
@@ -542,7 +564,7 @@ def load_checkpoint(self, path):
                               f"({str(e).splitlines()[0]}): resume with the model and method options of "
                               "the run that wrote it") from None
     self.scheduler.load_state_dict(sc['scheduler'])
-    proc = read_state(path/f'process_{acc.process_index}')
+    proc = read_state(path/f'process_{source}')      # the data position and RNG of a process that read these rows
     set_rng_state(proc['rng'])
     if proc['data'] is not None:
         check(hasattr(self.train_data, 'load_state_dict'),

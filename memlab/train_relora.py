@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, arg, check, cli_main, parse_configs, parse_count, seed_everything,
-                         show_path)
+from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_main, flag_values, parse_configs,
+                         parse_count, seed_everything, show_path)
 from .runtime import PRECISION_NAMES, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
 from .models import llama_config, load_model
@@ -30,11 +30,12 @@ from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_s
                                 read_state, sharded_metadata)
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig', 'check_relora_flags',
-           'build_model', 'find_warm_start', 'original_training_state', 'warm_start_step', 'load_warm_start',
-           'accumulation_steps', 'training_steps', 'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates',
-           'optimizer_factory', 'default_save_dir', 'with_default_dataset', 'relora_schedule', 'relora_model',
-           'relora_batches', 'relora_callbacks', 'relora_train_config', 'train_relora', 'main']
+__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_RESUME', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig',
+           'check_relora_flags', 'build_model', 'find_warm_start', 'original_training_state', 'warm_start_step',
+           'load_warm_start', 'accumulation_steps', 'training_steps', 'default_dataset', 'load_data',
+           'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory', 'default_save_dir', 'with_default_dataset',
+           'relora_schedule', 'relora_model', 'relora_batches', 'relora_callbacks', 'relora_train_config',
+           'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
@@ -459,6 +460,18 @@ def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> li
     return callbacks
 
 # %% ../nbs/31_train_relora.ipynb
+RELORA_RESUME = ResumeTable('memlab_relora', budget=('num_training_steps', 'max_train_tokens'),
+    defines=('model_config', 'model_name_or_path', 'warmed_up_model', 'dataset_path', 'tokenizer', 'max_length',
+             'batch_size', 'gradient_accumulation', 'total_batch_size', 'use_peft', 'lora_r', 'lora_alpha', 'relora',
+             'train_scaling', 'reset_optimizer_on_relora', 'optimizer_random_pruning', 'optimizer_magnitude_pruning',
+             'optimizer_pruning', 'force_keep_original', 'optimizer', 'lr', 'adam_beta1', 'adam_beta2', 'weight_decay',
+             'clip_grad_norm', 'scheduler', 'warmup_steps', 'cycle_length', 'restart_warmup_steps', 'adjust_step',
+             'min_lr_ratio', 'dtype', 'quantize', 'distributed_type', 'skip_batches', 'seed', 'freeze_embeddings'),
+    may_change=('training_config', 'resume_from', 'autoresume', 'workers', 'max_train_tokens', 'num_training_steps',
+                'eval_every', 'save_every', 'save_dir', 'keep_checkpoints', 'tags', 'comment', 'profile',
+                'max_eval_tokens', 'report_to', 'export_model', 'progress'))
+
+# %% ../nbs/31_train_relora.ipynb
 # the loop's settings that torchrun_main.py's flags give directly: {loop field: flag}
 RELORA_LOOP_FLAGS = dict(per_device_batch_size='batch_size', lr='lr', weight_decay='weight_decay',
                          adam_beta1='adam_beta1', adam_beta2='adam_beta2', max_grad_norm='clip_grad_norm',
@@ -479,8 +492,9 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     acc = make_accelerator(cfg.mixed_precision)
     world = acc.num_processes
     save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
+    flags = RunFlags(RELORA_RESUME, flag_values(cfg))
     resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
-                         'save_dir', acc)                                   # refused here, before anything is loaded
+                         'save_dir', acc, flags)                            # refused here, before anything is loaded
     cfg = with_default_dataset(cfg, acc)
     dd, data_args = load_data(cfg)
     tok = load_data_tokenizer(cfg, data_args)
@@ -520,7 +534,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     return run(model, tc, train_data, eval_data, prepare=prepare, describe=describe,
                final=lambda trainer: merged_model(trainer.unwrapped_model), results=results, save=save,
                callbacks=callbacks, optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc,
-               run_config=run_config, card=card)
+               run_config=run_config, card=card, flags=flags)
 
 @cli_main
 def main(argv=None):

@@ -16,9 +16,9 @@ import torch
 __all__ = ['LOCK_FILE', 'DEFINES', 'MAY_CHANGE', 'VALUE_RULES', 'MemlabError', 'check', 'environment_error',
            'requested_processes', 'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg',
            'Config', 'atomic_write_text', 'check_writable', 'lock_folder', 'release_folder', 'release_folders',
-           'flag_values', 'ResumeTable', 'RunFlags', 'str2bool', 'parse_literal', 'parse_count', 'ArgumentParser',
-           'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs', 'seed_everything', 'rng_state',
-           'set_rng_state', 'patch_to', 'show_path', 'markdown_table']
+           'check_output_file', 'write_output_file', 'flag_values', 'ResumeTable', 'RunFlags', 'str2bool',
+           'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges',
+           'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'patch_to', 'show_path', 'markdown_table']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -360,6 +360,26 @@ def release_folders():
 import atexit
 atexit.register(release_folders)
 _AT_COMMAND_END.append(release_folders)
+
+# %% ../nbs/00_core.ipynb
+def check_output_file(path, flag:str='out') -> Path:
+    ("Refuse now, in one line, an output file that could not be written at the end: a folder, a path under a file, an "
+     "unwritable place, or a folder a running memlab command holds.")
+    p = Path(path).expanduser()
+    check(not p.is_dir(), f"--{flag} {p} is a folder: pass the name of a file to write")
+    check(not p.exists() or p.is_file(), f"--{flag} {p} exists and is not a regular file")
+    check_writable(p.parent, f"--{flag} {p}")
+    if lock_folder(p.parent, flag): release_folder(p.parent)   # held by a live run: refused now, not after the work
+    return p
+
+def write_output_file(path, text:str, flag:str='out') -> Path:
+    "Write `text` to file `path` atomically, holding its folder meanwhile (`lock_folder`)."
+    p = Path(path).expanduser()
+    took = lock_folder(p.parent, flag)
+    try: atomic_write_text(p, text)
+    finally:
+        if took: release_folder(p.parent)
+    return p
 
 # %% ../nbs/00_core.ipynb
 DEFINES, MAY_CHANGE = 'defines the run', 'may change on resume'

@@ -4,7 +4,7 @@
 
 # %% ../nbs/31_train_relora.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, time
+import dataclasses, json, math, os, pickle, shutil, time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_m
                          parse_count, seed_everything, show_path)
 from .runtime import PRECISION_NAMES, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
-from .models import llama_config, load_model
+from .models import llama_config, load_model, pickle_refusal
 from .relora import (PRUNING_RULES, SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler,
                            merged_model, relora_layers, reset_mode_from_flags)
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
@@ -27,7 +27,7 @@ from .callbacks import ConsolidateZeroState, ProfileCallback
 from .train_config import TrainConfig, train_config_from
 from .distributed import make_accelerator
 from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_sharded, load_strict, read_json,
-                                read_state, sharded_metadata)
+                                read_state, sharded_metadata, verify_checkpoint)
 
 # %% auto 0
 __all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_RESUME', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig',
@@ -215,6 +215,7 @@ def find_warm_start(path) -> tuple:
 def _checkpoint_weights(p:Path) -> dict:
     ("The model state of memlab checkpoint `p` as full tensors (from model.safetensors, or gathered from "
      "an FSDP checkpoint).")
+    verify_checkpoint(p)                     # the checkpoint agrees with itself (its manifest) before any of it is used
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return load_file(str(p/'model.safetensors'))
@@ -233,7 +234,8 @@ def _hf_weights(p:Path) -> dict:
     if (p/'model.safetensors.index.json').exists():
         files = sorted(set(json.loads((p/'model.safetensors.index.json').read_text())['weight_map'].values()))
         return {k: v for f in files for k, v in load_file(str(p/f)).items()}
-    return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
+    try: return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e: raise MemlabError(pickle_refusal(p/'pytorch_model.bin', e)) from None
 
 def original_training_state(p:Path) -> dict:
     ("`step` and `tokens_seen` of a checkpoint in the original ReLoRA's format "

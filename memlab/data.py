@@ -129,6 +129,7 @@ def check_text(text:str, where:str):
     ("Refuse binary data read as text: over 10% of its characters (in the first million; a few stray bytes pass) are "
      "bytes that are not UTF-8, or control characters (tabs, newlines and form feeds are text). Random bytes: ~60%.")
     sample = text[:1_000_000]
+    if not sample: return                                    # empty: not binary (the corpus rule drops it)
     bad = len(_NOT_TEXT.findall(sample))
     check(bad <= max(16, 0.1 * len(sample)), f"{where} is not text: {bad / len(sample):.0%} of its characters are not UTF-8 or "
           "are control characters (binary data?): pass a UTF-8 text file")

@@ -536,6 +536,16 @@ def _check_optimizer_steps(self, osd:dict, state:dict, where):
           f"{where}: the optimizer's state has taken {n} steps but its checkpoint says {saved} (at update {state['step']}): "
           f"the checkpoint does not agree with itself; {DAMAGED}")
 
+@patch_to(Trainer)
+def _load_schedule(self, state:dict):
+    ("The scheduler's position from a checkpoint. A `LambdaLR` keeps this run's multipliers (`_check_checkpoint` found "
+     "them equal on the updates trained; a longer run's may differ after them), and the optimizer's rate follows them.")
+    s, fns = self.scheduler, getattr(self.scheduler, 'lr_lambdas', None)
+    if fns is None or 'lr_lambdas' not in state: return s.load_state_dict(state)
+    s.load_state_dict({**state, 'lr_lambdas': [None] * len(fns)})   # torch would restore the saved run's settings
+    s._last_lr = [base * f(s.last_epoch) for base, f in zip(s.base_lrs, fns)]
+    for g, lr in zip(self.optimizer.param_groups, s._last_lr): g['lr'] = lr
+
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def load_checkpoint(self, path):
@@ -581,7 +591,7 @@ def load_checkpoint(self, path):
             raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "
                               f"({str(e).splitlines()[0]}): resume with the model and method options of "
                               "the run that wrote it") from None
-    self.scheduler.load_state_dict(sc['scheduler'])
+    self._load_schedule(sc['scheduler'])
     proc = read_state(path/f'process_{acc.process_index}')
     set_rng_state(proc['rng'])
     if proc['data'] is not None:

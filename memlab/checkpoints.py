@@ -17,10 +17,11 @@ from .distributed import main_process_value
 from .wrappers import to_state_names
 
 # %% auto 0
-__all__ = ['CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'MANIFEST', 'step_dir', 'list_checkpoints',
-           'find_checkpoint', 'output_dir_refusal', 'resume_plan', 'clear_unfinished_run', 'load_strict', 'read_json',
-           'read_safetensors', 'write_state', 'read_state', 'load_pickled_data', 'write_manifest', 'verify_checkpoint',
-           'optimizer_steps', 'resume_refusal', 'load_sharded', 'sharded_metadata']
+__all__ = ['CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'MANIFEST', 'HASHES', 'step_dir',
+           'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'resume_plan', 'clear_unfinished_run',
+           'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
+           'write_manifest', 'verify_checkpoint', 'optimizer_steps', 'schedule_digest', 'resume_refusal',
+           'load_sharded', 'sharded_metadata']
 
 # %% ../nbs/05d_checkpoints.ipynb
 CHECKPOINTS = 'checkpoints'
@@ -219,8 +220,17 @@ def load_pickled_data(path):
 MANIFEST = 'manifest.json'
 _VERIFIED = {}      # checkpoint folder -> the identity of its files when they were verified (this process)
 
-def _sha256(path) -> str:
-    with open(path, 'rb') as f: return hashlib.file_digest(f, 'sha256').hexdigest()
+def _xxh3_128():
+    import xxhash
+    return xxhash.xxh3_128()
+
+HASHES = {'xxh3_128': _xxh3_128, 'sha256': hashlib.sha256}   # the manifest's hash: fast (the default), or cryptographic
+
+def _digest(path, hash:str) -> str:
+    h = HASHES[hash]()
+    with open(path, 'rb') as f:
+        while (block := f.read(1 << 24)): h.update(block)
+    return h.hexdigest()
 
 def _checkpoint_files(folder:Path) -> list:
     "Every entry of `folder` but the manifest and folders, as relative POSIX paths (links included: they are refused)."
@@ -230,11 +240,11 @@ def _checkpoint_files(folder:Path) -> list:
         out += [Path(root, d).relative_to(folder).as_posix() for d in dirs if Path(root, d).is_symlink()]
     return sorted(f for f in out if f != MANIFEST)
 
-def write_manifest(folder, step:int, **facts) -> dict:
-    "Write `folder`'s manifest.json, last: each file's size and SHA-256, the update `step` and `facts`; return it."
+def write_manifest(folder, step:int, hash:str='xxh3_128', **facts) -> dict:
+    "Write `folder`'s manifest.json, last: each file's size and `hash`, the update `step` and `facts`; return it."
     folder = Path(folder)
-    files = {f: {'size': (folder/f).stat().st_size, 'sha256': _sha256(folder/f)} for f in _checkpoint_files(folder)}
-    manifest = {'format': 1, 'step': int(step), **facts, 'files': files}
+    files = {f: {'size': (folder/f).stat().st_size, 'digest': _digest(folder/f, hash)} for f in _checkpoint_files(folder)}
+    manifest = {'format': 1, 'step': int(step), 'hash': hash, **facts, 'files': files}
     atomic_write_text(folder/MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
@@ -256,7 +266,8 @@ def verify_checkpoint(folder) -> dict:
     manifest = read_json(mp, 'manifest')
     if _VERIFIED.get(folder) == _identity(folder): return manifest
     files = manifest.get('files')
-    check(isinstance(files, dict) and isinstance(manifest.get('step'), int), f"{mp} is damaged (no files or step); {DAMAGED}")
+    check(isinstance(files, dict) and isinstance(manifest.get('step'), int) and manifest.get('hash') in HASHES,
+          f"{mp} is damaged (no files, step or known hash); {DAMAGED}")
     have = _checkpoint_files(folder)
     for f in sorted(set(files) - set(have)): raise MemlabError(f"{folder/f} is missing: the checkpoint is incomplete; {DAMAGED}")
     for f in have:
@@ -264,7 +275,7 @@ def verify_checkpoint(folder) -> dict:
         if f not in files: raise _changed(p, f"is not in {MANIFEST}")
         if p.is_symlink(): raise _changed(p, "is a symbolic link")
         if p.stat().st_size != files[f]['size']: raise _changed(p, f"has {p.stat().st_size} bytes, not {files[f]['size']}")
-        if _sha256(p) != files[f]['sha256']: raise _changed(p, f"does not match its SHA-256 in {MANIFEST}")
+        if _digest(p, manifest['hash']) != files[f]['digest']: raise _changed(p, f"does not match its hash in {MANIFEST}")
     m = re.fullmatch(r'step-(\d+)', folder.name)
     state = read_json(folder/'trainer_state.json')
     for what, step in (('the folder name', int(m.group(1)) if m else None), ('trainer_state.json', state.get('step'))):
@@ -279,6 +290,15 @@ def optimizer_steps(state:dict):
     steps = [float(s['step'].full_tensor() if hasattr(s['step'], 'full_tensor') else s['step'])
              for s in (state or {}).get('state', {}).values() if isinstance(s, dict) and 'step' in s]
     return int(max(steps)) if steps else None
+
+def schedule_digest(scheduler, steps:int) -> str:
+    ("SHA-256 of the learning-rate multipliers a `LambdaLR` gives updates 1 .. `steps` (None for another kind of "
+     "scheduler): a resume checks that the updates already trained keep their learning rates.")
+    fns = getattr(scheduler, 'lr_lambdas', None)
+    if not fns: return None
+    h = hashlib.sha256()
+    for s in range(steps): h.update(repr([float(f(s)) for f in fns]).encode())
+    return h.hexdigest()
 
 # %% ../nbs/05d_checkpoints.ipynb
 def resume_refusal(checkpoint, flags=None) -> Optional[str]:

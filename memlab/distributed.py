@@ -51,15 +51,13 @@ def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
         reset_accelerator_precision()
     check_launch()
     try: acc = Accelerator(mixed_precision=mixed_precision)
-    except ValueError as e:   # accelerate reads the launch config's DeepSpeed JSON here (JSONDecodeError is a ValueError)
-        import json
-        from memlab.core import MemlabError
-        ds = os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE')
-        if not (use_ds and ds and (isinstance(e, json.JSONDecodeError) or 'deepspeed config' in str(e))): raise
-        why = (f"is not valid JSON ({e.msg} at line {e.lineno})" if isinstance(e, json.JSONDecodeError)
-               else "does not exist")
-        raise MemlabError(f"the DeepSpeed config {ds} (deepspeed_config_file in the accelerate config) {why}: fix it, "
-                          "or launch with an accelerate config that does not name it") from None
+    except ValueError as e:   # the launch config's DeepSpeed JSON is read here (JSONDecodeError is a ValueError)
+        import json; from memlab.core import MemlabError
+        ds, bad = os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE'), isinstance(e, json.JSONDecodeError)
+        if not (use_ds and ds and (bad or 'deepspeed config' in str(e))): raise
+        raise MemlabError(f"the DeepSpeed config {ds} (deepspeed_config_file in the accelerate config) "
+                          + (f"is not valid JSON ({e.msg} at line {e.lineno})" if bad else "does not exist")
+                          + ": fix it, or launch with an accelerate config that does not name it") from None
     check(acc.num_processes == launched_processes(),
           f"launched as {launched_processes()} processes but accelerate formed a group of {acc.num_processes}: "
           f"each process would train alone; on CPU set ACCELERATE_USE_CPU=1, on GPU check the launcher")

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05g_trainer.ipynb 2
 from __future__ import annotations
-import dataclasses, hashlib, json, math, os, shutil, signal, threading, time
+import dataclasses, json, math, os, shutil, signal, threading, time
 from pathlib import Path
 
 import torch
@@ -20,11 +20,12 @@ from .train_config import LOOP_RESUME, TrainConfig, get_scheduler
 from .distributed import apply_fsdp, main_process_value, make_accelerator, resolve_distributed_type
 from .checkpoints import (CHECKPOINTS, DAMAGED, DEEPSPEED_TAG, clear_unfinished_run, find_checkpoint, list_checkpoints,
                                 load_sharded, load_strict, optimizer_steps, read_json, read_safetensors, read_state,
-                                resume_plan, resume_refusal, step_dir, write_manifest, write_state)
+                                resume_plan, resume_refusal, schedule_digest, step_dir, write_manifest,
+                                write_state)
 
 # %% auto 0
 __all__ = ['RESUME_FIELDS', 'BatchList', 'count_targets', 'Interrupted', 'StopSignals', 'Trainer', 'EvaluationStopped',
-           'schedule_digest', 'resume_differences']
+           'resume_differences']
 
 # %% ../nbs/05g_trainer.ipynb
 class BatchList:
@@ -428,16 +429,6 @@ def _get_writer(self):
             def add_scalar(self, k, v, step): run.log({k: v}, step=step)
         self._writer = _W()
     return self._writer
-
-# %% ../nbs/05g_trainer.ipynb
-def schedule_digest(scheduler, steps:int) -> str:
-    ("SHA-256 of the learning-rate multipliers a `LambdaLR` gives updates 1 .. `steps` (None for another kind of "
-     "scheduler): a resume checks that the updates already trained keep their learning rates.")
-    fns = getattr(scheduler, 'lr_lambdas', None)
-    if not fns: return None
-    h = hashlib.sha256()
-    for s in range(steps): h.update(repr([float(f(s)) for f in fns]).encode())
-    return h.hexdigest()
 
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)

@@ -157,7 +157,7 @@ def test_damaged_or_mismatched_checkpoints_are_one_line(world, tmp_path):
         'weights cut short': (lambda c: cut(c/'model.safetensors'), [], 'model.safetensors has'),
         'moments cut short': (lambda c: cut(c/'optimizer.safetensors'), [], 'optimizer.safetensors has'),
         'step edited': (lambda c: (c/'trainer_state.json').write_text((c/'trainer_state.json').read_text().replace(
-                            '"step": 2', '"step": 7', 1)), [], 'trainer_state.json does not match its SHA-256'),
+                            '"step": 2', '"step": 7', 1)), [], 'trainer_state.json does not match its hash'),
         'file added': (lambda c: (c/'process_0.pt').write_bytes(b'planted'), [], 'process_0.pt is not in manifest.json'),
         'file removed': (lambda c: (c/'process_0.json').unlink(), [], 'process_0.json is missing'),
         'moments of another update': (lambda c: [shutil.copy(c.parent/'step-00000001'/f, c/f) for f in

@@ -88,7 +88,8 @@ def resume_plan(output_dir, resume_from=None, resume_hint:str="resume_from='late
                 took = lock and lock_folder(output_dir, flag)   # before its contents are read: another run may be writing
                 r = None if str(resume_from) == 'latest' and not list_checkpoints(output_dir) else resume_from
                 refusal = None if r else output_dir_refusal(output_dir, resume_hint, flag)
-            if r and refusal is None: refusal = resume_refusal(find_checkpoint(r, output_dir), flags)
+            if r and refusal is None and (output_dir or flags is not None):     # (neither: passed on as it is)
+                refusal = resume_refusal(find_checkpoint(r, output_dir), flags)
         except MemlabError as e: refusal = str(e)
         except OSError as e: refusal = environment_error(e) or str(e)
         if refusal and took: release_folder(output_dir)

@@ -22,7 +22,7 @@ from .registry import plain_config
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .callbacks import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
-from .checkpoints import load_sharded, resume_plan, sharded_metadata
+from .checkpoints import load_sharded, resume_plan, sharded_metadata, verify_checkpoint
 from .training import run as run_training
 from .train_config import TrainConfig, train_config_from
 from .distributed import launched_processes, make_accelerator
@@ -360,6 +360,7 @@ def checkpoint_weights(path) -> dict:
     p = Path(path).expanduser()
     check((p/'trainer_state.json').exists(),
           f"--load_checkpoint {p} is not a memlab checkpoint (no trainer_state.json) nor a Hugging Face model folder")
+    verify_checkpoint(p)                          # it agrees with itself (its manifest) before its weights are used
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return strip_bpt_names(load_file(str(p/'model.safetensors')))
@@ -440,6 +441,7 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
 def read_dataset_state(path) -> dict:
     "A data position from a checkpoint folder (its dataset_state.json) or a dataset_state.json file."
     p = Path(path).expanduser()
+    if p.is_dir() and (p/'trainer_state.json').exists(): verify_checkpoint(p)   # a checkpoint: believed once whole
     if p.is_dir(): p = p/'dataset_state.json'
     check(p.is_file(),
           f"--load_dataset_state {path}: no dataset_state.json there (pass a checkpoint folder or the file)")

@@ -499,7 +499,7 @@ def resume_differences(saved:dict, config:TrainConfig, world_size:int=1) -> list
 @patch_to(Trainer)
 def _check_checkpoint(self, path:Path) -> dict:
     ("Refuse, in one line and before anything loads, a checkpoint that does not agree with itself or that another run "
-     "would continue: other defining flags, processes or layout, or other learning rates for its updates; its state.")
+     "would continue (other defining flags, processes or layout); its state.")
     refusal = main_process_value(resume_refusal(path, self.flags) if self.is_main else None, self.accelerator)
     check(refusal is None, refusal)
     state = read_json(path/'trainer_state.json')
@@ -508,14 +508,6 @@ def _check_checkpoint(self, path:Path) -> dict:
           f"(now {self.world_size})")
     check(state['distributed_type'] == self._checkpoint_kind,
           f"{path} was written under {state['distributed_type']}; resume it the same way")
-    now = schedule_digest(self.scheduler, state['step'])
-    if state.get('schedule') and now and now != state['schedule']:
-        saved, table = (state.get('flags') or {}).get('values') or {}, self.flags.table
-        moved = table.changes(saved, self.flags.values, table.budget)          # the run's length, most likely
-        raise MemlabError(f"{path}: this run's schedule gives the {state['step']} updates already trained other learning "
-                          f"rates{' (' + '; '.join(moved) + ')' if moved else ''}: a resume continues a run exactly; "
-                          "keep the run's length, or start a new run (a schedule that does not depend on the length, "
-                          "such as a constant one, can be extended)")
     return state
 
 @patch_to(Trainer)
@@ -528,9 +520,17 @@ def _check_optimizer_steps(self, osd:dict, state:dict, where):
           f"the checkpoint does not agree with itself; {DAMAGED}")
 
 @patch_to(Trainer)
-def _load_schedule(self, state:dict):
-    ("The scheduler's position from a checkpoint. A `LambdaLR` keeps this run's multipliers (`_check_checkpoint` found "
-     "them equal on the updates trained; a longer run's may differ after them), and the optimizer's rate follows them.")
+def _load_schedule(self, state:dict, trained:dict, path):
+    ("The scheduler's position from checkpoint `path` (its trainer state `trained`), once this run's schedule gives the "
+     "updates trained their learning rates (a longer run's may differ after them); the optimizer's rate follows it.")
+    now = schedule_digest(self.scheduler, trained['step'])
+    if trained.get('schedule') and now and now != trained['schedule']:
+        saved, table = (trained.get('flags') or {}).get('values') or {}, self.flags.table
+        moved = table.changes(saved, self.flags.values, table.budget)          # the run's length, most likely
+        raise MemlabError(f"{path}: this run's schedule gives the {trained['step']} updates already trained other learning "
+                          f"rates{' (' + '; '.join(moved) + ')' if moved else ''}: a resume continues a run exactly; "
+                          "keep the run's length, or start a new run (a schedule that does not depend on the length, "
+                          "such as a constant one, can be extended)")
     s, fns = self.scheduler, getattr(self.scheduler, 'lr_lambdas', None)
     if fns is None or 'lr_lambdas' not in state: return s.load_state_dict(state)
     s.load_state_dict({**state, 'lr_lambdas': [None] * len(fns)})   # torch would restore the saved run's settings
@@ -582,7 +582,7 @@ def load_checkpoint(self, path):
             raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "
                               f"({str(e).splitlines()[0]}): resume with the model and method options of "
                               "the run that wrote it") from None
-    self._load_schedule(sc['scheduler'])
+    self._load_schedule(sc['scheduler'], state, path)   # after on_load_begin: a callback may have rebuilt the schedule
     proc = read_state(path/f'process_{acc.process_index}')
     set_rng_state(proc['rng'])
     if proc['data'] is not None:

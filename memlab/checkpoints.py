@@ -20,8 +20,8 @@ from .wrappers import to_state_names
 __all__ = ['CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'MANIFEST', 'HASHES', 'step_dir',
            'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'resume_plan', 'clear_unfinished_run',
            'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
-           'write_manifest', 'verify_checkpoint', 'optimizer_steps', 'schedule_digest', 'resume_refusal',
-           'load_sharded', 'sharded_metadata']
+           'write_manifest', 'verify_checkpoint', 'optimizer_steps', 'check_optimizer_steps', 'schedule_digest',
+           'resume_refusal', 'load_sharded', 'sharded_metadata']
 
 # %% ../nbs/05d_checkpoints.ipynb
 CHECKPOINTS = 'checkpoints'
@@ -291,6 +291,13 @@ def optimizer_steps(state:dict):
     steps = [float(s['step'].full_tensor() if hasattr(s['step'], 'full_tensor') else s['step'])
              for s in (state or {}).get('state', {}).values() if isinstance(s, dict) and 'step' in s]
     return int(max(steps)) if steps else None
+
+def check_optimizer_steps(state:dict, trained:dict, where):
+    "Refuse optimizer state dict `state` if its own step counts disagree with the count its checkpoint recorded (`trained`)."
+    n, saved = optimizer_steps(state), trained.get('optimizer_steps')
+    if n is None: return                                 # no moments kept (--checkpointer.save_optimizer_state=False)
+    check(saved is None or n == saved, f"{where}: the optimizer's state has taken {n} steps but its checkpoint says {saved} "
+          f"(at update {trained['step']}): the checkpoint does not agree with itself; {DAMAGED}")
 
 def schedule_digest(scheduler, steps:int) -> str:
     ("SHA-256 of the learning-rate multipliers a `LambdaLR` gives updates 1 .. `steps` (None for another kind of "

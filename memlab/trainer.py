@@ -19,7 +19,7 @@ from .protocol import causal_lm_loss, model_callbacks
 from .train_config import LOOP_RESUME, TrainConfig, get_scheduler
 from .distributed import apply_fsdp, main_process_value, make_accelerator, resolve_distributed_type
 from .checkpoints import (CHECKPOINTS, DAMAGED, DEEPSPEED_TAG, clear_unfinished_run, find_checkpoint, list_checkpoints,
-                                load_sharded, load_strict, optimizer_steps, read_json, read_safetensors, read_state,
+                                load_sharded, load_strict, check_optimizer_steps, optimizer_steps, read_json, read_safetensors, read_state,
                                 resume_plan, resume_refusal, schedule_digest, step_dir, write_manifest,
                                 write_state)
 
@@ -508,16 +508,11 @@ def _check_checkpoint(self, path:Path) -> dict:
           f"(now {self.world_size})")
     check(state['distributed_type'] == self._checkpoint_kind,
           f"{path} was written under {state['distributed_type']}; resume it the same way")
+    # the loop's settings a command works out from its flags (an 'auto' precision, say) may come out otherwise elsewhere
+    changed = resume_differences(state.get('config') or {}, self.config)
+    check(not changed, f"{path} was trained with other loop settings ({'; '.join(changed)}), worked out from the same "
+          "flags on another machine or launch: give them explicitly, as the run had them")
     return state
-
-@patch_to(Trainer)
-def _check_optimizer_steps(self, osd:dict, state:dict, where):
-    "Refuse optimizer state whose own step counts disagree with the count its checkpoint recorded when it was written."
-    n, saved = optimizer_steps(osd), state.get('optimizer_steps')
-    if n is None: return                                 # no moments kept (--checkpointer.save_optimizer_state=False)
-    check(saved is None or n == saved,
-          f"{where}: the optimizer's state has taken {n} steps but its checkpoint says {saved} (at update {state['step']}): "
-          f"the checkpoint does not agree with itself; {DAMAGED}")
 
 @patch_to(Trainer)
 def _load_schedule(self, state:dict, trained:dict, path):
@@ -559,7 +554,7 @@ def load_checkpoint(self, path):
         msd, osd = get_state_dict(self.model, self.optimizer)
         sd = {'model': msd, 'optimizer': osd}
         load_sharded(sd, path/'sharded')
-        self._check_optimizer_steps(sd['optimizer'], state, path/'sharded')
+        check_optimizer_steps(sd['optimizer'], state, path/'sharded')
         set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
     elif self.deepspeed:
         check((path/DEEPSPEED_TAG).is_dir(), f"{path} holds no DeepSpeed checkpoint ({DEEPSPEED_TAG}/)")
@@ -576,7 +571,7 @@ def load_checkpoint(self, path):
                 if twin is not None: sd[k] = sd[twin]
         load_strict(self.unwrapped_model, sd, 'model')
         osd = read_state(path/'optimizer')
-        self._check_optimizer_steps(osd, state, path/'optimizer.safetensors')
+        check_optimizer_steps(osd, state, path/'optimizer.safetensors')
         try: self.optimizer.load_state_dict(osd)
         except (ValueError, KeyError, RuntimeError) as e:
             raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "

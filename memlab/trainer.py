@@ -510,8 +510,8 @@ def _check_checkpoint(self, path:Path) -> dict:
           f"{path} was written under {state['distributed_type']}; resume it the same way")
     # the loop's settings a command works out from its flags (an 'auto' precision, say) may come out otherwise elsewhere
     changed = resume_differences(state.get('config') or {}, self.config)
-    check(not changed, f"{path} was trained with other loop settings ({'; '.join(changed)}), worked out from the same "
-          "flags on another machine or launch: give them explicitly, as the run had them")
+    check(not changed, f"{path} was trained with other loop settings ({'; '.join(changed)}) than this run's flags give "
+          "here: resume it as it was started (where they come out the same, or with them given explicitly)")
     return state
 
 @patch_to(Trainer)

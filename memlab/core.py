@@ -319,7 +319,7 @@ def lock_folder(path, flag:str='output_dir') -> bool:
         os.close(held[0]); del _FOLDER_LOCKS[key]          # the folder was removed (and maybe made again) meanwhile
     check(not path.exists() or path.is_dir(), f"--{flag} {path} is a file: pass a folder")
     check_writable(path, f"--{flag}")
-    created = not path.exists()
+    made = next((q for q in [path, *path.parents][::-1] if not q.exists()), None)   # the highest folder made for it
     path.mkdir(parents=True, exist_ok=True)
     while True:
         fd = _open_lock(lock, flag, path)
@@ -339,19 +339,20 @@ def lock_folder(path, flag:str='output_dir') -> bool:
         break
     os.ftruncate(fd, 0); os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, f"{os.getpid()} {socket.gethostname()} {_command_name()}\n".encode())
-    _FOLDER_LOCKS[key] = (fd, created)
+    _FOLDER_LOCKS[key] = (fd, made)
     return True
 
 def release_folder(path):
-    "Let go of folder `path` if this process holds it; a folder that `lock_folder` made and that stayed empty is removed."
+    "Let go of folder `path` if this process holds it; the folders `lock_folder` made that stayed empty are removed."
     held = _FOLDER_LOCKS.pop(os.path.abspath(path), None)
     if held is None: return
-    (fd, created), lock = held, Path(path)/LOCK_FILE
+    (fd, made), lock = held, Path(path)/LOCK_FILE
     if _same_file(lock, fd): lock.unlink(missing_ok=True)    # while still held: a waiting locker re-checks the file
     os.close(fd)
-    if created:
-        try: Path(path).rmdir()
-        except OSError: pass                                  # something was written: keep it
+    for q in [Path(path), *Path(path).parents] if made is not None else ():
+        try: q.rmdir()
+        except OSError: break                                 # something was written: keep it (and what holds it)
+        if q == made: break
 
 def release_folders():
     "Let go of every folder this process holds (`cli_main` does it when a command ends, `atexit` at the latest)."
@@ -369,7 +370,7 @@ def check_output_file(path, flag:str='out') -> Path:
     check(not p.is_dir(), f"--{flag} {p} is a folder: pass the name of a file to write")
     check(not p.exists() or p.is_file(), f"--{flag} {p} exists and is not a regular file")
     check_writable(p.parent, f"--{flag} {p}")
-    if lock_folder(p.parent, flag): release_folder(p.parent)   # held by a live run: refused now, not after the work
+    if p.parent.is_dir() and lock_folder(p.parent, flag): release_folder(p.parent)   # held by a live run: refused now
     return p
 
 def write_output_file(path, text:str, flag:str='out') -> Path:

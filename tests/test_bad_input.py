@@ -191,21 +191,41 @@ RESUMES = {
     'memlab_bpt': ([], ['--autoresume=True'], ['--optimizer.adamw_optimizer.lr=0.001'], ['--optimizer.adamw_optimizer.lr']),
 }
 
-@pytest.mark.parametrize('prog', list(RESUMES))
-def test_resume_refuses_a_changed_run(world, tmp_path, prog):
-    """A run of one or two updates that checkpoints, then resumed with one of its defining flags changed: one line naming each
-    changed flag with its old and new value, and nothing in the run folder changes (run_config.json included)."""
-    module, out_flag, _, _, base = commands(world)[prog]
-    first, again, changed, said = RESUMES[prog]
-    out = tmp_path/'run'
-    with_out = [a for a in base if not str(a).startswith(f'{out_flag}=')] + ([f'{out_flag}={out}'] if prog == 'memlab_bpt'
-                                                                              else [out_flag, out])
-    assert run_many(module, prog, [with_out + first])[0][0] == 0
-    before = snapshot(out)
-    assert any(p.name == 'manifest.json' for p in before), sorted(before)
-    res = run_many(module, prog, [with_out + first + again + changed])[0]
-    refused(res, 'belongs to a run with other settings', *said)
-    assert snapshot(out) == before
+MANY = r'''
+import importlib, json, sys
+from accelerate.state import AcceleratorState
+from memlab.core import run_cli
+out = []
+for target, prog, argv in json.loads(sys.argv[1]):
+    module, _, fn = target.partition(':')
+    AcceleratorState._reset_state(True)
+    code, _, err = run_cli(getattr(importlib.import_module(module), fn or 'main'), argv, prog=prog)
+    out.append([code, err])
+print(json.dumps(out))
+'''
+
+def run_commands(runs) -> list:
+    "[(exit status, stderr lines)] of each (module[:function], program, argv) of `runs`, all in one process (one interpreter start)."
+    r = run([sys.executable, '-c', MANY, json.dumps([[m, p, [str(a) for a in argv]] for m, p, argv in runs])], timeout=900)
+    return [(code, [l for l in err.splitlines() if l.strip()]) for code, err in json.loads(r.stdout.strip().splitlines()[-1])]
+
+def test_resume_refuses_a_changed_run(world, tmp_path):
+    """Each training command: a run of one or two updates that checkpoints, then resumed with one of its defining flags changed:
+    one line naming each changed flag with its old and new value, and nothing in the run folder changes (run_config.json
+    included). Two processes in all: the first runs, then the resumes."""
+    firsts, resumes = [], []
+    for prog, (first, again, changed, said) in RESUMES.items():
+        module, out_flag, _, _, base = commands(world)[prog]
+        out = tmp_path/prog
+        with_out = [a for a in base if not str(a).startswith(f'{out_flag}=')] + ([f'{out_flag}={out}'] if prog == 'memlab_bpt'
+                                                                                  else [out_flag, out])
+        firsts.append((module, prog, with_out + first)); resumes.append((module, prog, with_out + first + again + changed))
+    for (_, prog, _), (code, lines) in zip(firsts, run_commands(firsts)): assert code == 0, (prog, lines[-5:])
+    before = {prog: snapshot(tmp_path/prog) for prog in RESUMES}
+    for prog in RESUMES: assert any(p.name == 'manifest.json' for p in before[prog]), (prog, sorted(before[prog]))
+    for (_, prog, _), res in zip(resumes, run_commands(resumes)):
+        refused(res, 'belongs to a run with other settings', *RESUMES[prog][3])
+        assert snapshot(tmp_path/prog) == before[prog], prog
 
 def test_a_resume_may_change_what_does_not_define_the_run(world, tmp_path):
     """memlab_train stopped at update 2 continues to 3 with another logging cadence and evaluation size (they may change), where the

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, atomic_write_text, check, cli_main,
-                         flag_values, parse_configs, markdown_table, show_path)
+                         flag_values, parse_configs, markdown_table, seed_everything, show_path)
 from .runtime import count_parameters
 from .data import load_corpus
 from .loaders import lm_batches
@@ -86,6 +86,7 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
         check(corpus.split(split), f"--dataset {task.dataset_name} has no {split} documents ({len(corpus)} in all; "
               "each document goes to train, validation or test by a hash of its id, or by its 'split' field): "
               "pass more documents, or records with a 'split' field")
+    seed_everything(train.seed)     # --seed sets what is drawn here too: a built-in config's weights, LoRA's A matrices
     model = load_model(task.model_name_or_path, quantization='nf4' if task.nf4 else None)
     check_vocab(tok, model); check_sequence_length(model, task.sequence_length)
     if task.lora_r: model = add_lora(model, task)

@@ -228,24 +228,21 @@ def test_resume_refuses_a_changed_run(world, tmp_path):
         assert snapshot(tmp_path/prog) == before[prog], prog
 
 def test_a_resume_may_change_what_does_not_define_the_run(world, tmp_path):
-    """memlab_train stopped at update 2 continues to 3 with another logging cadence and evaluation size (they may change), where the
-    schedule gives its 2 updates the same rates: a constant one, or a cosine whose warm-up they were (the resumed run then follows
-    the 3-update cosine from update 3, as the run trained straight to 3 does, loss for loss). A cosine past its warm-up is refused: the updates it
-    trained would have had other learning rates."""
+    """memlab_train stopped at update 2 continues to 3 with another logging cadence and evaluation size (they may change), where its
+    schedule gives the 2 updates it trained the same rates: here they were the cosine's warm-up, and the resumed run follows the
+    3-update cosine from update 3, ending with the weights of the run trained straight to 3. A cosine past its warm-up is refused:
+    the updates it trained would have had other learning rates."""
     module, out_flag, _, _, base = commands(world)['memlab_train']
     argv = lambda o, *extra: [*base, '--output_dir', tmp_path/o, '--save_every', 1, '--log_every', 1, *extra]
-    more = ['--max_steps', 3, '--resume_from', 'latest', '--log_every', 2, '--max_eval_steps', 2]
     warm = ['--warmup_steps', 2]      # updates 1 and 2 in the warm-up; update 3 on the cosine, which the length sets
     res = run_many(module, 'memlab_train', [
-        argv('const', '--max_steps', 2, '--scheduler', 'constant'), argv('const', '--scheduler', 'constant', *more),
-        argv('warm', '--max_steps', 2, *warm), argv('warm', *warm, *more[:4]), argv('straight', '--max_steps', 3, *warm),
-        argv('cos', '--max_steps', 2, '--warmup_steps', 0), argv('cos', '--warmup_steps', 0, *more)])
-    assert [r[0] for r in res[:5]] == [0] * 5, res
+        argv('warm', '--max_steps', 2, *warm), argv('straight', '--max_steps', 3, *warm),
+        argv('warm', '--max_steps', 3, '--resume_from', 'latest', '--log_every', 2, '--max_eval_steps', 2, *warm),
+        argv('cos', '--max_steps', 2, '--warmup_steps', 0), argv('cos', '--max_steps', 3, '--resume_from', 'latest', '--warmup_steps', 0)])
+    assert [r[0] for r in res[:4]] == [0] * 4, res
     results = lambda o: json.loads((tmp_path/o/'results.json').read_text())
-    assert results('const')['steps'] == 3
-    losses = lambda o: [(h['step'], h['loss']) for h in results(o)['history'] if 'loss' in h]
-    assert losses('warm') == losses('straight') and results('warm')['fingerprint'] == results('straight')['fingerprint']
-    refused(res[6], 'other learning rates (--max_steps 2 -> 3)')
+    assert results('warm')['steps'] == 3 and results('warm')['fingerprint'] == results('straight')['fingerprint']
+    refused(res[4], 'other learning rates (--max_steps 2 -> 3)')
 
 def test_code_in_weights_and_broken_launch_configs_are_one_line(world, tmp_path):
     """A model folder whose pytorch_model.bin is a pickle that would run code (memlab_train --model, memlab_relora --continue_from),
@@ -259,12 +256,12 @@ def test_code_in_weights_and_broken_launch_configs_are_one_line(world, tmp_path)
     class Planted:
         def __reduce__(self): return (io.open, (str(marker), 'w'))
     torch.save({'model.embed_tokens.weight': Planted()}, planted/'pytorch_model.bin')
-    module, _, _, _, base = commands(world)['memlab_train']
-    refused(run_many(module, 'memlab_train', [[*base, '--model', planted, '--output_dir', tmp_path/'t']])[0],
-            f"refusing to load {planted/'pytorch_model.bin'}: the pickle holds more than tensors (Unsupported global: GLOBAL io.open")
-    module, _, _, _, base = commands(world)['memlab_relora']
-    refused(run_many(module, 'memlab_relora', [[*base, '--continue_from', planted, '--save_dir', tmp_path/'r']])[0],
-            f"refusing to load {planted/'pytorch_model.bin'}")
+    (tm, _, _, _, tb), (rm, _, _, _, rb) = commands(world)['memlab_train'], commands(world)['memlab_relora']
+    train, relora = run_commands([(tm, 'memlab_train', [*tb, '--model', planted, '--output_dir', tmp_path/'t']),
+                                  (rm, 'memlab_relora', [*rb, '--continue_from', planted, '--save_dir', tmp_path/'r'])])
+    refused(train, f"refusing to load {planted/'pytorch_model.bin'}: the pickle holds more than tensors (Unsupported global: "
+            "GLOBAL io.open")
+    refused(relora, f"refusing to load {planted/'pytorch_model.bin'}")
     assert not marker.exists() and not (tmp_path/'t').exists() and not (tmp_path/'r').exists()
     (tmp_path/'bad.json').write_text('{"zero_optimization": {"stage": 3,}')
     module, _, _, _, base = commands(world)['memlab_mixer']
@@ -278,10 +275,9 @@ def test_every_command_reads_a_corpus_by_one_rule(world, tmp_path):
     blank = tmp_path/'blank.jsonl'
     blank.write_text(''.join(json.dumps({'text': t}) + '\n' for t in (' ', '\n\n', '\t', '')))
     said = "blank.jsonl holds 4 records but every 'text' is empty"
-    module, _, _, _, base = commands(world)['memlab_train']
-    refused(run_many(module, 'memlab_train', [[*base, '--dataset', blank, '--output_dir', tmp_path/'t']])[0], said)
-    module, _, _, _, base = commands(world)['memlab_bpt']
-    argv = [a for a in base if not str(a).startswith('--train_dataset.json_dataset.path')]
-    refused(run_many(module, 'memlab_bpt', [[*argv, f'--train_dataset.json_dataset.path={blank}', f'--output_dir={tmp_path/"b"}']])[0],
-            said)
+    (tm, _, _, _, tb), (bm, _, _, _, bb) = commands(world)['memlab_train'], commands(world)['memlab_bpt']
+    bb = [a for a in bb if not str(a).startswith('--train_dataset.json_dataset.path')]
+    for res in run_commands([(tm, 'memlab_train', [*tb, '--dataset', blank, '--output_dir', tmp_path/'t']),
+                             (bm, 'memlab_bpt', [*bb, f'--train_dataset.json_dataset.path={blank}', f'--output_dir={tmp_path/"b"}'])]):
+        refused(res, said)
     assert not (tmp_path/'t').exists() and not (tmp_path/'b').exists()

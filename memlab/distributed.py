@@ -55,7 +55,14 @@ def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
         # Only the precision settings are reset: the process group (PartialState) stays.
         reset_accelerator_precision()
     check_launch()
-    acc = Accelerator(mixed_precision=mixed_precision)
+    try: acc = Accelerator(mixed_precision=mixed_precision)
+    except ValueError as e:   # the launch config's DeepSpeed JSON is read here (JSONDecodeError is a ValueError)
+        import json; from memlab.core import MemlabError
+        ds, bad = os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE'), isinstance(e, json.JSONDecodeError)
+        if not (use_ds and ds and (bad or 'deepspeed config' in str(e))): raise
+        raise MemlabError(f"the DeepSpeed config {ds} (deepspeed_config_file in the accelerate config) "
+                          + (f"is not valid JSON ({e.msg} at line {e.lineno})" if bad else "does not exist")
+                          + ": fix it, or launch with an accelerate config that does not name it") from None
     check(acc.num_processes == launched_processes(),
           f"launched as {launched_processes()} processes but accelerate formed a group of {acc.num_processes}: "
           f"each process would train alone; on CPU set ACCELERATE_USE_CPU=1, on GPU check the launcher")
@@ -115,7 +122,6 @@ def main_process_value(value, accelerator):
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
 
 # %% ../nbs/05c_distributed.ipynb
 MESH_AXES = ('dp', 'fsdp', 'tp', 'cp')   # --mesh_dim's order: the seed's three axes, then context parallel

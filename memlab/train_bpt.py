@@ -12,25 +12,26 @@ import torch
 from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
-from .core import Config, MemlabError, arg, check, cli_main, parse_configs, seed_everything, show_path
+from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_main, flag_values, parse_configs,
+                         seed_everything, show_path)
 from .runtime import PRECISION_NAMES, count_parameters, resolve_precision
-from .data import Document, iter_json_records, text_of
+from .data import corpus_from_records, iter_json_records, text_of
 from .loaders import TokenBatches
 from .models import BUILTIN_MODELS, LLAMA_CONFIGS, check_model_sizes, llama_config, load_model
 from .registry import plain_config
 from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .callbacks import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
-from .checkpoints import load_sharded, resume_plan, sharded_metadata
+from .checkpoints import load_sharded, resume_plan, sharded_metadata, verify_checkpoint
 from .training import run as run_training
 from .train_config import TrainConfig, train_config_from
 from .distributed import MeshShape, data_rank, device_mesh, launched_processes, make_accelerator, parse_mesh, resolve_mesh
 from .checkpoints import list_checkpoints, load_strict
 
 # %% auto 0
-__all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPT_LOOP_FLAGS', 'BPTRunConfig', 'parse_load', 'LlamaBPTArgs',
-           'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs', 'TokenizerArgs',
-           'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
+__all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPT_LOOP_FLAGS', 'BPT_RESUME', 'BPTRunConfig', 'parse_load',
+           'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
+           'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
            'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'read_dataset_state',
            'bpt_train_config', 'check_bpt_run', 'bpt_output_dir', 'bpt_resume', 'bpt_data', 'bpt_model',
            'bpt_callbacks', 'full_state', 'train_bpt', 'main']
@@ -333,6 +334,7 @@ def checkpoint_weights(path) -> dict:
     p = Path(path).expanduser()
     check((p/'trainer_state.json').exists(),
           f"--load_checkpoint {p} is not a memlab checkpoint (no trainer_state.json) nor a Hugging Face model folder")
+    verify_checkpoint(p)                          # it agrees with itself (its manifest) before its weights are used
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return strip_bpt_names(load_file(str(p/'model.safetensors')))
@@ -393,15 +395,17 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
     "The JSON-lines file as packed rows: {'input_ids', 'attention_mask'} (n, seq_length) arrays."
     p = Path(ds.path).expanduser()
     check(p.is_file(), f"--train_dataset.json_dataset.path {p}: no such file")
-    docs = []
-    for n, r in enumerate(iter_json_records(p), 1):
-        missing = [f for f in text.names if f not in r]
-        if missing:
-            raise MemlabError(f"{p}: record {n} has no field {missing[0]!r} (its fields: {', '.join(map(str, r))}); "
-                              f"set --train_dataset.text_processor.fields")
-        docs.append(Document(str(n), text.prepend_text + text.subfield_separator.join(
-            text_of(r[f], f"{p}: record {n}'s {f!r}") for f in text.names)))   # memlab_train's rule for text
-    check(docs, f"{p} holds no records")
+    field = ','.join(text.names)
+    def records():                    # the fields joined; an empty or blank record stays empty (the prefix is not text)
+        for n, r in enumerate(iter_json_records(p), 1):
+            missing = [f for f in text.names if f not in r]
+            if missing:
+                raise MemlabError(f"{p}: record {n} has no field {missing[0]!r} (its fields: {', '.join(map(str, r))}); "
+                                  f"set --train_dataset.text_processor.fields")
+            body = text.subfield_separator.join(text_of(r[f], f"{p}: record {n}'s {f!r}") for f in text.names)
+            yield {'id': str(n), field: text.prepend_text + body if body.strip() else '', 'split': 'train'}
+    # every command's rule for a corpus (memlab.data.corpus_from_records): blank texts dropped, none left refused
+    docs = corpus_from_records(records(), p.name, text_field=field, source=str(p)).split('train')
     ids, mask, counts = tokenize_split(docs, tok, ds.seq_length, 'packed', 'right', ds.tokenizer_processes, False,
                                         f"tokenizing {p.name}", show_progress)
     check(len(ids) > 0, f"{p} holds no tokens")
@@ -411,6 +415,7 @@ def json_rows(ds:JsonDatasetArgs, text:TextProcessorArgs, tok, show_progress:boo
 def read_dataset_state(path) -> dict:
     "A data position from a checkpoint folder (its dataset_state.json) or a dataset_state.json file."
     p = Path(path).expanduser()
+    if p.is_dir() and (p/'trainer_state.json').exists(): verify_checkpoint(p)   # a checkpoint: believed once whole
     if p.is_dir(): p = p/'dataset_state.json'
     check(p.is_file(),
           f"--load_dataset_state {path}: no dataset_state.json there (pass a checkpoint folder or the file)")
@@ -435,6 +440,25 @@ def bpt_train_config(args:dict, out, per_micro:int, resume) -> TrainConfig:
                              save_every=0, keep_checkpoints=10**9, save_final=True, resume_from=resume,
                              mixed_precision=args[''].mixed_precision,       # from --dtype
                              fsdp_layer_cls=['BPTDecoderLayer'] if fused else None)
+
+# %% ../nbs/11_train_bpt.ipynb
+BPT_RESUME = ResumeTable('memlab_bpt', budget=('total_steps',),
+    defines=('load_llama_config', 'update_llama_config', 'dtype', 'load_checkpoint', 'seed',
+             *(f"llama.{f}" for f in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size',
+                                      'loss_chunk_size', 'remat_policy', 'float32_logits', 'max_sequence_length',
+                                      'attention_kernel', 'fused', 'layer_remat', 'compile', 'offload')),
+             'optimizer.type', 'optimizer.accumulate_gradient_steps',
+             *(f"optimizer.adamw_optimizer.{f}" for f in ('init_lr', 'lr', 'end_lr', 'lr_warmup_steps', 'lr_decay_steps',
+                                                         'b1', 'b2', 'clip_gradient', 'weight_decay')),
+             'train_dataset.type', 'train_dataset.text_processor.fields', 'train_dataset.text_processor.subfield_separator',
+             'train_dataset.text_processor.prepend_text', 'train_dataset.json_dataset.path',
+             'train_dataset.json_dataset.seq_length', 'train_dataset.json_dataset.batch_size', 'tokenizer.vocab_file',
+             'checkpointer.save_optimizer_state'),
+    may_change=('config', 'total_steps', 'log_freq', 'save_model_freq', 'save_milestone_freq', 'load_dataset_state',
+                'autoresume', 'output_dir', 'export_model', 'report_to', 'progress', 'malloc_mmap_threshold',
+                'llama.scan_layers', 'llama.param_scan_axis', 'train_dataset.json_dataset.tokenizer_processes',
+                'mesh_dim'),   # another mesh reading the same rows continues the run (the loop checks the data layout)
+    same={'load_checkpoint': lambda old, new: old == new or str(new).startswith('trainstate::')})
 
 # %% ../nbs/11_train_bpt.ipynb
 def check_bpt_run(args:dict, world:int) -> tuple:
@@ -465,15 +489,16 @@ def bpt_output_dir(run:BPTRunConfig) -> Path:
     "The run folder: --output_dir, else runs/bpt-<the model's name>."
     return Path(run.output_dir or f"runs/bpt-{Path(run.load_llama_config or str(run.load[1])).stem or 'model'}")
 
-def bpt_resume(run:BPTRunConfig, out:Path, acc):
+def bpt_resume(run:BPTRunConfig, out:Path, acc, flags:RunFlags=None):
     ("The checkpoint the run continues: the folder's latest with --autoresume=True, or, in a fresh folder, the whole "
      "state of --load_checkpoint trainstate::DIR; None for a new run (the folder rule refuses a folder holding one).")
     kind, path = run.load
-    resume = resume_plan(out, 'latest' if run.autoresume else None, '--autoresume=True', accelerator=acc)
+    resume = resume_plan(out, 'latest' if run.autoresume else None, '--autoresume=True', accelerator=acc, flags=flags)
     if resume is None and kind == 'trainstate':    # a fresh folder continuing a memlab checkpoint's whole state
         resume = str(Path(path).expanduser())
         check((Path(resume)/'trainer_state.json').exists(),
               f"--load_checkpoint trainstate::{resume} is not a memlab checkpoint (no trainer_state.json)")
+        resume_plan(None, resume, accelerator=acc, flags=flags)          # checked against itself and these flags
     return resume
 
 # %% ../nbs/11_train_bpt.ipynb
@@ -528,7 +553,8 @@ def train_bpt(args:dict) -> dict:
     out = bpt_output_dir(run)
     set_mmap_threshold(run.malloc_mmap_threshold)
     acc = make_accelerator(run.mixed_precision)
-    resume = bpt_resume(run, out, acc)
+    flags = RunFlags(BPT_RESUME, flag_values(args))
+    resume = bpt_resume(run, out, acc, flags)
     tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)
     rows, data = bpt_data(args, tok, per_micro, mesh, show_progress=run.progress and acc.is_main_process)
     model, n_params, loss_fn = bpt_model(args, len(tok), mesh)
@@ -538,8 +564,9 @@ def train_bpt(args:dict) -> dict:
     run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(),
                   'world_size': world, 'mesh': mesh._asdict(), 'data': rows['counts'], 'parameters': n_params,
                   'model': model.config.to_dict()}
-    def prepare(trainer):                      # after a resume: --load_dataset_state overrides its data position
-        if run.load_dataset_state: data.load_state_dict(read_dataset_state(run.load_dataset_state))
+    def prepare(trainer):      # a new run, or one continuing --load_checkpoint trainstate::: --load_dataset_state sets
+        if run.load_dataset_state and resume != 'latest':      # the data position (--autoresume keeps the checkpoint's)
+            data.load_state_dict(read_dataset_state(run.load_dataset_state))
     def describe(trainer):
         return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) "
                 f"({f'mesh {mesh}' if mesh.kind == 'mesh' else 'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
@@ -569,7 +596,7 @@ def train_bpt(args:dict) -> dict:
     # the fingerprint covers the whole model, gathered as full tensors on every process (a collective under FSDP)
     return run_training(model, tc, data, prepare=prepare, describe=describe, final=full_state, results=results,
                         save=save, loss_fn=loss_fn, callbacks=callbacks, scheduler=sched, accelerator=acc,
-                        run_config=run_config, card=card)
+                        run_config=run_config, card=card, flags=flags)
 
 # %% ../nbs/11_train_bpt.ipynb
 @cli_main

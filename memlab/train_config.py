@@ -8,13 +8,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .core import Config, check, check_ranges
+from .core import Config, ResumeTable, check, check_ranges
 from .runtime import resolve_precision
 from .distributed import parse_mesh
 from .schedules import lambda_scheduler, make_schedule
 
 # %% auto 0
-__all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'TrainConfig', 'train_config_from', 'schedule_of', 'get_scheduler']
+__all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'LOOP_RESUME', 'TrainConfig', 'train_config_from', 'schedule_of', 'get_scheduler']
 
 # %% ../nbs/05b_train_config.ipynb
 SCHEDULERS = ('linear', 'cosine', 'constant', 'polynomial')
@@ -94,6 +94,16 @@ class TrainConfig(Config):
               f"total_batch_size {self.total_batch_size} is not a multiple of per_device_batch_size × processes = "
               f"{self.per_device_batch_size} × {world_size}: choose sizes that divide")
         return self.total_batch_size // per_step
+
+# %% ../nbs/05b_train_config.ipynb
+LOOP_RESUME = ResumeTable('memlab.Trainer',
+    defines=('per_device_batch_size', 'total_batch_size', 'gradient_accumulation_steps', 'lr', 'weight_decay', 'adam_beta1',
+             'adam_beta2', 'adam_eps', 'scheduler', 'warmup_steps', 'min_lr_ratio', 'lr_end', 'power', 'max_grad_norm',
+             'mixed_precision', 'distributed_type', 'fsdp_layer_cls', 'seed'),
+    may_change=('output_dir', 'max_steps', 'max_train_tokens', 'eval_every', 'max_eval_steps', 'eval_at_start', 'save_every',
+                'keep_checkpoints', 'save_final', 'log_every', 'gradient_checkpointing', 'resume_from', 'report_to',
+                'progress', 'mesh_dim'),   # a mesh may change where its data ranks read the same rows (the Trainer checks)
+    budget=('max_steps', 'max_train_tokens'))
 
 # %% ../nbs/05b_train_config.ipynb
 def train_config_from(flags, names:dict, **computed) -> TrainConfig:

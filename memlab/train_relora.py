@@ -4,18 +4,18 @@
 
 # %% ../nbs/31_train_relora.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, time
+import dataclasses, json, math, os, pickle, shutil, time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, arg, check, cli_main, parse_configs, parse_count, seed_everything,
-                         show_path)
+from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_main, flag_values, parse_configs,
+                         parse_count, seed_everything, show_path)
 from .runtime import PRECISION_NAMES, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
-from .models import llama_config, load_model
+from .models import llama_config, load_model, pickle_refusal
 from .relora import (PRUNING_RULES, ReLoRACallback, ReLoRAConfig, add_relora, merged_model, relora_layers,
                            reset_mode_from_flags)
 # ReLoRA's --scheduler chooser, renamed in memlab.relora so that get_scheduler / SCHEDULERS mean the loop's
@@ -30,14 +30,15 @@ from .callbacks import ConsolidateZeroState, ProfileCallback
 from .train_config import TrainConfig, train_config_from
 from .distributed import launch_data_rank, make_accelerator, parse_mesh, resolve_mesh
 from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_sharded, load_strict, read_json,
-                                read_state, sharded_metadata)
+                                read_state, sharded_metadata, verify_checkpoint)
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig', 'check_relora_flags',
-           'build_model', 'find_warm_start', 'original_training_state', 'warm_start_step', 'load_warm_start',
-           'accumulation_steps', 'training_steps', 'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates',
-           'optimizer_factory', 'default_save_dir', 'with_default_dataset', 'relora_schedule', 'relora_model',
-           'relora_batches', 'relora_callbacks', 'relora_train_config', 'train_relora', 'main']
+__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_RESUME', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig',
+           'check_relora_flags', 'build_model', 'find_warm_start', 'original_training_state', 'warm_start_step',
+           'load_warm_start', 'accumulation_steps', 'training_steps', 'default_dataset', 'load_data',
+           'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory', 'default_save_dir', 'with_default_dataset',
+           'relora_schedule', 'relora_model', 'relora_batches', 'relora_callbacks', 'relora_train_config',
+           'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
@@ -229,6 +230,7 @@ def find_warm_start(path) -> tuple:
 def _checkpoint_weights(p:Path) -> dict:
     ("The model state of memlab checkpoint `p` as full tensors (from model.safetensors, or gathered from "
      "an FSDP checkpoint).")
+    verify_checkpoint(p)                     # the checkpoint agrees with itself (its manifest) before any of it is used
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return load_file(str(p/'model.safetensors'))
@@ -247,7 +249,8 @@ def _hf_weights(p:Path) -> dict:
     if (p/'model.safetensors.index.json').exists():
         files = sorted(set(json.loads((p/'model.safetensors.index.json').read_text())['weight_map'].values()))
         return {k: v for f in files for k, v in load_file(str(p/f)).items()}
-    return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
+    try: return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e: raise MemlabError(pickle_refusal(p/'pytorch_model.bin', e)) from None
 
 def original_training_state(p:Path) -> dict:
     ("`step` and `tokens_seen` of a checkpoint in the original ReLoRA's format "
@@ -477,6 +480,19 @@ def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> li
     return callbacks
 
 # %% ../nbs/31_train_relora.ipynb
+RELORA_RESUME = ResumeTable('memlab_relora', budget=('num_training_steps', 'max_train_tokens'),
+    defines=('model_config', 'model_name_or_path', 'warmed_up_model', 'dataset_path', 'tokenizer', 'max_length',
+             'batch_size', 'gradient_accumulation', 'total_batch_size', 'use_peft', 'lora_r', 'lora_alpha', 'relora',
+             'train_scaling', 'reset_optimizer_on_relora', 'optimizer_random_pruning', 'optimizer_magnitude_pruning',
+             'optimizer_pruning', 'force_keep_original', 'optimizer', 'lr', 'adam_beta1', 'adam_beta2', 'weight_decay',
+             'clip_grad_norm', 'scheduler', 'warmup_steps', 'cycle_length', 'restart_warmup_steps', 'adjust_step',
+             'min_lr_ratio', 'dtype', 'quantize', 'distributed_type', 'skip_batches', 'seed', 'freeze_embeddings'),
+    may_change=('training_config', 'resume_from', 'autoresume', 'workers', 'max_train_tokens', 'num_training_steps',
+                'eval_every', 'save_every', 'save_dir', 'keep_checkpoints', 'tags', 'comment', 'profile',
+                'max_eval_tokens', 'report_to', 'export_model', 'progress',
+                'mesh_dim'))   # another mesh reading the same rows continues the run (the loop checks the data layout)
+
+# %% ../nbs/31_train_relora.ipynb
 # the loop's settings that torchrun_main.py's flags give directly: {loop field: flag}
 RELORA_LOOP_FLAGS = dict(per_device_batch_size='batch_size', lr='lr', weight_decay='weight_decay',
                          adam_beta1='adam_beta1', adam_beta2='adam_beta2', max_grad_norm='clip_grad_norm',
@@ -500,8 +516,9 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     world = acc.num_processes
     rows_world = resolve_mesh(cfg.mesh_dim, world).data if cfg.mesh_dim else world   # processes reading different rows
     save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
+    flags = RunFlags(RELORA_RESUME, flag_values(cfg))
     resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
-                         'save_dir', acc)                                   # refused here, before anything is loaded
+                         'save_dir', acc, flags)                            # refused here, before anything is loaded
     cfg = with_default_dataset(cfg, acc)
     dd, data_args = load_data(cfg)
     tok = load_data_tokenizer(cfg, data_args)
@@ -541,7 +558,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     return run(model, tc, train_data, eval_data, prepare=prepare, describe=describe,
                final=lambda trainer: merged_model(trainer.unwrapped_model), results=results, save=save,
                callbacks=callbacks, optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc,
-               run_config=run_config, card=card)
+               run_config=run_config, card=card, flags=flags)
 
 @cli_main
 def main(argv=None):

@@ -1,6 +1,6 @@
 """A tiny training run through memlab's loop, for the integration tests (launched plainly, with torchrun, or killed on purpose).
 
-python tests/dist_train.py OUT [--dist ddp|fsdp] [--steps N] [--save_every K] [--die_at_step S] [--die_in_save S]
+python tests/dist_train.py OUT [--dist ddp|fsdp] [--steps N] [--save_every K] [--log_every L] [--die_at_step S] [--die_in_save S]
                              [--signal_at_step S --signal SIGTERM|SIGINT] [--resume]
 python tests/dist_train.py ROOT --job NAME:dp,fsdp,tp[,cp][:plain] ... [--bpt] [--steps N] [--save_every K] [--resume] [--catch]
 python tests/dist_train.py ROOT --job NAME:data=D ...            (one process reading the rows of D data-parallel processes)
@@ -46,6 +46,7 @@ def main():
     p.add_argument('--save_every', type=int, default=0); p.add_argument('--die_at_step', type=int); p.add_argument('--die_in_save', type=int)
     p.add_argument('--signal_at_step', type=int); p.add_argument('--signal', default='SIGTERM')
     p.add_argument('--resume', action='store_true'); p.add_argument('--accum', type=int, default=2)
+    p.add_argument('--log_every', type=int, default=1)
     p.add_argument('--count_comms', action='store_true', help='record which micro-batch each gradient reduction happens in')
     p.add_argument('--reload', action='store_true', help='after training, load the final checkpoint into a new model in this process')
     p.add_argument('--job', action='append', help='NAME:MESH (dp,fsdp,tp[,cp]; :plain = no BPT) or NAME:data=D, into OUT/NAME')
@@ -55,7 +56,7 @@ def main():
     a = p.parse_args()
     if a.job: return run_jobs(a)
     rank = int(os.environ.get('RANK', 0)); world = int(os.environ.get('WORLD_SIZE', 1))
-    cfg = TrainConfig(output_dir=a.out, max_steps=a.steps, save_every=a.save_every, log_every=1, lr=3e-3, report_to='none',
+    cfg = TrainConfig(output_dir=a.out, max_steps=a.steps, save_every=a.save_every, log_every=a.log_every, lr=3e-3, report_to='none',
                       progress=False, per_device_batch_size=2, total_batch_size=2 * world * a.accum, distributed_type=a.dist,
                       resume_from='latest' if a.resume else None, seed=5, warmup_steps=0, scheduler='constant',
                       mixed_precision='no')   # fp32: the tests compare DDP, FSDP and resumed runs to 1e-6
@@ -74,7 +75,7 @@ def main():
                      callbacks=[Die(), SendSignal()], loss_fn=loss_fn)
         reloaded = fingerprint(t2.model)
     Path(a.out, f'result_rank{t.accelerator.process_index}.json').write_text(json.dumps(
-        {'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fp, 'world': t.world_size,
+        {'losses': [h['loss'] for h in hist if 'loss' in h], 'logged_at': [h['step'] for h in hist if 'loss' in h], 'fingerprint': fp, 'world': t.world_size,
          'dist': 'fsdp' if t.fsdp else 'ddp', 'reductions_in_micro_batch': comms, 'reloaded_fingerprint': reloaded}))
 
 MESH_T = 16       # tokens per row of the mesh runs: a multiple of 2 x cp for cp up to 4 (the zig-zag split)

@@ -312,6 +312,7 @@ def _device_signature(device, vocab_size:int, dtype) -> str:
     name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev.type
     return f"{name} | torch {torch.__version__} | vocab {int(vocab_size)} | {str(dtype).replace('torch.', '')}"
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _cached_measurement(key:str, measure) -> int:
     "`measure()` once per `key` on this machine: read from, or written to, `memlab_home()/machine.json` under a lock."
     path = memlab_home()/'machine.json'
@@ -553,6 +554,7 @@ def _free_bytes(dev) -> int:
     free, _ = torch.cuda.mem_get_info(dev)
     return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _time_chunk(s, t, chunk, compiled, sync) -> float:
     "Best of two timed forward + backward passes of the chunked forward KL (after one untimed: compile, warm-up)."
     import time

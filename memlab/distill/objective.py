@@ -185,6 +185,7 @@ def save_distill_heads(student, path) -> Optional[Path]:
               str(path/'distill_heads.safetensors'))
     return path/'distill_heads.safetensors'
 
+# %% ../../nbs/distill/41_3_objective.ipynb
 def load_distill_heads(student, path):
     ("Load distillation modules saved by `save_distill_heads` into the heads attached to `student` "
      "(strict: every key must match).")
@@ -326,6 +327,7 @@ def _forward_kwargs(self, device) -> dict:
     if obj.fused: fwd['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=device)
     return fwd
 
+# %% ../../nbs/distill/41_3_objective.ipynb
 @patch_to(DistillLoss)
 def _teacher_outputs(self, batch, device):
     if self.offline:

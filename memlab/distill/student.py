@@ -113,6 +113,7 @@ def _copy_keys(dst, src, keys, what):
     with torch.no_grad():
         for k in keys: sd_d[k].copy_(sd_s[k])
 
+# %% ../../nbs/distill/41_6_student.ipynb
 def _copy_teacher_layers(student, teacher, plan:list):
     "Teacher layer `plan[j]` into student layer j; refused in one line where their shapes differ."
     for j, i in enumerate(plan):
@@ -208,6 +209,7 @@ def _copy_group(student, teacher, groups:dict, name:str, freeze:bool) -> str:
         for m in mods: m.requires_grad_(False)
     return name + (' (frozen)' if freeze else '')
 
+# %% ../../nbs/distill/41_6_student.ipynb
 def _copy_submodule(student, teacher, name:str, freeze:bool) -> str:
     "The teacher's submodule at path `name` into the student's, strict about keys and shapes; a description."
     try: src, dst = teacher.get_submodule(name), student.get_submodule(name)

@@ -44,6 +44,7 @@ def blocked_topk(scores:torch.Tensor, k:int, block:int=TOPK_BLOCK) -> tuple:
     v, i = scores.gather(-1, idx).topk(k, dim=-1)
     return v, idx.gather(-1, i)
 
+# %% ../../nbs/neurocache/20_1_cache.ipynb
 def exact_topk(scores:torch.Tensor, k:int) -> tuple:
     "`scores.topk(k)` over the last dim, by `blocked_topk` where it measured faster (CPU, at least 16·k blocks)."
     S = scores.shape[-1]
@@ -269,6 +270,7 @@ def gather(self, slots:torch.Tensor, raw:bool=False) -> torch.Tensor:
     flat = (torch.arange(self.rows, device=self.device)[:, None, None] * self.size + slots).reshape(-1)
     return index_rows(src.reshape(self.rows * self.size, -1), flat).view(*slots.shape, src.shape[-1])
 
+# %% ../../nbs/neurocache/20_1_cache.ipynb
 @patch_to(KNNCache)
 def gather_parts(self, slots:torch.Tensor, parts:int) -> torch.Tensor:
     ("The raw states at `slots` (N, Q, M), each cut into `parts` equal pieces, piece-major: (parts, N, Q, M, h/parts), "

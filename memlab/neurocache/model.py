@@ -150,6 +150,7 @@ def _layer_facts(base_model, layers, config:NeurocacheConfig) -> tuple:
     hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
     return h, nh, nkv, hs, attn_name
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def _check_joint(config:NeurocacheConfig, family:str, layers, attn_name:str):
     "A joint cache works inside the attention of the Llama and Mistral families, with q/k/v/o projections by name."
     check(family in JOINT_FAMILIES,
@@ -404,6 +405,7 @@ def reset_cache(model, rows=None):
      "(bool mask (B,) or list of row indices).")
     unwrap_neurocache(model).neurocache.reset(rows)
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
     ("Change the cache size (and other settings without weights, see `CACHE_FIELDS`) and empty the caches; returns the "
      "new config.")

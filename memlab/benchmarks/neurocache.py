@@ -165,6 +165,7 @@ def _speed_rows(sp:dict, design:str, setting:str) -> list:
                      'FLOP bound': f"{sp[f'{mode}_flop_bound']:.2f}x"})
     return rows
 
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
 def _memory_rows(mem:dict) -> list:
     "The memory measurement as the table's rows: each store's bytes per cached token, against Memorizing Transformers'."
     rows = []

@@ -115,6 +115,7 @@ def feature_loss(name:str, fs:torch.Tensor, ft:torch.Tensor) -> torch.Tensor:
     if name == 'cos': return 1 - F.cosine_similarity(fs, ft, dim=-1)
     raise MemlabError(f"unknown hidden-state loss {name!r}; use one of {', '.join(FEATURE_LOSSES)}")
 
+# %% ../../nbs/distill/41_1_features.ipynb
 def hidden_state_loss(hs_student, hs_teacher, pairs, loss:str='mse', projector=None, norm=None) -> torch.Tensor:
     ("Per-token hidden-state loss (B, T), averaged over the layer `pairs` "
      "(0-based decoder layers; HF tuples hold embeddings first).")

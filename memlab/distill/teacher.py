@@ -74,6 +74,7 @@ def _topk_meta(teacher, k:int, tokenizer, dataset:dict, teacher_name:str, dtype:
                          else {'name': None, 'vocab_size': vocab, 'vocab_hash': None},
             'dataset': dict(dataset_fingerprint(name=None), **(dataset or {}))}
 
+# %% ../../nbs/distill/41_2_teacher.ipynb
 def _finished_shards(out_dir:Path, meta:dict, batches) -> bool:
     ("Whether `out_dir` holds finished shards of this run, to reuse; refused where its index records other settings, "
      "another tokenizer or other data (the rows' hash compared when `batches` can be iterated twice).")

@@ -91,6 +91,7 @@ class RecallLoss:
         return LossOutput(ce.sum(), (labels != -100).sum(), {'answer_loss': (ce * ans).sum().detach(),
                                                            'answer_correct': correct, 'answers': ans.sum().float()})
 
+# %% ../../nbs/neurocache/20_5_recall.ipynb
 def recall_metrics(logs:dict, prefix:str='') -> dict:
     "Answer accuracy and answer loss (nats) from a log or evaluation entry of `RecallLoss` sums."
     n = logs[f'{prefix}answers']

@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 # %% auto 0
-__all__ = ['LOCK_FILE', 'VALUE_RULES', 'MemlabError', 'check', 'environment_error', 'requested_processes', 'check_launch',
-           'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg', 'Config', 'atomic_write_text',
-           'check_writable', 'lock_folder', 'release_folder', 'release_folders', 'str2bool', 'parse_literal',
-           'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges', 'parse_configs',
-           'seed_everything', 'rng_state', 'set_rng_state', 'patch_to', 'show_path', 'markdown_table']
+__all__ = ['LOCK_FILE', 'DEFINES', 'MAY_CHANGE', 'VALUE_RULES', 'MemlabError', 'check', 'environment_error',
+           'requested_processes', 'check_launch', 'cli_main', 'run_cli', 'DropLogMessages', 'field_docs', 'arg',
+           'Config', 'atomic_write_text', 'check_writable', 'lock_folder', 'release_folder', 'release_folders',
+           'check_output_file', 'write_output_file', 'flag_values', 'ResumeTable', 'RunFlags', 'str2bool',
+           'parse_literal', 'parse_count', 'ArgumentParser', 'add_config_args', 'load_config_file', 'check_ranges',
+           'parse_configs', 'seed_everything', 'rng_state', 'set_rng_state', 'patch_to', 'show_path', 'markdown_table']
 
 # %% ../nbs/00_core.ipynb
 class MemlabError(Exception):
@@ -264,11 +265,49 @@ def check_writable(path, what:str='output folder'):
 # %% ../nbs/00_core.ipynb
 LOCK_FILE = '.memlab.lock'
 _FOLDER_LOCKS = {}      # absolute folder -> (open lock file descriptor, whether the lock made the folder)
+_LOCK_TEXT = re.compile(r"\A(?:\d+ \S+(?: \S+)?\n)?\Z")   # what memlab writes there: 'pid host [command]', or nothing
 
 def _same_file(path, fd:int) -> bool:
-    try: return os.stat(path).st_ino == os.fstat(fd).st_ino
+    try: a, b = os.stat(path, follow_symlinks=False), os.fstat(fd)
     except OSError: return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
+def _not_a_lock(lock:Path, flag:str, path, why:str):
+    raise MemlabError(f"--{flag} {path}: {lock} {why}, not memlab's lock file: remove it (memlab never writes "
+                      "through it), or choose another folder")
+
+def _open_lock(lock:Path, flag:str, path) -> Optional[int]:
+    ("The lock file's descriptor, opened without following a link: made new (create-exclusive), or an existing "
+     "regular file with one name; anything else is refused. None: it vanished meanwhile (try again).")
+    import stat
+    mode = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, 'O_CLOEXEC', 0)
+    try: return os.open(lock, mode | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError: pass
+    try: st = os.lstat(lock)
+    except FileNotFoundError: return None
+    if stat.S_ISLNK(st.st_mode): _not_a_lock(lock, flag, path, "is a symbolic link")
+    if not stat.S_ISREG(st.st_mode): _not_a_lock(lock, flag, path, "is not a regular file")
+    try: fd = os.open(lock, mode)
+    except FileNotFoundError: return None
+    except OSError as e:
+        if e.errno == errno.ELOOP: _not_a_lock(lock, flag, path, "is a symbolic link")   # swapped in since lstat
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:      # a hard link shares its data with another file
+        os.close(fd); _not_a_lock(lock, flag, path, "has other names (a hard link)" if stat.S_ISREG(st.st_mode)
+                                  else "is not a regular file")
+    return fd
+
+def _lock_text(fd:int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 4097).decode(errors='replace')
+
+def _command_name() -> str:
+    "The running command as its lock file records it: the console script, or the script's file name."
+    name = os.path.basename(sys.argv[0]) if sys.argv else ''
+    return re.sub(r'\s', '_', name) if name not in ('', '-c', '-m') else 'python'
+
+# %% ../nbs/00_core.ipynb
 def lock_folder(path, flag:str='output_dir') -> bool:
     ("Hold folder `path` (made if absent) for this process until it ends or `release_folder`: another process's "
      "`lock_folder` on it is refused in one line. True if this call took the lock, False if this process held it.")
@@ -280,33 +319,40 @@ def lock_folder(path, flag:str='output_dir') -> bool:
         os.close(held[0]); del _FOLDER_LOCKS[key]          # the folder was removed (and maybe made again) meanwhile
     check(not path.exists() or path.is_dir(), f"--{flag} {path} is a file: pass a folder")
     check_writable(path, f"--{flag}")
-    created = not path.exists()
+    made = next((q for q in [path, *path.parents][::-1] if not q.exists()), None)   # the highest folder made for it
     path.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_lock(lock, flag, path)
+        if fd is None: continue                           # removed between two looks: make it again
         try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors='replace').split()
+            holder = _lock_text(fd)[:200].split()
             os.close(fd)
-            who = f"process {holder[0]} on {holder[1]}" if len(holder) >= 2 else "another process"
-            raise MemlabError(f"--{flag} {path} is in use by a running memlab run ({who}): wait for it to end or "
+            who = ("another process" if len(holder) < 2 else
+                   f"{holder[2] + ', ' if len(holder) > 2 else ''}process {holder[0]} on {holder[1]}")
+            raise MemlabError(f"--{flag} {path} is in use by a running memlab command ({who}): wait for it to end or "
                               "stop it (a stopped run resumes from its last checkpoint), or choose another folder") from None
-        if _same_file(lock, fd): break
-        os.close(fd)                          # its last holder removed the file as it ended: lock the one there now
-    os.ftruncate(fd, 0); os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-    _FOLDER_LOCKS[key] = (fd, created)
+        if not _same_file(lock, fd):
+            os.close(fd); continue                # its last holder removed the file as it ended: lock the one there now
+        if not _LOCK_TEXT.match(_lock_text(fd)):              # something else's data: never truncated
+            os.close(fd); _not_a_lock(lock, flag, path, "holds other data")
+        break
+    os.ftruncate(fd, 0); os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()} {_command_name()}\n".encode())
+    _FOLDER_LOCKS[key] = (fd, made)
     return True
 
 def release_folder(path):
-    "Let go of folder `path` if this process holds it; a folder that `lock_folder` made and that stayed empty is removed."
+    "Let go of folder `path` if this process holds it; the folders `lock_folder` made that stayed empty are removed."
     held = _FOLDER_LOCKS.pop(os.path.abspath(path), None)
     if held is None: return
-    (fd, created), lock = held, Path(path)/LOCK_FILE
+    (fd, made), lock = held, Path(path)/LOCK_FILE
     if _same_file(lock, fd): lock.unlink(missing_ok=True)    # while still held: a waiting locker re-checks the file
     os.close(fd)
-    if created:
-        try: Path(path).rmdir()
-        except OSError: pass                                  # something was written: keep it
+    for q in [Path(path), *Path(path).parents] if made is not None else ():
+        try: q.rmdir()
+        except OSError: break                                 # something was written: keep it (and what holds it)
+        if q == made: break
 
 def release_folders():
     "Let go of every folder this process holds (`cli_main` does it when a command ends, `atexit` at the latest)."
@@ -315,6 +361,78 @@ def release_folders():
 import atexit
 atexit.register(release_folders)
 _AT_COMMAND_END.append(release_folders)
+
+# %% ../nbs/00_core.ipynb
+def check_output_file(path, flag:str='out') -> Path:
+    ("Refuse now, in one line, an output file that could not be written at the end: a folder, a path under a file, an "
+     "unwritable place, or a folder a running memlab command holds.")
+    p = Path(path).expanduser()
+    check(not p.is_dir(), f"--{flag} {p} is a folder: pass the name of a file to write")
+    check(not p.exists() or p.is_file(), f"--{flag} {p} exists and is not a regular file")
+    check_writable(p.parent, f"--{flag} {p}")
+    if p.parent.is_dir() and lock_folder(p.parent, flag): release_folder(p.parent)   # held by a live run: refused now
+    return p
+
+def write_output_file(path, text:str, flag:str='out') -> Path:
+    "Write `text` to file `path` atomically, holding its folder meanwhile (`lock_folder`)."
+    p = Path(path).expanduser()
+    took = lock_folder(p.parent, flag)
+    try: atomic_write_text(p, text)
+    finally:
+        if took: release_folder(p.parent)
+    return p
+
+# %% ../nbs/00_core.ipynb
+DEFINES, MAY_CHANGE = 'defines the run', 'may change on resume'
+
+def _comparable(v):
+    "`v` as JSON data, as it reads back from a checkpoint; a relative path that exists, made absolute; a function, named."
+    if callable(v) and not isinstance(v, type): v = f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', v)}"
+    v = json.loads(json.dumps(_jsonable(v), default=str))
+    return os.path.abspath(v) if isinstance(v, str) and v and os.path.exists(v) else v
+
+def flag_values(configs, prefix:str='') -> dict:
+    "{flag: value} of parsed configs: one config, a list of them, or `parse_configs`' {prefix: config} (dotted flags)."
+    if isinstance(configs, dict):
+        return {k: v for p, c in configs.items() for k, v in flag_values(c, f"{prefix}{p}." if p else prefix).items()}
+    if isinstance(configs, (list, tuple)): return {k: v for c in configs for k, v in flag_values(c, prefix).items()}
+    return {f"{prefix}{f.name}": _comparable(getattr(configs, f.name)) for f in dataclasses.fields(configs)
+            if f.init and not f.name.startswith('_')}
+
+def _shown(v) -> str:
+    s = json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+    return s if len(s) <= 60 else s[:57] + '...'
+
+class ResumeTable:
+    "A command's flags in two kinds: those that define its run (a resume must repeat them) and those that may change."
+    def __init__(self, command:str, defines=(), may_change=(), base:ResumeTable=None, same:dict=None, budget=()):
+        self.command = command                                                   # the command line's name
+        self.defines = tuple(defines) + (base.defines if base else ())           # a resume repeats these
+        self.may_change = tuple(may_change) + (base.may_change if base else ())  # a resume may give others
+        self.same = {**(base.same if base else {}), **(same or {})}   # flag -> same(old, new), where == is not the rule
+        self.budget = tuple(budget) + (base.budget if base else ())   # the may-change flags that set the run's length
+        twice = sorted(set(self.defines) & set(self.may_change))
+        check(not twice, f"{command}: flag(s) classified both ways: {', '.join(twice)}")
+        check(set(self.budget) <= set(self.may_change), f"{command}: a budget flag must be one that may change")
+    def kind(self, flag:str) -> Optional[str]:
+        "DEFINES, MAY_CHANGE, or None for a flag the table does not know."
+        return DEFINES if flag in self.defines else MAY_CHANGE if flag in self.may_change else None
+    def changes(self, saved:dict, values:dict, flags=None) -> list:
+        ("'--flag old -> new' for each flag that defines the run (or of `flags`) and differs from the `saved` run's "
+         "(a flag it did not record is not compared).")
+        out = []
+        for k in self.defines if flags is None else flags:
+            if k not in saved or k not in values: continue
+            old, new = saved[k], values[k]
+            if not (self.same[k](old, new) if k in self.same else old == new): out.append(f"--{k} {_shown(old)} -> {_shown(new)}")
+        return out
+
+class RunFlags:
+    "A command's flags as parsed (`values`, see `flag_values`) with the `ResumeTable` that classifies them."
+    def __init__(self, table:ResumeTable, values:dict): self.table, self.values = table, dict(values)
+    def record(self) -> dict:
+        "What a checkpoint keeps of them."
+        return {'command': self.table.command, 'values': self.values}
 
 # %% ../nbs/00_core.ipynb
 def str2bool(s) -> bool:

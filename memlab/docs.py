@@ -12,7 +12,8 @@ from .core import cli_main, atomic_write_text, check, field_docs, markdown_table
 
 # %% auto 0
 __all__ = ['SECTIONS', 'FILE_WORKER_JS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown',
-           'write_readme', 'source_url', 'api_html', 'api_hook_for', 'site_pages', 'build_site', 'docs_main']
+           'write_readme', 'source_url', 'api_html', 'api_hook_for', 'site_pages', 'build_site', 'check_site_folder',
+           'docs_main']
 
 # %% ../nbs/99_docs.ipynb
 _DIRECTIVE = re.compile(r"^\s*#\s*\|\s*([\w-]+):?\s*(.*)$")
@@ -411,6 +412,17 @@ def build_site(root='.', out='_site', strict:bool=True) -> Path:
         return _build_site(root, out, Path(tmp), strict)
 
 # %% ../nbs/99_docs.ipynb
+def check_site_folder(out):
+    ("Take site folder `out` as every command takes the folder it writes (`lock_folder`), and refuse one that holds "
+     "anything but an earlier site: MkDocs empties it before it builds.")
+    from memlab.core import lock_folder
+    out = Path(out)
+    lock_folder(out, 'out')
+    others = sorted(f.name for f in out.iterdir() if not f.name.startswith('.'))
+    check(not others or (out/'index.html').is_file(), f"--out {out} holds other files ({', '.join(others[:3])}"
+          f"{', ...' if len(others) > 3 else ''}), not a site built before: the build would delete them; choose a new "
+          "or empty folder")
+
 @cli_main
 def docs_main():
     "memlab_docs: write README.md from nbs/index.ipynb and, with --site, the documentation site (no Quarto needed)."
@@ -423,5 +435,6 @@ def docs_main():
     p.add_argument('--out', default='_site',
                    help='where the site goes (only this folder is written; open <out>/index.html)')
     args = p.parse_args()
+    if args.site: check_site_folder(args.out)      # before any work: held, and nothing in it but an earlier site
     print(write_readme(args.root))
     if args.site: print(build_site(args.root, args.out))

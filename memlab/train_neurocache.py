@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, parse_configs, patch_to,
-                         seed_everything, show_path)
+from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, atomic_write_text, check, cli_main,
+                         flag_values, parse_configs, patch_to, seed_everything, show_path)
 from .runtime import count_parameters, resolve_precision
 from .data import load_corpus
 from .loaders import DocumentStream
@@ -29,15 +29,15 @@ from .tokenizers import check_sequence_length, check_vocab
 from .protocol import LossOutput, causal_lm_loss
 from .train_config import TrainConfig, train_config_from
 from .distributed import make_accelerator
-from .checkpoints import find_checkpoint, resume_plan
+from .checkpoints import resume_plan
 from .trainer import Trainer
 from .training import run
 from .cards import eval_metrics
 
 # %% auto 0
-__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NEUROCACHE_LOOP_FLAGS', 'NeurocacheRunConfig',
-           'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'save_run_neurocache', 'check_resume_flags', 'neurocache_resume', 'neurocache_train_config',
+__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'NEUROCACHE_RESUME', 'NEUROCACHE_LOOP_FLAGS',
+           'NeurocacheRunConfig', 'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model',
+           'load_streams', 'stream_loss', 'save_run_neurocache', 'neurocache_resume', 'neurocache_train_config',
            'train_neurocache', 'summary', 'main', 'train_fact_recall']
 
 # %% ../nbs/21_train_neurocache.ipynb
@@ -338,20 +338,21 @@ def _resolved(model, cfg) -> NeurocacheConfig:
 
 
 # %% ../nbs/21_train_neurocache.ipynb
-# what a resumed run must share with the run it continues: the Neurocache and its LoRA (the loop checks batch and optimizer)
-RESUME_FLAGS = ('retrieval_map', 'attention_layers', 'cache_size', 'eval_cache_size', 'cache_type', 'cache_dtype',
-                'compression_factor', 'context_size', 'neighborhood_size', 'topk', 'similarity_fn', 'global_cache',
-                'topk_buckets', 'retrieval_bias', 'joint_distance', 'cache_attention', 'disable_neurocache',
-                'disable_lora', 'lora_r', 'lora_alpha', 'lora_dropout', 'lora_modules')
-
-def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
-    "Refuse, before anything loads, to resume `checkpoint` with other Neurocache or LoRA flags than its run's, naming them."
-    saved = Path(checkpoint).parents[1]/'run_config.json'              # <run>/checkpoints/step-*
-    try: was = json.loads(saved.read_text()).get('neurocache_run') or {}
-    except (OSError, ValueError, AttributeError): return               # no record: the weights' own checks apply
-    diff = [f"--{k} {was[k]} -> {getattr(cfg, k)}" for k in RESUME_FLAGS if k in was and was[k] != getattr(cfg, k)]
-    check(not diff, f"{checkpoint} was trained with other Neurocache settings ({'; '.join(diff)}): resume with the "
-          "flags the run was started with, or start a new run")
+# a resume repeats what the run is: model, data, batch, optimizer, schedule, precision, seed, the Neurocache and its LoRA;
+# the budget, evaluation (sizes, splits, cache size: what is measured, not what trains), logging, checkpoints and the mode
+# (--only_evaluate, --save_and_quit) may change
+NEUROCACHE_RESUME = ResumeTable('memlab_neurocache', budget=('max_train_steps',),
+    defines=('model_name_or_path', 'dataset_name', 'dataset_config', 'text_field', 'tokenizer_name', 'train_split',
+             'per_device_train_batch_size', 'sequence_length', 'seed', 'nf4', 'max_grad_norm', 'learning_rate',
+             'weight_decay', 'gradient_accumulation_steps', 'num_warmup_steps', 'lr_scheduler_type', 'mixed_precision',
+             'distributed_type', 'pretrained_neurocache', 'disable_neurocache', 'retrieval_map', 'attention_layers',
+             'cache_size', 'cache_type', 'cache_dtype', 'compression_factor', 'context_size', 'neighborhood_size', 'topk',
+             'similarity_fn', 'global_cache', 'topk_buckets', 'zero_init_output', 'retrieval_bias', 'joint_distance',
+             'cache_attention', 'disable_lora', 'lora_r', 'lora_alpha', 'lora_dropout', 'lora_modules'),
+    may_change=('config', 'output_dir', 'eval_split', 'test_split', 'per_device_eval_batch_size', 'max_train_steps',
+                'max_eval_steps', 'only_evaluate', 'disable_grad_checkpointing', 'evaluate_every_steps',
+                'resume_from_checkpoint', 'checkpointing_steps', 'keep_n_checkpoints', 'logging_steps', 'report_to',
+                'with_tracking', 'save_and_quit', 'progress', 'eval_cache_size'))
 
 # %% ../nbs/21_train_neurocache.ipynb
 def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None):
@@ -362,8 +363,8 @@ def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None):
               "--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)")
     out, resume = Path(cfg.output_dir), cfg.resume_from_checkpoint
     if training:   # the loop's folder rule, on the main process (with `acc`) before anything loads
-        resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc)
-        if resume: check_resume_flags(cfg, find_checkpoint(resume, out))
+        resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc,
+                             flags=RunFlags(NEUROCACHE_RESUME, flag_values(cfg)))
     elif cfg.only_evaluate and not resume:   # an evaluation only refuses to overwrite results
         check(not (out/'results.json').exists(),
               f"--output_dir {out} already holds results.json: choose another folder")
@@ -424,7 +425,8 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
     optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
     loop = dict(loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks], optimizer=optimizer, accelerator=acc,
-                run_config={'neurocache_run': cfg.to_dict(), 'world_size': world, 'mixed_precision': mp})
+                run_config={'neurocache_run': cfg.to_dict(), 'world_size': world, 'mixed_precision': mp},
+                flags=RunFlags(NEUROCACHE_RESUME, flag_values(cfg)))
     def describe(trainer):
         return (f"memlab_neurocache: {describe_model(trainer.unwrapped_model)}; {world} process(es) x "
                 f"{cfg.per_device_train_batch_size} rows x {cfg.gradient_accumulation_steps} micro-batches of "

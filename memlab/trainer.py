@@ -10,16 +10,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import MemlabError, atomic_write_text, check, patch_to, rng_state, set_rng_state
+from .core import (MemlabError, RunFlags, atomic_write_text, check, flag_values, patch_to, rng_state,
+                         set_rng_state)
 from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 from .schedules import continue_at
 from .protocol import causal_lm_loss, model_callbacks
-from .train_config import TrainConfig, get_scheduler
-from .distributed import apply_fsdp, make_accelerator, resolve_distributed_type
-from .checkpoints import (CHECKPOINTS, DEEPSPEED_TAG, clear_unfinished_run, find_checkpoint, list_checkpoints,
-                                load_sharded, load_strict, read_json, read_safetensors, read_state,
-                                resume_plan, step_dir, write_state)
+from .train_config import LOOP_RESUME, TrainConfig, get_scheduler
+from .distributed import (MeshShape, apply_fsdp, apply_mesh, checkpoint_mesh, clip_grad_norm, main_process_value,
+                                make_accelerator, mesh_step_context, resolve_distributed_type, resolve_mesh, resume_process)
+from .checkpoints import (CHECKPOINTS, DAMAGED, DEEPSPEED_TAG, check_optimizer_steps, clear_unfinished_run,
+                                find_checkpoint, list_checkpoints, load_sharded, load_strict, optimizer_steps, read_json,
+                                read_safetensors, read_state, resume_plan, resume_refusal, schedule_digest, step_dir,
+                                write_manifest, write_state)
 
 # %% auto 0
 __all__ = ['RESUME_FIELDS', 'BatchList', 'count_targets', 'Interrupted', 'StopSignals', 'Trainer', 'EvaluationStopped',
@@ -88,27 +91,39 @@ class StopSignals:
 class Trainer:
     "memlab's one training loop: `Trainer(model, config, train_data, eval_data, loss_fn, callbacks).fit()`."
     def __init__(self, model:nn.Module, config:TrainConfig, train_data=None, eval_data=None, loss_fn=None, callbacks=(),
-                 optimizer=None, scheduler=None, accelerator=None, run_config:dict=None):
+                 optimizer=None, scheduler=None, accelerator=None, run_config:dict=None, flags:RunFlags=None):
         self.config, self.train_data, self.eval_data = config, train_data, eval_data
         self.loss_fn = loss_fn or causal_lm_loss
         given = list(callbacks)  # plus what the model's methods need, unless given
         callbacks = given + [cb for cb in model_callbacks(model) if not any(type(c) is type(cb) for c in given)]
         self.callbacks = sorted(callbacks, key=lambda c: getattr(c, 'order', 0))
         self.run_config = run_config or {}
+        # what defines the run: the command's flags and its table, else the loop's own settings (`LOOP_RESUME`)
+        self.flags = flags or RunFlags(LOOP_RESUME, flag_values(config))
         self.accelerator = accelerator or make_accelerator(config.mixed_precision, deepspeed=True)
         self.world_size = self.accelerator.num_processes
-        self.accum = config.accumulation_steps(self.world_size)
+        # the process mesh (None until _prepare: DDP or FSDP over every process), and how many processes read different
+        # rows (a tensor- or context-parallel group shares its rows)
+        self.mesh = resolve_mesh(config.mesh_dim, self.world_size) if config.mesh_dim else None
+        self.data_world = self.mesh.data if self.mesh else self.world_size
+        self._tp = self.mesh.tp if self.mesh else 1
+        check(self.mesh is None or self.mesh.cp == 1 or getattr(self.loss_fn, 'splits_sequences', False),
+              f"mesh_dim {config.mesh_dim}: context parallelism (cp = {self.mesh and self.mesh.cp}) needs a loss that "
+              "splits each sequence over the cp processes (memlab_bpt's, memlab.bpt.context); this run's does not: "
+              "use cp = 1")
+        self.accum = config.accumulation_steps(self.data_world)
         self._check_output_dir()
         self.accelerator.wait_for_everyone()   # no rank writes to output_dir before every rank has checked it
         self._clear_unfinished_run()
         for name, data in (('train_data', train_data), ('eval_data', eval_data)):
             w = getattr(data, 'world_size', None)
-            check(w is None or w == self.world_size, f"{name} was built for {w} process(es) "
-                  f"but {self.world_size} are running: build the loaders inside the launched processes "
-                  "(they read RANK/WORLD_SIZE) or pass rank= and world_size=")
+            check(w is None or w == self.data_world, f"{name} was built for {w} process(es) "
+                  f"but {self.data_world} are running (reading different rows): build the loaders inside the launched "
+                  "processes (they read RANK/WORLD_SIZE) or pass rank= and world_size= (under a mesh: "
+                  "memlab.distributed.data_rank)")
         from memlab.core import seed_everything
         seed_everything(config.seed)
-        self.step, self.tokens_seen, self.history, self._log_sums = 0, 0, [], {}
+        self.step, self.tokens_seen, self.history, self._window = 0, 0, [], []   # _window: updates not yet logged
         self._optimizer_fn = (optimizer
                               if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else None)
         self._given_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -123,7 +138,7 @@ class Trainer:
         "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
         c = self.config
         resume = resume_plan(c.output_dir, c.resume_from,    # 'latest' with nothing to resume yet: a fresh start
-                             accelerator=self.accelerator)
+                             accelerator=self.accelerator, flags=self.flags)
         if resume != c.resume_from: self.config = dataclasses.replace(c, resume_from=resume)
 
     def _clear_unfinished_run(self):
@@ -133,29 +148,6 @@ class Trainer:
             if gone:
                 print(f"memlab: starting over in {self.config.output_dir}: "
                       f"it held a run that stopped before its first checkpoint (removed {', '.join(gone)})")
-
-    def _prepare(self, model):
-        c, acc = self.config, self.accelerator
-        if c.gradient_checkpointing: enable_activation_checkpointing(model)
-        from accelerate.utils import DistributedType
-        kind = resolve_distributed_type(c.distributed_type)
-        self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED   # one process of it is DeepSpeed too
-        launch = ('a DeepSpeed one' if self.deepspeed else
-                  'not a DeepSpeed one (accelerate launch --config_file data/configs/zero_config.yaml)')
-        check(self.deepspeed == (kind == 'deepspeed'),
-              f"distributed_type is {c.distributed_type} but the launch was {launch}: make them agree")
-        self.fsdp = kind == 'fsdp' and self.world_size > 1
-        if self.deepspeed: return self._prepare_deepspeed(model)
-        if self.fsdp:
-            self.model = apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls)
-            self.unwrapped_model = self.model
-        else:
-            self.model = acc.prepare_model(model)
-            # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch
-            # would stay on the user's model after training (bf16 forwards in their own code, logits unlike the saved
-            # model's): remove it
-            self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
-        self._build_optimizer()
 
     # ---- events --------------------------------------------------------------------------------------------
     def _event(self, name, *args):
@@ -169,6 +161,36 @@ class Trainer:
         if self.is_main: print(*a, flush=True)
 
 # %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _prepare(self, model):
+    c, acc = self.config, self.accelerator
+    if c.gradient_checkpointing: enable_activation_checkpointing(model)
+    from accelerate.utils import DistributedType
+    kind = resolve_distributed_type(c.distributed_type)
+    if self.mesh is not None:               # the mesh decides; a distributed_type given as well must agree
+        kind = 'fsdp' if self.mesh.kind == 'mesh' else self.mesh.kind
+        check(c.distributed_type in ('auto', kind), f"distributed_type {c.distributed_type} and mesh_dim "
+              f"{c.mesh_dim} ({self.mesh}) disagree: give one of them")
+    self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED   # one process of it is DeepSpeed too
+    launch = ('a DeepSpeed one' if self.deepspeed else
+              'not a DeepSpeed one (accelerate launch --config_file data/configs/zero_config.yaml)')
+    check(self.deepspeed == (kind == 'deepspeed'),
+          f"distributed_type is {c.distributed_type} but the launch was {launch}: make them agree")
+    self.fsdp = kind == 'fsdp' and self.world_size > 1
+    self.mesh = self.mesh or (MeshShape(fsdp=self.world_size) if self.fsdp else MeshShape(dp=self.world_size))
+    if self.deepspeed: return self._prepare_deepspeed(model)
+    if self.fsdp:                       # a mesh: tensor parallel, then FSDP2 over its data (and context) axes
+        self.model = (apply_mesh(model, self.mesh, acc.device, c.mixed_precision, c.fsdp_layer_cls)
+                      if self.mesh.kind == 'mesh' else apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls))
+        self.unwrapped_model = self.model
+    else:
+        self.model = acc.prepare_model(model)
+        # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch
+        # would stay on the user's model after training (bf16 forwards in their own code, logits unlike the saved
+        # model's): remove it
+        self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
+    self._build_optimizer()
+
 @patch_to(Trainer)
 def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
     c = self.config
@@ -286,7 +308,8 @@ def _sync_context(self, last:bool):
 @patch_to(Trainer)
 def _reduce(self, t:torch.Tensor) -> torch.Tensor:
     t = t.detach().float().to(self.accelerator.device)
-    return self.accelerator.reduce(t, reduction='sum') if self.world_size > 1 else t
+    # a tensor-parallel group computes the same tokens' sums: they count once
+    return self.accelerator.reduce(t, reduction='sum') / self._tp if self.world_size > 1 else t
 
 @patch_to(Trainer)
 def train_step(self, micro_batches:list) -> dict:
@@ -300,9 +323,10 @@ def train_step(self, micro_batches:list) -> dict:
         batch = _to_device(batch, self.accelerator.device)
         # no_sync covers forward and backward: DDP decides in forward, FSDP2 in backward, whether to reduce gradients
         with self._sync_context(last=i == len(micro_batches) - 1):
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), mesh_step_context(self.mesh):
                 out = self.loss_fn(self.model, batch)
-                loss = out.loss_sum * self.world_size / n_global
+                # gradients are averaged over the processes that are not tensor-parallel ranks of one another
+                loss = out.loss_sum * (self.world_size // self._tp) / n_global
             if self.deepspeed: self._engine_backward(loss, last=i == len(micro_batches) - 1)
             else: self.accelerator.backward(loss)
         loss_sum += out.loss_sum.detach().float()
@@ -342,10 +366,8 @@ def _clip(self):
     params = [p for p in self.model.parameters() if p.grad is not None]
     if not params: return None
     self.accelerator.unscale_gradients()
-    norm = torch.nn.utils.clip_grad_norm_(params,
-                                          c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
-    if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()
-    return float(norm)
+    # gradients on several meshes (tensor parallel's and FSDP's) are clipped by one global norm
+    return clip_grad_norm(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
 
 # %% ../nbs/05g_trainer.ipynb
 class EvaluationStopped(Exception):
@@ -446,18 +468,20 @@ def _write_checkpoint(self) -> Path:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
     acc.wait_for_everyone()
-    r = acc.process_index
+    r, steps = acc.process_index, None
     if self.fsdp:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         msd, osd = get_state_dict(self.model, self.optimizer)
+        steps = optimizer_steps(osd)
         dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
     elif self.deepspeed:    # every process writes its partitions (DeepSpeed's own format)
         self.model.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
     elif self.is_main:
         from safetensors.torch import save_model
         save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
-        write_state(self.optimizer.state_dict(), tmp/'optimizer')
+        osd = self.optimizer.state_dict(); steps = optimizer_steps(osd)
+        write_state(osd, tmp/'optimizer')
     data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
     write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
     if self.is_main:
@@ -467,8 +491,12 @@ def _write_checkpoint(self) -> Path:
     acc.wait_for_everyone()
     if self.is_main:
         state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
-                 'distributed_type': self._checkpoint_kind, 'history': self.history, 'config': c.to_dict()}
-        atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
+                 'distributed_type': self._checkpoint_kind, 'mesh': list(self.mesh), 'history': self.history,
+                 'config': c.to_dict(), 'flags': self.flags.record(), 'optimizer_steps': steps, 'log_window': self._window,
+                 'scheduler_steps': getattr(self.scheduler, 'last_epoch', None),
+                 'schedule': schedule_digest(self.scheduler, self.step)}
+        atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1, default=str))
+        write_manifest(tmp, self.step)           # last: a folder without it was cut short
         import shutil
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
@@ -478,39 +506,64 @@ def _write_checkpoint(self) -> Path:
     return final
 
 # %% ../nbs/05g_trainer.ipynb
-# what a resume may not change: the batch, the optimizer, the schedule's kind and the data order (max_steps may grow)
-RESUME_FIELDS = ('per_device_batch_size', 'lr', 'weight_decay', 'adam_beta1', 'adam_beta2', 'adam_eps', 'scheduler',
-                 'min_lr_ratio', 'lr_end', 'power', 'max_grad_norm', 'seed')
+# the loop's settings a resume repeats (`LOOP_RESUME`'s first kind), and the comparison the library's `Trainer` makes
+RESUME_FIELDS = LOOP_RESUME.defines
 
-def resume_differences(saved:dict, config:TrainConfig, world_size:int) -> list:
-    "The settings in which `config` differs from the `saved` config of a checkpoint ('flag old -> new', one each)."
-    out = [f"--{k} {saved[k]} -> {getattr(config, k)}" for k in RESUME_FIELDS
-           if k in saved and saved[k] != getattr(config, k)]
-    if 'per_device_batch_size' in saved:
-        then = dataclasses.replace(config, per_device_batch_size=saved['per_device_batch_size'],
-                                   total_batch_size=saved.get('total_batch_size'),
-                                   gradient_accumulation_steps=saved.get('gradient_accumulation_steps'))
-        rows = [c.per_device_batch_size * world_size * c.accumulation_steps(world_size) for c in (then, config)]
-        if rows[0] != rows[1]: out.append(f"rows per update (--total_batch_size) {rows[0]} -> {rows[1]}")
-    return out
+def resume_differences(saved:dict, config:TrainConfig) -> list:
+    "The settings in which `config` differs from the `saved` config of a checkpoint ('--flag old -> new', one each)."
+    return LOOP_RESUME.changes(saved, flag_values(config))
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _check_checkpoint(self, path:Path) -> dict:
+    ("Refuse, in one line and before anything loads, a checkpoint that does not agree with itself or that another run "
+     "would continue (other defining flags, processes or layout); its state.")
+    refusal = main_process_value(resume_refusal(path, self.flags) if self.is_main else None, self.accelerator)
+    check(refusal is None, refusal)
+    state = read_json(path/'trainer_state.json')
+    check(state['distributed_type'] == self._checkpoint_kind,
+          f"{path} was written under {state['distributed_type']}; resume it the same way")
+    check(self.fsdp or state['world_size'] == self.world_size,   # FSDP reshards (another mesh, the same rows)
+          f"{path} was written by {state['world_size']} process(es); resume it with the same number "
+          f"(now {self.world_size})")
+    # the loop's settings a command works out from its flags (an 'auto' precision, say) may come out otherwise elsewhere
+    changed = resume_differences(state.get('config') or {}, self.config)
+    check(not changed, f"{path} was trained with other loop settings ({'; '.join(changed)}) than this run's flags give "
+          "here: resume it as it was started (where they come out the same, or with them given explicitly)")
+    return state
+
+@patch_to(Trainer)
+def _load_schedule(self, state:dict, trained:dict, path):
+    ("The scheduler's position from checkpoint `path` (its trainer state `trained`), once this run's schedule gives the "
+     "updates trained their learning rates (a longer run's may differ after them); the optimizer's rate follows it.")
+    now = schedule_digest(self.scheduler, trained['step'])
+    if trained.get('schedule') and now and now != trained['schedule']:
+        saved, table = (trained.get('flags') or {}).get('values') or {}, self.flags.table
+        moved = table.changes(saved, self.flags.values, table.budget)          # the run's length, most likely
+        raise MemlabError(f"{path}: this run's schedule gives the {trained['step']} updates already trained other learning "
+                          f"rates{' (' + '; '.join(moved) + ')' if moved else ''}: a resume continues a run exactly; "
+                          "keep the run's length, or start a new run (a schedule that does not depend on the length, "
+                          "such as a constant one, can be extended)")
+    s, fns = self.scheduler, getattr(self.scheduler, 'lr_lambdas', None)
+    if fns is None or 'lr_lambdas' not in state: return s.load_state_dict(state)
+    s.load_state_dict({**state, 'lr_lambdas': [None] * len(fns)})   # torch would restore the saved run's settings
+    s._last_lr = [base * f(s.last_epoch) for base, f in zip(s.base_lrs, fns)]
+    for g, lr in zip(self.optimizer.param_groups, s._last_lr): g['lr'] = lr
 
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def load_checkpoint(self, path):
     "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
     path, acc = Path(path), self.accelerator
-    state = read_json(path/'trainer_state.json')
-    check(state['world_size'] == self.world_size,
-          f"{path} was written by {state['world_size']} process(es); resume it with the same number "
-          f"(now {self.world_size})")
-    check(state['distributed_type'] == self._checkpoint_kind,
-          f"{path} was written under {state['distributed_type']}; resume it the same way")
-    changed = resume_differences(state.get('config') or {}, self.config, self.world_size)
-    check(not changed, f"{path} was trained with other settings ({'; '.join(changed)}): a resume continues the run "
-          "exactly, so pass the settings it was started with (or start a new run from its weights)")
+    state = self._check_checkpoint(path)
+    # FSDP's torch.distributed.checkpoint reshards: another mesh reading the same rows continues the run
+    source = resume_process(checkpoint_mesh(state), self.mesh, acc.process_index) if self.fsdp else acc.process_index
     # Callbacks first: one may need to change the model (say, add
     # adapters the run had switched to) before its state loads.
     sc = read_state(path/'scheduler_callbacks')
+    at, saved = (sc.get('scheduler') or {}).get('last_epoch'), state.get('scheduler_steps')
+    check(saved is None or at == saved, f"{path/'scheduler_callbacks.json'}: the schedule's state is at update {at} but "
+          f"its checkpoint says {saved}: the checkpoint does not agree with itself; {DAMAGED}")
     check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
           f"this run has {len(self.callbacks)}: resume with the same method options")
     for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
@@ -521,6 +574,7 @@ def load_checkpoint(self, path):
         msd, osd = get_state_dict(self.model, self.optimizer)
         sd = {'model': msd, 'optimizer': osd}
         load_sharded(sd, path/'sharded')
+        check_optimizer_steps(sd['optimizer'], state, path/'sharded')
         set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
     elif self.deepspeed:
         check((path/DEEPSPEED_TAG).is_dir(), f"{path} holds no DeepSpeed checkpoint ({DEEPSPEED_TAG}/)")
@@ -536,19 +590,22 @@ def load_checkpoint(self, path):
                 twin = next((k2 for k2 in sd if k2 in own and own[k2].data_ptr() == own[k].data_ptr()), None)
                 if twin is not None: sd[k] = sd[twin]
         load_strict(self.unwrapped_model, sd, 'model')
-        try: self.optimizer.load_state_dict(read_state(path/'optimizer'))
+        osd = read_state(path/'optimizer')
+        check_optimizer_steps(osd, state, path/'optimizer.safetensors')
+        try: self.optimizer.load_state_dict(osd)
         except (ValueError, KeyError, RuntimeError) as e:
             raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "
                               f"({str(e).splitlines()[0]}): resume with the model and method options of "
                               "the run that wrote it") from None
-    self.scheduler.load_state_dict(sc['scheduler'])
-    proc = read_state(path/f'process_{acc.process_index}')
+    self._load_schedule(sc['scheduler'], state, path)   # after on_load_begin: a callback may have rebuilt the schedule
+    proc = read_state(path/f'process_{source}')      # the data position and RNG of a process that read these rows
     set_rng_state(proc['rng'])
     if proc['data'] is not None:
         check(hasattr(self.train_data, 'load_state_dict'),
               "the checkpoint holds a data position but the training data cannot restore one")
         self.train_data.load_state_dict(proc['data'])
     self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
+    self._window = state.get('log_window') or []            # the logging window that spans the stop goes on
     # the log restarts from the checkpoint: drop what a killed run logged after it
     if self.is_main and self.config.output_dir:
         atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
@@ -600,7 +657,7 @@ def _stop(self, signals:StopSignals, saved:Path=None):
 def _fit_loop(self, it, bar, signals:StopSignals):
     c = self.config
     pm = peak_memory(self.accelerator.device, collect=False).__enter__()
-    t0, tok0, window = time.perf_counter(), 0, []
+    t0, tok0, window = time.perf_counter(), 0, self._window    # the window a resumed run's checkpoint carried
     self.should_stop = False
     while self.step < c.max_steps and not self.should_stop:
         if c.max_train_tokens and self.tokens_seen >= c.max_train_tokens: break
@@ -612,7 +669,7 @@ def _fit_loop(self, it, bar, signals:StopSignals):
         if len(micro) < self.accum: break  # finite training data ran out
         res = self.train_step(micro)
         self.step += 1; self.tokens_seen += res['tokens']; tok0 += res['tokens']
-        window.append(res)
+        window.append(res)                  # the updates since the last log, saved in checkpoints
         self._event('on_step_end')
         bar.update(1); bar.set_postfix(loss=f"{res['loss']:.3f}")
         last = self.step >= c.max_steps or bool(c.max_train_tokens and self.tokens_seen >= c.max_train_tokens)
@@ -626,7 +683,7 @@ def _fit_loop(self, it, bar, signals:StopSignals):
             logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tok0 / dt,
                         peak_memory_mib=pm.absolute / 2**20)
             self.log(logs)
-            window, tok0 = [], 0
+            window[:], tok0 = [], 0
             pm = peak_memory(self.accelerator.device, collect=False).__enter__(); t0 = time.perf_counter()
         stopping = not last and self._stop_requested(signals)      # the last update finishes the run as usual
         if not stopping and self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):

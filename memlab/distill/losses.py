@@ -57,6 +57,7 @@ class TopK(NamedTuple):
     indices: torch.Tensor   # (..., k) token ids
     logprobs: torch.Tensor  # (..., k) log-probabilities
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 MISSING_MODES = ('zero', 'rest')
 _REST_EPS = 1e-6  # smallest "rest" mass: keeps log(rest) finite when the top-k hold (numerically) everything
 
@@ -68,6 +69,7 @@ def _rest_logmass(lp):
     "Log of the probability mass outside the given log-probs (..., k) → (..., 1), clamped to at least `_REST_EPS`."
     return _log1mexp(lp.logsumexp(-1, keepdim=True).clamp(max=math.log1p(-_REST_EPS)))
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _log_probs(s_logits, teacher, T:float, missing:str='zero'):
     ("Student and teacher log-probs over a common support, from student logits (n, V) in fp32 or wider "
      "and teacher rows (logits or TopK).")
@@ -94,6 +96,7 @@ def _wide(dtype:torch.dtype) -> torch.dtype:
     "The dtype the softmaxes run in: fp32, or the input's if wider (fp64 stays fp64)."
     return torch.promote_types(dtype, torch.float32)
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _rows(x, rows, mm:torch.dtype=None):
     ("Rows `rows` (indices or a slice) of a flattened input, in its own dtype: logits (N, V) → (n, V); `Hidden` → its "
      "logits for those rows, the product in `mm` (default: the inputs' dtype); `TopK` → its rows.")
@@ -119,6 +122,7 @@ def vocab_of(x):
     "Vocabulary size of logits (..., V) or of a `Hidden`'s head; None for `TopK`."
     return x.weight.shape[0] if isinstance(x, Hidden) else None if isinstance(x, TopK) else x.shape[-1]
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
     ("Per-token distillation loss (× T²) and cross-entropy on `labels` (or None) for student logits (n, V), by "
      "autograd-friendly formulas in fp32 or wider: the dense reference.")
@@ -145,6 +149,7 @@ def _log_softmax_wide(z, T:float=1.0):
     if T == 1: return torch.log_softmax(z, -1, dtype=_wide(z.dtype))
     return torch.log_softmax(z.to(_wide(z.dtype), copy=True).div_(T), -1)
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _distance_grad(name, ps, pt):
     "tvd, mse or cos between probabilities (n, K): each row's value and G = p_s ∂/∂p_s (= ∂/∂ log p_s)."
     d = ps - pt
@@ -177,6 +182,7 @@ def _divergence_grad(name, ls, lt, beta, ruled_out=None):
     if name == 'reverse_kl': return rkl, g
     return beta * rkl + (1 - beta) * kl, g.mul_(beta).sub_(pt, alpha=1 - beta)   # cakld: the two mixed
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _kd_grad(name, ls, t_rows, T, beta, missing):
     "Divergence per row (n,) between the student's log-probs `ls` (n, V) and the teacher's rows, and G (n, V)."
     if not isinstance(t_rows, TopK): return _divergence_grad(name, ls, _log_softmax_wide(t_rows, T), beta)
@@ -193,6 +199,7 @@ def _kd_grad(name, ls, t_rows, T, beta, missing):
     g_k = g_b[:, :-1] - g_b[:, -1:] * torch.exp(ls_k - rest) * (lse <= math.log1p(-_REST_EPS))
     return kd, torch.zeros_like(ls).scatter_add_(-1, idx, g_k)
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _chunk_terms(name, z, t_rows, labels, T, beta, missing, kd_weight, ce_weight, grad:bool):
     ("One chunk: Σ divergence × T², Σ CE and, if `grad`, the gradient of kd_weight·Σkd + ce_weight·Σce w.r.t. the "
      "student's logits z (n, V) in closed form, fp32 or wider (None otherwise).")
@@ -212,17 +219,18 @@ def _chunk_terms(name, z, t_rows, labels, T, beta, missing, kd_weight, ce_weight
     return (*sums, g)
 
 # %% ../../nbs/distill/41_0_losses.ipynb
-class _ObjectiveSpec(NamedTuple):
-    name: str; teacher: object; rows: object; labels: object; T: float; beta: float; missing: str
-    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object; head_dtype: torch.dtype
-    grad_dtype: torch.dtype
-
 def head_grad_dtype(weight:torch.Tensor, mm:torch.dtype) -> torch.dtype:
     ("The dtype the head's gradient accumulates in, chunk after chunk: the head's own where it is fp32 or wider and "
      "the product is too, or the device is a CPU (fp32 products cost little there); else the product's (bf16 under "
      "autocast on a GPU, whose bf16 rate is many times its fp32 one): rounded once per chunk, as Liger's fused losses do.")
     if weight.dtype.itemsize >= 4 and (mm.itemsize >= 4 or weight.device.type == 'cpu'): return weight.dtype
     return mm
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+class _ObjectiveSpec(NamedTuple):
+    name: str; teacher: object; rows: object; labels: object; T: float; beta: float; missing: str
+    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object; head_dtype: torch.dtype
+    grad_dtype: torch.dtype
 
 def _grad_buffers(x, w, b, spec, need, dense_rows:bool):
     ("The gradient buffers of (x, w, b) where `need`: x's in its dtype (zeros where rows are skipped); the head's in "
@@ -232,6 +240,7 @@ def _grad_buffers(x, w, b, spec, need, dense_rows:bool):
     gb = torch.zeros(b.shape, dtype=_wide(b.dtype), device=b.device) if need[2] else None
     return gx, gw, gb
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
     ("Sums of the weighted objective, the distillation term and the CE over `spec.rows`, with gradients w.r.t. "
      "(x, w, b) where `need`, each chunk's in closed form (`_chunk_terms`).")
@@ -266,6 +275,7 @@ def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
     total, out = spec.kd_weight * kd_sum + spec.ce_weight * ce_sum, _wide(x.dtype)      # fp32, or fp64 for fp64 inputs
     return (total.to(out), kd_sum.to(out), ce_sum.to(out)), (gx, gw, gb)
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 class _ChunkedObjective(torch.autograd.Function):
     "Chunked distillation objective: gradients computed chunk by chunk in the forward, scaled in the backward."
     @staticmethod
@@ -302,18 +312,7 @@ def _device_signature(device, vocab_size:int, dtype) -> str:
     name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev.type
     return f"{name} | torch {torch.__version__} | vocab {int(vocab_size)} | {str(dtype).replace('torch.', '')}"
 
-def auto_chunk_size(vocab_size:int, logits_per_chunk:int=None, device=None, dtype=torch.bfloat16) -> int:
-    ("Tokens per chunk: about `logits_per_chunk` logits a chunk if given; else on CPU 2M logits, and on another device "
-     "the size `measure_chunk_size` finds fastest there, measured once per device model, vocabulary and dtype and "
-     "kept in `memlab_home()/machine.json` (the ranks of a job on one machine measure once: a file lock).")
-    dev = torch.device('cpu' if device is None else device)
-    if logits_per_chunk is None and dev.type != 'cpu':
-        key = _device_signature(dev, vocab_size, dtype)
-        if key not in _MEASURED: _MEASURED[key] = _cached_measurement(key, lambda: measure_chunk_size(
-            vocab_size, dev, dtype=dtype)['chunk_size'])
-        return _MEASURED[key]
-    return max(16, (logits_per_chunk or CPU_LOGITS_PER_CHUNK) // max(int(vocab_size), 1))
-
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _cached_measurement(key:str, measure) -> int:
     "`measure()` once per `key` on this machine: read from, or written to, `memlab_home()/machine.json` under a lock."
     path = memlab_home()/'machine.json'
@@ -330,9 +329,20 @@ def _cached_measurement(key:str, measure) -> int:
         return known['kd_chunk_size'][key]
 
 # %% ../../nbs/distill/41_0_losses.ipynb
-KD_BACKENDS = ('auto', 'memlab', 'liger')
+def auto_chunk_size(vocab_size:int, logits_per_chunk:int=None, device=None, dtype=torch.bfloat16) -> int:
+    ("Tokens per chunk: about `logits_per_chunk` logits a chunk if given; else on CPU 1M logits, and on another device "
+     "the size `measure_chunk_size` finds fastest there, measured once per device model, vocabulary and dtype and "
+     "kept in `memlab_home()/machine.json` (the ranks of a job on one machine measure once: a file lock).")
+    dev = torch.device('cpu' if device is None else device)
+    if logits_per_chunk is None and dev.type != 'cpu':
+        key = _device_signature(dev, vocab_size, dtype)
+        if key not in _MEASURED: _MEASURED[key] = _cached_measurement(key, lambda: measure_chunk_size(
+            vocab_size, dev, dtype=dtype)['chunk_size'])
+        return _MEASURED[key]
+    return max(16, (logits_per_chunk or CPU_LOGITS_PER_CHUNK) // max(int(vocab_size), 1))
+
+# %% ../../nbs/distill/41_0_losses.ipynb
 _LIGER_BETA = {'kl': 0.0, 'reverse_kl': 1.0}   # jsd: its own beta (the same convention)
-_LIGER_FASTER = {}
 
 def liger_available(device) -> bool:
     "Whether Liger Kernel's fused linear JSD can run on `device` (liger-kernel importable, CUDA)."
@@ -341,6 +351,7 @@ def liger_available(device) -> bool:
     except Exception: return False
     return True
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def liger_kd_sum(name:str, student:Hidden, teacher:Hidden, mask:torch.Tensor, temperature:float=1.0,
                  beta:float=None) -> torch.Tensor:
     ("Σ over the tokens where `mask` (N,) of divergence `name` × T², by Liger Kernel's `LigerFusedLinearJSD` on "
@@ -352,10 +363,24 @@ def liger_kd_sum(name:str, student:Hidden, teacher:Hidden, mask:torch.Tensor, te
     if not bool(n): return student.states.sum() * 0                          # no token: zero, with a gradient
     return fn(student.states, student.weight, teacher.states, teacher.weight, labels) * n * temperature ** 2
 
+# %% ../../nbs/distill/41_0_losses.ipynb
+_LIGER_FASTER = {}
+
+def _cuda_time(fn, hs) -> float:
+    "Best of two timed passes of `fn(x).backward()`, x a fresh leaf copy of `hs`, after one untimed (CUDA)."
+    import time
+    best = float('inf')
+    for i in range(3):
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        x = hs.clone().requires_grad_()
+        fn(x).backward()
+        torch.cuda.synchronize()
+        if i: best = min(best, time.perf_counter() - t0)
+    return best
+
 def liger_faster(name:str, student:Hidden, teacher:Hidden, n_tokens:int=2048, beta:float=None) -> bool:
     ("Whether Liger's fused linear JSD ran faster (forward and backward) than memlab's chunked path on `student`'s and "
      "`teacher`'s shapes and dtypes, `n_tokens` random tokens; measured once per device and shape.")
-    import time
     dev, V = student.states.device, student.weight.shape[0]
     key = (str(dev), name, V, student.weight.shape[1], teacher.weight.shape[1], student.states.dtype,
            student.weight.dtype, torch.is_autocast_enabled(dev.type))
@@ -365,21 +390,13 @@ def liger_faster(name:str, student:Hidden, teacher:Hidden, n_tokens:int=2048, be
     ht = torch.randn(n_tokens, teacher.weight.shape[1], generator=g, device=dev).to(teacher.states.dtype)
     ws, wt = student.weight.detach().requires_grad_(), teacher.weight.detach()
     mask = torch.ones(n_tokens, dtype=torch.bool, device=dev)
-    def run(fn):
-        best = float('inf')
-        for i in range(3):
-            torch.cuda.synchronize(); t0 = time.perf_counter()
-            x = hs.clone().requires_grad_()
-            fn(x).backward()
-            torch.cuda.synchronize()
-            if i: best = min(best, time.perf_counter() - t0)
-        return best
-    ours = run(lambda x: objective_sums(name, Hidden(x, ws), Hidden(ht, wt), beta=beta, backend='memlab',
-                                        chunk_size=auto_chunk_size(V, device=dev))[0])
-    theirs = run(lambda x: liger_kd_sum(name, Hidden(x, ws), Hidden(ht, wt), mask, beta=beta))
+    ours = _cuda_time(lambda x: objective_sums(name, Hidden(x, ws), Hidden(ht, wt), beta=beta, backend='memlab',
+                                               chunk_size=auto_chunk_size(V, device=dev))[0], hs)
+    theirs = _cuda_time(lambda x: liger_kd_sum(name, Hidden(x, ws), Hidden(ht, wt), mask, beta=beta), hs)
     _LIGER_FASTER[key] = theirs < ours
     return _LIGER_FASTER[key]
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _use_liger(backend, name, s, t, ce_weight, temperature, beta) -> bool:
     "Whether the chunked fused path goes to Liger Kernel (`backend` 'liger' asks; 'auto' where it runs and is faster)."
     fits = (isinstance(s, Hidden) and isinstance(t, Hidden) and s.bias is None and t.bias is None
@@ -418,6 +435,36 @@ def _check_pair(name, student, teacher, kd_weight, missing):
         check(teacher.indices.shape[-1] >= vs, f"{name} is infinite with a top-{teacher.indices.shape[-1]} teacher "
                                                "whose missing mass is zero; use missing='rest'")
 
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _valid_rows(x, mask, labels_flat) -> tuple:
+    ("The tokens that count, of x's N rows: (their mask (N,), their row indices, or `slice(None)` where every row "
+     "counts, their number as a tensor); a label of -100 does not count.")
+    mask = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if mask is None else mask.bool().reshape(-1)
+    if labels_flat is not None: mask = mask & (labels_flat != -100)
+    rows = mask.nonzero().squeeze(1)                                                 # (n,) indices of valid tokens
+    n = torch.tensor(rows.numel(), device=rows.device)
+    if rows.numel() == mask.numel(): rows = slice(None)       # every row valid: views of the inputs, no gathered copies
+    return mask, rows, n
+
+def _in_head_dtype(t):
+    ("A `Hidden` teacher cast once to the dtype its head multiplies in (its own, or autocast's), not once per chunk; "
+     "another teacher as it is.")
+    if not isinstance(t, Hidden): return t
+    tm = head_dtype(t.states, t.weight)
+    return Hidden(t.states.to(tm), t.weight.to(tm), None if t.bias is None else t.bias.to(tm))
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+KD_BACKENDS = ('auto', 'memlab', 'liger')   # objective_sums' backends (Liger's: above)
+
+def _dense_sums(name, s, t, rows, labels, mm, T, beta, missing, kd_weight, ce_weight) -> tuple:
+    ("The dense reference over rows `rows` of the flattened student `s` and teacher `t`: plain autograd through "
+     "`_token_terms`, (kd_weight·Σkd + ce_weight·Σce, Σkd, Σce).")
+    dev = (s.states if isinstance(s, Hidden) else s).device
+    with torch.autocast(dev.type, enabled=False):
+        kd, ce = _token_terms(name, _rows(s, rows, mm), _rows(t, rows), labels, T, beta, missing)
+    kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=dev)
+    return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach()
+
 def objective_sums(name:str, student, teacher, mask=None, labels=None, temperature:float=1.0, beta:float=None,
                    missing:str='zero', kd_weight:float=1.0, ce_weight:float=0.0, chunk_size:int=None,
                    compiled:bool=None, backend:str='auto', grad_dtype:torch.dtype=None) -> tuple:
@@ -432,25 +479,14 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
                                                   f"tokens, got {chunk_size}")
     _check_loss_args(name, temperature, beta, missing)
     _check_pair(name, student, teacher, kd_weight, missing)
-    s, t = _flatten(student), _flatten(teacher)
+    s, t = _flatten(student), _in_head_dtype(_flatten(teacher))
     x, w, b = (s.states, s.weight, s.bias) if isinstance(s, Hidden) else (s, None, None)
-    mask = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if mask is None else mask.bool().reshape(-1)
     labels_flat = None if labels is None else labels.reshape(-1)
-    if labels is not None: mask = mask & (labels_flat != -100)
-    rows = mask.nonzero().squeeze(1)                                                 # (n,) indices of valid tokens
-    n = torch.tensor(rows.numel(), device=rows.device)
-    if rows.numel() == mask.numel(): rows = slice(None)       # every row valid: views of the inputs, no gathered copies
-    # each head multiplies in its own dtype, or autocast's: the teacher's is cast once here, not once per chunk
-    if isinstance(t, Hidden):
-        tm = head_dtype(t.states, t.weight)
-        t = Hidden(t.states.to(tm), t.weight.to(tm), None if t.bias is None else t.bias.to(tm))
+    mask, rows, n = _valid_rows(x, mask, labels_flat)
     mm = head_dtype(x, w)
     if chunk_size == 0:  # dense reference: plain autograd over all valid rows at once
-        with torch.autocast(x.device.type, enabled=False):
-            kd, ce = _token_terms(name, _rows(s, rows, mm), _rows(t, rows),
-                                  None if labels is None else labels_flat[rows], temperature, beta, missing)
-        kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=x.device)
-        return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach(), n
+        return (*_dense_sums(name, s, t, rows, None if labels is None else labels_flat[rows], mm, temperature, beta,
+                             missing, kd_weight, ce_weight), n)
     if backend != 'memlab' and _use_liger(backend, name, s, t, ce_weight, temperature, beta):
         kd = liger_kd_sum(name, s, t, mask, temperature, beta)
         return kd_weight * kd, kd.detach(), torch.zeros_like(kd).detach(), n
@@ -463,6 +499,7 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
     total, kd, ce = _ChunkedObjective.apply(x, w, b, spec)
     return total, kd, ce, n
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def loss_sum(name:str, student, teacher, mask=None, temperature:float=1.0, chunk_size:int=None, **kw) -> tuple:
     ("Per-token distillation loss `name` summed over the unmasked tokens, "
      "and the number of those tokens: `(sum, count)`; chunked by default (`chunk_size=0`: dense).")
@@ -517,6 +554,7 @@ def _free_bytes(dev) -> int:
     free, _ = torch.cuda.mem_get_info(dev)
     return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _time_chunk(s, t, chunk, compiled, sync) -> float:
     "Best of two timed forward + backward passes of the chunked forward KL (after one untimed: compile, warm-up)."
     import time
@@ -529,6 +567,19 @@ def _time_chunk(s, t, chunk, compiled, sync) -> float:
         if i: best = min(best, time.perf_counter() - start)
     return best
 
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _measurement_plan(vocab_size:int, dev, n_tokens:int, dtype, candidates, memory_fraction:float) -> tuple:
+    ("(the bytes the measurement may use, None where the device does not say; its number of tokens; its chunk "
+     "sizes in tokens): the inputs in at most half of `memory_fraction` of the free memory, at least 64 tokens.")
+    free = _free_bytes(dev)
+    budget = None if free is None else int(free * memory_fraction)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if budget is not None:        # the inputs (s, its gradient, t) in at most half the budget, at least 64 tokens
+        n_tokens = max(64, min(n_tokens, budget // 2 // (3 * itemsize * vocab_size)))
+    chunks = sorted({max(16, min(n_tokens, c // vocab_size)) for c in candidates})
+    return budget, n_tokens, chunks
+
+# %% ../../nbs/distill/41_0_losses.ipynb
 def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bfloat16,
                        candidates=(2**21, 2**23, 2**25, 2**27), compiled:bool=None, tolerance:float=0.05,
                        memory_fraction:float=0.5) -> dict:
@@ -537,12 +588,8 @@ def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bf
      "where it is short; every allocation guarded); the smallest chunk within `tolerance` of the fastest wins: "
      "{'chunk_size', 'times', 'n_tokens'}; with no room at all, the smallest candidate, untimed.")
     dev = torch.device(device)
-    free = _free_bytes(dev)
-    budget = None if free is None else int(free * memory_fraction)
+    budget, n_tokens, chunks = _measurement_plan(vocab_size, dev, n_tokens, dtype, candidates, memory_fraction)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if budget is not None:        # the inputs (s, its gradient, t) in at most half the budget, at least 64 tokens
-        n_tokens = max(64, min(n_tokens, budget // 2 // (3 * itemsize * vocab_size)))
-    chunks = sorted({max(16, min(n_tokens, c // vocab_size)) for c in candidates})
     sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
     times, s, t = {}, None, None
     try:
@@ -583,6 +630,7 @@ class TeacherConfidence(Callback):
         (self.n_batches, self.total,
          self.count, self.batches) = state['n_batches'], state['total'], state['count'], state['batches']
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def teacher_top1(teacher, mask=None, temperature:float=1.0, missing:str='zero', chunk_size:int=4096) -> torch.Tensor:
     "The teacher's top-1 probability at each unmasked token (logits, `Hidden` or `TopK` teacher), chunk by chunk."
     t = _flatten(teacher)

@@ -13,13 +13,13 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..compat import dequantize_weight, quant_kind
-from ..core import check
+from ..core import check, patch_to
 from .cache import context_window
 
 # %% auto 0
 __all__ = ['dense_weight', 'attention_weights', 'WindowGrad', 'share_window', 'window_attention', 'CacheAttention',
-           'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'check_fused_attention', 'local_logsumexp',
-           'kv_heads', 'joint_mix', 'joint_fused_attention', 'joint_attention']
+           'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'local_logsumexp', 'kv_heads', 'joint_mix',
+           'joint_fused_attention', 'check_fused_attention', 'joint_attention']
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 def dense_weight(module) -> torch.Tensor:
@@ -29,6 +29,7 @@ def dense_weight(module) -> torch.Tensor:
     if type(module).__name__ == 'Conv1D': return module.weight.data.t().float()     # GPT-2 stores (in, out)
     return module.weight.data.float()
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
     ("(W_q, W_k, W_v, W_o) of a decoder layer's attention module, each dense (out, in): Llama/Mistral/OPT/Phi names or "
      "GPT-2's fused c_attn.")
@@ -41,19 +42,6 @@ def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
     return dense_weight(attn.q_proj), dense_weight(attn.k_proj), dense_weight(attn.v_proj), dense_weight(o)
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
-def _window_forward(qc, ctx, ok, bias):
-    ("Queries qc (B, T, nkv, g, d) over each token's window ctx (B, T, W, d) where ok (B, T, W), logits + bias "
-     "(B, T, nkv, g, W) if given: output (B·T, G, d) and probabilities (B·T, G, W), fp32.")
-    B, T, n, g, d = qc.shape
-    W = ctx.shape[2]
-    q2, c2 = qc.reshape(B * T, n * g, d), ctx.reshape(B * T, W, d).to(qc.dtype)
-    s = torch.bmm(q2, c2.transpose(1, 2)).float()                        # (B·T, G, W)
-    if bias is not None: s = s + bias.reshape(B * T, n * g, W).float()
-    okf = ok.reshape(B * T, 1, W)
-    # nothing valid -> exactly zero output
-    p = torch.softmax(s.masked_fill(~okf, torch.finfo(s.dtype).min), -1) * okf.any(-1, keepdim=True)
-    return torch.bmm(p.to(c2.dtype), c2), p, q2, c2
-
 class WindowGrad:
     "Where the attention layers that read one shared window add their gradients with respect to it (fp32 or wider)."
     def __init__(self): self.buf = None
@@ -79,6 +67,20 @@ class _SharedWindow(torch.autograd.Function):
 def share_window(win, hub:WindowGrad):
     "`win` for several `window_attention` calls that add its gradient to `hub` (unchanged where no gradient is needed)."
     return _SharedWindow.apply(win, hub) if torch.is_grad_enabled() and win.requires_grad else win
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+def _window_forward(qc, ctx, ok, bias):
+    ("Queries qc (B, T, nkv, g, d) over each token's window ctx (B, T, W, d) where ok (B, T, W), logits + bias "
+     "(B, T, nkv, g, W) if given: output (B·T, G, d) and probabilities (B·T, G, W), fp32.")
+    B, T, n, g, d = qc.shape
+    W = ctx.shape[2]
+    q2, c2 = qc.reshape(B * T, n * g, d), ctx.reshape(B * T, W, d).to(qc.dtype)
+    s = torch.bmm(q2, c2.transpose(1, 2)).float()                        # (B·T, G, W)
+    if bias is not None: s = s + bias.reshape(B * T, n * g, W).float()
+    okf = ok.reshape(B * T, 1, W)
+    # nothing valid -> exactly zero output
+    p = torch.softmax(s.masked_fill(~okf, torch.finfo(s.dtype).min), -1) * okf.any(-1, keepdim=True)
+    return torch.bmm(p.to(c2.dtype), c2), p, q2, c2
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 class _WindowAttention(torch.autograd.Function):
@@ -129,16 +131,6 @@ class CacheAttention(nn.Module):
         # only)
         self.retrieval_scale = nn.Parameter(torch.full((num_heads,), float(retrieval_bias))) if retrieval_bias else None
 
-    @torch.no_grad()
-    def init_from(self, wq, wk, wv, wo):
-        ("The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input "
-         "columns.")
-        d = self.k_proj.in_features
-        for lin, w in ((self.q_proj, wq), (self.k_proj, wk[:, :d]), (self.v_proj, wv[:, :d]), (self.o_proj, wo)):
-            check(lin.weight.shape == w.shape,
-                  f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
-            lin.weight.copy_(w)
-
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
         """x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens;
         valid (B, P+T, M); bias (B, P+T, M): the retrieval score of each state, weighted per head by `retrieval_scale`
@@ -164,6 +156,18 @@ class CacheAttention(nn.Module):
         out = window_attention(qc, ctx, ok, logit_bias, hub)                 # (B, T, nkv, g, d)
         out = torch.einsum('btngd,nhd->btngh', out, self.v_proj.weight.view(nkv, hs, d))    # (B, T, nkv, g, hs)
         return self.o_proj(out.reshape(B, T, self.num_heads * hs))           # (B, T, C)
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+@patch_to(CacheAttention)
+@torch.no_grad()
+def init_from(self, wq, wk, wv, wo):
+    ("The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input "
+     "columns.")
+    d = self.k_proj.in_features
+    for lin, w in ((self.q_proj, wq), (self.k_proj, wk[:, :d]), (self.v_proj, wv[:, :d]), (self.o_proj, wo)):
+        check(lin.weight.shape == w.shape,
+              f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
+        lin.weight.copy_(w)
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
@@ -222,6 +226,7 @@ def _lse_forward(q, k, v, mask, causal, scale):
     out, lse_pad, seed, offset = _eff_cuda(q, k, v, mask, True, 0.0, causal, scale=scale)
     return out, lse_pad[..., :q.shape[2]], ('efficient', k, v, mask, lse_pad, seed, offset, nkv)
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def _lse_backward(dout, q, k, v, out, lse, aux, causal, scale):
     ("dq, dk, dv from the device's fused backward kernel (`_lse_forward`'s `aux`; k, v as it read them, or padded), its "
      "softmax normalised by `lse` (B, H, T) and D_t = rowsum(dout_t · out_t).")
@@ -241,6 +246,7 @@ def _lse_backward(dout, q, k, v, out, lse, aux, causal, scale):
     if g > 1: dk, dv = (t.unflatten(1, (nkv, g)).sum(2) for t in (dk, dv))
     return dq, dk, dv
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 class FlashAttentionLse(torch.autograd.Function):
     """Attention (B, H, T, hs) and the logsumexp of its logits (B, H, T) in one call of the device's fused attention
     kernel (PyTorch's flash attention on CPU; flash or memory-efficient attention on CUDA), both with gradients. The
@@ -283,6 +289,7 @@ def _kernel_mask(q, mask, T:int, S:int) -> tuple:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float('-inf'))
     return mask.to(q.dtype).masked_fill(~attend[..., None], 0).expand(q.shape[0], -1, T, S), attend
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> tuple:
     """`FlashAttentionLse` with a mask as attention layers are given one: None, bool (B, 1, T, S) (True: attend) or
     additive; k, v may have fewer heads than q (grouped-query). Returns the output (B, H, T, hs) and the logsumexp (B,
@@ -297,46 +304,6 @@ def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> 
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 _FUSED_OK = {}
-
-def _check_one(device, dtype, tol:float) -> bool:
-    ("`fused_attention` against plain PyTorch on `device` in `dtype` (GQA, causal and padding masks: output, logsumexp "
-     "and gradients), and `joint_fused_attention` against `fused_attention` + `joint_mix`.")
-    g = torch.Generator(device=device).manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype).requires_grad_()
-    q, k, v = rnd(2, 4, 24, 16), rnd(2, 2, 24, 16), rnd(2, 2, 24, 16)
-    qd, km, vm = rnd(2, 24, 64), rnd(2, 2, 24, 5, 16).detach(), rnd(2, 2, 24, 5, 16).detach()
-    ok = torch.rand(2, 24, 5, generator=g, device=device) > 0.3
-    close = lambda a, b: torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
-    causal = torch.ones(2, 1, 24, 24, dtype=torch.bool, device=device).tril()
-    padded = causal.clone(); padded[1, ..., :5] = False                  # sequence 1: five padding tokens
-    for mask, keep in ((None, causal), (padded, padded)):
-        o1, l1 = fused_attention(q, k, v, mask, mask is None)
-        s = (q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2)) * 0.25
-        s = s.masked_fill(~keep, float('-inf'))
-        fin = torch.isfinite(torch.logsumexp(s, -1))                      # queries that see a key
-        l2 = torch.logsumexp(s, -1).where(fin, 0.)
-        o2 = torch.softmax(s.where(fin[..., None], 0.), -1) @ v.float().repeat_interleave(2, 1) * fin[..., None]
-        o1, l1 = o1 * fin[..., None], l1.where(fin, 0.)
-        w = torch.randn(l2.shape, generator=g, device=device)
-        g1, g2 = (torch.autograd.grad((o.float() ** 2).sum() + (l * w).sum(), (q, k, v)) for o, l in ((o1, l1), (o2, l2)))
-        if not all(close(a, b) for a, b in [(o1, o2), (l1, l2), *zip(g1, g2)]): return False
-        u, lse = fused_attention(q, k, v, mask, mask is None)
-        j2 = joint_mix(u.transpose(1, 2).reshape(2, 24, 64), lse.transpose(1, 2), qd, km, vm, ok).view(2, 24, 4, 16)
-        j1 = joint_fused_attention(q, k, v, mask, mask is None, None, qd, km, vm, ok).transpose(1, 2)
-        w = torch.randn(j2.shape, generator=g, device=device)
-        g1, g2 = (torch.autograd.grad((j.float() * w).sum(), (q, k, v, qd)) for j in (j1, j2))
-        if not all(close(a, b) for a, b in [(j1, j2), *zip(g1, g2)]): return False
-    return True
-
-def check_fused_attention(device) -> tuple:
-    ("Compare `fused_attention` and `joint_fused_attention` on `device` with plain PyTorch, in fp32 and bf16 (each "
-     "dtype can take another kernel): (ok, why not).")
-    try:
-        for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
-            if not _check_one(device, dtype, tol): return False, f'its results differ from plain PyTorch in {dtype}'
-        return True, ''
-    except Exception as e:   # an operator this build lacks, or a signature it does not take
-        return False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 def _fused_lse_works(device) -> bool:
     ("Whether `fused_attention` serves `device`: on CPU when PyTorch has the operator (tested in this notebook); on "
@@ -419,6 +386,7 @@ def kv_heads(kv, head_dim:int):
     B, T, W, _ = kv.shape
     return kv.view(B, T, W, -1, head_dim).permute(3, 0, 1, 2, 4).contiguous()
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     """The joint softmax of the segment and the cache, head by head: u (B, T, H·hs) the layer's attention output over
     the segment (before W_o), lse_local (B, T, H) its logsumexp, q (B, T, H·hs) the queries before the rotary embedding,
@@ -499,6 +467,47 @@ def joint_fused_attention(q, k, v, mask, causal:bool, scale:float, qd, k_mem, v_
     mask, attend = _kernel_mask(q, mask, T, S)
     return _JointAttention.apply(q, k.to(q.dtype), v.to(q.dtype), mask, attend, qd, k_mem, v_mem, ok, causal,
                                  scale or q.shape[-1]**-0.5, mem_scale or q.shape[-1]**-0.5)
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+def _check_one(device, dtype, tol:float) -> bool:
+    ("`fused_attention` against plain PyTorch on `device` in `dtype` (GQA, causal and padding masks: output, logsumexp "
+     "and gradients), and `joint_fused_attention` against `fused_attention` + `joint_mix`.")
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype).requires_grad_()
+    q, k, v = rnd(2, 4, 24, 16), rnd(2, 2, 24, 16), rnd(2, 2, 24, 16)
+    qd, km, vm = rnd(2, 24, 64), rnd(2, 2, 24, 5, 16).detach(), rnd(2, 2, 24, 5, 16).detach()
+    ok = torch.rand(2, 24, 5, generator=g, device=device) > 0.3
+    close = lambda a, b: torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+    causal = torch.ones(2, 1, 24, 24, dtype=torch.bool, device=device).tril()
+    padded = causal.clone(); padded[1, ..., :5] = False                  # sequence 1: five padding tokens
+    for mask, keep in ((None, causal), (padded, padded)):
+        o1, l1 = fused_attention(q, k, v, mask, mask is None)
+        s = (q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2)) * 0.25
+        s = s.masked_fill(~keep, float('-inf'))
+        fin = torch.isfinite(torch.logsumexp(s, -1))                      # queries that see a key
+        l2 = torch.logsumexp(s, -1).where(fin, 0.)
+        o2 = torch.softmax(s.where(fin[..., None], 0.), -1) @ v.float().repeat_interleave(2, 1) * fin[..., None]
+        o1, l1 = o1 * fin[..., None], l1.where(fin, 0.)
+        w = torch.randn(l2.shape, generator=g, device=device)
+        g1, g2 = (torch.autograd.grad((o.float() ** 2).sum() + (l * w).sum(), (q, k, v)) for o, l in ((o1, l1), (o2, l2)))
+        if not all(close(a, b) for a, b in [(o1, o2), (l1, l2), *zip(g1, g2)]): return False
+        u, lse = fused_attention(q, k, v, mask, mask is None)
+        j2 = joint_mix(u.transpose(1, 2).reshape(2, 24, 64), lse.transpose(1, 2), qd, km, vm, ok).view(2, 24, 4, 16)
+        j1 = joint_fused_attention(q, k, v, mask, mask is None, None, qd, km, vm, ok).transpose(1, 2)
+        w = torch.randn(j2.shape, generator=g, device=device)
+        g1, g2 = (torch.autograd.grad((j.float() * w).sum(), (q, k, v, qd)) for j in (j1, j2))
+        if not all(close(a, b) for a, b in [(j1, j2), *zip(g1, g2)]): return False
+    return True
+
+def check_fused_attention(device) -> tuple:
+    ("Compare `fused_attention` and `joint_fused_attention` on `device` with plain PyTorch, in fp32 and bf16 (each "
+     "dtype can take another kernel): (ok, why not).")
+    try:
+        for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
+            if not _check_one(device, dtype, tol): return False, f'its results differ from plain PyTorch in {dtype}'
+        return True, ''
+    except Exception as e:   # an operator this build lacks, or a signature it does not take
+        return False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 _JOINT_IN_ONE_CALL = True  # False: the kernel's output and logsumexp, mixed by `Neurocache.mix` (the reference route)

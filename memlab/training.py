@@ -119,8 +119,8 @@ from .cards import (BUILTIN_HUB_IDS, HUB_ID_PATTERN, base_model_license, eval_me
                           output_card)
 from .callbacks import (CheckpointSchedule, ConsolidateZeroState, DatasetStateFile, GradientStats,
                               OptimizerStateSwitch, ProfileCallback)
-from .trainer import (RESUME_FIELDS, BatchList, EvaluationStopped, Interrupted, StopSignals, count_targets,
-                            resume_differences)
+from .trainer import BatchList, EvaluationStopped, Interrupted, StopSignals, count_targets
+from .run_state import RESUME_FIELDS, resume_differences
 
 _all_ = ['LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'model_callbacks', 'SCHEDULERS',
          'DISTRIBUTED_TYPES', 'TrainConfig', 'schedule_of', 'get_scheduler', 'launched_processes',

@@ -113,7 +113,7 @@ def demo_neurocache(out:Path, quick:bool=False) -> tuple:
     ("Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, "
      "with and without a cache.")
     from memlab.neurocache import FactRecallTask, recall_cache_config
-    from memlab.train_neurocache import train_fact_recall
+    from memlab.experiment_runs import train_fact_recall
     task, steps = FactRecallTask(), 40 if quick else 120
     runs = {name: train_fact_recall(task, cache, steps=steps, eval_every=0)
             for name, cache in (('with Neurocache', recall_cache_config()), ('without cache', None))}

@@ -20,11 +20,10 @@ from .distributed import make_accelerator
 from .checkpoints import resume_plan
 from .training import run, run_summary
 from .callbacks import GradientStats
-from .distill.arguments import (ADAMW_NAMES, DEFAULT_EVALUATORS, SCHEDULER_TYPES, DatasetArguments,
-                                      DistillationTrainingArguments, EvalArguments, StudentModelArguments,
-                                      TeacherModelArguments, harness_scores, parse_copy_modules, run_length,
+from .distill.arguments import (DatasetArguments, DistillationTrainingArguments, EvalArguments,
+                                      StudentModelArguments, TeacherModelArguments, harness_scores, run_length,
                                       loop_config)
-from .distill.data import DistillData, build_data, pack_rows, row_batches
+from .distill.data import DistillData, build_data, row_batches
 from .distill.teacher import TopKTeacher, generate_teacher_topk, tokenizer_fingerprint
 from .distill.objective import DistillationObjective, DistillLoss, remove_distill_heads, save_distill_heads
 from .distill.policy import OnPolicyBatches, on_policy_lengths
@@ -37,16 +36,7 @@ from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem
 # %% auto 0
 __all__ = ['BUILTIN_HUB_IDS', 'DISTILL_RESUME', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers',
            'load_teacher', 'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches',
-           'DistillHooks', 'distill', 'results_table', 'parse_args', 'main', 'DEFAULT_EVALUATORS', 'SCHEDULER_TYPES',
-           'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments',
-           'EvalArguments', 'harness_scores', 'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data',
-           'distill_card', 'plot_distill']
-
-# %% ../nbs/42_train_distill.ipynb
-# the parts that moved into memlab.distill stay importable from here (star-import included)
-_all_ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments',
-         'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores', 'DistillationTrainingArguments',
-         'pack_rows', 'DistillData', 'build_data', 'distill_card', 'plot_distill']
+           'DistillHooks', 'distill', 'results_table', 'parse_args', 'main']
 
 # %% ../nbs/42_train_distill.ipynb
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:

@@ -167,7 +167,7 @@ def test_ddp_zero_agrees_with_fsdp(data, warm, relora_fsdp):
     assert ddp['fingerprint'] == pytest.approx(fsdp['fingerprint'], rel=5e-3)    # the weights after those steps (measured: 1.6e-3)
 
 def read_state(stem):
-    from memlab.training import read_state
+    from memlab.checkpoints import read_state
     return read_state(stem)
 
 SWITCH = r'''
@@ -176,8 +176,9 @@ from memlab.loaders import TokenBatches
 from memlab.models import tiny_model
 from memlab.relora import (ReLoRACallback, ReLoRAConfig, WarmStartCallback, get_cosine_schedule, get_cosine_schedule_with_restarts,
                            relora_layers)
-from memlab.training import fingerprint
-from memlab.training import TrainConfig, Trainer, make_accelerator
+from memlab.distributed import fingerprint, make_accelerator
+from memlab.train_config import TrainConfig
+from memlab.trainer import Trainer
 out = sys.argv[1]
 make_accelerator()          # the process group first: TokenBatches shards the rows by it
 def run(name, resume_from=None):

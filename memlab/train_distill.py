@@ -20,6 +20,7 @@ from .distributed import make_accelerator
 from .checkpoints import resume_plan
 from .training import run, run_summary
 from .callbacks import GradientStats
+from .cards import BUILTIN_HUB_IDS
 from .distill.arguments import (DatasetArguments, DistillationTrainingArguments, EvalArguments,
                                       StudentModelArguments, TeacherModelArguments, harness_scores, run_length,
                                       loop_config)
@@ -34,9 +35,9 @@ from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem
                            save_hf_bitnet, save_packed)
 
 # %% auto 0
-__all__ = ['BUILTIN_HUB_IDS', 'DISTILL_RESUME', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers',
-           'load_teacher', 'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches',
-           'DistillHooks', 'distill', 'results_table', 'parse_args', 'main']
+__all__ = ['DISTILL_RESUME', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers', 'load_teacher',
+           'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches', 'DistillHooks', 'distill',
+           'results_table', 'parse_args', 'main']
 
 # %% ../nbs/42_train_distill.ipynb
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
@@ -50,9 +51,6 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
     return student.train(), how
 
 # %% ../nbs/42_train_distill.ipynb
-# what memlab's built-in names are (for the card's base_model)
-BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}
-
 def check_run(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
               objective:DistillationObjective):
     "Refuse, before anything loads, groups that contradict each other and a run memlab_distill does not do."

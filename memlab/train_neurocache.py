@@ -183,16 +183,10 @@ def _check_flags(self):
 
 # %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
-    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where measured faster "
-     "(`resolve_precision`); fp16 needs a GPU.")
-    mp = cfg.mixed_precision or os.environ.get('ACCELERATE_MIXED_PRECISION') or 'auto'
-    check(mp in ('auto', *MIXED_PRECISION),
-          f"mixed precision {mp!r} (from accelerate launch) is not one of no, bf16, fp16")
-    check(mp != 'fp16' or torch.cuda.is_available(),
-          "fp16 mixed precision (--mixed_precision fp16, or accelerate launch --mixed_precision fp16) needs a GPU: "
-          "on a CPU the "
-          "autocast would silently compute in fp32; use bf16 (or no)")
-    return resolve_precision(mp)
+    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where measured faster: the one "
+     "rule, `resolve_precision` (fp16 needs a GPU).")
+    return resolve_precision(cfg.mixed_precision,
+                             fp16_from='--mixed_precision fp16, or accelerate launch --mixed_precision fp16')
 
 # %% ../nbs/21_train_neurocache.ipynb
 WEIGHT_FIELDS = ('compression_factor', 'retrieval_map', 'attention_layers', 'cache_attention', 'lora_r', 'lora_alpha',
@@ -310,18 +304,11 @@ def stream_loss(model, batch:dict) -> LossOutput:
     return causal_lm_loss(model, batch)
 
 # %% ../nbs/21_train_neurocache.ipynb
-def _full_state(trainer) -> dict:
-    "The unwrapped model's state dict with full tensors (gathered under FSDP; a collective there)."
-    if trainer.fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return trainer.unwrapped_model.state_dict()
-
 def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path, tokenizer=None) -> Path:
     ("Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process: its files, the whole model as "
      "plain transformers loads it and `tokenizer` (`save_neurocache`); every process must call it (FSDP gathers).")
     model = trainer.unwrapped_model
-    state = _full_state(trainer) if trainer.fsdp else None   # sharded: the gathered full tensors are saved
+    state = trainer.full_state_dict() if trainer.fsdp else None   # sharded: the gathered full tensors are saved
     if trainer.is_main:
         save_neurocache(model, path, None if has_neurocache(model) else _resolved(model, cfg), state_dict=state,
                         tokenizer=tokenizer)
@@ -331,7 +318,6 @@ def _resolved(model, cfg) -> NeurocacheConfig:
     from memlab.neurocache import resolve_config
     from memlab.wrappers import decoder_layers
     return resolve_config(cfg.neurocache_config(), len(decoder_layers(model)))
-
 
 # %% ../nbs/21_train_neurocache.ipynb
 # a resume repeats what the run is: model, data, batch, optimizer, schedule, precision, seed, the Neurocache and its LoRA;

@@ -239,14 +239,19 @@ def _prepare_deepspeed(self, model):
     self._set_schedule(opt)
 
 @patch_to(Trainer)
-def full_state_dict(self) -> dict:
+def full_state_dict(self, every_process:bool=False) -> dict:
     ("The trained model's full state dict on the main process (FSDP's shards and ZeRO-3's partitions gathered: a "
-     "collective, so every process calls it); other processes get an empty dict.")
+     "collective, so every process calls it); other processes get an empty dict. `every_process`: on every process, "
+     "as full CPU tensors (what a replica check fingerprints).")
     if self.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # cpu_offload gathers to the main process only; without it every process receives the full tensors
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_process)
+        sd = get_model_state_dict(self.model, options=opts)
     elif self.deepspeed: sd = self.accelerator.get_state_dict(self.model)
     else: sd = self.unwrapped_model.state_dict()
+    if every_process:
+        return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
     return sd if self.is_main else {}
 
 def _distributed(self) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json, os, time
 from pathlib import Path
 
-from .core import check, cli_main, atomic_write_text, markdown_table
+from .core import check, atomic_write_text, markdown_table
+from .cli import cli_main
 from .runtime import precision_reason
 from .train_config import TrainConfig
 

@@ -14,7 +14,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .compat import keep_4bit_trainable
-from .core import MemlabError, check, cli_main, atomic_write_text
+from .core import MemlabError, check, atomic_write_text
+from .cli import cli_main
 from .runtime import memlab_home
 from .data import hub_offline_unless_reachable
 from .registry import (MEMLAB_WEIGHTS, METHODS_KEY, folder_base, folder_loader, folder_methods,

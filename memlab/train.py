@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, atomic_write_text, check, cli_main,
-                         flag_values, parse_configs, markdown_table, seed_everything, show_path)
+from .core import Config, MemlabError, arg, atomic_write_text, check, markdown_table, seed_everything, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters
 from .data import load_corpus
 from .loaders import lm_batches

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .core import (MemlabError, ResumeTable, RunFlags, check, cli_main, flag_values, markdown_table,
-                         parse_configs, show_path)
+from .core import MemlabError, check, markdown_table, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters
 from .loaders import TokenBatches
 from .models import check_model_config, load_model, load_tokenizer

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_main, flag_values, parse_configs,
-                         patch_to, seed_everything, show_path)
+from .core import Config, MemlabError, arg, check, patch_to, seed_everything, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters, resolve_precision
 from .data import load_corpus
 from .loaders import DocumentStream

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_main, flag_values, parse_configs,
-                         parse_count, seed_everything, show_path)
+from .core import Config, MemlabError, arg, check, seed_everything, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs, parse_count
 from .runtime import PRECISION_NAMES, check_fp16_device, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
 from .models import llama_config, load_model, pickle_refusal

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import MemlabError, RunFlags, atomic_write_text, check, flag_values, patch_to
+from .core import MemlabError, atomic_write_text, check, patch_to
+from .resume_tables import RunFlags, flag_values
 from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 from .schedules import continue_at

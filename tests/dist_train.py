@@ -12,7 +12,7 @@ job runs.
 import argparse, json, os, signal, sys
 from pathlib import Path
 import torch
-from memlab.core import cli_main
+from memlab.cli import cli_main
 from memlab.models import tiny_model
 from memlab.trainer import Trainer, BatchList
 from memlab.train_config import TrainConfig

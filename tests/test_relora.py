@@ -58,7 +58,7 @@ def losses(res:dict, after:int=0) -> list: return [h['loss'] for h in res['histo
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     "A 512-token BPE trained on pydocs and pydocs pretokenized at length 512 by memlab_pretokenize, under the seed's folder name."
-    from memlab.core import run_cli
+    from memlab.cli import run_cli
     from memlab.tokenizers import pretokenize_main, train_tokenizer
     root = tmp_path_factory.mktemp('relora')
     train_tokenizer('pydocs', vocab_size=512, save_dir=root/'tok', take=40, show_progress=False)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json, os, shutil
 from pathlib import Path
 
-from .core import MemlabError, atomic_write_text, check, patch_to, rng_state, set_rng_state
+from .core import MemlabError, atomic_write_text, check, patch_to
+from .rng import rng_state, set_rng_state
 from .resume_tables import flag_values
 from .train_config import LOOP_RESUME, TrainConfig
 from .distributed import checkpoint_mesh, main_process_value, resume_process

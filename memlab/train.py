@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .core import Config, MemlabError, arg, atomic_write_text, check, markdown_table, seed_everything, show_path
+from .core import Config, MemlabError, arg, atomic_write_text, check, markdown_table, show_path
+from .rng import seed_everything
 from .resume_tables import ResumeTable, RunFlags, flag_values
 from .cli import cli_main
 from .flags import parse_configs

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
-from .core import Config, MemlabError, arg, check, seed_everything, show_path
+from .core import Config, MemlabError, arg, check, show_path
+from .rng import seed_everything
 from .resume_tables import ResumeTable, RunFlags, flag_values
 from .cli import cli_main
 from .flags import parse_configs

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import Config, MemlabError, arg, check, seed_everything, show_path
+from .core import Config, MemlabError, arg, check, show_path
+from .rng import seed_everything
 from .resume_tables import ResumeTable, RunFlags, flag_values
 from .cli import cli_main
 from .flags import parse_configs, parse_count

@@ -118,7 +118,7 @@ class Trainer(RunState):
                   f"but {self.data_world} are running (reading different rows): build the loaders inside the launched "
                   "processes (they read RANK/WORLD_SIZE) or pass rank= and world_size= (under a mesh: "
                   "memlab.distributed.data_rank)")
-        from memlab.core import seed_everything
+        from memlab.rng import seed_everything
         seed_everything(config.seed)
         self.step, self.tokens_seen, self.history, self._window = 0, 0, [], []   # _window: updates not yet logged
         self._optimizer_fn = (optimizer

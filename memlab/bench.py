@@ -8,7 +8,8 @@ import importlib, inspect, json, multiprocessing as mp, queue, statistics, time
 
 import torch
 
-from .core import MemlabError, check, cli_main, markdown_table, atomic_write_text
+from .core import MemlabError, check, markdown_table, atomic_write_text
+from .cli import cli_main
 from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 
@@ -176,7 +177,7 @@ def run_benchmark(name:str, quick:bool=False, device:str=None) -> tuple:
 def main():
     "memlab_bench: run a named benchmark and print its table of measured ratios."
     import argparse
-    from memlab.core import ArgumentParser
+    from memlab.flags import ArgumentParser
     p = ArgumentParser(prog='memlab_bench', description=main.__doc__,
                                 epilog='benchmarks:\n'
                                        + '\n'.join(f'  {k:<11} {d}' for k, (_, d) in BENCHMARKS.items()),

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core import MemlabError, atomic_write_text, check, environment_error, lock_folder, release_folder
+from .core import MemlabError, atomic_write_text, check, environment_error
+from .folders import lock_folder, release_folder
 from .distributed import main_process_value
 from .wrappers import to_state_names
 

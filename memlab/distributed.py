@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .compat import accelerator_precision, reset_accelerator_precision
-from .core import MemlabError, check, check_launch
+from .core import MemlabError, check
+from .cli import check_launch
 from .runtime import resolve_precision
 from .wrappers import decoder_layers, state_names, unwrap
 
@@ -29,14 +30,14 @@ def launched_processes() -> int:
 
 def deepspeed_launched() -> bool:
     "Whether `accelerate launch` was given a DeepSpeed config (it sets ACCELERATE_USE_DEEPSPEED)."
-    from memlab.core import str2bool
+    from memlab.flags import str2bool
     return str2bool(os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false'))
 
 def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
     ("An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms; "
      "`deepspeed`: the caller drives a DeepSpeed engine (others refuse a DeepSpeed launch in one line).")
     from accelerate import Accelerator, PartialState
-    from memlab.core import str2bool
+    from memlab.flags import str2bool
     mixed_precision = resolve_precision(mixed_precision)
     use_ds = deepspeed_launched()
     check(deepspeed or not use_ds, "this command does not run under DeepSpeed (memlab drives a DeepSpeed engine for "
@@ -76,7 +77,7 @@ def resolve_distributed_type(kind:str='auto') -> str:
      "or ACCELERATE_USE_DEEPSPEED), else ddp.")
     if kind != 'auto': return kind
     if deepspeed_launched(): return 'deepspeed'
-    from memlab.core import str2bool
+    from memlab.flags import str2bool
     return 'fsdp' if str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')) else 'ddp'
 
 def shard_layer_classes(model, names=None) -> set:

@@ -8,7 +8,8 @@ import json, re, sys
 from pathlib import Path
 from typing import Optional
 
-from .core import cli_main, atomic_write_text, check, field_docs, markdown_table
+from .core import atomic_write_text, check, field_docs, markdown_table
+from .cli import cli_main
 
 # %% auto 0
 __all__ = ['SECTIONS', 'FILE_WORKER_JS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown',
@@ -415,7 +416,7 @@ def build_site(root='.', out='_site', strict:bool=True) -> Path:
 def check_site_folder(out):
     ("Take site folder `out` as every command takes the folder it writes (`lock_folder`), and refuse one that holds "
      "anything but an earlier site: MkDocs empties it before it builds.")
-    from memlab.core import lock_folder
+    from memlab.folders import lock_folder
     out = Path(out)
     lock_folder(out, 'out')
     others = sorted(f.name for f in out.iterdir() if not f.name.startswith('.'))

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import MemlabError, atomic_write_text, check, check_output_file, cli_main, write_output_file
+from .core import MemlabError, atomic_write_text, check
+from .folders import check_output_file, write_output_file
+from .cli import cli_main
 
 # %% auto 0
 __all__ = ['TASK_KINDS', 'require_lm_eval', 'lm_eval_task', 'lm_eval_scores', 'main']
@@ -86,7 +88,7 @@ def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_s
 @cli_main
 def main():
     "memlab_eval: score a model on lm-evaluation-harness tasks (local YAML tasks with --include_path)."
-    from memlab.core import ArgumentParser
+    from memlab.flags import ArgumentParser
     p = ArgumentParser(prog='memlab_eval', description=main.__doc__, epilog="A task folder is code: lm-evaluation-harness "
                        "runs the Python its YAML names (!function), so pass --include_path only for folders you trust.")
     p.add_argument('model', help='a model folder memlab.load_model opens (any memlab output), or a built-in name')

@@ -14,16 +14,12 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .compat import keep_4bit_trainable
-from .core import MemlabError, check, cli_main, atomic_write_text
+from .core import MemlabError, check, atomic_write_text
+from .cli import cli_main
 from .runtime import memlab_home
 from .data import hub_offline_unless_reachable
-from .wrappers import (MLP_NAMES, TransparentWrapper, decoder_layers, is_latent_weight_layer, is_weight_delta_layer,
-                             layer_parts, plain_names, replace_module, state_names, to_state_names, unwrap)
-from .registry import (FOLDER_MARKERS, MEMLAB_ARCHITECTURES, MEMLAB_WEIGHTS, METHOD_MODULES, METHODS_KEY,
-                             MethodSpec, attach_method, declare_home, dedup_tensors, detach_method, folder_base,
-                             folder_loader, folder_methods, import_architecture, method_spec, model_methods, own_config,
-                             plain_config, register_folder, register_method, remove_method, save_pretrained,
-                             write_memlab_folder)
+from .registry import (MEMLAB_WEIGHTS, METHODS_KEY, folder_base, folder_loader, folder_methods,
+                             import_architecture, method_spec)
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'TINY_FAMILIES', 'DTYPES', 'MODEL_SIZES', 'RUN_MODEL_DIRS',
@@ -31,22 +27,7 @@ __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'TINY_FAMILIES', '
            'tiny_model', 'save_tiny_model', 'as_dtype', 'check_model_sizes', 'check_model_config', 'config_from_json',
            'resolve_model', 'plain_class', 'save_full_state', 'load_state', 'pickle_refusal', 'model_folder',
            'load_saved_methods', 'load_model', 'load_tokenizer', 'enable_activation_checkpointing', 'llama_config',
-           'write_llama_configs', 'MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer',
-           'is_weight_delta_layer', 'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names',
-           'unwrap', 'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY',
-           'MethodSpec', 'attach_method', 'declare_home', 'dedup_tensors', 'detach_method', 'folder_base',
-           'folder_loader', 'folder_methods', 'import_architecture', 'method_spec', 'model_methods', 'own_config',
-           'plain_config', 'register_folder', 'register_method', 'remove_method', 'save_pretrained',
-           'write_memlab_folder']
-
-# %% ../nbs/04_models.ipynb
-_all_ = ['MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
-         'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names', 'unwrap',
-         'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS',
-         'METHOD_MODULES', 'METHODS_KEY', 'MethodSpec', 'attach_method', 'declare_home', 'dedup_tensors',
-         'detach_method', 'folder_base', 'folder_loader', 'folder_methods', 'import_architecture', 'method_spec',
-         'model_methods', 'own_config', 'plain_config', 'register_folder', 'register_method', 'remove_method',
-         'save_pretrained', 'write_memlab_folder']
+           'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
 @contextlib.contextmanager

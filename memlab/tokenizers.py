@@ -13,8 +13,10 @@ import numpy as np
 from tqdm import tqdm
 
 import memlab
-from .core import (LOCK_FILE, Config, MemlabError, atomic_write_text, check, check_writable, cli_main,
-                         lock_folder, parse_configs, show_path)
+from .core import Config, MemlabError, atomic_write_text, check, show_path
+from .folders import LOCK_FILE, check_writable, lock_folder
+from .cli import cli_main
+from .flags import parse_configs
 from .data import Corpus, Document, canonical_split, hub_offline_unless_reachable, load_corpus
 
 # %% auto 0

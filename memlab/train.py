@@ -10,13 +10,16 @@ from pathlib import Path
 
 import torch
 
-from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, atomic_write_text, check, cli_main,
-                         flag_values, parse_configs, markdown_table, seed_everything, show_path)
+from .core import Config, MemlabError, arg, atomic_write_text, check, markdown_table, show_path
+from .rng import seed_everything
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters
 from .data import load_corpus
 from .loaders import lm_batches
 from .models import load_model, load_tokenizer, resolve_model, save_full_state
-from .adapters import ADAPTER_INFO, load_adapter_folder, plain_lora_model
+from .adapters import ADAPTER_INFO, plain_lora_model
 from .tokenizers import check_sequence_length, check_vocab
 from .train_config import LOOP_RESUME, TrainConfig
 from .checkpoints import resume_plan
@@ -25,7 +28,7 @@ from .training import default_output_dir, run, run_summary
 
 # %% auto 0
 __all__ = ['TRAIN_DEFAULTS', 'TRAIN_RESUME', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'LMTaskConfig', 'add_lora', 'train_lm',
-           'save_run_model', 'results_table', 'main', 'ADAPTER_INFO', 'plain_lora_model', 'load_adapter_folder']
+           'save_run_model', 'results_table', 'main']
 
 # %% ../nbs/07_train.ipynb
 @dataclass
@@ -158,9 +161,6 @@ def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=Fa
         for k in ('adapter', 'model'):
             if k in written: tokenizer.save_pretrained(written[k])
     return written
-
-# the PEFT adapter folder's loader and the LoRA merge are library code, in `memlab.adapters` (imported above)
-_all_ = ['ADAPTER_INFO', 'plain_lora_model', 'load_adapter_folder']
 
 # %% ../nbs/07_train.ipynb
 def results_table(res:dict) -> str:

@@ -12,8 +12,11 @@ import torch
 from torch import nn
 
 from .bpt import BPT_FAMILIES, BPTConfig, add_bpt, bpt_causal_lm_loss, set_mmap_threshold
-from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_main, flag_values, parse_configs,
-                         seed_everything, show_path)
+from .core import Config, MemlabError, arg, check, show_path
+from .rng import seed_everything
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import PRECISION_NAMES, count_parameters, resolve_precision
 from .data import corpus_from_records, iter_json_records, text_of
 from .loaders import TokenBatches

@@ -8,7 +8,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .core import Config, ResumeTable, check, check_ranges
+from .core import Config, check
+from .resume_tables import ResumeTable
+from .flags import check_ranges
 from .runtime import resolve_precision
 from .distributed import parse_mesh
 from .schedules import lambda_scheduler, make_schedule
@@ -65,7 +67,7 @@ class TrainConfig(Config):
 
     def __post_init__(self):
         check(self.max_steps > 0, f"max_steps must be positive, got {self.max_steps}")
-        check_ranges(self)  # lr > 0, betas in [0, 1), weight decay >= 0, ... (by field name, see memlab.core)
+        check_ranges(self)  # lr > 0, betas in [0, 1), weight decay >= 0, ... (by field name, see memlab.flags)
         check(self.max_eval_steps is None or self.max_eval_steps > 0,
               f"max_eval_steps must be positive (or None for the whole evaluation split), got {self.max_eval_steps}")
         check(self.per_device_batch_size > 0,

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .core import (MemlabError, ResumeTable, RunFlags, check, cli_main, flag_values, markdown_table,
-                         parse_configs, show_path)
+from .core import MemlabError, check, markdown_table, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters
 from .loaders import TokenBatches
 from .models import check_model_config, load_model, load_tokenizer
@@ -20,11 +22,11 @@ from .distributed import make_accelerator
 from .checkpoints import resume_plan
 from .training import run, run_summary
 from .callbacks import GradientStats
-from .distill.arguments import (ADAMW_NAMES, DEFAULT_EVALUATORS, SCHEDULER_TYPES, DatasetArguments,
-                                      DistillationTrainingArguments, EvalArguments, StudentModelArguments,
-                                      TeacherModelArguments, harness_scores, parse_copy_modules, run_length,
+from .cards import BUILTIN_HUB_IDS
+from .distill.arguments import (DatasetArguments, DistillationTrainingArguments, EvalArguments,
+                                      StudentModelArguments, TeacherModelArguments, harness_scores, run_length,
                                       loop_config)
-from .distill.data import DistillData, build_data, pack_rows, row_batches
+from .distill.data import DistillData, build_data, row_batches
 from .distill.teacher import TopKTeacher, generate_teacher_topk, tokenizer_fingerprint
 from .distill.objective import DistillationObjective, DistillLoss, remove_distill_heads, save_distill_heads
 from .distill.policy import OnPolicyBatches, on_policy_lengths
@@ -35,18 +37,9 @@ from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem
                            save_hf_bitnet, save_packed)
 
 # %% auto 0
-__all__ = ['BUILTIN_HUB_IDS', 'DISTILL_RESUME', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers',
-           'load_teacher', 'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches',
-           'DistillHooks', 'distill', 'results_table', 'parse_args', 'main', 'DEFAULT_EVALUATORS', 'SCHEDULER_TYPES',
-           'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments',
-           'EvalArguments', 'harness_scores', 'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data',
-           'distill_card', 'plot_distill']
-
-# %% ../nbs/42_train_distill.ipynb
-# the parts that moved into memlab.distill stay importable from here (star-import included)
-_all_ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments',
-         'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores', 'DistillationTrainingArguments',
-         'pack_rows', 'DistillData', 'build_data', 'distill_card', 'plot_distill']
+__all__ = ['DISTILL_RESUME', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers', 'load_teacher',
+           'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches', 'DistillHooks', 'distill',
+           'results_table', 'parse_args', 'main']
 
 # %% ../nbs/42_train_distill.ipynb
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
@@ -60,9 +53,6 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
     return student.train(), how
 
 # %% ../nbs/42_train_distill.ipynb
-# what memlab's built-in names are (for the card's base_model)
-BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}
-
 def check_run(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
               objective:DistillationObjective):
     "Refuse, before anything loads, groups that contradict each other and a run memlab_distill does not do."

@@ -6,8 +6,10 @@
 from __future__ import annotations
 import dataclasses, importlib.util, os
 
-from .core import (MemlabError, ResumeTable, RunFlags, check, cli_main, flag_values, markdown_table, parse_configs,
-                         show_path, str2bool)
+from .core import MemlabError, check, markdown_table, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs, str2bool
 from .mixer import (DataInfo, MaskedMixerConfig, MixerModelArgs, MixerTaskConfig, autoencoder_loss, build_model,
                           check_fits, check_memory, data_info, information, input_length, memory_cost, mixer_config, mixer_data,
                           normalized_loss, objective_loss, save_trained_model)

@@ -11,9 +11,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, ResumeTable, RunFlags, arg, check, cli_main, flag_values, parse_configs,
-                         parse_count, seed_everything, show_path)
-from .runtime import PRECISION_NAMES, count_parameters, memlab_home, resolve_precision
+from .core import Config, MemlabError, arg, check, show_path
+from .rng import seed_everything
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs, parse_count
+from .runtime import PRECISION_NAMES, check_fp16_device, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
 from .models import llama_config, load_model, pickle_refusal
 from .relora import (PRUNING_RULES, ReLoRACallback, ReLoRAConfig, add_relora, merged_model, relora_layers,
@@ -161,8 +164,8 @@ def check_relora_flags(cfg:ReLoRARunConfig):
     check(cfg.optimizer.lower() in OPTIMIZERS, f"--optimizer {cfg.optimizer}: memlab_relora does Adam "
           "(AdamW) and adam_zero (ZeroRedundancyOptimizer over AdamW), not other optimizers")
     check(cfg.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {cfg.dtype!r}")
-    check(PRECISION_NAMES[cfg.dtype] != 'fp16' or torch.cuda.is_available(),
-          "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
+    check_fp16_device(PRECISION_NAMES[cfg.dtype],
+                      "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
     check(cfg.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {cfg.quantize!r}")
     check(cfg.quantize is None or cfg.use_peft,
           "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")

@@ -4,29 +4,26 @@
 
 # %% ../nbs/05g_trainer.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, signal, threading, time
+import dataclasses, json, math, os, signal, threading, time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .core import (MemlabError, RunFlags, atomic_write_text, check, flag_values, patch_to, rng_state,
-                         set_rng_state)
+from .core import MemlabError, atomic_write_text, check, patch_to
+from .resume_tables import RunFlags, flag_values
 from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 from .schedules import continue_at
 from .protocol import causal_lm_loss, model_callbacks
 from .train_config import LOOP_RESUME, TrainConfig, get_scheduler
-from .distributed import (MeshShape, apply_fsdp, apply_mesh, checkpoint_mesh, clip_grad_norm, main_process_value,
-                                make_accelerator, mesh_step_context, resolve_distributed_type, resolve_mesh, resume_process)
-from .checkpoints import (CHECKPOINTS, DAMAGED, DEEPSPEED_TAG, check_optimizer_steps, clear_unfinished_run,
-                                find_checkpoint, list_checkpoints, load_sharded, load_strict, optimizer_steps, read_json,
-                                read_safetensors, read_state, resume_plan, resume_refusal, schedule_digest, step_dir,
-                                write_manifest, write_state)
+from .distributed import (MeshShape, apply_fsdp, apply_mesh, clip_grad_norm, make_accelerator, mesh_step_context,
+                                resolve_distributed_type, resolve_mesh)
+from .checkpoints import clear_unfinished_run, find_checkpoint, resume_plan
+from .run_state import RunState
 
 # %% auto 0
-__all__ = ['RESUME_FIELDS', 'BatchList', 'count_targets', 'Interrupted', 'StopSignals', 'Trainer', 'EvaluationStopped',
-           'resume_differences']
+__all__ = ['BatchList', 'count_targets', 'Interrupted', 'StopSignals', 'Trainer', 'EvaluationStopped']
 
 # %% ../nbs/05g_trainer.ipynb
 class BatchList:
@@ -88,7 +85,7 @@ class StopSignals:
         self._old = {}
 
 # %% ../nbs/05g_trainer.ipynb
-class Trainer:
+class Trainer(RunState):
     "memlab's one training loop: `Trainer(model, config, train_data, eval_data, loss_fn, callbacks).fit()`."
     def __init__(self, model:nn.Module, config:TrainConfig, train_data=None, eval_data=None, loss_fn=None, callbacks=(),
                  optimizer=None, scheduler=None, accelerator=None, run_config:dict=None, flags:RunFlags=None):
@@ -121,7 +118,7 @@ class Trainer:
                   f"but {self.data_world} are running (reading different rows): build the loaders inside the launched "
                   "processes (they read RANK/WORLD_SIZE) or pass rank= and world_size= (under a mesh: "
                   "memlab.distributed.data_rank)")
-        from memlab.core import seed_everything
+        from memlab.rng import seed_everything
         seed_everything(config.seed)
         self.step, self.tokens_seen, self.history, self._window = 0, 0, [], []   # _window: updates not yet logged
         self._optimizer_fn = (optimizer
@@ -243,14 +240,19 @@ def _prepare_deepspeed(self, model):
     self._set_schedule(opt)
 
 @patch_to(Trainer)
-def full_state_dict(self) -> dict:
+def full_state_dict(self, every_process:bool=False) -> dict:
     ("The trained model's full state dict on the main process (FSDP's shards and ZeRO-3's partitions gathered: a "
-     "collective, so every process calls it); other processes get an empty dict.")
+     "collective, so every process calls it); other processes get an empty dict. `every_process`: on every process, "
+     "as full CPU tensors (what a replica check fingerprints).")
     if self.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # cpu_offload gathers to the main process only; without it every process receives the full tensors
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_process)
+        sd = get_model_state_dict(self.model, options=opts)
     elif self.deepspeed: sd = self.accelerator.get_state_dict(self.model)
     else: sd = self.unwrapped_model.state_dict()
+    if every_process:
+        return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
     return sd if self.is_main else {}
 
 def _distributed(self) -> str:
@@ -447,169 +449,6 @@ def _get_writer(self):
             def add_scalar(self, k, v, step): run.log({k: v}, step=step)
         self._writer = _W()
     return self._writer
-
-# %% ../nbs/05g_trainer.ipynb
-@patch_to(Trainer)
-def save_checkpoint(self) -> Path:
-    "Write a complete checkpoint of the run atomically; return its folder. A write that fails (a full disk) leaves none."
-    try: return self._write_checkpoint()
-    except Exception:
-        if self.is_main and self.config.output_dir:
-            shutil.rmtree(Path(self.config.output_dir)/CHECKPOINTS/f".{step_dir(self.step)}.tmp", ignore_errors=True)
-        raise
-
-@patch_to(Trainer)
-def _write_checkpoint(self) -> Path:
-    c, acc = self.config, self.accelerator
-    check(c.output_dir, "save_checkpoint needs an output_dir")
-    root = Path(c.output_dir)/CHECKPOINTS
-    final, tmp = root/step_dir(self.step), root/f".{step_dir(self.step)}.tmp"
-    if self.is_main:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    r, steps = acc.process_index, None
-    if self.fsdp:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        steps = optimizer_steps(osd)
-        dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
-    elif self.deepspeed:    # every process writes its partitions (DeepSpeed's own format)
-        self.model.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
-    elif self.is_main:
-        from safetensors.torch import save_model
-        save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
-        osd = self.optimizer.state_dict(); steps = optimizer_steps(osd)
-        write_state(osd, tmp/'optimizer')
-    data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
-    write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
-    if self.is_main:
-        callbacks = [cb.state_dict() for cb in self.callbacks]
-        write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
-    self._event('on_save', tmp)
-    acc.wait_for_everyone()
-    if self.is_main:
-        state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
-                 'distributed_type': self._checkpoint_kind, 'mesh': list(self.mesh), 'history': self.history,
-                 'config': c.to_dict(), 'flags': self.flags.record(), 'optimizer_steps': steps, 'log_window': self._window,
-                 'scheduler_steps': getattr(self.scheduler, 'last_epoch', None),
-                 'schedule': schedule_digest(self.scheduler, self.step)}
-        atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1, default=str))
-        write_manifest(tmp, self.step)           # last: a folder without it was cut short
-        import shutil
-        if final.exists(): shutil.rmtree(final)
-        os.replace(tmp, final)
-        atomic_write_text(root/'latest', final.name)
-        for old in list_checkpoints(c.output_dir)[:-max(1, c.keep_checkpoints)]: shutil.rmtree(old, ignore_errors=True)
-    acc.wait_for_everyone()
-    return final
-
-# %% ../nbs/05g_trainer.ipynb
-# the loop's settings a resume repeats (`LOOP_RESUME`'s first kind), and the comparison the library's `Trainer` makes
-RESUME_FIELDS = LOOP_RESUME.defines
-
-def resume_differences(saved:dict, config:TrainConfig) -> list:
-    "The settings in which `config` differs from the `saved` config of a checkpoint ('--flag old -> new', one each)."
-    return LOOP_RESUME.changes(saved, flag_values(config))
-
-# %% ../nbs/05g_trainer.ipynb
-@patch_to(Trainer)
-def _check_checkpoint(self, path:Path) -> dict:
-    ("Refuse, in one line and before anything loads, a checkpoint that does not agree with itself or that another run "
-     "would continue (other defining flags, processes or layout); its state.")
-    refusal = main_process_value(resume_refusal(path, self.flags) if self.is_main else None, self.accelerator)
-    check(refusal is None, refusal)
-    state = read_json(path/'trainer_state.json')
-    check(state['distributed_type'] == self._checkpoint_kind,
-          f"{path} was written under {state['distributed_type']}; resume it the same way")
-    check(self.fsdp or state['world_size'] == self.world_size,   # FSDP reshards (another mesh, the same rows)
-          f"{path} was written by {state['world_size']} process(es); resume it with the same number "
-          f"(now {self.world_size})")
-    # the loop's settings a command works out from its flags (an 'auto' precision, say) may come out otherwise elsewhere
-    changed = resume_differences(state.get('config') or {}, self.config)
-    check(not changed, f"{path} was trained with other loop settings ({'; '.join(changed)}) than this run's flags give "
-          "here: resume it as it was started (where they come out the same, or with them given explicitly)")
-    return state
-
-@patch_to(Trainer)
-def _load_schedule(self, state:dict, trained:dict, path):
-    ("The scheduler's position from checkpoint `path` (its trainer state `trained`), once this run's schedule gives the "
-     "updates trained their learning rates (a longer run's may differ after them); the optimizer's rate follows it.")
-    now = schedule_digest(self.scheduler, trained['step'])
-    if trained.get('schedule') and now and now != trained['schedule']:
-        saved, table = (trained.get('flags') or {}).get('values') or {}, self.flags.table
-        moved = table.changes(saved, self.flags.values, table.budget)          # the run's length, most likely
-        raise MemlabError(f"{path}: this run's schedule gives the {trained['step']} updates already trained other learning "
-                          f"rates{' (' + '; '.join(moved) + ')' if moved else ''}: a resume continues a run exactly; "
-                          "keep the run's length, or start a new run (a schedule that does not depend on the length, "
-                          "such as a constant one, can be extended)")
-    s, fns = self.scheduler, getattr(self.scheduler, 'lr_lambdas', None)
-    if fns is None or 'lr_lambdas' not in state: return s.load_state_dict(state)
-    s.load_state_dict({**state, 'lr_lambdas': [None] * len(fns)})   # torch would restore the saved run's settings
-    s._last_lr = [base * f(s.last_epoch) for base, f in zip(s.base_lrs, fns)]
-    for g, lr in zip(self.optimizer.param_groups, s._last_lr): g['lr'] = lr
-
-# %% ../nbs/05g_trainer.ipynb
-@patch_to(Trainer)
-def load_checkpoint(self, path):
-    "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
-    path, acc = Path(path), self.accelerator
-    state = self._check_checkpoint(path)
-    # FSDP's torch.distributed.checkpoint reshards: another mesh reading the same rows continues the run
-    source = resume_process(checkpoint_mesh(state), self.mesh, acc.process_index) if self.fsdp else acc.process_index
-    # Callbacks first: one may need to change the model (say, add
-    # adapters the run had switched to) before its state loads.
-    sc = read_state(path/'scheduler_callbacks')
-    at, saved = (sc.get('scheduler') or {}).get('last_epoch'), state.get('scheduler_steps')
-    check(saved is None or at == saved, f"{path/'scheduler_callbacks.json'}: the schedule's state is at update {at} but "
-          f"its checkpoint says {saved}: the checkpoint does not agree with itself; {DAMAGED}")
-    check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
-          f"this run has {len(self.callbacks)}: resume with the same method options")
-    for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
-    self.step = state['step']
-    self._event('on_load_begin', path)
-    if self.fsdp:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        sd = {'model': msd, 'optimizer': osd}
-        load_sharded(sd, path/'sharded')
-        check_optimizer_steps(sd['optimizer'], state, path/'sharded')
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
-    elif self.deepspeed:
-        check((path/DEEPSPEED_TAG).is_dir(), f"{path} holds no DeepSpeed checkpoint ({DEEPSPEED_TAG}/)")
-        loaded, _ = self.model.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_module_strict=True,
-                                               load_optimizer_states=True, load_lr_scheduler_states=False)
-        check(loaded is not None, f"DeepSpeed could not load the checkpoint in {path/DEEPSPEED_TAG}")
-    else:
-        sd = read_safetensors(path/'model.safetensors')
-        # save_model stored tied weights once: restore the aliases before the strict check
-        own = self.unwrapped_model.state_dict()
-        for k in own:
-            if k not in sd:
-                twin = next((k2 for k2 in sd if k2 in own and own[k2].data_ptr() == own[k].data_ptr()), None)
-                if twin is not None: sd[k] = sd[twin]
-        load_strict(self.unwrapped_model, sd, 'model')
-        osd = read_state(path/'optimizer')
-        check_optimizer_steps(osd, state, path/'optimizer.safetensors')
-        try: self.optimizer.load_state_dict(osd)
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "
-                              f"({str(e).splitlines()[0]}): resume with the model and method options of "
-                              "the run that wrote it") from None
-    self._load_schedule(sc['scheduler'], state, path)   # after on_load_begin: a callback may have rebuilt the schedule
-    proc = read_state(path/f'process_{source}')      # the data position and RNG of a process that read these rows
-    set_rng_state(proc['rng'])
-    if proc['data'] is not None:
-        check(hasattr(self.train_data, 'load_state_dict'),
-              "the checkpoint holds a data position but the training data cannot restore one")
-        self.train_data.load_state_dict(proc['data'])
-    self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
-    self._window = state.get('log_window') or []            # the logging window that spans the stop goes on
-    # the log restarts from the checkpoint: drop what a killed run logged after it
-    if self.is_main and self.config.output_dir:
-        atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
-    self._event('on_load', path)
 
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)

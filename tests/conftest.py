@@ -43,7 +43,7 @@ def cli_runner(module:str, prog:str) -> str:
     return f'''
 import json, sys
 from accelerate.state import AcceleratorState
-from memlab.core import run_cli
+from memlab.cli import run_cli
 from {module} import {fn or 'main'} as main
 out = []
 for argv in json.loads(sys.argv[1]):

@@ -12,9 +12,11 @@ job runs.
 import argparse, json, os, signal, sys
 from pathlib import Path
 import torch
-from memlab.core import cli_main
+from memlab.cli import cli_main
 from memlab.models import tiny_model
-from memlab.training import Trainer, TrainConfig, BatchList, Callback, causal_lm_loss
+from memlab.trainer import Trainer, BatchList
+from memlab.train_config import TrainConfig
+from memlab.protocol import Callback, causal_lm_loss
 
 def make_batches(n, B=2, T=16, seed=0, vocab=256):
     g = torch.Generator().manual_seed(seed)

@@ -194,7 +194,7 @@ RESUMES = {
 MANY = r'''
 import importlib, json, sys
 from accelerate.state import AcceleratorState
-from memlab.core import run_cli
+from memlab.cli import run_cli
 out = []
 for target, prog, argv in json.loads(sys.argv[1]):
     module, _, fn = target.partition(':')

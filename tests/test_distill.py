@@ -158,7 +158,7 @@ def test_bad_input_is_one_line(teacher, tmp_path):
         (['--on_policy_fraction', 0.5, '--ce_weight', 0.1], "the student's own samples"),
     ]
     argvs = [[str(a) for a in args(teacher, tmp_path/f'bad{i}', *bad)] for i, (bad, _) in enumerate(cases)]
-    code = ("import json, sys\nfrom accelerate.state import AcceleratorState\nfrom memlab.core import run_cli\n"
+    code = ("import json, sys\nfrom accelerate.state import AcceleratorState\nfrom memlab.cli import run_cli\n"
             "from memlab.train_distill import main\nout = []\nfor argv in json.loads(sys.argv[1]):\n"
             "    AcceleratorState._reset_state(True)\n    code, _, err = run_cli(main, argv, prog='memlab_distill')\n"
             "    out.append([code, err])\nprint(json.dumps(out))")

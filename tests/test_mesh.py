@@ -194,7 +194,7 @@ def test_memlab_train_tensor_parallel_writes_the_gathered_model(tmp_path):
 @pytest.fixture(scope='module')
 def pretokenized(tmp_path_factory):
     "A 512-token BPE on pydocs and pydocs pretokenized at length 128 by memlab_pretokenize (memlab_relora's data)."
-    from memlab.core import run_cli
+    from memlab.cli import run_cli
     from memlab.tokenizers import pretokenize_main, train_tokenizer
     root = tmp_path_factory.mktemp('relora-mesh')
     train_tokenizer('pydocs', vocab_size=512, save_dir=root/'tok', take=40, show_progress=False)

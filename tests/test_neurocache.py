@@ -76,8 +76,8 @@ def test_seed_1_refuses_fp16_on_cpu_and_runs_bf16(seed1):
 
 RECORDER = r'''
 import json, os, sys
-from memlab.core import parse_configs
-from memlab.training import Callback
+from memlab.flags import parse_configs
+from memlab.protocol import Callback
 from memlab.train_neurocache import NeurocacheRunConfig, train_neurocache
 
 class Record(Callback):

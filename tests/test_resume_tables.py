@@ -3,8 +3,8 @@ it) or it may change on resume. The flags are read from each command's own parse
 decision fails here. In process, no training: a second or two."""
 import importlib, sys
 import pytest
-from memlab import core
-from memlab.core import DEFINES, MAY_CHANGE
+from memlab.flags import ArgumentParser
+from memlab.resume_tables import DEFINES, MAY_CHANGE
 
 COMMANDS = {'memlab_train': ('memlab.train', 'TRAIN_RESUME'), 'memlab_neurocache': ('memlab.train_neurocache', 'NEUROCACHE_RESUME'),
             'memlab_relora': ('memlab.train_relora', 'RELORA_RESUME'), 'memlab_distill': ('memlab.train_distill', 'DISTILL_RESUME'),
@@ -14,14 +14,14 @@ class _Parsed(Exception): pass
 
 def parser_flags(module) -> set:
     "The destinations of every flag the command's parser offers (its config-file flag included), read by stopping it at parse time."
-    seen, parse = {}, core.ArgumentParser.parse_args
+    seen, parse = {}, ArgumentParser.parse_args
     def stop(self, *a, **kw): seen['parser'] = self; raise _Parsed()
-    core.ArgumentParser.parse_args = stop
+    ArgumentParser.parse_args = stop
     old_argv = sys.argv
     try:
         sys.argv = ['prog']
         with pytest.raises(_Parsed): importlib.import_module(module).main.__wrapped__()
-    finally: core.ArgumentParser.parse_args, sys.argv = parse, old_argv
+    finally: ArgumentParser.parse_args, sys.argv = parse, old_argv
     return {a.dest for a in seen['parser']._actions if a.dest != 'help'}
 
 @pytest.mark.parametrize('command', list(COMMANDS))

@@ -133,7 +133,8 @@ import json, os, sys, torch
 from memlab.bitnet import add_bitnet
 from memlab.models import tiny_model
 from memlab.relora import ReLoRAConfig, add_relora
-from memlab.training import BatchList, Trainer, TrainConfig
+from memlab.trainer import BatchList, Trainer
+from memlab.train_config import TrainConfig
 sys.path.insert(0, sys.argv[3]); from dist_train import fingerprint, make_batches
 out, mode = sys.argv[1], sys.argv[2]
 model = add_relora(add_bitnet(tiny_model('llama', seed=1)), ReLoRAConfig(r=4, lora_dropout=0.0), seed=0)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core import Config, arg, check, field_docs, seed_everything
+from ..core import Config, arg, check, field_docs
+from ..rng import seed_everything
 from ..data import load_corpus
 from ..loaders import TokenBatches
 from ..models import load_model, save_full_state

@@ -290,9 +290,8 @@ def import_home(path:Path, node) -> Path:
     if not mod or (ROOT/'memlab'/Path(*mod)/'__init__.py').exists(): return None    # a package gathers its modules' names
     return ROOT/'memlab'/Path(*mod).with_suffix('.py')
 
-# Known: a module generated from a notebook another session is editing now, its one-line fix listed in issue 42's report.
-IMPORTED_THROUGH = {'memlab/benchmarks/neurocache.py: causal_lm_loss from memlab/training.py',
-                    'memlab/distill/student.py: seed_everything from memlab/core.py'}
+# Known: none left (each entry would name a module importing a name through another one).
+IMPORTED_THROUGH = set()
 
 def test_names_are_imported_from_where_they_live():
     "A memlab module imports each name from the module that defines it, not through one that imports it (issue 42)."
@@ -322,21 +321,7 @@ def code_sources():
                 yield f"{t.relative_to(ROOT).as_posix()} (script)", n.value
 
 # Known: notebooks other sessions are editing now; their one-line import fixes are listed in issue 42's report.
-NOTEBOOKS_IMPORTING_THROUGH = {
-    'nbs/41_distill.ipynb: seed_everything from memlab.core', 'nbs/distill/41_6_student.ipynb: seed_everything from memlab.core',
-    'nbs/20_neurocache.ipynb: causal_lm_loss from memlab.training',
-    'nbs/20_neurocache.ipynb: decoder_layers from memlab.models',
-    'nbs/20_neurocache.ipynb: layer_parts from memlab.models',
-    'nbs/20_neurocache.ipynb: load_strict from memlab.training',
-    'nbs/bpt/10_2_model.ipynb: model_methods from memlab.models',
-    'nbs/neurocache/20_3a_save.ipynb: folder_base from memlab.models',
-    'nbs/neurocache/20_3a_save.ipynb: model_methods from memlab.models',
-    'nbs/neurocache/20_3a_save.ipynb: remove_method from memlab.models',
-    'nbs/neurocache/20_3a_save.ipynb: save_pretrained from memlab.models',
-    'nbs/neurocache/20_3b_callbacks.ipynb: BatchList from memlab.training',
-    'nbs/neurocache/20_3b_callbacks.ipynb: TrainConfig from memlab.training',
-    'nbs/neurocache/20_3b_callbacks.ipynb: Trainer from memlab.training',
-    'nbs/neurocache/20_4_benchmark.ipynb: causal_lm_loss from memlab.training'}
+NOTEBOOKS_IMPORTING_THROUGH = {'nbs/bpt/10_2_model.ipynb: model_methods from memlab.models'}
 
 def test_notebooks_and_tests_import_names_from_their_homes():
     "As the package: a notebook or a test imports each memlab name from the module that defines it (issue 42)."

@@ -101,7 +101,7 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
                  threads:int=None, cache_attention:str='separate', device:str=None) -> dict:
     ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
      "(run it through `run_isolated`).")
-    from memlab.training import causal_lm_loss
+    from memlab.protocol import causal_lm_loss
     if threads: torch.set_num_threads(threads)
     torch.manual_seed(0)
     models = _speed_models(model_name, cache_size, cache_attention)

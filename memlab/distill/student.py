@@ -12,7 +12,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from ..compat import is_quantized
-from ..core import MemlabError, check, seed_everything
+from ..core import MemlabError, check
+from ..rng import seed_everything
 from ..models import check_model_sizes, load_model, resolve_model
 from ..wrappers import decoder_layers, unwrap
 from .features import layer_index

@@ -310,10 +310,11 @@ def schedule_digest(scheduler, steps:int) -> str:
     return h.hexdigest()
 
 # %% ../nbs/05d_checkpoints.ipynb
-def resume_refusal(checkpoint, flags=None) -> Optional[str]:
+def resume_refusal(checkpoint, flags=None, verify:bool=True) -> Optional[str]:
     ("Why `checkpoint` cannot be continued (None if it can): it does not agree with itself (`verify_checkpoint`), or "
-     "`flags` (the resuming command's `RunFlags`) change a flag that defines the run: one line naming each, old -> new.")
-    try: verify_checkpoint(checkpoint)
+     "`flags` (the resuming command's `RunFlags`) change a flag that defines the run: one line naming each, old -> new. "
+     "`verify=False`: the manifest was checked already.")
+    try: verify and verify_checkpoint(checkpoint)
     except MemlabError as e: return str(e)
     if flags is None: return None
     saved = read_json(Path(checkpoint)/'trainer_state.json').get('flags') or {}

@@ -92,14 +92,18 @@ class RunState:
 def _check_checkpoint(self, path:Path) -> dict:
     ("Refuse, in one line and before anything loads, a checkpoint that does not agree with itself or that another run "
      "would continue (other defining flags, processes or layout); its state.")
-    refusal = main_process_value(resume_refusal(path, self.flags) if self.is_main else None, self.accelerator)
-    check(refusal is None, refusal)
+    one_line = lambda flags, verify: main_process_value(
+        resume_refusal(path, flags, verify) if self.is_main else None, self.accelerator)
+    check((refusal := one_line(None, True)) is None, refusal)          # the checkpoint agrees with its manifest
     state = read_json(path/'trainer_state.json')
+    # The layout first: another mesh or process count also changes the flags it implies (the total batch, say)
     check(state['distributed_type'] == self._checkpoint_kind,
           f"{path} was written under {state['distributed_type']}; resume it the same way")
     check(self.fsdp or state['world_size'] == self.world_size,   # FSDP reshards (another mesh, the same rows)
           f"{path} was written by {state['world_size']} process(es); resume it with the same number "
           f"(now {self.world_size})")
+    if self.fsdp: resume_process(checkpoint_mesh(state), self.mesh, self.accelerator.process_index)  # the same rows
+    check((refusal := one_line(self.flags, False)) is None, refusal)   # then the flags that define the run
     # the loop's settings a command works out from its flags (an 'auto' precision, say) may come out otherwise elsewhere
     changed = resume_differences(state.get('config') or {}, self.config)
     check(not changed, f"{path} was trained with other loop settings ({'; '.join(changed)}) than this run's flags give "

@@ -134,8 +134,9 @@ class Trainer(RunState):
     def _check_output_dir(self):
         "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
         c = self.config
-        resume = resume_plan(c.output_dir, c.resume_from,    # 'latest' with nothing to resume yet: a fresh start
-                             accelerator=self.accelerator, flags=self.flags)
+        # 'latest' with nothing to resume yet: a fresh start. The flags are compared once the mesh is known
+        # (`_check_checkpoint`): another data layout changes the flags it implies, and says so better.
+        resume = resume_plan(c.output_dir, c.resume_from, accelerator=self.accelerator)
         if resume != c.resume_from: self.config = dataclasses.replace(c, resume_from=resume)
 
     def _clear_unfinished_run(self):

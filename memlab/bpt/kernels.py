@@ -13,9 +13,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..core import check
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'check_remat_policy', 'remat', 'stat_dtype', 'torch_block',
-           'sdpa_block', 'flash_block', 'resolve_kernel', 'key_blocks', 'chunk_length', 'blockwise_attention',
-           'native_attention', 'set_mmap_threshold']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'check_remat_policy', 'remat', 'stat_dtype', 'compute_dtype',
+           'autocast_off', 'torch_block', 'sdpa_block', 'flash_block', 'resolve_kernel', 'key_blocks', 'chunk_length',
+           'blockwise_attention', 'native_attention', 'set_mmap_threshold']
 
 # %% ../../nbs/bpt/10_0_kernels.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -58,15 +58,16 @@ def stat_dtype(dtype) -> torch.dtype:
     "Precision of the softmax statistics: fp32, or fp64 for fp64 inputs."
     return torch.promote_types(dtype, torch.float32)
 
-def _attention_dtype(q, k, v) -> torch.dtype:
-    "The one dtype attention computes q, k, v in: autocast's when it is on (as for SDPA), else their common promotion."
-    dev = q.device.type
-    low = all(t.is_floating_point() and t.dtype != torch.float64 for t in (q, k, v))     # autocast leaves fp64 alone
+def compute_dtype(*tensors) -> torch.dtype:
+    ("The one dtype products of `tensors` (attention's q, k, v; a head and its input) run in: autocast's when it is on "
+     "(as for SDPA), else their common promotion.")
+    dev = tensors[0].device.type
+    low = all(t.is_floating_point() and t.dtype != torch.float64 for t in tensors)     # autocast leaves fp64 alone
     if low and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
-    return functools.reduce(torch.promote_types, (q.dtype, k.dtype, v.dtype))
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
 
-def _autocast_off(device_type:str):
+def autocast_off(device_type:str):
     "Context manager turning autocast off on `device_type`: inside, every product runs in the dtype its inputs have."
     if not torch.amp.is_autocast_available(device_type): return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
@@ -275,7 +276,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        with _autocast_off(q.device.type):      # a backward called under autocast computes as the forward did
+        with autocast_off(q.device.type):      # a backward called under autocast computes as the forward did
             grads = _blockwise_backward(q, k, v, out, lse, rest[0] if ctx.has_mask else None, ctx.plan, dout)
         return (*grads, None, None)
 
@@ -358,9 +359,9 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
                                      or (needs_grad and remat_policy != 'nothing_saveable')):
         # the fused operator is CPU-only and has no autograd formula for the merge
         plan = plan._replace(kernel=torch_block)
-    dtype = _attention_dtype(q, k, v)
+    dtype = compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)   # differentiable casts: gradients return in each input's dtype
-    with _autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
+    with autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
         if not needs_grad: return _forward(q, k, v, mask, plan)[0]
         if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
         step = remat(_attend, remat_policy)
@@ -385,7 +386,7 @@ def native_attention(q, k, v, q_chunk_size:int=-1, causal:bool=True, attention_m
      "`F.scaled_dot_product_attention`: one call, or one per query block of `q_chunk_size` when a mask must be made.")
     B, nh, Tq, hs = q.shape
     Tk, gqa, offset = k.shape[2], q.shape[1] != k.shape[1], k.shape[2] - q.shape[2]
-    dtype = stat_dtype(q.dtype) if float32_logits else _attention_dtype(q, k, v)
+    dtype = stat_dtype(q.dtype) if float32_logits else compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale)
     if attention_mask is None and offset >= 0:          # the kernels' own causal modes: no mask is ever made

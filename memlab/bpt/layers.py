@@ -10,7 +10,7 @@ from torch import nn
 from ..core import check
 from ..runtime import compiled_fn
 from ..wrappers import TransparentWrapper
-from .kernels import chunk_length, remat, stat_dtype
+from .kernels import autocast_off, chunk_length, compute_dtype, remat, stat_dtype
 
 # %% auto 0
 __all__ = ['REDUCTIONS', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy']
@@ -45,46 +45,59 @@ def _ce_chunk(z, t, r):
     g = torch.exp(zf - lse[:, None]).scatter_add(1, t[:, None], -torch.ones_like(zf[:, :1])) * r[:, None]
     return loss, g.to(z.dtype)
 
+def _row_weights(valid, reduction:str, chunk_size:int, dtype):
+    "(N,) weight of each row's loss in the reduction: 1 (sum), 1/n (token mean), per-chunk means; 0 for ignored rows."
+    w = valid.to(dtype)
+    if reduction == 'mean': return w / valid.sum().clamp(min=1)
+    if reduction == 'chunk_mean':
+        n_chunks = -(-len(w) // chunk_size)
+        for s in range(0, len(w), chunk_size):
+            w[s:s + chunk_size] /= valid[s:s + chunk_size].sum().clamp(min=1) * n_chunks
+    return w
+
+_DTYPE_OUT = {}   # device type -> whether addmm accumulates low-precision products into fp32 in place (CUDA's out_dtype)
+
+def _accumulate_head_grad(grad_w, g, h, spare:list):
+    ("grad_w (V, C) += gᵀ (V, c) @ h (c, C) in place: one addmm_, or on CUDA bf16 products accumulated into fp32 by "
+     "cuBLAS (`out_dtype`); where neither runs, through one (V, C) buffer reused by every chunk (`spare`).")
+    if g.dtype == grad_w.dtype: return grad_w.addmm_(g.T, h.to(g.dtype))
+    dev = g.device.type
+    if _DTYPE_OUT.get(dev, dev == 'cuda'):
+        try: return torch.addmm(grad_w, g.T, h, out_dtype=grad_w.dtype, out=grad_w)
+        except (RuntimeError, TypeError, NotImplementedError): _DTYPE_OUT[dev] = False   # an older torch: no such op
+    if not spare: spare.append(torch.empty(grad_w.shape, dtype=g.dtype, device=g.device))
+    return grad_w.add_(torch.mm(g.T, h, out=spare[0]))
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     "LM head + cross-entropy by chunks of rows; gradients computed chunk by chunk during forward."
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, reduction, need_grad, compiled):
-        N = hidden.shape[0]
-        acc = stat_dtype(hidden.dtype)
+        acc, dt = stat_dtype(hidden.dtype), compute_dtype(hidden, weight)   # dt: autocast's, read once
         valid = targets != ignore_index                                        # (N,)
         safe_t = torch.where(valid, targets, torch.zeros_like(targets))        # (N,) any index for ignored rows
-        row_w = valid.to(acc)  # (N,) weight of each row's loss in the reduction
-        if reduction == 'mean': row_w = row_w / valid.sum().clamp(min=1)
-        elif reduction == 'chunk_mean':
-            n_chunks = -(-N // chunk_size)
-            for s in range(0, N, chunk_size):
-                row_w[s:s + chunk_size] /= valid[s:s + chunk_size].sum().clamp(min=1) * n_chunks
+        row_w = _row_weights(valid, reduction, chunk_size, acc)                # (N,)
         want_h, want_w = need_grad and ctx.needs_input_grad[0], need_grad and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
-        for s in range(0, N, chunk_size):
-            h, t, r = hidden[s:s + chunk_size], safe_t[s:s + chunk_size], row_w[s:s + chunk_size]
-            if compiled:                                   # a GPU: one fused pass instead of six
-                lc, g = compiled_fn(_ce_chunk, compiled)(h @ weight.T, t, r)   # g (c, V) ∂L/∂z, the product's dtype
-                loss += lc
-                # under autocast g is already what the products take; else the head's dtype
-                if not torch.is_autocast_enabled(g.device.type): g = g.to(weight.dtype)
-                if want_h: grad_h[s:s + chunk_size] = g @ weight
-                if want_w: grad_w += g.T @ h.to(g.dtype)
-                continue
-            z = (h @ weight.T).to(acc)                                         # (c, V) this chunk's logits only
-            lse = torch.logsumexp(z, -1)                                       # (c,)
-            loss += ((lse - z.gather(1, t[:, None])[:, 0]) * r).sum()
-            if want_h or want_w:
-                g = z.sub_(lse[:, None]).exp_()                                # (c, V) softmax, in place of the logits
-                g[torch.arange(len(t), device=g.device), t] -= 1
-                g.mul_(r[:, None])                                             # ∂L/∂z for this chunk
-                # (c, C) a bf16 head multiplies in bf16
-                if want_h: grad_h[s:s + chunk_size] = g.to(weight.dtype) @ weight
-                if want_w: grad_w += g.T @ h.to(acc)                           # (V, C) fp32 accumulation
-            del z
+        loss, spare = torch.zeros((), dtype=acc, device=hidden.device), []
+        with autocast_off(hidden.device.type):       # every product below runs in the dtype chosen here
+            w = weight.to(dt)  # (V, C) the head cast once per step (autocast would cast the view w.T in every chunk)
+            for s in range(0, hidden.shape[0], chunk_size):
+                h, t, r = hidden[s:s + chunk_size].to(dt), safe_t[s:s + chunk_size], row_w[s:s + chunk_size]
+                if compiled:                               # a GPU: one fused pass instead of six
+                    lc, g = compiled_fn(_ce_chunk, compiled)(h @ w.T, t, r)   # g (c, V) ∂L/∂z in dt
+                    loss += lc
+                else:
+                    z = (h @ w.T).to(acc)                                      # (c, V) this chunk's logits only
+                    lse = torch.logsumexp(z, -1)                               # (c,)
+                    loss += ((lse - z.gather(1, t[:, None])[:, 0]) * r).sum()
+                    if not (want_h or want_w): continue
+                    g = z.sub_(lse[:, None]).exp_()                            # (c, V) softmax, in place of the logits
+                    g[torch.arange(len(t), device=g.device), t] -= 1
+                    g.mul_(r[:, None])                                         # ∂L/∂z for this chunk, in acc
+                if want_h: grad_h[s:s + chunk_size] = g.to(dt) @ w             # (c, C)
+                if want_w: _accumulate_head_grad(grad_w, g, h, spare)          # (V, C) in acc, in place
+                del g
         if reduction == 'mean' and not valid.any(): loss = loss / 0.          # NaN, as F.cross_entropy
         ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
         ctx.want, ctx.weight_dtype = (want_h, want_w), weight.dtype

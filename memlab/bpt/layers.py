@@ -4,6 +4,7 @@
 
 # %% ../../nbs/bpt/10_1_layers.ipynb 2
 from __future__ import annotations
+import contextlib
 from typing import Callable
 import torch
 from torch import nn
@@ -16,22 +17,78 @@ from .kernels import autocast_off, chunk_length, compute_dtype, remat, stat_dtyp
 __all__ = ['REDUCTIONS', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy']
 
 # %% ../../nbs/bpt/10_1_layers.ipynb
-def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable') -> torch.Tensor:
-    ("Apply the position-wise `ffn` to x (B, T, C) `chunk_size` tokens at a time along T, "
-     "each chunk rematerialised per `remat_policy`.")
+class _SaveInput(torch.autograd.Function):
+    ("Identity saving x for `_ChunkedFFN`'s backward. It is the layer's last saved tensor, so a checkpoint recomputing "
+     "the layer stops there (early stop) and never runs the FFN again.")
+    @staticmethod
+    def forward(ctx, x): ctx.save_for_backward(x); return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad): return grad
+
+class _ChunkedFFN(torch.autograd.Function):
+    "The FFN chunk by chunk, keeping nothing; backward recomputes and differentiates one chunk at a time."
+    @staticmethod
+    def forward(ctx, ffn, size, saver, x, *params):
+        ctx.ffn, ctx.size, ctx.saver, ctx.params = ffn, size, saver, params   # params: no save (it would come last)
+        if saver is None: ctx.save_for_backward(x)
+        dev = x.device.type
+        ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in dict.fromkeys((dev, 'cpu'))
+                        if torch.amp.is_autocast_available(d)]
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)   # for dropout
+        return torch.cat([ffn(c) for c in x.split(size, dim=1)], dim=1)   # (B, T, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = (ctx.saved_tensors if ctx.saver is None else ctx.saver.saved_tensors)   # unpacked once
+        want_x = ctx.needs_input_grad[3]
+        gx, gp = torch.empty_like(x) if want_x else None, [None] * len(ctx.params)
+        with contextlib.ExitStack() as stack:          # the forward's autocast and random state, with autograd on
+            stack.enter_context(torch.random.fork_rng(devices=[x.device] if x.is_cuda else []))
+            torch.set_rng_state(ctx.rng[0])
+            if ctx.rng[1] is not None: torch.cuda.set_rng_state(ctx.rng[1], x.device)
+            for d, on, dtype in ctx.autocast: stack.enter_context(torch.autocast(d, dtype=dtype, enabled=on))
+            stack.enter_context(torch.enable_grad())
+            for s in range(0, x.shape[1], ctx.size):
+                xc = x[:, s:s + ctx.size].detach().requires_grad_(want_x)
+                gs = torch.autograd.grad(ctx.ffn(xc), (xc,) * want_x + ctx.params, grad[:, s:s + ctx.size],
+                                         allow_unused=True)
+                if want_x: gx[:, s:s + ctx.size] = gs[0]
+                gp = [a if b is None else b if a is None else a.add_(b) for a, b in zip(gp, gs[want_x:])]
+        return (None, None, None, gx, *gp)
+
+def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable',
+                params=None) -> torch.Tensor:
+    ("Apply the position-wise `ffn` to x (B, T, C) `chunk_size` tokens at a time along T, each chunk recomputed in "
+     "backward per `remat_policy`; `params`: ffn's weights (default: a module's parameters).")
     size = chunk_length('ffn_chunk_size', chunk_size, x.shape[1])
-    f = remat(ffn, remat_policy)
+    if params is None and isinstance(ffn, nn.Module): params = list(ffn.parameters())
+    if remat_policy == 'nothing_saveable' and params is not None and torch.is_grad_enabled():
+        params = tuple(p for p in params if p.requires_grad)
+        if x.requires_grad:
+            saved = _SaveInput.apply(x)
+            return _ChunkedFFN.apply(ffn, size, saved.grad_fn, saved, *params)
+        if params: return _ChunkedFFN.apply(ffn, size, None, x, *params)
+    f = remat(ffn, remat_policy)        # selective policies (and a callable whose weights are unknown): checkpoints
     outs = [f(c) for c in x.split(size, dim=1)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)   # (B, T, C)
 
 class BPTFeedForward(TransparentWrapper):
     ("Wrapper running its `base_layer` (a position-wise FFN) `chunk_size` tokens at a time, "
-     "each chunk recomputed in backward.")
-    def __init__(self, base_layer:nn.Module, chunk_size:int, remat_policy:str='nothing_saveable'):
+     "each chunk recomputed in backward; `compile`: each chunk through `torch.compile` (a backend's name, or True).")
+    def __init__(self, base_layer:nn.Module, chunk_size:int, remat_policy:str='nothing_saveable', compile=False):
         super().__init__(base_layer)
-        self.chunk_size, self.remat_policy = chunk_size, remat_policy
-    def forward(self, x): return chunked_ffn(self.base_layer, x, self.chunk_size, self.remat_policy)
-    def extra_repr(self): return f"chunk_size={self.chunk_size}, remat_policy={self.remat_policy!r}"
+        self.chunk_size, self.remat_policy, self.compile = chunk_size, remat_policy, compile
+        def call(x): return base_layer(x)    # a function, not a module: compiled once for every layer's FFN
+        self._compiled = torch.compile(call, backend='inductor' if compile is True else compile) if compile else None
+
+    @torch.compiler.disable   # a compiled layer calls this eagerly: its loop's length depends on T
+    def forward(self, x):
+        return chunked_ffn(self._compiled or self.base_layer, x, self.chunk_size, self.remat_policy,
+                           list(self.base_layer.parameters()))
+
+    def extra_repr(self):
+        return (f"chunk_size={self.chunk_size}, remat_policy={self.remat_policy!r}"
+                + (f", compile={self.compile!r}" if self.compile else ''))
 
 # %% ../../nbs/bpt/10_1_layers.ipynb
 REDUCTIONS = ('mean', 'sum', 'chunk_mean')

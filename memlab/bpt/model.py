@@ -170,6 +170,12 @@ class BPTDecoderLayer(TransparentWrapper):
         v = attn.v_proj(n).view(B, T, -1, hs).transpose(1, 2)                 # (B, nkv, T, hs)
         q, k = self._rope(q, k, *position_embeddings)
         if past_key_values is not None: k, v = past_key_values.update(k, v, attn.layer_idx)
+        return self._blocks(hidden_states, q, k, v, attention_mask)
+
+    @torch.compiler.disable   # a compiled layer runs the loop eagerly: its length depends on T
+    def _blocks(self, hidden_states, q, k, v, attention_mask):
+        "Every query block through `_block`, each rematerialised: (B, T, C)."
+        cfg, T = self.bpt_config, hidden_states.shape[1]
         block = remat(self._block, cfg.remat_policy)
         outs = []
         for s in range(0, T, cfg.q_chunk_size):
@@ -397,11 +403,15 @@ def add_bpt(model, config:BPTConfig=None):
     if config.fused:
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer)); layers[i] = BPTDecoderLayer(layer, config)
-    elif config.ffn_chunk_size != -1:
+    remat_layers = config.layer_remat and config.remat_policy != 'everything_saveable'
+    if not config.fused and config.ffn_chunk_size != -1:
+        # inside a rematerialised layer the chunks recompute once: nothing_saveable's autograd function stops the layer's
+        # recomputation before the FFN; under a selective policy the layer's own checkpoint governs them
+        policy = ('everything_saveable' if remat_layers and config.remat_policy != 'nothing_saveable'
+                  else config.remat_policy)
         for layer in layers:
             replaced.append((layer, 'mlp', layer.mlp))
-            layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
-    remat_layers = config.layer_remat and config.remat_policy != 'everything_saveable'
+            layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, policy, config.compile)
     if remat_layers or config.compile or config.offload:
         policy = config.remat_policy if remat_layers else 'everything_saveable'    # compiled without remat
         for i, layer in enumerate(layers):

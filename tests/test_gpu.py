@@ -124,7 +124,9 @@ def test_distill_fused_head_in_bf16_on_cuda():
     assert extra < N * V * 4 / 2   # the fp32 head gradient and chunks of 256 rows: less than half the student's fp32 logits
 
 def test_bpt_offload_on_cuda():
-    """BPT with its checkpoints offloaded to pinned host memory: the same loss and gradients, less device memory at the peak."""
+    """BPT with its checkpoints offloaded to pinned host memory: the same loss and gradients, less device memory at the peak;
+    one offloader for all layers, each layer's input prefetched during backward, host buffers page-locked at their exact
+    size (no power-of-two rounding) and reused by the next step."""
     import transformers
     from memlab.bpt import BPTConfig, add_bpt
     cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -142,6 +144,18 @@ def test_bpt_offload_on_cuda():
         loss.backward(); torch.cuda.synchronize()
         res.append((loss.item(), {n: p.grad.float().clone() for n, p in m.named_parameters()},
                     torch.cuda.max_memory_allocated() - base))
+        if offload:
+            off = m.model.layers[0].offload
+            assert all(layer.offload is off for layer in m.model.layers)
+            n_layers = len(m.model.layers)
+            assert off.stats['prefetched'] >= n_layers - 1, off.stats      # every layer but the last found its input back
+            step_bytes, allocations = off.bytes, off.pool.allocations
+            assert off.pool._registered and all(b.is_pinned() for b in off.pool._registered.values())
+            assert step_bytes <= off.pool.bytes <= step_bytes + 4096 * allocations, (off.pool.bytes, step_bytes)
+            m.zero_grad(set_to_none=True)
+            with torch.autocast(DEV, dtype=torch.bfloat16): m(input_ids=ids, labels=ids).loss.backward()
+            torch.cuda.synchronize()
+            assert off.pool.allocations == allocations                        # the second step reuses the buffers
         del m
     (l0, g0, p0), (l1, g1, p1) = res
     # the same numbers (only where the checkpoints wait changed), up to CUDA's non-deterministic gradient reductions

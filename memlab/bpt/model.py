@@ -4,7 +4,7 @@
 
 # %% ../../nbs/bpt/10_2_model.ipynb 2
 from __future__ import annotations
-import contextlib, functools, hashlib, inspect, sys
+import contextlib, functools, hashlib, inspect, sys, weakref
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,8 @@ from .layers import BPTFeedForward, fused_linear_cross_entropy
 
 # %% auto 0
 __all__ = ['FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask',
-           'BPTDecoderLayer', 'BPTRematLayer', 'OffloadActivations', 'fused_causal_lm_loss', 'BPTLossHooks',
-           'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss']
+           'BPTDecoderLayer', 'PinnedPool', 'OffloadActivations', 'BPTRematLayer', 'fused_causal_lm_loss',
+           'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss']
 
 # %% ../../nbs/bpt/10_2_model.ipynb
 @dataclass
@@ -197,13 +197,129 @@ class BPTDecoderLayer(TransparentWrapper):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 # %% ../../nbs/bpt/10_2_model.ipynb
+_PAGE = 4096
+
+def _unpin(buffers:dict):
+    "Unregister page-locked host buffers ({data_ptr: tensor}) before their memory is freed."
+    for ptr in list(buffers):
+        try: torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception: pass                     # CUDA already shut down at exit: the process frees everything
+        del buffers[ptr]
+
+class PinnedPool:
+    ("Host buffers for offloaded tensors, each exactly its size (CUDA: its own pages locked by cudaHostRegister, where "
+     "torch's pinned allocator rounds up to a power of two), reused across steps; `pin=False`: plain host memory.")
+    def __init__(self, pin:bool=True):
+        self.pin, self.free, self.bytes, self.allocations = pin, {}, 0, 0   # free: {nbytes: [buffer]}
+        self._registered = {}                                               # {data_ptr: buffer} locked by this pool
+        weakref.finalize(self, _unpin, self._registered)
+
+    def take(self, nbytes:int) -> torch.Tensor:
+        "A uint8 host buffer of `nbytes`: a free one of that size, else a new one (after freeing the others)."
+        if self.free.get(nbytes): return self.free[nbytes].pop()
+        self.release()         # a new size: what is free now is of another size; give it back before adding more
+        self.allocations += 1
+        if not self.pin: self.bytes += nbytes; return torch.empty(nbytes, dtype=torch.uint8)
+        size = -(-nbytes // _PAGE) * _PAGE
+        raw = torch.empty(size + _PAGE, dtype=torch.uint8)                  # page-aligned inside, as cudaHostRegister
+        buf = raw[(-raw.data_ptr()) % _PAGE:][:size]                        # wants; the slice keeps raw alive
+        try: torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0))
+        except Exception:      # no CUDA runtime binding: torch's own pinned memory
+            buf, size = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes
+        else: self._registered[buf.data_ptr()] = buf
+        self.bytes += size
+        return buf[:nbytes]
+
+    def give(self, buf:torch.Tensor):
+        "Return a buffer from `take` for reuse."
+        self.free.setdefault(buf.numel(), []).append(buf)
+
+    def release(self):
+        "Free every buffer not in use (unregistering what this pool locked)."
+        for bufs in self.free.values():
+            for b in bufs:
+                ptr = b.data_ptr()
+                self.bytes -= b.numel() if ptr not in self._registered else self._registered[ptr].numel()
+                if ptr in self._registered: _unpin({ptr: self._registered.pop(ptr)})
+        self.free = {}
+
+# %% ../../nbs/bpt/10_2_model.ipynb
+_OFFLOAD_STREAMS = {}   # one side stream per device for the copies to and from host
+
+def _side_stream(device):
+    return _OFFLOAD_STREAMS.get(device) or _OFFLOAD_STREAMS.setdefault(device, torch.cuda.Stream(device))
+
+class _Offloaded:
+    "A saved tensor waiting in host memory: its host copy, and once brought back (or prefetched) its device copy."
+    def __init__(self, t, host, prev):
+        self.device, self.host, self.prev = t.device, host, prev    # prev: weak reference to the one packed before
+        self.d2h = self.dev = self.h2d = None
+        self.used = False
+
+    def fetch(self):
+        "Start the copy back to the device (CUDA: on the side stream, after the copy to host)."
+        if self.dev is not None: return
+        if self.device.type != 'cuda': self.dev = self.host.clone(); return      # the CPU's round trip (copy=True)
+        s = _side_stream(self.device)
+        with torch.cuda.stream(s):                      # after the copy to host, queued on the same stream
+            self.dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+            self.dev.copy_(self.host, non_blocking=True)
+            self.h2d = torch.cuda.Event(); self.h2d.record(s)
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    ("Within it, tensors autograd saves for backward (parameters and tensors under `min_bytes` excepted) wait in host "
+     "memory until backward needs them, the one saved before each prefetched as it is reached: on CUDA copies to "
+     "exactly-sized pinned buffers on a side stream; elsewhere they stay (`copy=True`: copied, to test the round trip).")
+    def __init__(self, min_bytes:int=1 << 20, copy:bool=False, prefetch:bool=True):
+        self.min_bytes, self.copy, self.prefetch, self.bytes = min_bytes, copy, prefetch, 0
+        self.pool = PinnedPool(pin=torch.cuda.is_available())
+        self.stats = {'offloaded': 0, 'prefetched': 0, 'on_demand': 0}
+        self._last = None                   # weak reference to the last tensor offloaded, while backward has not used it
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t:torch.Tensor):
+        size = t.numel() * t.element_size()
+        if isinstance(t, nn.Parameter) or t.layout != torch.strided or size < max(self.min_bytes, 1): return t
+        self.bytes += size
+        if t.device.type != 'cuda' and not self.copy: return t       # no device memory to free
+        buf = self.pool.take(size)
+        host = buf.view(t.dtype).view(t.shape)
+        last = self._last() if self._last is not None else None
+        e = _Offloaded(t, host, self._last if last is not None and not last.used else None)
+        weakref.finalize(e, self.pool.give, buf)      # the buffer is reused once autograd drops the saved tensor
+        self._last = weakref.ref(e)
+        self.stats['offloaded'] += 1
+        if t.device.type != 'cuda': host.copy_(t); return e
+        s = _side_stream(t.device)
+        s.wait_stream(torch.cuda.current_stream(t.device))          # t is complete before the copy starts
+        with torch.cuda.stream(s):
+            host.copy_(t, non_blocking=True)
+            e.d2h = torch.cuda.Event(); e.d2h.record(s)
+        t.record_stream(s)                  # its device block is not reused before the copy ends
+        return e
+
+    def _unpack(self, e):
+        if not isinstance(e, _Offloaded): return e
+        self.stats['prefetched' if e.dev is not None else 'on_demand'] += 1
+        e.fetch()
+        dev, e.dev, e.used = e.dev, None, True
+        if e.h2d is not None:
+            cur = torch.cuda.current_stream(e.device)
+            cur.wait_event(e.h2d)           # the copy back has finished
+            dev.record_stream(cur)          # made on the side stream, used on this one
+        prev = e.prev() if self.prefetch and e.prev is not None else None
+        if prev is not None and not prev.used: prev.fetch()    # backward needs it next: its copy overlaps this layer's
+        return dev
+
+# %% ../../nbs/bpt/10_2_model.ipynb
 class BPTRematLayer(TransparentWrapper):
     ("Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`, its training "
      "forward `torch.compile`d when `compile` names a backend (True: inductor); a KV cache bypasses both.")
-    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False, offload:bool=False):
+    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False, offload=False):
         super().__init__(base_layer)
         self.remat_policy, self.compile = remat_policy, compile
-        self.offload = OffloadActivations() if offload else None   # what the checkpoint saves waits in host memory
+        # what the checkpoint saves waits in host memory (`offload`: True, or one OffloadActivations for every layer)
+        self.offload = offload if isinstance(offload, OffloadActivations) else OffloadActivations() if offload else None
         # through the module's own call, so its hooks run (FSDP's unshard); compiled as a function, not a module (a
         # compiled module would register as a submodule, and its state twice)
         def call(*args, **kwargs): return base_layer(*args, **kwargs)
@@ -221,39 +337,6 @@ class BPTRematLayer(TransparentWrapper):
     def extra_repr(self):
         return (f"remat_policy={self.remat_policy!r}" + (f", compile={self.compile!r}" if self.compile else '')
                 + (", offload=True" if self.offload is not None else ''))
-
-# %% ../../nbs/bpt/10_2_model.ipynb
-_OFFLOAD_STREAMS = {}   # one side stream per device for the copies to host
-
-class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    ("Within it, tensors autograd saves for backward (parameters and tensors under `min_bytes` excepted) wait in host "
-     "memory until backward needs them: on CUDA pinned copies made on a side stream; elsewhere they stay (`copy=True`: "
-     "copied, to test the round trip). `bytes` counts what it took.")
-    def __init__(self, min_bytes:int=1 << 20, copy:bool=False):
-        self.min_bytes, self.copy, self.bytes = min_bytes, copy, 0
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, t:torch.Tensor):
-        size = t.numel() * t.element_size()
-        if isinstance(t, nn.Parameter) or t.layout != torch.strided or size < self.min_bytes: return t
-        self.bytes += size
-        if t.device.type == 'cuda':
-            s = _OFFLOAD_STREAMS.get(t.device) or _OFFLOAD_STREAMS.setdefault(t.device, torch.cuda.Stream(t.device))
-            s.wait_stream(torch.cuda.current_stream(t.device))      # t is complete before the copy starts
-            with torch.cuda.stream(s):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                done = torch.cuda.Event(); done.record(s)
-            t.record_stream(s)              # its device block is not reused before the copy ends
-            return ('host', t.device, host, done)
-        return ('copy', t.clone()) if self.copy else t
-
-    def _unpack(self, packed):
-        if not isinstance(packed, tuple): return packed
-        if packed[0] == 'copy': return packed[1]
-        _, device, host, done = packed
-        torch.cuda.current_stream(device).wait_event(done)       # the copy to host has finished
-        return host.to(device, non_blocking=True)
 
 # %% ../../nbs/bpt/10_2_model.ipynb
 def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int,
@@ -289,11 +372,13 @@ _LOSS_KWARGS = ('shift_labels', 'num_items_in_batch', 'ignore_index')
 class BPTLossHooks:
     ("Hooks making a causal LM's `model(..., labels=...)` compute its loss by the fused chunked head: "
      "no (B, T, V) logits.")
-    def __init__(self, model:nn.Module, chunk_size:int, offload:bool=False):
+    def __init__(self, model:nn.Module, chunk_size:int, offload=False):
         _fused_head(model)
         self.model, self.chunk_size, self.dense = model, chunk_size, 0   # dense > 0: inside `full_logits`
-        # the loss's gradient of the hidden states (B·T, C), kept for backward, waits in host memory
-        self.offload = OffloadActivations() if offload else contextlib.nullcontext()
+        # the loss's gradient of the hidden states (B·T, C), kept for backward, waits in host memory (`offload`: True,
+        # or the layers' OffloadActivations)
+        self.offload = (offload if isinstance(offload, OffloadActivations) else OffloadActivations() if offload
+                        else contextlib.nullcontext())
         self._calls = []                          # one entry per call in flight: None (not ours) or what its loss needs
         self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                          model.base_model.register_forward_hook(self._capture),
@@ -412,12 +497,14 @@ def add_bpt(model, config:BPTConfig=None):
         for layer in layers:
             replaced.append((layer, 'mlp', layer.mlp))
             layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, policy, config.compile)
+    # one offloader for every layer and the loss: backward prefetches, across layers, the checkpoint it needs next
+    offload = OffloadActivations() if config.offload else False
     if remat_layers or config.compile or config.offload:
         policy = config.remat_policy if remat_layers else 'everything_saveable'    # compiled without remat
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer))
-            layers[i] = BPTRematLayer(layer, policy, config.compile, config.offload)
-    loss_hooks = (BPTLossHooks(hf, config.lm_chunk_size, config.offload) if config.lm_chunk_size != -1 else None)
+            layers[i] = BPTRematLayer(layer, policy, config.compile, offload)
+    loss_hooks = BPTLossHooks(hf, config.lm_chunk_size, offload) if config.lm_chunk_size != -1 else None
     setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks))
     attach_method(hf, 'bpt', config.to_dict())
     return model

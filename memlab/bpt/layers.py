@@ -78,8 +78,10 @@ class BPTFeedForward(TransparentWrapper):
     def __init__(self, base_layer:nn.Module, chunk_size:int, remat_policy:str='nothing_saveable', compile=False):
         super().__init__(base_layer)
         self.chunk_size, self.remat_policy, self.compile = chunk_size, remat_policy, compile
-        def call(x): return base_layer(x)    # a function, not a module: compiled once for every layer's FFN
-        self._compiled = torch.compile(call, backend='inductor' if compile is True else compile) if compile else None
+        # a function, not a module: one graph for every layer's FFN, its length dynamic (the last chunk is shorter)
+        def call(x): return base_layer(x)
+        backend = 'inductor' if compile is True else compile
+        self._compiled = torch.compile(call, backend=backend, dynamic=True) if compile else None
 
     @torch.compiler.disable   # a compiled layer calls this eagerly: its loop's length depends on T
     def forward(self, x):

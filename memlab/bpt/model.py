@@ -4,7 +4,7 @@
 
 # %% ../../nbs/bpt/10_2_model.ipynb 2
 from __future__ import annotations
-import contextlib, functools, hashlib, inspect, sys, weakref
+import contextlib, dataclasses, functools, hashlib, inspect, sys, weakref
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -23,22 +23,26 @@ from .kernels import DEVICE_KERNELS, KERNELS, blockwise_attention, check_remat_p
 from .layers import BPTFeedForward, fused_linear_cross_entropy
 
 # %% auto 0
-__all__ = ['FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask',
-           'BPTDecoderLayer', 'PinnedPool', 'OffloadActivations', 'BPTRematLayer', 'fused_causal_lm_loss',
-           'BPTLossHooks', 'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss']
+__all__ = ['CHUNK_FIELDS', 'BPT_DEFAULTS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'BPTConfig', 'bpt_attention',
+           'bpt_attention_mask', 'BPTDecoderLayer', 'PinnedPool', 'OffloadActivations', 'BPTRematLayer',
+           'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'bpt_device', 'add_bpt', 'remove_bpt', 'bpt_config_of',
+           'full_logits', 'bpt_causal_lm_loss']
 
 # %% ../../nbs/bpt/10_2_model.ipynb
+CHUNK_FIELDS = ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size')
+
 @dataclass
 class BPTConfig(Config):
-    "Blockwise Parallel Transformer settings (the seed's `--llama.*` fields); a chunk size of -1 disables that stage."
-    q_chunk_size: int = 1024                 # query block length of blockwise attention (-1: the whole sequence)
-    k_chunk_size: int = 1024                 # key/value block length of blockwise attention (-1: the whole sequence; q
+    ("Blockwise Parallel Transformer settings (the seed's `--llama.*` fields); a chunk size of -1 disables that stage, "
+     "None (the default) is the device's measured best, `BPT_DEFAULTS`, filled in when `add_bpt` applies it.")
+    q_chunk_size: int = None                 # query block length of blockwise attention (-1: the whole sequence)
+    k_chunk_size: int = None                 # key/value block length of blockwise attention (-1: the whole sequence; q
                                              # and k both -1: Hugging Face's attention)
-    ffn_chunk_size: int = 1024               # tokens per chunk of the feed-forward network (-1: no chunking, i.e. a
+    ffn_chunk_size: int = None               # tokens per chunk of the feed-forward network (-1: no chunking, i.e. a
                                              # memory-efficient transformer)
-    head_chunk_size: int = -1                # tokens per chunk of the LM head, fused with the loss (-1: off unless
+    head_chunk_size: int = None              # tokens per chunk of the LM head, fused with the loss (-1: off unless
                                              # loss_chunk_size is set)
-    loss_chunk_size: int = -1                # tokens per chunk of the loss, fused with the LM head (-1: off unless
+    loss_chunk_size: int = None              # tokens per chunk of the loss, fused with the LM head (-1: off unless
                                              # head_chunk_size is set)
     remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable,
                                              # dots_with_no_batch_dims_saveable or everything_saveable
@@ -59,25 +63,44 @@ class BPTConfig(Config):
                                              # host memory until backward (CUDA: pinned copies on a side stream)
 
     def __post_init__(self):
-        for name in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size'):
+        for name in CHUNK_FIELDS:
             v = getattr(self, name)
-            check(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v > 0),
-                  f"BPTConfig.{name} must be a positive block length or -1 (disabled); got {v!r}")
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v > 0)),
+                  f"BPTConfig.{name} must be a positive block length or -1 (disabled), or None (the device's "
+                  f"default); got {v!r}")
         check_remat_policy(self.remat_policy)
         check(self.attention_kernel in (*DEVICE_KERNELS, *KERNELS),
               f"unknown attention kernel {self.attention_kernel!r}; use one of {', '.join((*DEVICE_KERNELS, *KERNELS))}")
         check(isinstance(self.compile, (bool, str)), f"BPTConfig.compile must be True, False or a torch.compile "
               f"backend's name; got {self.compile!r}")
-        check(not self.fused or self.q_chunk_size > 0,
+        check(not self.fused or self.q_chunk_size is None or self.q_chunk_size > 0,
               "fused=True runs each layer one query block at a time: set q_chunk_size > 0")
+
+    @property
+    def auto_fields(self) -> tuple:
+        "The chunk sizes left to the device (None)."
+        return tuple(n for n in CHUNK_FIELDS if getattr(self, n) is None)
+
+    def resolve(self, device) -> BPTConfig:
+        "This config with every chunk size left to the device taken from `BPT_DEFAULTS` for `device`'s type."
+        table = BPT_DEFAULTS.get(torch.device(device).type, BPT_DEFAULTS['cpu'])
+        return dataclasses.replace(self, **{n: table[n] for n in self.auto_fields})
 
     @property
     def attention_enabled(self) -> bool: return self.q_chunk_size != -1 or self.k_chunk_size != -1
     @property
     def lm_chunk_size(self) -> int:
-        "Chunk length of the fused LM head + loss, or -1 when both are off."
+        "Chunk length of the fused LM head + loss, or -1 when both are off (of a resolved config)."
+        auto = [n for n in ('head_chunk_size', 'loss_chunk_size') if getattr(self, n) is None]
+        check(not auto, f"BPTConfig.{auto[0] if auto else ''} is the device's default until resolved")
         sizes = [s for s in (self.head_chunk_size, self.loss_chunk_size) if s > 0]
         return min(sizes) if sizes else -1
+
+# %% ../../nbs/bpt/10_2_model.ipynb
+# chunk sizes for the fields a config leaves to the device, by device type (any other type: 'cpu'); why: the prose above
+BPT_DEFAULTS = {
+    'cpu': dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, head_chunk_size=-1, loss_chunk_size=1024),
+    'cuda': dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=-1, head_chunk_size=-1, loss_chunk_size=1024)}
 
 # %% ../../nbs/bpt/10_2_model.ipynb
 def _settings_name(config:BPTConfig) -> str:
@@ -443,10 +466,11 @@ def _handle(model):
 
 class BPTHandle:
     "What `add_bpt` changed in a model (kept on the model); `remove_bpt(model)` undoes it."
-    def __init__(self, model, config, attn_name, original_attn, replaced, loss_hooks=None):
+    def __init__(self, model, config, attn_name, original_attn, replaced, loss_hooks=None, auto=(), device=None):
         (self.model, self.config, self.attn_name,
          self.original_attn, self.replaced) = model, config, attn_name, original_attn, replaced
         self.loss_hooks = loss_hooks             # BPTLossHooks when the head and loss are chunked
+        self.auto, self.device = auto, device    # the chunk sizes taken from BPT_DEFAULTS, for this device type
     def remove(self):
         "Put back every replaced module and the original attention implementation; remove the loss hooks."
         if self.loss_hooks is not None: self.loss_hooks.remove(); self.loss_hooks = None
@@ -455,17 +479,32 @@ class BPTHandle:
         vars(self.model).pop(_STATE, None)
         self.replaced = []
     def __repr__(self):
+        c = self.config
+        chunks = ', '.join(f"{n.replace('_chunk_size', '')}={getattr(c, n)}" for n in CHUNK_FIELDS)
         return (f"BPTHandle({type(self.model).__name__}, {len(self.replaced)} modules replaced, "
-                f"attention={self.attn_name}, fused loss in model(labels=...): {self.loss_hooks is not None})")
+                f"attention={self.attn_name}, fused loss in model(labels=...): {self.loss_hooks is not None}, "
+                f"chunks {chunks}" + (f" ({', '.join(self.auto)} from BPT_DEFAULTS[{self.device!r}])" if self.auto else '')
+                + ")")
 
-def add_bpt(model, config:BPTConfig=None):
-    ("Convert a Hugging Face Llama-family causal LM to BPT in place "
-     "(blockwise attention, chunked FFN or fused layers); return it.")
-    config = BPTConfig() if config is None else config
+def bpt_device(model, device=None) -> str:
+    ("The device type whose defaults a conversion takes: `device`, else the model's when it is not on the CPU, else "
+     "'cuda' where there is one (a model is often converted before it moves), else 'cpu'.")
+    if device is not None: return torch.device(device).type
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type not in ('cpu', 'meta'): return p.device.type
+    return 'cuda' if torch.cuda.is_available() else 'cpu'
+
+# %% ../../nbs/bpt/10_2_model.ipynb
+def add_bpt(model, config:BPTConfig=None, device=None):
+    ("Convert a Hugging Face Llama-family causal LM to BPT in place (blockwise attention, chunked FFN or fused "
+     "layers), chunk sizes the config leaves out taken for `device` (see `bpt_device`); return it.")
     hf = unwrap(model, peft=True)
     family = getattr(getattr(hf, 'config', None), 'model_type', None)
     check(family in BPT_FAMILIES, f"BPT converts Llama-family causal LMs ({', '.join(BPT_FAMILIES)}, e.g. SmolLM2); "
           f"{type(hf).__name__} (model_type={family!r}) is not one")
+    given = BPTConfig() if config is None else config
+    device = bpt_device(hf, device)
+    config = given.resolve(device)                    # the chunk sizes left out: the device's measured best
     check(_handle(hf) is None, "this model is already converted by add_bpt; call remove_bpt(model) first")
     check(not getattr(hf.config, 'attention_dropout', 0.0),
           f"BPT attention has no dropout; set attention_dropout=0 (the model has {hf.config.attention_dropout})")
@@ -505,7 +544,7 @@ def add_bpt(model, config:BPTConfig=None):
             replaced.append((layers, str(i), layer))
             layers[i] = BPTRematLayer(layer, policy, config.compile, offload)
     loss_hooks = BPTLossHooks(hf, config.lm_chunk_size, offload) if config.lm_chunk_size != -1 else None
-    setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks))
+    setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks, given.auto_fields, device))
     attach_method(hf, 'bpt', config.to_dict())
     return model
 

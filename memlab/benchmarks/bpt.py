@@ -140,7 +140,10 @@ def sweep_defaults(model:str='reference', seq_len:int=8192, candidates:dict=None
               f"{rows[-1]['tokens_per_s']:8.1f} tok/s (wall)", flush=True)
     return rows
 
-def pick_default(rows:list, speed:float=0.9) -> dict:
-    "The candidate row with the least peak memory among those within `speed` of the fastest (tokens/s of CPU time)."
+def pick_default(rows:list, speed:float=0.9, memory:float=1.05) -> dict:
+    ("The candidate row the defaults take: among those within `speed` of the fastest (tokens/s of CPU time), the "
+     "fastest of those within `memory` of the least peak memory.")
     fastest = max(r['cpu_tokens_per_s'] for r in rows)
-    return min((r for r in rows if r['cpu_tokens_per_s'] >= speed * fastest), key=lambda r: r['peak_mib'])
+    quick = [r for r in rows if r['cpu_tokens_per_s'] >= speed * fastest]
+    least = min(r['peak_mib'] for r in quick)
+    return max((r for r in quick if r['peak_mib'] <= memory * least), key=lambda r: r['cpu_tokens_per_s'])

@@ -276,7 +276,7 @@ class _Offloaded:
     "A saved tensor waiting in host memory: its host copy, and once brought back (or prefetched) its device copy."
     def __init__(self, t, host, prev):
         self.device, self.host, self.prev = t.device, host, prev    # prev: weak reference to the one packed before
-        self.d2h = self.dev = self.h2d = None
+        self.dev = self.h2d = None
         self.used = False
 
     def fetch(self):
@@ -315,9 +315,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if t.device.type != 'cuda': host.copy_(t); return e
         s = _side_stream(t.device)
         s.wait_stream(torch.cuda.current_stream(t.device))          # t is complete before the copy starts
-        with torch.cuda.stream(s):
-            host.copy_(t, non_blocking=True)
-            e.d2h = torch.cuda.Event(); e.d2h.record(s)
+        with torch.cuda.stream(s): host.copy_(t, non_blocking=True)   # the copy back is queued after it, on s
         t.record_stream(s)                  # its device block is not reused before the copy ends
         return e
 

@@ -99,7 +99,7 @@ class BPTConfig(Config):
 # %% ../../nbs/bpt/10_2_model.ipynb
 # chunk sizes for the fields a config leaves to the device, by device type (any other type: 'cpu'); why: the prose above
 BPT_DEFAULTS = {
-    'cpu': dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, head_chunk_size=-1, loss_chunk_size=1024),
+    'cpu': dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=1024, head_chunk_size=-1, loss_chunk_size=256),
     'cuda': dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=-1, head_chunk_size=-1, loss_chunk_size=1024)}
 
 # %% ../../nbs/bpt/10_2_model.ipynb

@@ -8,7 +8,8 @@ import importlib, inspect, json, multiprocessing as mp, queue, statistics, time
 
 import torch
 
-from .core import MemlabError, check, cli_main, markdown_table, atomic_write_text
+from .core import MemlabError, check, markdown_table, atomic_write_text
+from .cli import cli_main
 from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 
@@ -34,6 +35,7 @@ def _isolated_entry(q, target, args, kwargs):
         import traceback
         q.put(('error', f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
+# %% ../nbs/06_bench.ipynb
 def run_isolated(target, *args, timeout:float=3600, **kwargs):
     ("Run `target`(*args, **kwargs) in a fresh spawned process and return its (picklable) result; `target`: a module-level "
      "function, or its 'module:function' name.")
@@ -151,6 +153,7 @@ def default_device() -> str:
     "CUDA when this machine has it, else the CPU."
     return 'cuda' if torch.cuda.is_available() else 'cpu'
 
+# %% ../nbs/06_bench.ipynb
 def run_benchmark(name:str, quick:bool=False, device:str=None) -> tuple:
     ("Run benchmark `name` on `device` (default: CUDA when present): its rows, each naming the device, and its "
      "baseline.")
@@ -169,11 +172,12 @@ def run_benchmark(name:str, quick:bool=False, device:str=None) -> tuple:
     rows, baseline = res if isinstance(res, tuple) else (res, None)
     return [{**r, 'device': r.get('device', device_name(device))} for r in rows], baseline
 
+# %% ../nbs/06_bench.ipynb
 @cli_main
 def main():
     "memlab_bench: run a named benchmark and print its table of measured ratios."
     import argparse
-    from memlab.core import ArgumentParser
+    from memlab.flags import ArgumentParser
     p = ArgumentParser(prog='memlab_bench', description=main.__doc__,
                                 epilog='benchmarks:\n'
                                        + '\n'.join(f'  {k:<11} {d}' for k, (_, d) in BENCHMARKS.items()),

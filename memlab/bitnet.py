@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from .compat import is_quantized
-from .core import Config, MemlabError, check, atomic_write_text
+from .core import Config, MemlabError, check, atomic_write_text, patch_to
 from .models import as_dtype, load_model, load_saved_methods
 from .registry import (MEMLAB_WEIGHTS, MethodSpec, attach_method, detach_method, folder_methods, model_methods,
                              register_folder, register_method, write_memlab_folder)
@@ -62,6 +62,13 @@ def _linear_kind(m:nn.Module) -> str:
     if isinstance(m, nn.Linear): return 'linear'
     return None
 
+def _check_relora_base(layer:nn.Module, name:str=''):
+    "Refuse a weight-delta (ReLoRA) layer whose update cannot live in BitNet's latent weight (an input dropout)."
+    check(layer.input_dropout == 0, f"ReLoRA layer{' ' + name if name else ''} has "
+          f"lora_dropout={layer.input_dropout}: under BitNet the update is added to the latent weight before "
+          "quantization, where an input dropout has no meaning; use lora_dropout=0")
+
+# %% ../nbs/40_bitnet.ipynb
 class BitLinear(TransparentWrapper):
     ("A BitNet b1.58 linear layer around `base_layer` (nn.Linear or Conv1D): RMSNorm, 8-bit activations, "
      "ternary weights, STE.")
@@ -95,59 +102,62 @@ class BitLinear(TransparentWrapper):
             return (w.float() + self.base_layer.delta_weight()).to(w.dtype)   # (out, in)
         return w.t() if self.is_conv1d else w               # (out, in)
 
-    def ternary(self) -> tuple:
-        "The forward weight's int8 codes in {-1, 0, 1} (out, in) and its fp32 scale s (effective weight = codes / s)."
-        if self.frozen: return self.bitnet_ternary, self.bitnet_scale
-        t, s = weight_quant(self.latent_weight())
-        return t.to(torch.int8), s
+# %% ../nbs/40_bitnet.ipynb
+@patch_to(BitLinear)
+def ternary(self) -> tuple:
+    "The forward weight's int8 codes in {-1, 0, 1} (out, in) and its fp32 scale s (effective weight = codes / s)."
+    if self.frozen: return self.bitnet_ternary, self.bitnet_scale
+    t, s = weight_quant(self.latent_weight())
+    return t.to(torch.int8), s
 
-    def effective_weight(self) -> torch.Tensor:
-        ("The weight the forward uses, (out, in): ternary codes over one scale; "
-         "straight-through to the latent weight when training.")
-        if self.frozen:
-            return (self.bitnet_ternary.float() / self.bitnet_scale).to(self.bitnet_norm_weight.dtype)
-        w = self.latent_weight()
-        t, s = weight_quant(w)
-        # contiguous in both states: a transposed (Conv1D) layout
-        # would send F.linear down another GEMM path, other rounding
-        return ste(w, (t / s).to(w.dtype)).contiguous()     # (out, in)
+@patch_to(BitLinear)
+def effective_weight(self) -> torch.Tensor:
+    ("The weight the forward uses, (out, in): ternary codes over one scale; "
+     "straight-through to the latent weight when training.")
+    if self.frozen:
+        return (self.bitnet_ternary.float() / self.bitnet_scale).to(self.bitnet_norm_weight.dtype)
+    w = self.latent_weight()
+    t, s = weight_quant(w)
+    # contiguous in both states: a transposed (Conv1D) layout
+    # would send F.linear down another GEMM path, other rounding
+    return ste(w, (t / s).to(w.dtype)).contiguous()     # (out, in)
 
-    def quantize_input(self, x:torch.Tensor) -> torch.Tensor:
-        "RMSNorm then per-token 8-bit quantization of the input (fp32), straight-through to `x` and the norm weight."
-        xn = rms_norm(x, self.bitnet_norm_weight, self.norm_eps)   # (..., in) fp32
-        q, s = activation_quant(xn)
-        return ste(xn, q / s)                                       # (..., in) fp32
+# %% ../nbs/40_bitnet.ipynb
+@patch_to(BitLinear)
+def quantize_input(self, x:torch.Tensor) -> torch.Tensor:
+    "RMSNorm then per-token 8-bit quantization of the input (fp32), straight-through to `x` and the norm weight."
+    xn = rms_norm(x, self.bitnet_norm_weight, self.norm_eps)   # (..., in) fp32
+    q, s = activation_quant(xn)
+    return ste(xn, q / s)                                       # (..., in) fp32
 
-    def forward(self, x:torch.Tensor) -> torch.Tensor:
-        w = self.effective_weight()                          # (out, in)
-        xq = self.quantize_input(x).to(w.dtype)              # (..., in)
-        return F.linear(xq, w, self.base_layer.bias)         # (..., out)
+@patch_to(BitLinear)
+def forward(self, x:torch.Tensor) -> torch.Tensor:
+    w = self.effective_weight()                          # (out, in)
+    xq = self.quantize_input(x).to(w.dtype)              # (..., in)
+    return F.linear(xq, w, self.base_layer.bias)         # (..., out)
 
-    @torch.no_grad()
-    def freeze(self, codes:torch.Tensor=None, scale:torch.Tensor=None):
-        ("Drop the latent weight and keep int8 ternary codes and the scale "
-         "(computed from the latent weight unless given).")
-        check(not self.has_relora, "this BitLinear holds a ReLoRA adapter: merge it into the latent weight first "
-              "(memlab.relora.remove_relora(model))")
-        if codes is None: codes, scale = self.ternary()
-        check(tuple(codes.shape) == (self.out_features, self.in_features),
-              f"ternary codes of shape {tuple(codes.shape)} for a {self.out_features}x{self.in_features} layer")
-        dev = self.bitnet_norm_weight.device
-        self.base_layer.register_parameter('weight', None)  # free the latent weight
-        self.register_buffer('bitnet_ternary', codes.to(torch.int8).to(dev).contiguous())
-        self.register_buffer('bitnet_scale', scale.detach().float().reshape(()).to(dev))
-        return self
+# %% ../nbs/40_bitnet.ipynb
+@patch_to(BitLinear)
+@torch.no_grad()
+def freeze(self, codes:torch.Tensor=None, scale:torch.Tensor=None):
+    ("Drop the latent weight and keep int8 ternary codes and the scale "
+     "(computed from the latent weight unless given).")
+    check(not self.has_relora, "this BitLinear holds a ReLoRA adapter: merge it into the latent weight first "
+          "(memlab.relora.remove_relora(model))")
+    if codes is None: codes, scale = self.ternary()
+    check(tuple(codes.shape) == (self.out_features, self.in_features),
+          f"ternary codes of shape {tuple(codes.shape)} for a {self.out_features}x{self.in_features} layer")
+    dev = self.bitnet_norm_weight.device
+    self.base_layer.register_parameter('weight', None)  # free the latent weight
+    self.register_buffer('bitnet_ternary', codes.to(torch.int8).to(dev).contiguous())
+    self.register_buffer('bitnet_scale', scale.detach().float().reshape(()).to(dev))
+    return self
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.base_layer.bias is not None}, {'conv1d, ' if self.is_conv1d else ''}"
-                f"{'relora, ' if self.has_relora else ''}{'frozen' if self.frozen else 'training'}")
-
-def _check_relora_base(layer:nn.Module, name:str=''):
-    "Refuse a weight-delta (ReLoRA) layer whose update cannot live in BitNet's latent weight (an input dropout)."
-    check(layer.input_dropout == 0, f"ReLoRA layer{' ' + name if name else ''} has "
-          f"lora_dropout={layer.input_dropout}: under BitNet the update is added to the latent weight before "
-          "quantization, where an input dropout has no meaning; use lora_dropout=0")
+@patch_to(BitLinear)
+def extra_repr(self) -> str:
+    return (f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.base_layer.bias is not None}, {'conv1d, ' if self.is_conv1d else ''}"
+            f"{'relora, ' if self.has_relora else ''}{'frozen' if self.frozen else 'training'}")
 
 # %% ../nbs/40_bitnet.ipynb
 @dataclass
@@ -178,14 +188,9 @@ def bitnet_modules(model:nn.Module) -> dict:
     "The BitLinear modules of `model` by dotted name."
     return {n: m for n, m in model.named_modules() if isinstance(m, BitLinear)}
 
-def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
-    ("Replace the target linear layers of `model` (any family, GPT-2 Conv1D included) by `BitLinear`, in place; "
-     "refuse if nothing matches.")
-    cfg = config or BitNetConfig()
-    check(not hasattr(model, 'peft_config'), "add_bitnet needs a plain model: merge_and_unload() the PEFT adapters "
-          "first (their LoRA linears would be converted too)")
-    check(not bitnet_modules(model), f"{type(model).__name__} already has "
-          f"{len(bitnet_modules(model))} BitLinear modules; remove_bitnet it first or convert a fresh model")
+# %% ../nbs/40_bitnet.ipynb
+def _bitnet_targets(model:nn.Module, cfg:BitNetConfig) -> tuple:
+    "({name: kind} of every convertible linear, [names `cfg` converts]) of `model`; refuse what cannot be converted."
     inside_relora = {f"{n}.base_layer" for n, m in model.named_modules() if is_weight_delta_layer(m)}
     # a ReLoRA layer converts whole
     linears = {n: _linear_kind(m) for n, m in model.named_modules() if _linear_kind(m) and n not in inside_relora}
@@ -216,6 +221,18 @@ def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
                      if not any(_linear_kind(m) in ('linear', 'conv1d', 'relora') for m in layer.modules())]
             check(not empty, f"decoder layers {empty} of {type(model).__name__} hold no nn.Linear or Conv1D: "
                   "their linear type is not supported, the conversion would leave them in full precision")
+    return linears, targets
+
+# %% ../nbs/40_bitnet.ipynb
+def add_bitnet(model:nn.Module, config:BitNetConfig=None) -> nn.Module:
+    ("Replace the target linear layers of `model` (any family, GPT-2 Conv1D included) by `BitLinear`, in place; "
+     "refuse if nothing matches.")
+    cfg = config or BitNetConfig()
+    check(not hasattr(model, 'peft_config'), "add_bitnet needs a plain model: merge_and_unload() the PEFT adapters "
+          "first (their LoRA linears would be converted too)")
+    check(not bitnet_modules(model), f"{type(model).__name__} already has "
+          f"{len(bitnet_modules(model))} BitLinear modules; remove_bitnet it first or convert a fresh model")
+    linears, targets = _bitnet_targets(model, cfg)
     for n in targets:
         if linears[n] == 'relora': _check_relora_base(model.get_submodule(n), n)
     for n in targets:
@@ -238,6 +255,7 @@ def convert_to_bitnet(model:nn.Module,
     return add_bitnet(model, BitNetConfig(target_modules=targets, exclude=list(exclude), keep_weights=keep_weights,
                                           norm_eps=norm_eps, expected=expected))
 
+# %% ../nbs/40_bitnet.ipynb
 def remove_bitnet(model:nn.Module) -> nn.Module:
     "Put every BitLinear's `base_layer` back (its latent weights; the RMSNorms and quantizers are dropped), in place."
     mods = bitnet_modules(model)
@@ -293,6 +311,7 @@ def _decode_bitnet(model:nn.Module, tensors:dict) -> dict:
         tensors[f"{p}.bitnet_ternary"] = unpack_ternary(tensors.pop(f"{p}.bitnet_packed"), shape)
     return tensors
 
+# %% ../nbs/40_bitnet.ipynb
 def _rebuild_bitnet(model:nn.Module, config:dict) -> nn.Module:
     "BitLinears on a freshly built model, as `config` says (no re-initialisation: the saved tensors follow)."
     return add_bitnet(model, dataclasses.replace(BitNetConfig.from_dict(config), keep_weights=True))
@@ -300,6 +319,7 @@ def _rebuild_bitnet(model:nn.Module, config:dict) -> nn.Module:
 register_method(MethodSpec('bitnet', rebuild=_rebuild_bitnet, plain=False, decode=_decode_bitnet,
                            encode=lambda model, sd: _pack_modules(model, sd, frozen_only=True), remove=remove_bitnet))
 
+# %% ../nbs/40_bitnet.ipynb
 def save_packed(model:nn.Module, path,      # a model holding BitLinear modules; output directory
                 dtype=None) -> Path:       # dtype for the non-converted floating tensors (None: keep theirs)
     "Write `model` to `path`, every BitLinear's ternary weights packed at 2 bits per weight (the model is not changed)."
@@ -329,21 +349,6 @@ def save_packed(model:nn.Module, path,      # a model holding BitLinear modules;
     return path
 
 # %% ../nbs/40_bitnet.ipynb
-def load_packed(path,               # a folder written by `save_packed` or by `save_pretrained` of a BitNet model
-                # an unconverted model of the same architecture to load into (default: built from config.json)
-                model:nn.Module=None,
-                dtype=None) -> nn.Module: # dtype to build the model in (default: the dtype it was saved from)
-    "Rebuild a BitNet model from its folder (frozen BitLinears where the weights were packed); strict loading."
-    path = Path(path)
-    meta = json.loads((path/'bitnet.json').read_text()) if (path/'bitnet.json').exists() else {}
-    if meta.get('version') == 1: return _load_packed_v1(path, model, dtype)
-    check((path/MEMLAB_WEIGHTS).exists() and any(e['method'] == 'bitnet' for e in folder_methods(path)),
-          f"{path} is not a packed BitNet directory (no {MEMLAB_WEIGHTS} with a BitNet record in config.json); "
-          "write one with save_packed")
-    dtype = as_dtype(dtype or meta.get('dtype', 'float32'))
-    if model is None: return load_model(path, dtype=dtype)
-    return load_saved_methods(path, model.to(dtype))
-
 def _load_packed_v1(path, model:nn.Module=None, dtype=None) -> nn.Module:
     "A packed folder written before the method contract (`model.safetensors` + `bitnet.json` version 1)."
     meta = json.loads((path/'bitnet.json').read_text())
@@ -375,6 +380,8 @@ def _load_packed_v1(path, model:nn.Module=None, dtype=None) -> nn.Module:
           f"unexpected {res.unexpected_keys[:5]}")
     return model.eval()
 
+
+# %% ../nbs/40_bitnet.ipynb
 def _is_v1(folder) -> bool:
     try: return json.loads((Path(folder)/'bitnet.json').read_text()).get('version') == 1
     except (OSError, json.JSONDecodeError): return False
@@ -384,6 +391,22 @@ def _load_v1_folder(folder, dtype=None, quantization=None, strict:bool=True, **k
     return _load_packed_v1(Path(folder), dtype=dtype)
 
 register_folder('bitnet-v1', _is_v1, _load_v1_folder)
+
+# %% ../nbs/40_bitnet.ipynb
+def load_packed(path,               # a folder written by `save_packed` or by `save_pretrained` of a BitNet model
+                # an unconverted model of the same architecture to load into (default: built from config.json)
+                model:nn.Module=None,
+                dtype=None) -> nn.Module: # dtype to build the model in (default: the dtype it was saved from)
+    "Rebuild a BitNet model from its folder (frozen BitLinears where the weights were packed); strict loading."
+    path = Path(path)
+    meta = json.loads((path/'bitnet.json').read_text()) if (path/'bitnet.json').exists() else {}
+    if meta.get('version') == 1: return _load_packed_v1(path, model, dtype)
+    check((path/MEMLAB_WEIGHTS).exists() and any(e['method'] == 'bitnet' for e in folder_methods(path)),
+          f"{path} is not a packed BitNet directory (no {MEMLAB_WEIGHTS} with a BitNet record in config.json); "
+          "write one with save_packed")
+    dtype = as_dtype(dtype or meta.get('dtype', 'float32'))
+    if model is None: return load_model(path, dtype=dtype)
+    return load_saved_methods(path, model.to(dtype))
 
 # %% ../nbs/40_bitnet.ipynb
 def packed_report(path) -> dict:
@@ -424,21 +447,10 @@ def hf_bitnet_problem(model:nn.Module) -> str | None:
     if len(eps) > 1: return f"transformers' BitNet format has one RMSNorm epsilon; these layers use {sorted(eps)}"
     return None
 
-@torch.no_grad()
-def save_hf_bitnet(model:nn.Module, path,      # a Hugging Face model holding BitLinear modules; output directory
-                   tokenizer=None) -> Path:     # written beside the model when given
-    ("Write `model` in transformers' own BitNet format (packed ternary weights, `quant_method: bitnet`), which plain "
-     "`AutoModelForCausalLM.from_pretrained` loads and runs without memlab.")
-    from safetensors.torch import save_file
-    from transformers import BitNetQuantConfig
-    from transformers.integrations.bitnet import VALUES_PER_ITEM, pack_weights
-    from memlab.registry import plain_config
-    mods = bitnet_modules(model)
-    check(mods, f"{type(model).__name__} has no BitLinear module: add_bitnet it before save_hf_bitnet")
-    problem = hf_bitnet_problem(model)
-    check(problem is None, f"{problem}: save this model with save_pretrained (memlab's format) instead")
-    eps = {m.norm_eps for m in mods.values()}
-    names = state_names(model)
+# %% ../nbs/40_bitnet.ipynb
+def _hf_bitnet_tensors(model:nn.Module, mods:dict, names:dict) -> dict:
+    "`model`'s state dict in transformers' BitNet layout: each BitLinear (of `mods`) as packed weight, scale and norm."
+    from transformers.integrations.bitnet import pack_weights
     dtype = next(iter(mods.values())).bitnet_norm_weight.dtype
     sd = dict(model.state_dict())
     for n, m in mods.items():
@@ -448,6 +460,24 @@ def save_hf_bitnet(model:nn.Module, path,      # a Hugging Face model holding Bi
         sd[f"{p}.weight"] = pack_weights(codes.to(torch.int8).clone())             # (out/4, in) uint8
         sd[f"{p}.weight_scale"] = scale.reshape(1).to(dtype)                       # effective weight = codes / scale
         sd[f"{p}.rms_norm.weight"] = m.bitnet_norm_weight.detach()
+    return sd
+
+# %% ../nbs/40_bitnet.ipynb
+@torch.no_grad()
+def save_hf_bitnet(model:nn.Module, path,      # a Hugging Face model holding BitLinear modules; output directory
+                   tokenizer=None) -> Path:     # written beside the model when given
+    ("Write `model` in transformers' own BitNet format (packed ternary weights, `quant_method: bitnet`), which plain "
+     "`AutoModelForCausalLM.from_pretrained` loads and runs without memlab.")
+    from safetensors.torch import save_file
+    from transformers import BitNetQuantConfig
+    from memlab.registry import plain_config
+    mods = bitnet_modules(model)
+    check(mods, f"{type(model).__name__} has no BitLinear module: add_bitnet it before save_hf_bitnet")
+    problem = hf_bitnet_problem(model)
+    check(problem is None, f"{problem}: save this model with save_pretrained (memlab's format) instead")
+    eps = {m.norm_eps for m in mods.values()}
+    names = state_names(model)
+    sd = _hf_bitnet_tensors(model, mods, names)
     converted = {names[n] for n in mods}
     linears = [names[n] for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in mods
                and not any(n.startswith(b + '.') for b in mods)]

@@ -11,8 +11,8 @@ from typing import Optional
 from .core import atomic_write_text, check
 
 # %% auto 0
-__all__ = ['HUB_ID_PATTERN', 'BUILTIN_HUB_IDS', 'hub_model_id', 'base_model_license', 'model_card', 'eval_metrics', 'output_card',
-           'write_model_card']
+__all__ = ['HUB_ID_PATTERN', 'BUILTIN_HUB_IDS', 'hub_model_id', 'base_model_license', 'model_card', 'write_model_card',
+           'eval_metrics', 'output_card']
 
 # %% ../nbs/05e_cards.ipynb
 HUB_ID_PATTERN = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
@@ -26,6 +26,7 @@ def hub_model_id(name) -> Optional[str]:
     if not name or re.fullmatch(HUB_ID_PATTERN, name) is None or Path(name).exists(): return None
     return name
 
+# %% ../nbs/05e_cards.ipynb
 def base_model_license(name) -> Optional[str]:
     "The license in the model card of `name` when it is a local folder with a README.md (nothing is downloaded)."
     from huggingface_hub import ModelCard
@@ -34,6 +35,20 @@ def base_model_license(name) -> Optional[str]:
     try: return ModelCard.load(readme).data.license
     except Exception: return None   # a README without card metadata: no license to inherit
 
+# %% ../nbs/05e_cards.ipynb
+def _card_text(model_name:str, method:str, description:str, base:Optional[str], metrics:dict, ds:str,
+               sections:dict) -> str:
+    "The card's Markdown below its metadata: title, description (and base model), method, results, extra sections."
+    L = [f"# {model_name}", '', description.strip() + (f" Base model: {base}." if base else ''), '',
+         '## Method', '', f"memlab's `{method}` ([memlab](https://github.com/memlab/memlab)).", '']
+    if metrics:
+        fmt = lambda v: '—' if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+        L += ['## Results', '', f"On {ds}:", '', '| metric | base model | trained |', '|---|---|---|']
+        L += [f"| {m} | {fmt(v.get('base'))} | {fmt(v.get('trained'))} |" for m, v in metrics.items()] + ['']
+    for title, text in (sections or {}).items(): L += [f"## {title}", '', text.strip(), '']
+    return '\n'.join(L)
+
+# %% ../nbs/05e_cards.ipynb
 def model_card(model_name:str, method:str, description:str, base_model=None, datasets=(), metrics:dict=None,
                license:str=None, tags=(), dataset_name:str=None, sections:dict=None, library_name:str='transformers'):
     ("A `huggingface_hub.ModelCard` of a trained output: `metrics` maps a metric name ('eval loss', "
@@ -54,15 +69,16 @@ def model_card(model_name:str, method:str, description:str, base_model=None, dat
                          tags=list(dict.fromkeys(['memlab', method, *tags])), eval_results=results or None)
     base = (f"[`{hub}`](https://huggingface.co/{hub})" if hub                    # a local one by its folder's name
             else f"`{Path(str(base_model)).name}` (a local model)" if base_model else None)
-    L = [f"# {model_name}", '', description.strip() + (f" Base model: {base}." if base else ''), '',
-         '## Method', '', f"memlab's `{method}` ([memlab](https://github.com/memlab/memlab)).", '']
-    if metrics:
-        fmt = lambda v: '—' if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-        L += ['## Results', '', f"On {ds}:", '', '| metric | base model | trained |', '|---|---|---|']
-        L += [f"| {m} | {fmt(v.get('base'))} | {fmt(v.get('trained'))} |" for m, v in metrics.items()] + ['']
-    for title, text in (sections or {}).items(): L += [f"## {title}", '', text.strip(), '']
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + '\n'.join(L))
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + _card_text(model_name, method, description, base, metrics, ds,
+                                                                    sections))
 
+def write_model_card(folder, *args, **kwargs) -> Path:
+    "Write `model_card(*args, **kwargs)` as `folder`/README.md."
+    path = Path(folder)/'README.md'
+    atomic_write_text(path, str(model_card(*args, **kwargs)))
+    return path
+
+# %% ../nbs/05e_cards.ipynb
 def eval_metrics(res:dict, base_loss:float=None) -> dict:
     ("`model_card`'s metrics from a `run` result: the final eval loss and perplexity (and the base model's, "
      "if measured).")
@@ -72,6 +88,7 @@ def eval_metrics(res:dict, base_loss:float=None) -> dict:
     return {'eval loss': {'base': base_loss, 'trained': final},
             'eval perplexity': {'base': ppl(base_loss), 'trained': ppl(final)}}
 
+# %% ../nbs/05e_cards.ipynb
 def output_card(method:str, description:str, base_model=None, dataset=None, folders=('model',), base_loss=None,
                 **kw):
     ("A `run` card hook: the card of each of `folders` (under the run folder) with the run's eval metrics; "
@@ -81,9 +98,3 @@ def output_card(method:str, description:str, base_model=None, dataset=None, fold
         return {f: dict(method=method, description=description, base_model=base_model, datasets=dataset or (),
                         metrics=metrics, **kw) for f in folders}
     return card
-
-def write_model_card(folder, *args, **kwargs) -> Path:
-    "Write `model_card(*args, **kwargs)` as `folder`/README.md."
-    path = Path(folder)/'README.md'
-    atomic_write_text(path, str(model_card(*args, **kwargs)))
-    return path

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05d_checkpoints.ipynb 2
 from __future__ import annotations
-import json, os, pickle, shutil, warnings
+import hashlib, json, os, pickle, re, shutil, warnings
 from pathlib import Path
 from typing import Optional
 
@@ -12,14 +12,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core import MemlabError, check, environment_error, lock_folder, release_folder
+from .core import MemlabError, atomic_write_text, check, environment_error
+from .folders import lock_folder, release_folder
 from .distributed import main_process_value
 from .wrappers import to_state_names
 
 # %% auto 0
-__all__ = ['CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'step_dir', 'list_checkpoints', 'find_checkpoint',
-           'output_dir_refusal', 'resume_plan', 'clear_unfinished_run', 'load_strict', 'read_json', 'read_safetensors',
-           'write_state', 'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata']
+__all__ = ['CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'MANIFEST', 'HASHES', 'step_dir',
+           'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'resume_plan', 'clear_unfinished_run',
+           'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
+           'write_manifest', 'verify_checkpoint', 'optimizer_steps', 'check_optimizer_steps', 'schedule_digest',
+           'resume_refusal', 'load_sharded', 'sharded_metadata']
 
 # %% ../nbs/05d_checkpoints.ipynb
 CHECKPOINTS = 'checkpoints'
@@ -70,20 +73,24 @@ def output_dir_refusal(out, resume_hint:str="resume_from='latest'", flag:str='ou
     if (out/'results.json').exists(): return f"--{flag} {out} already holds a run (results.json): choose another folder"
     return None
 
+# %% ../nbs/05d_checkpoints.ipynb
 def resume_plan(output_dir, resume_from=None, resume_hint:str="resume_from='latest' (--resume_from latest)",
-                flag:str='output_dir', accelerator=None):
+                flag:str='output_dir', accelerator=None, flags=None):
     """The checkpoint a run in `output_dir` continues from (None: a fresh start there), or `output_dir_refusal`'s
     one line. 'latest' with no checkpoint yet is a fresh start (a job script's first launch, `--autoresume`). The
     `Trainer` applies it; a command calls it before building anything, naming its own flags: with an `accelerator`
     the main process decides and every process gets the verdict. The deciding process first takes the folder
-    (`lock_folder`): a folder in use by a live run is refused, whatever it holds."""
+    (`lock_folder`): a folder in use by a live run is refused, whatever it holds. The checkpoint continued is checked
+    against itself and against the command's `flags` (`resume_refusal`) before anything is built."""
     def decide(lock:bool=True):
-        if not output_dir: return resume_from, None
-        took, refusal, r = False, None, None
+        took, refusal, r = False, None, resume_from
         try:
-            took = lock and lock_folder(output_dir, flag)   # before its contents are read: another run may be writing
-            r = None if str(resume_from) == 'latest' and not list_checkpoints(output_dir) else resume_from
-            refusal = None if r else output_dir_refusal(output_dir, resume_hint, flag)
+            if output_dir:
+                took = lock and lock_folder(output_dir, flag)   # before its contents are read: another run may be writing
+                r = None if str(resume_from) == 'latest' and not list_checkpoints(output_dir) else resume_from
+                refusal = None if r else output_dir_refusal(output_dir, resume_hint, flag)
+            if r and refusal is None and (output_dir or flags is not None):     # (neither: passed on as it is)
+                refusal = resume_refusal(find_checkpoint(r, output_dir), flags)
         except MemlabError as e: refusal = str(e)
         except OSError as e: refusal = environment_error(e) or str(e)
         if refusal and took: release_folder(output_dir)
@@ -210,6 +217,114 @@ def load_pickled_data(path):
         why = why.strip()[:150]
         raise MemlabError(f"refusing to load {path}: it is not plain data ({why}); "
                           "memlab never runs code from a checkpoint") from None
+
+# %% ../nbs/05d_checkpoints.ipynb
+MANIFEST = 'manifest.json'
+_VERIFIED = {}      # checkpoint folder -> the identity of its files when they were verified (this process)
+
+def _xxh3_128():
+    import xxhash
+    return xxhash.xxh3_128()
+
+HASHES = {'xxh3_128': _xxh3_128, 'sha256': hashlib.sha256}   # the manifest's hash: fast (the default), or cryptographic
+
+def _digest(path, hash:str) -> str:
+    h = HASHES[hash]()
+    with open(path, 'rb') as f:
+        while (block := f.read(1 << 24)): h.update(block)
+    return h.hexdigest()
+
+def _checkpoint_files(folder:Path) -> list:
+    "Every entry of `folder` but the manifest and folders, as relative POSIX paths (links included: they are refused)."
+    out = []
+    for root, dirs, files in os.walk(folder):
+        out += [Path(root, f).relative_to(folder).as_posix() for f in files]
+        out += [Path(root, d).relative_to(folder).as_posix() for d in dirs if Path(root, d).is_symlink()]
+    return sorted(f for f in out if f != MANIFEST)
+
+def write_manifest(folder, step:int, hash:str='xxh3_128', **facts) -> dict:
+    "Write `folder`'s manifest.json, last: each file's size and `hash`, the update `step` and `facts`; return it."
+    folder = Path(folder)
+    files = {f: {'size': (folder/f).stat().st_size, 'digest': _digest(folder/f, hash)} for f in _checkpoint_files(folder)}
+    manifest = {'format': 1, 'step': int(step), 'hash': hash, **facts, 'files': files}
+    atomic_write_text(folder/MANIFEST, json.dumps(manifest, indent=1))
+    return manifest
+
+def _identity(folder:Path) -> tuple:
+    "What a file system says of every file of `folder` (device, inode, size, time): a changed file changes it."
+    sts = [(f, os.lstat(folder/f)) for f in [MANIFEST, *_checkpoint_files(folder)]]
+    return tuple((f, s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for f, s in sts)
+
+def _changed(path, why:str) -> MemlabError:
+    return MemlabError(f"{path} {why}: the checkpoint changed after it was written; {DAMAGED}")
+
+def verify_checkpoint(folder) -> dict:
+    ("The manifest of checkpoint `folder` once every file matches it and the steps agree (the manifest's, the folder "
+     "name's, trainer_state.json's); else one line naming the file.")
+    folder = Path(folder).absolute()
+    mp = folder/MANIFEST
+    check(mp.is_file() and not mp.is_symlink(), f"{folder} has no {MANIFEST} (the list of its files, written last): it "
+          "was cut short, or written by an older memlab; resume from a checkpoint that has one, or start a new run")
+    manifest = read_json(mp, 'manifest')
+    if _VERIFIED.get(folder) == _identity(folder): return manifest
+    files = manifest.get('files')
+    check(isinstance(files, dict) and isinstance(manifest.get('step'), int) and manifest.get('hash') in HASHES,
+          f"{mp} is damaged (no files, step or known hash); {DAMAGED}")
+    have = _checkpoint_files(folder)
+    for f in sorted(set(files) - set(have)): raise MemlabError(f"{folder/f} is missing: the checkpoint is incomplete; {DAMAGED}")
+    for f in have:
+        p = folder/f
+        if f not in files: raise _changed(p, f"is not in {MANIFEST}")
+        if p.is_symlink(): raise _changed(p, "is a symbolic link")
+        if p.stat().st_size != files[f]['size']: raise _changed(p, f"has {p.stat().st_size} bytes, not {files[f]['size']}")
+        if _digest(p, manifest['hash']) != files[f]['digest']: raise _changed(p, f"does not match its hash in {MANIFEST}")
+    m = re.fullmatch(r'step-(\d+)', folder.name)
+    state = read_json(folder/'trainer_state.json')
+    for what, step in (('the folder name', int(m.group(1)) if m else None), ('trainer_state.json', state.get('step'))):
+        if step is not None and step != manifest['step']:
+            raise MemlabError(f"{folder}: {what} says update {step} but {MANIFEST} says {manifest['step']}: the "
+                              f"checkpoint does not agree with itself; {DAMAGED}")
+    _VERIFIED[folder] = _identity(folder)
+    return manifest
+
+def optimizer_steps(state:dict):
+    "The largest per-parameter step count of optimizer state dict `state` (AdamW's 'step'), or None where it keeps none."
+    steps = [float(s['step'].full_tensor() if hasattr(s['step'], 'full_tensor') else s['step'])
+             for s in (state or {}).get('state', {}).values() if isinstance(s, dict) and 'step' in s]
+    return int(max(steps)) if steps else None
+
+def check_optimizer_steps(state:dict, trained:dict, where):
+    "Refuse optimizer state dict `state` if its own step counts disagree with the count its checkpoint recorded (`trained`)."
+    n, saved = optimizer_steps(state), trained.get('optimizer_steps')
+    if n is None: return                                 # no moments kept (--checkpointer.save_optimizer_state=False)
+    check(saved is None or n == saved, f"{where}: the optimizer's state has taken {n} steps but its checkpoint says {saved} "
+          f"(at update {trained['step']}): the checkpoint does not agree with itself; {DAMAGED}")
+
+def schedule_digest(scheduler, steps:int) -> str:
+    ("SHA-256 of the learning-rate multipliers a `LambdaLR` gives updates 1 .. `steps` (None for another kind of "
+     "scheduler): a resume checks that the updates already trained keep their learning rates.")
+    fns = getattr(scheduler, 'lr_lambdas', None)
+    if not fns: return None
+    h = hashlib.sha256()
+    for s in range(steps): h.update(repr([float(f(s)) for f in fns]).encode())
+    return h.hexdigest()
+
+# %% ../nbs/05d_checkpoints.ipynb
+def resume_refusal(checkpoint, flags=None) -> Optional[str]:
+    ("Why `checkpoint` cannot be continued (None if it can): it does not agree with itself (`verify_checkpoint`), or "
+     "`flags` (the resuming command's `RunFlags`) change a flag that defines the run: one line naming each, old -> new.")
+    try: verify_checkpoint(checkpoint)
+    except MemlabError as e: return str(e)
+    if flags is None: return None
+    saved = read_json(Path(checkpoint)/'trainer_state.json').get('flags') or {}
+    command = flags.table.command
+    if saved.get('command') != command:
+        return (f"{checkpoint} is a checkpoint of {saved.get('command') or 'an unnamed run'}, not of {command}: "
+                f"continue it with the command that wrote it")
+    changed = flags.table.changes(saved.get('values') or {}, flags.values)
+    return None if not changed else (
+        f"{checkpoint} belongs to a run with other settings ({'; '.join(changed)}): a resume continues a run exactly, "
+        "so pass the flags it was started with, or start a new run in another folder")
 
 # %% ../nbs/05d_checkpoints.ipynb
 class _MetadataUnpickler(pickle.Unpickler):

@@ -101,6 +101,7 @@ def quantized_linear(lin:nn.Linear, kind:str) -> nn.Module:
     if bias: q.bias = nn.Parameter(lin.bias.data)
     return q.to(dev)                                 # moving a bitsandbytes parameter to a device is what quantizes it
 
+# %% ../nbs/09_compat.ipynb
 def dequantize_weight(layer) -> torch.Tensor:
     "The weight of a linear layer as a dense fp32 (out, in) tensor: dequantized for bitsandbytes 4-/8-bit layers."
     kind, w = quant_kind(layer), layer.weight
@@ -113,6 +114,7 @@ def dequantize_weight(layer) -> torch.Tensor:
     check(scb is not None, f"cannot read the 8-bit weight of {type(layer).__name__}: it has no row scales")
     return bnbF.int8_vectorwise_dequant(w.data, scb).float()
 
+# %% ../nbs/09_compat.ipynb
 def store_weight_(layer, new:torch.Tensor) -> None:
     ("Store fp32 `new` as the weight of bitsandbytes layer `layer`, requantized in its own format "
      "(block size, type, dtype).")

@@ -129,6 +129,7 @@ def check_text(text:str, where:str):
     ("Refuse binary data read as text: over 10% of its characters (in the first million; a few stray bytes pass) are "
      "bytes that are not UTF-8, or control characters (tabs, newlines and form feeds are text). Random bytes: ~60%.")
     sample = text[:1_000_000]
+    if not sample: return                                    # empty: not binary (the corpus rule drops it)
     bad = len(_NOT_TEXT.findall(sample))
     check(bad <= max(16, 0.1 * len(sample)), f"{where} is not text: {bad / len(sample):.0%} of its characters are not UTF-8 or "
           "are control characters (binary data?): pass a UTF-8 text file")
@@ -252,6 +253,20 @@ def _columns_check(ds, text_field:str, where:str):
           f"{where} has no field {text_field!r} (its fields: {', '.join(ds.column_names)}); "
           f"pass text_field= / --text_field with the name of the text field")
 
+def _kept_rows(ds, text_field:str, where:str):
+    "Rows of `ds` whose text is neither empty nor blank (None: all of them); a field that does not hold strings is refused."
+    import numpy as np, pyarrow as pa, pyarrow.compute as pc
+    keep, n = [], 0
+    for tbl in ds.select_columns([text_field]).with_format('arrow').iter(batch_size=10_000):
+        col = tbl.column(text_field)
+        check(pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_null(col.type),
+              f"{where}: its {text_field!r} holds {col.type}, not text: the text field must hold strings "
+              "(choose it with --text_field)")
+        text = pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(col)), 0) if not pa.types.is_null(col.type) else None
+        mask = (np.zeros(len(tbl), bool) if text is None else pc.fill_null(text, False).to_numpy(zero_copy_only=False))
+        keep.extend((np.flatnonzero(mask) + n).tolist()); n += len(tbl)
+    return None if len(keep) == n else keep
+
 def _hash_groups(ds, id_field, split_ratios, id_prefix='') -> dict:
     "Row numbers of a `datasets.Dataset` per split: its `split` field where set, else the hash rule on the id."
     labels = ([canonical_split(s) if s else None for s in ds['split']] if 'split' in ds.column_names
@@ -272,25 +287,31 @@ def corpus_from_hf(ds, name:str, text_field:str='text', id_field:str='id', split
     if isinstance(ds, datasets.Dataset):
         _columns_check(ds, text_field, name)
         check(len(ds) > 0, f"{name} holds no documents")
-        idf = id_field if id_field in ds.column_names else None
+        idf, kept = id_field if id_field in ds.column_names else None, _kept_rows(ds, text_field, name)
         groups = _hash_groups(ds, idf, split_ratios)
+        if kept is not None: groups = {s: sorted(set(rows).intersection(kept)) for s, rows in groups.items()}
+        check(any(groups.values()), f"{name} holds {len(ds)} records but every {text_field!r} is empty")
         return Corpus(name, {s: _select(ds, rows, text_field, idf) for s, rows in groups.items()})
     check(isinstance(ds, (datasets.DatasetDict, dict)), f"{name} is a {type(ds).__name__}, "
           "not a Dataset or DatasetDict (streaming datasets are not supported: drop streaming=True)")
     check(len(ds) > 0 and sum(len(d) for d in ds.values()) > 0, f"{name} holds no documents")
-    splits = {}
+    splits, kept = {}, {}
     for sname, d in ds.items():
         _columns_check(d, text_field, f"{name} (split {sname})")
-        idf = id_field if id_field in d.column_names else None
-        splits[canonical_split(sname)] = ArrowDocuments(d, text_field, idf, id_prefix=f"{sname}/")
+        idf, kept[sname] = id_field if id_field in d.column_names else None, _kept_rows(d, text_field, f"{name} ({sname})")
+        splits[canonical_split(sname)] = (ArrowDocuments(d, text_field, idf, id_prefix=f"{sname}/") if kept[sname] is None
+                                          else _select(d, kept[sname], text_field, idf, f"{sname}/"))
     if 'validation' not in splits and 'train' in splits:  # carve held-out splits out of train by the hash rule
         train_name = next(k for k in ds if canonical_split(k) == 'train')
         d, idf = ds[train_name], splits['train'].id_field
         groups = _hash_groups(d.remove_columns(['split']) if 'split' in d.column_names else d, idf, split_ratios,
                               f"{train_name}/")
+        if kept[train_name] is not None: groups = {s: sorted(set(r).intersection(kept[train_name])) for s, r in groups.items()}
         if 'test' in splits: groups['train'] = sorted(groups.get('train', []) + groups.pop('test', []))
         for s in ('train', 'validation') if 'test' in splits else SPLITS:
             splits[s] = _select(d, groups.get(s, []), text_field, idf, f"{train_name}/")
+    check(any(len(v) for v in splits.values()),
+          f"{name} holds {sum(len(d) for d in ds.values())} records but every {text_field!r} is empty")
     return Corpus(name, splits)
 
 # %% ../nbs/01_data.ipynb

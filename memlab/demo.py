@@ -7,7 +7,8 @@ from __future__ import annotations
 import json, os, time
 from pathlib import Path
 
-from .core import check, cli_main, atomic_write_text, markdown_table
+from .core import check, atomic_write_text, markdown_table
+from .cli import cli_main
 from .runtime import precision_reason
 from .train_config import TrainConfig
 
@@ -113,7 +114,7 @@ def demo_neurocache(out:Path, quick:bool=False) -> tuple:
     ("Neurocache: a tiny Llama trained from scratch to recall facts stated beyond its context window, "
      "with and without a cache.")
     from memlab.neurocache import FactRecallTask, recall_cache_config
-    from memlab.train_neurocache import train_fact_recall
+    from memlab.experiment_runs import train_fact_recall
     task, steps = FactRecallTask(), 40 if quick else 120
     runs = {name: train_fact_recall(task, cache, steps=steps, eval_every=0)
             for name, cache in (('with Neurocache', recall_cache_config()), ('without cache', None))}

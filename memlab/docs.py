@@ -8,11 +8,13 @@ import json, re, sys
 from pathlib import Path
 from typing import Optional
 
-from .core import cli_main, atomic_write_text, check, field_docs, markdown_table
+from .core import atomic_write_text, check, field_docs, markdown_table
+from .cli import cli_main
 
 # %% auto 0
 __all__ = ['SECTIONS', 'FILE_WORKER_JS', 'cell_directives', 'notebook_markdown', 'readme_markdown', 'results_markdown',
-           'write_readme', 'source_url', 'api_html', 'api_hook_for', 'site_pages', 'build_site', 'docs_main']
+           'write_readme', 'source_url', 'api_html', 'api_hook_for', 'site_pages', 'build_site', 'check_site_folder',
+           'docs_main']
 
 # %% ../nbs/99_docs.ipynb
 _DIRECTIVE = re.compile(r"^\s*#\s*\|\s*([\w-]+):?\s*(.*)$")
@@ -31,6 +33,7 @@ def _strip_directives(src:str) -> str:
     while lines and _DIRECTIVE.match(lines[0]): lines.pop(0)
     return '\n'.join(lines).strip('\n')
 
+# %% ../nbs/99_docs.ipynb
 def _output_md(o:dict) -> str:
     ("A cell output as Markdown: printed text, Markdown/HTML displays, images; not stderr "
      "(warnings, progress bars) nor widgets.")
@@ -44,6 +47,7 @@ def _output_md(o:dict) -> str:
     if 'text/plain' in data: return '```\n' + ''.join(data['text/plain']).rstrip() + '\n```'
     return ''
 
+# %% ../nbs/99_docs.ipynb
 def _fix_links(md:str, link_base:str='', ext:str='.ipynb') -> str:
     "Point relative links to notebooks at `link_base` and, for the site, at the rendered page (`ext='.md'`)."
     def sub(m):
@@ -56,6 +60,7 @@ def _fix_links(md:str, link_base:str='', ext:str='.ipynb') -> str:
         return f"[{text}]({path}{'#' + anchor if anchor else ''})"
     return re.sub(r"\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
 
+# %% ../nbs/99_docs.ipynb
 def notebook_markdown(path, skip_title:bool=False, link_base:str='', ext:str='.ipynb', api_hook=None,
                       image_hook=None) -> str:
     """Render notebook `path` as Markdown (no Quarto needed). `api_hook(source)` may return Markdown to insert after a
@@ -88,6 +93,7 @@ def readme_markdown(nbs_path='nbs') -> str:
     md = re.sub(r"^> (.*)$", r"\1", md, count=1, flags=re.M)
     return "<!-- generated from nbs/index.ipynb by memlab_docs --readme: edit the notebook, not this file -->\n\n" + md
 
+# %% ../nbs/99_docs.ipynb
 def results_markdown(root='.') -> str:
     "The headline results table, built from the experiments' `nbs/experiments/results/*.json` (their `headline` rows)."
     rows = []
@@ -100,6 +106,7 @@ def results_markdown(root='.') -> str:
                                     [(r.get('method', ''), r.get('experiment', ''), r.get('result', ''),
                                       f"[{Path(r['notebook']).stem}]({r['notebook']})") for r in rows]))
 
+# %% ../nbs/99_docs.ipynb
 def write_readme(root='.') -> Path:
     "Write `<root>/README.md` from `<root>/nbs/index.ipynb`."
     root = Path(root); check((root/'nbs'/'index.ipynb').exists(), f"no nbs/index.ipynb under {root.resolve()}")
@@ -124,6 +131,7 @@ def _exported_names(source:str, imported:bool=False) -> list:
             names += [a.asname or a.name for a in node.names if a.name != '*']
     return [n for n in names if not n.startswith('_')]
 
+# %% ../nbs/99_docs.ipynb
 def _signature(obj):
     try: return inspect.signature(obj, eval_str=True)
     except Exception: return inspect.signature(obj)
@@ -147,6 +155,7 @@ def _param_rows(obj) -> list:
         rows.append((name, str(ann), default, fields.get(name) or d.get('docment') or ''))
     return rows
 
+# %% ../nbs/99_docs.ipynb
 def _markdown(text:str, inline:bool=False) -> str:
     "Docstring Markdown (`code`, *emphasis*, lists) as HTML; `inline` drops the enclosing paragraph."
     import markdown
@@ -161,6 +170,7 @@ def _python_html(code:str) -> str:
     return (f'<div class="highlight"><pre><code>{highlight(code, PythonLexer(), HtmlFormatter(nowrap=True))}'
             '</code></pre></div>')
 
+# %% ../nbs/99_docs.ipynb
 def source_url(obj) -> Optional[str]:
     "The line defining `obj` in the project's repository (settings.ini's git_url and branch), or None."
     try:
@@ -177,6 +187,29 @@ def _settings() -> dict:
     return dict(p.defaults())
 
 # %% ../nbs/99_docs.ipynb
+def _params_html(rows:list) -> list:
+    "The parameter table's lines, if some parameter of `rows` (from `_param_rows`) is documented."
+    if not (rows and any(r[3] for r in rows)): return []
+    return (['<table><thead><tr><th>parameter</th><th>type</th><th>default</th><th></th></tr></thead><tbody>']
+            + [f'<tr><td><code>{html.escape(a)}</code></td><td>{html.escape(b)}</td><td><code>{html.escape(c)}'
+               f'</code></td><td>{_markdown(d, inline=True)}</td></tr>'
+               for a, b, c, d in rows]
+            + ['</tbody></table>'])
+
+def _methods_html(cls, name:str) -> list:
+    "One line per public method `cls` defines with a docstring: its signature and its docstring's first paragraph."
+    out = []
+    for mname, m in inspect.getmembers(cls):
+        if mname.startswith('_') or mname not in cls.__dict__ or not callable(m) or not getattr(m, '__doc__', None):
+            continue
+        try: msig = str(_signature(m))
+        except (TypeError, ValueError): msig = '(...)'
+        first = (inspect.getdoc(m) or '').split('\n\n')[0]
+        out.append(f'<p class="memlab-method"><code>{html.escape(name + "." + mname + msig)}</code>: '
+                   f'{_markdown(first, inline=True)}</p>')
+    return out
+
+# %% ../nbs/99_docs.ipynb
 def api_html(obj, name:str, level:int=4) -> str:
     ("HTML documentation block of one object: signature, docstring (Markdown), parameter table, source link "
      "(and a class's methods).")
@@ -191,25 +224,12 @@ def api_html(obj, name:str, level:int=4) -> str:
     if sig: out.append(_python_html(name + sig))
     if kind == 'value': out.append(_python_html(f"{name} = {repr(obj)[:300]}"))
     elif doc: out.append(_markdown(doc))
-    rows = _param_rows(obj) if callable(obj) else []
-    if rows and any(r[3] for r in rows):
-        out.append('<table><thead><tr><th>parameter</th><th>type</th><th>default</th><th></th></tr></thead><tbody>')
-        out += [f'<tr><td><code>{html.escape(a)}</code></td><td>{html.escape(b)}</td><td><code>{html.escape(c)}'
-                f'</code></td><td>{_markdown(d, inline=True)}</td></tr>'
-                for a, b, c, d in rows]
-        out.append('</tbody></table>')
-    if kind == 'class':
-        for mname, m in inspect.getmembers(obj):
-            if mname.startswith('_') or mname not in obj.__dict__ or not callable(m) or not getattr(m, '__doc__', None):
-                continue
-            try: msig = str(_signature(m))
-            except (TypeError, ValueError): msig = '(...)'
-            first = (inspect.getdoc(m) or '').split('\n\n')[0]
-            out.append(f'<p class="memlab-method"><code>{html.escape(name + "." + mname + msig)}</code>: '
-                       f'{_markdown(first, inline=True)}</p>')
+    out += _params_html(_param_rows(obj) if callable(obj) else [])
+    if kind == 'class': out += _methods_html(obj, name)
     out.append('</div>')
     return '\n'.join(out)
 
+# %% ../nbs/99_docs.ipynb
 def api_hook_for(module_name:str):
     ("An `api_hook` for `notebook_markdown` documenting what each exported cell of `module_name` defines; "
      "for a package's `__init__`, also the public names it imports by name (what it exports).")
@@ -268,6 +288,7 @@ FILE_WORKER_JS = r'''// memlab: lets the site's search run when the site is open
 })();
 '''
 
+# %% ../nbs/99_docs.ipynb
 def _title(path) -> str:
     nb = json.loads(Path(path).read_text())
     for c in nb['cells']:
@@ -276,7 +297,6 @@ def _title(path) -> str:
             if m: return m.group(1).strip()
     return Path(path).stem
 
-# %% ../nbs/99_docs.ipynb
 def _module_of(path) -> str:
     nb = json.loads(Path(path).read_text())
     for c in nb['cells']:
@@ -286,6 +306,7 @@ def _module_of(path) -> str:
             return 'memlab' + ('.' + name if name else '')
     return None
 
+# %% ../nbs/99_docs.ipynb
 def site_pages(root='.') -> list:
     "(section, source notebook, page name) for every page of the site, in order."
     nbs = Path(root)/'nbs'
@@ -302,17 +323,25 @@ def site_pages(root='.') -> list:
               for p in sorted((nbs/'experiments').glob('[!_]*.ipynb'))]
     return pages
 
-def build_site(root='.', out='_site', strict:bool=True) -> Path:
-    "Render the documentation site from the notebooks into `out` (static HTML, viewable offline)."
-    root, out = Path(root).resolve(), Path(out).resolve()
-    import tempfile
-    # the Markdown sources and MkDocs config: nowhere in the project
-    with tempfile.TemporaryDirectory(prefix='memlab-site-') as tmp:
-        return _build_site(root, out, Path(tmp), strict)
+# %% ../nbs/99_docs.ipynb
+def _site_links(md:str, page:str) -> str:
+    "Links between notebooks become links between pages (the experiments live one folder down)."
+    in_exp = page.startswith('experiments/')
+    def sub(m):
+        text, target = m.group(1), m.group(2)
+        if re.match(r'^[a-z]+:|^#|^/', target): return m.group(0)
+        path, _, anchor = target.partition('#')
+        if path.endswith('.md') or path.endswith('.ipynb'):
+            path = path[:-6] + '.md' if path.endswith('.ipynb') else path
+            if in_exp and not path.startswith(('../', 'experiments/')) and re.match(r'^\d\d[a-z]?_|^index', Path(path).name):
+                path = '../' + path
+            if in_exp and path.startswith('experiments/'): path = path[len('experiments/'):]
+        return f"[{text}]({path}{'#' + anchor if anchor else ''})"
+    return re.sub(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
 
 # %% ../nbs/99_docs.ipynb
-def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
-    src = tmp/'src'
+def _write_pages(root:Path, src:Path) -> dict:
+    "Write every page of the site under `src`; its navigation, {section: [{title: page} or {group: [...]}]}."
     (src/'img').mkdir(parents=True)
     nav, groups = {}, {}
     for section, nb, page in site_pages(root):
@@ -336,6 +365,11 @@ def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
                 nav[section].append({f"{next(iter(nav[section][-1]))}: modules": groups.setdefault(folder, [])})
             groups[folder].append({_title(nb): page})
         else: nav.setdefault(section, []).append({_title(nb): page})
+    return nav
+
+# %% ../nbs/99_docs.ipynb
+def _write_assets(src:Path):
+    "The `file://` search shim and the API blocks' stylesheet, under `src`."
     (src/'js').mkdir(exist_ok=True); (src/'js'/'file-worker.js').write_text(FILE_WORKER_JS)
     (src/'css').mkdir(exist_ok=True)
     (src/'css'/'memlab.css').write_text(".memlab-api{border-left:3px solid #7c4dff;padding:.2em .8em;margin:1em 0;"
@@ -343,17 +377,26 @@ def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
                                         ".memlab-api .highlight code{white-space:pre-wrap}"
                                         ".memlab-source{font-size:.7em;margin-left:.6em}"
                                         "article img{max-width:100%;height:auto}")
-    cfg = {'site_name': 'memlab', 'docs_dir': str(src), 'site_dir': str(out), 'use_directory_urls': False,
-           'theme': {'name': 'material', 'font': False, 'features': ['navigation.sections', 'content.code.copy']},
-           'extra_css': ['css/memlab.css'],
-           'markdown_extensions': ['tables', 'toc', 'admonition', {'pymdownx.highlight': {'use_pygments': True}},
-                                   'pymdownx.superfences', 'pymdownx.inlinehilite'],
-           'nav': [{k: v if k != 'Home' else v[0][next(iter(v[0]))]} if k == 'Home' else {k: v}
-                   for k, v in nav.items()],
-           'plugins': ['search'], 'extra': {'polyfills': ['js/file-worker.js']}}
+
+def _mkdocs_config(nav:dict, src:Path, out:Path) -> dict:
+    "MkDocs' settings for the pages under `src` and their navigation `nav`, building into `out`."
+    return {'site_name': 'memlab', 'docs_dir': str(src), 'site_dir': str(out), 'use_directory_urls': False,
+            'theme': {'name': 'material', 'font': False, 'features': ['navigation.sections', 'content.code.copy']},
+            'extra_css': ['css/memlab.css'],
+            'markdown_extensions': ['tables', 'toc', 'admonition', {'pymdownx.highlight': {'use_pygments': True}},
+                                    'pymdownx.superfences', 'pymdownx.inlinehilite'],
+            'nav': [{k: v if k != 'Home' else v[0][next(iter(v[0]))]} if k == 'Home' else {k: v}
+                    for k, v in nav.items()],
+            'plugins': ['search'], 'extra': {'polyfills': ['js/file-worker.js']}}
+
+# %% ../nbs/99_docs.ipynb
+def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
+    src = tmp/'src'
+    nav = _write_pages(root, src)
+    _write_assets(src)
     import yaml
     cfg_path = tmp/'mkdocs.yml'
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cfg_path.write_text(yaml.safe_dump(_mkdocs_config(nav, src, out), sort_keys=False))
     r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '-q', '-f', str(cfg_path)]
                        + (['--strict'] if strict else []), capture_output=True, text=True)
     check(r.returncode == 0, f"mkdocs build failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
@@ -361,22 +404,26 @@ def _build_site(root:Path, out:Path, tmp:Path, strict:bool) -> Path:
     if index.exists(): (out/'search'/'search_index.js').write_text('var __index = ' + index.read_text())
     return out
 
-def _site_links(md:str, page:str) -> str:
-    "Links between notebooks become links between pages (the experiments live one folder down)."
-    in_exp = page.startswith('experiments/')
-    def sub(m):
-        text, target = m.group(1), m.group(2)
-        if re.match(r'^[a-z]+:|^#|^/', target): return m.group(0)
-        path, _, anchor = target.partition('#')
-        if path.endswith('.md') or path.endswith('.ipynb'):
-            path = path[:-6] + '.md' if path.endswith('.ipynb') else path
-            if in_exp and not path.startswith(('../', 'experiments/')) and re.match(r'^\d\d[a-z]?_|^index', Path(path).name):
-                path = '../' + path
-            if in_exp and path.startswith('experiments/'): path = path[len('experiments/'):]
-        return f"[{text}]({path}{'#' + anchor if anchor else ''})"
-    return re.sub(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)", sub, md)
+def build_site(root='.', out='_site', strict:bool=True) -> Path:
+    "Render the documentation site from the notebooks into `out` (static HTML, viewable offline)."
+    root, out = Path(root).resolve(), Path(out).resolve()
+    import tempfile
+    # the Markdown sources and MkDocs config: nowhere in the project
+    with tempfile.TemporaryDirectory(prefix='memlab-site-') as tmp:
+        return _build_site(root, out, Path(tmp), strict)
 
 # %% ../nbs/99_docs.ipynb
+def check_site_folder(out):
+    ("Take site folder `out` as every command takes the folder it writes (`lock_folder`), and refuse one that holds "
+     "anything but an earlier site: MkDocs empties it before it builds.")
+    from memlab.folders import lock_folder
+    out = Path(out)
+    lock_folder(out, 'out')
+    others = sorted(f.name for f in out.iterdir() if not f.name.startswith('.'))
+    check(not others or (out/'index.html').is_file(), f"--out {out} holds other files ({', '.join(others[:3])}"
+          f"{', ...' if len(others) > 3 else ''}), not a site built before: the build would delete them; choose a new "
+          "or empty folder")
+
 @cli_main
 def docs_main():
     "memlab_docs: write README.md from nbs/index.ipynb and, with --site, the documentation site (no Quarto needed)."
@@ -389,5 +436,6 @@ def docs_main():
     p.add_argument('--out', default='_site',
                    help='where the site goes (only this folder is written; open <out>/index.html)')
     args = p.parse_args()
+    if args.site: check_site_folder(args.out)      # before any work: held, and nothing in it but an earlier site
     print(write_readme(args.root))
     if args.site: print(build_site(args.root, args.out))

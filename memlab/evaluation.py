@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import MemlabError, atomic_write_text, check, cli_main
+from .core import MemlabError, atomic_write_text, check
+from .folders import check_output_file, write_output_file
+from .cli import cli_main
 
 # %% auto 0
 __all__ = ['TASK_KINDS', 'require_lm_eval', 'lm_eval_task', 'lm_eval_scores', 'main']
@@ -86,11 +88,13 @@ def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_s
 @cli_main
 def main():
     "memlab_eval: score a model on lm-evaluation-harness tasks (local YAML tasks with --include_path)."
-    from memlab.core import ArgumentParser
-    p = ArgumentParser(prog='memlab_eval', description=main.__doc__)
+    from memlab.flags import ArgumentParser
+    p = ArgumentParser(prog='memlab_eval', description=main.__doc__, epilog="A task folder is code: lm-evaluation-harness "
+                       "runs the Python its YAML names (!function), so pass --include_path only for folders you trust.")
     p.add_argument('model', help='a model folder memlab.load_model opens (any memlab output), or a built-in name')
     p.add_argument('--tasks', required=True, help='comma-separated lm-eval task names')
-    p.add_argument('--include_path', default=None, help='a folder of local task YAMLs (see memlab.evaluation.lm_eval_task)')
+    p.add_argument('--include_path', default=None, help='a folder of local task YAMLs (see memlab.evaluation.lm_eval_task); '
+                   'it is code: the harness runs the Python functions a YAML names (!function), so use only folders you trust')
     p.add_argument('--batch_size', type=int, default=8, help='rows per forward pass')
     p.add_argument('--limit', type=int, default=None, help='score only the first N rows of each task')
     p.add_argument('--num_fewshot', type=int, default=None, help='few-shot examples in each prompt (default: the task\'s)')
@@ -99,11 +103,12 @@ def main():
     check(args.batch_size >= 1, f"--batch_size must be >= 1, got {args.batch_size}")
     check(args.limit is None or args.limit >= 1, f"--limit must be >= 1, got {args.limit}")
     check(args.include_path is None or Path(args.include_path).is_dir(), f"--include_path {args.include_path} is not a folder")
+    out = check_output_file(args.out) if args.out else None       # before any work: found now, not after the scoring
     require_lm_eval()
     from memlab.models import load_model, load_tokenizer
     model, tok = load_model(args.model).eval(), load_tokenizer(args.model)
     scores = lm_eval_scores(model, tok, args.tasks, args.include_path, args.batch_size, args.limit, args.num_fewshot)
     for task, metrics in scores.items():
         for k, v in metrics.items(): print(f"{task} {k} {v:.6g}")
-    if args.out: atomic_write_text(args.out, json.dumps(scores, indent=1))
+    if out: write_output_file(out, json.dumps(scores, indent=1))
     return scores

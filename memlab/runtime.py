@@ -13,8 +13,8 @@ from .core import atomic_write_text, check
 
 # %% auto 0
 __all__ = ['BF16_MIN_SPEEDUP', 'PRECISIONS', 'PRECISION_NAMES', 'peak_memory', 'fmt_bytes', 'count_parameters', 'memlab_home',
-           'bf16_matmul_speedup', 'cpu_bf16_speedup', 'native_bf16', 'compiled_fn', 'reset_compiled',
-           'resolve_precision', 'precision_reason']
+           'bf16_matmul_speedup', 'measured_once', 'cpu_bf16_speedup', 'native_bf16', 'compiled_fn', 'reset_compiled',
+           'check_fp16_device', 'resolve_precision', 'precision_reason']
 
 # %% ../nbs/00a_runtime.ipynb
 def _proc_kib(field):
@@ -35,6 +35,7 @@ def _reset_hwm() -> bool:
     try: Path('/proc/self/clear_refs').write_text('5'); return True
     except OSError: return False
 
+# %% ../nbs/00a_runtime.ipynb
 class peak_memory:
     "Context manager measuring peak memory growth (bytes) of the enclosed block: `.peak` on exit; CUDA-aware."
     def __init__(self, device=None, collect:bool=True):
@@ -95,6 +96,7 @@ def memlab_home() -> Path:
     "Root of memlab's cache: `$MEMLAB_HOME` or `~/.cache/memlab`."
     return Path(os.environ.get('MEMLAB_HOME', Path.home()/'.cache'/'memlab'))
 
+# %% ../nbs/00a_runtime.ipynb
 def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
     "fp32 time over bf16 time of a (`size` x `size`) matrix product on the CPU: best of `repeats` each, interleaved."
     g = torch.Generator().manual_seed(0)
@@ -109,6 +111,24 @@ def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
 
 BF16_MIN_SPEEDUP = 1.25  # bf16 products must beat fp32 by this much before autocast's casts are worth it
 
+# %% ../nbs/00a_runtime.ipynb
+def measured_once(kind:str, key:str, measure):
+    ("`measure()` once per `key` on this machine, kept under `kind` in `memlab_home()/machine.json`: processes started "
+     "together wait on a lock for the first one's result, later runs read it back.")
+    path = memlab_home()/'machine.json'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix('.lock'), 'a+') as lock:
+        try:
+            import fcntl; fcntl.flock(lock, fcntl.LOCK_EX)  # the other processes wait here, then read its result
+        except ImportError: pass                           # no fcntl (Windows): each process measures
+        try: known = json.loads(path.read_text())
+        except (OSError, ValueError): known = {}
+        if key not in known.get(kind, {}):
+            known.setdefault(kind, {})[key] = measure()
+            atomic_write_text(path, json.dumps(known, indent=1))
+        return known[kind][key]
+
+# %% ../nbs/00a_runtime.ipynb
 def _cpu_signature() -> str:
     "What the bf16 measurement depends on: the CPU model and flags, torch's version and the thread count."
     try: info = Path('/proc/cpuinfo').read_text()
@@ -120,19 +140,9 @@ def _cpu_signature() -> str:
 
 def cpu_bf16_speedup() -> float:
     "`bf16_matmul_speedup()` on this CPU, measured once per `_cpu_signature()`, kept in `memlab_home()/machine.json`."
-    path, key = memlab_home()/'machine.json', _cpu_signature()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix('.lock'), 'a+') as lock:
-        try:
-            import fcntl; fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together measure once and agree
-        except ImportError: pass                           # no fcntl (Windows): each process measures
-        try: known = json.loads(path.read_text())
-        except (OSError, ValueError): known = {}
-        if key not in known.get('bf16_matmul_speedup', {}):
-            known.setdefault('bf16_matmul_speedup', {})[key] = round(bf16_matmul_speedup(), 3)
-            atomic_write_text(path, json.dumps(known, indent=1))
-        return known['bf16_matmul_speedup'][key]
+    return measured_once('bf16_matmul_speedup', _cpu_signature(), lambda: round(bf16_matmul_speedup(), 3))
 
+# %% ../nbs/00a_runtime.ipynb
 def _cpu_bf16_instructions() -> bool:
     "Whether the CPU has bf16 instructions (AVX512-BF16 or AMX); elsewhere oneDNN emulates bf16, several times slower."
     try: return any(f in Path('/proc/cpuinfo').read_text().split() for f in ('avx512_bf16', 'amx_bf16'))
@@ -163,12 +173,22 @@ def reset_compiled():
     if 'torch._dynamo' in sys.modules: torch._dynamo.reset()
 
 # %% ../nbs/00a_runtime.ipynb
+def check_fp16_device(precision:str, refusal:str, device=None):
+    ("Refuse fp16 autocast (`precision` 'fp16') where no GPU runs it, with the one line `refusal` (naming the command's "
+     "flag): on a CPU the autocast would silently compute in fp32.")
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')
+    check(precision != 'fp16' or on_gpu, refusal)
+
+# %% ../nbs/00a_runtime.ipynb
 PRECISIONS = ('auto', 'no', 'bf16', 'fp16')
 # the seeds' names (--dtype fp32, bfloat16, ...) for the same settings
 PRECISION_NAMES = {'auto': 'auto', 'no': 'no', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16',
                    'fp16': 'fp16', 'float16': 'fp16'}
 
-def resolve_precision(precision:str='auto', device=None) -> str:
+def resolve_precision(precision:str='auto',  # 'auto' or None, 'no', 'bf16', 'fp16', or a seed's name (`PRECISION_NAMES`)
+                      device=None,           # where the run computes (None: CUDA if there is a GPU)
+                      fp16_from:str=None,    # the flags that asked for fp16, named in its refusal off a GPU
+                     ) -> str:
     ("'no', 'bf16' or 'fp16' from a setting: explicit values stay; 'auto'/None = accelerate launch's choice, "
      "else bf16 where native_bf16 measured it faster.")
     p = 'auto' if precision is None else str(precision)
@@ -176,11 +196,9 @@ def resolve_precision(precision:str='auto', device=None) -> str:
     p = PRECISION_NAMES[p]
     if p == 'auto': p = os.environ.get('ACCELERATE_MIXED_PRECISION') or ('bf16' if native_bf16(device) else 'no')
     check(p in PRECISIONS[1:], f"mixed precision {p!r} (from accelerate launch) is not one of no, bf16, fp16")
-    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == 'cuda')
-    check(p != 'fp16' or on_gpu, "fp16 mixed precision needs a GPU: on a CPU the autocast would "
-                                 "silently compute in fp32; use bf16 (or no)")
+    check_fp16_device(p, f"fp16 mixed precision{f' ({fp16_from})' if fp16_from else ''} needs a GPU: on a CPU the "
+                      "autocast would silently compute in fp32; use bf16 (or no)", device)
     return p
-
 
 # %% ../nbs/00a_runtime.ipynb
 def precision_reason(device=None) -> str:

@@ -29,6 +29,7 @@ class Constant:
         self.warmup_steps = warmup_steps
     def __call__(self, s:int) -> float: return _warmup(s, self.warmup_steps) if s < self.warmup_steps else 1.0
 
+# %% ../nbs/08_schedules.ipynb
 class Linear:
     "Linear warm-up over `warmup_steps`, then linear decay to `min_ratio` at `num_training_steps` (held after)."
     def __init__(self, num_training_steps:int, warmup_steps:int=0, min_ratio:float=0.0):
@@ -40,6 +41,7 @@ class Linear:
         if s < W: return _warmup(s, W)
         return m + (1 - m) * max(0.0, (N - s) / max(1, N - W))
 
+# %% ../nbs/08_schedules.ipynb
 class Cosine:
     ("Warm-up from `init_ratio`, cosine decay to `min_ratio` at `num_training_steps`, held after; "
      "repeated every `cycle_length` if given.")
@@ -61,6 +63,7 @@ class Cosine:
             return _warmup(k, W, self.init_ratio)
         return m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (k - W) / max(1, C - W)))
 
+# %% ../nbs/08_schedules.ipynb
 class Polynomial:
     ("Linear warm-up, then `end_ratio + (1 - end_ratio)(1 - t)^power`, "
      "t the fraction of the decay done (held at the end).")
@@ -114,6 +117,7 @@ def make_schedule(name:str, **settings):
     check(name in SCHEDULES, f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     return SCHEDULES[name](**settings)
 
+# %% ../nbs/08_schedules.ipynb
 def continue_at(scheduler, step:int):
     ("Put a closed-form `scheduler` (a `LambdaLR`, say) at update `step`, "
      "setting its optimizer's learning rates, through public API.")

@@ -13,8 +13,10 @@ import numpy as np
 from tqdm import tqdm
 
 import memlab
-from .core import (Config, MemlabError, atomic_write_text, check, check_writable, cli_main, parse_configs,
-                         show_path)
+from .core import Config, MemlabError, atomic_write_text, check, show_path
+from .folders import LOCK_FILE, check_writable, lock_folder
+from .cli import cli_main
+from .flags import parse_configs
 from .data import Corpus, Document, canonical_split, hub_offline_unless_reachable, load_corpus
 
 # %% auto 0
@@ -73,7 +75,7 @@ def _corpus_texts(corpus_or_texts, split:str='train', take:int=None, text_field:
     return (d.text if isinstance(d, Document) else str(d) for d in docs), len(docs)
 
 def _refuse_nonempty(path:Path, what:str):
-    check(not (path.exists() and (not path.is_dir() or any(path.iterdir()))),
+    check(not (path.exists() and (not path.is_dir() or any(f.name != LOCK_FILE for f in path.iterdir()))),
           f"{path} already exists and is not empty: refusing to overwrite it; remove it or choose another {what}")
     check_writable(path, what)
 
@@ -136,6 +138,7 @@ class TrainTokenizerConfig(Config):
 def train_tokenizer_main():
     "memlab_train_tokenizer: train a byte-level BPE tokenizer on a corpus."
     cfg = parse_configs(TrainTokenizerConfig, prog='memlab_train_tokenizer', description=TrainTokenizerConfig.__doc__)
+    lock_folder(cfg.save_dir, 'save_dir')        # the folder it writes, held as every command holds its folder
     tok = train_tokenizer(cfg.dataset, vocab_size=cfg.vocab_size, base_tokenizer=cfg.base_tokenizer,
                           save_dir=cfg.save_dir, take=cfg.take, text_field=cfg.text_field,
                           dataset_config=cfg.dataset_config)
@@ -379,6 +382,7 @@ class PretokenizeConfig(Config):
 def pretokenize_main():
     "memlab_pretokenize: tokenize a corpus into fixed-length rows."
     cfg = parse_configs(PretokenizeConfig, prog='memlab_pretokenize', description=PretokenizeConfig.__doc__)
+    lock_folder(cfg.save_dir, 'save_dir')        # the folder it writes into (a live run's is refused), held until it ends
     out = pretokenize(**cfg.to_dict())
     c = json.loads((out/'args.json').read_text())['counts']
     print(f"{out}: "

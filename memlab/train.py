@@ -10,20 +10,25 @@ from pathlib import Path
 
 import torch
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, parse_configs, markdown_table,
-                         show_path)
+from .core import Config, MemlabError, arg, atomic_write_text, check, markdown_table, show_path
+from .rng import seed_everything
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters
 from .data import load_corpus
 from .loaders import lm_batches
 from .models import load_model, load_tokenizer, resolve_model, save_full_state
-from .adapters import ADAPTER_INFO, load_adapter_folder, plain_lora_model
+from .adapters import ADAPTER_INFO, plain_lora_model
 from .tokenizers import check_sequence_length, check_vocab
-from .train_config import TrainConfig
+from .train_config import LOOP_RESUME, TrainConfig
+from .checkpoints import resume_plan
+from .distributed import launch_data_rank, make_accelerator, parse_mesh
 from .training import default_output_dir, run, run_summary
 
 # %% auto 0
-__all__ = ['TRAIN_DEFAULTS', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'LMTaskConfig', 'add_lora', 'train_lm', 'save_run_model',
-           'results_table', 'main', 'ADAPTER_INFO', 'plain_lora_model', 'load_adapter_folder']
+__all__ = ['TRAIN_DEFAULTS', 'TRAIN_RESUME', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'LMTaskConfig', 'add_lora', 'train_lm',
+           'save_run_model', 'results_table', 'main']
 
 # %% ../nbs/07_train.ipynb
 @dataclass
@@ -57,6 +62,11 @@ TRAIN_DEFAULTS = dict(max_steps=40, per_device_batch_size=4, lr=5e-4, warmup_ste
                       eval_at_start=True, mixed_precision='auto', save_every=0, report_to='tensorboard')
 
 # %% ../nbs/07_train.ipynb
+TRAIN_RESUME = ResumeTable('memlab_train', base=LOOP_RESUME, may_change=('save_merged', 'plot'),
+                           defines=('model_name_or_path', 'tokenizer_name', 'dataset_name', 'dataset_config', 'text_field',
+                                    'sequence_length', 'lora_r', 'lora_alpha', 'lora_dropout', 'lora_modules', 'nf4'))
+
+# %% ../nbs/07_train.ipynb
 from .cards import output_card
 
 def add_lora(model, task:LMTaskConfig):
@@ -71,20 +81,31 @@ def add_lora(model, task:LMTaskConfig):
 
 def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
     "Load, train and evaluate as configured; write results.json, results.md and loss.png; return the results."
+    flags, acc = RunFlags(TRAIN_RESUME, flag_values([task, train])), make_accelerator(train.mixed_precision, deepspeed=True)
+    resume_plan(train.output_dir, train.resume_from, accelerator=acc, flags=flags)   # refused here, before anything loads
     tok = load_tokenizer(task.tokenizer_name or task.model_name_or_path)
     corpus = load_corpus(task.dataset_name, text_field=task.text_field, config=task.dataset_config)
     for split in ('train', 'validation'):   # named here, before the model loads (the batcher knows no file names)
         check(corpus.split(split), f"--dataset {task.dataset_name} has no {split} documents ({len(corpus)} in all; "
               "each document goes to train, validation or test by a hash of its id, or by its 'split' field): "
               "pass more documents, or records with a 'split' field")
+    if train.mesh_dim:           # the mesh axes this command runs: dp, fsdp and tp (the model's own plan)
+        dp, fsdp, tp, cp = parse_mesh(train.mesh_dim)
+        check(cp == 1, f"--mesh_dim {train.mesh_dim}: context parallelism (cp) is memlab_bpt's (a ring over BPT's "
+              "attention blocks); memlab_train runs dp, fsdp and tp")
+        check(tp == 1 or not task.lora_r, f"--mesh_dim {train.mesh_dim}: tensor parallelism splits the model's linear "
+              f"layers, which LoRA's layers (--lora_r {task.lora_r}) wrap and cannot be split: use --lora_r 0 (all "
+              "weights) or a mesh without tp")
+    rank, world = launch_data_rank(train.mesh_dim)        # tensor-parallel processes read the same rows
+    seed_everything(train.seed)     # --seed sets what is drawn here too: a built-in config's weights, LoRA's A matrices
     model = load_model(task.model_name_or_path, quantization='nf4' if task.nf4 else None)
     check_vocab(tok, model); check_sequence_length(model, task.sequence_length)
     if task.lora_r: model = add_lora(model, task)
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
     train_data = lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True,
-                            seed=train.seed)
+                            seed=train.seed, rank=rank, world_size=world)
     eval_data = lm_batches(corpus.split('validation'), tok, task.sequence_length, train.per_device_batch_size,
-                           shuffle=False, loop=False)
+                           shuffle=False, loop=False, rank=rank, world_size=world)
     def results(trainer, history, res):
         evals = [h for h in history if 'eval_loss' in h]
         return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params,
@@ -112,7 +133,7 @@ def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
         return {MODEL_DIR: kw, ADAPTER_DIR: {**kw, 'library_name': 'peft'}}
     return run(model, train, train_data, eval_data, results=results, save=save, report=results_table,
                plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None,
-               run_config={'task': task.to_dict()}, card=card)
+               run_config={'task': task.to_dict()}, card=card, accelerator=acc, flags=flags)
 
 # %% ../nbs/07_train.ipynb
 ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base
@@ -140,9 +161,6 @@ def save_run_model(model, task:LMTaskConfig, out, tokenizer=None, merged:bool=Fa
         for k in ('adapter', 'model'):
             if k in written: tokenizer.save_pretrained(written[k])
     return written
-
-# the PEFT adapter folder's loader and the LoRA merge are library code, in `memlab.adapters` (imported above)
-_all_ = ['ADAPTER_INFO', 'plain_lora_model', 'load_adapter_folder']
 
 # %% ../nbs/07_train.ipynb
 def results_table(res:dict) -> str:

@@ -8,12 +8,15 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .core import Config, check, check_ranges
+from .core import Config, check
+from .resume_tables import ResumeTable
+from .flags import check_ranges
 from .runtime import resolve_precision
+from .distributed import parse_mesh
 from .schedules import lambda_scheduler, make_schedule
 
 # %% auto 0
-__all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'TrainConfig', 'train_config_from', 'schedule_of', 'get_scheduler']
+__all__ = ['SCHEDULERS', 'DISTRIBUTED_TYPES', 'LOOP_RESUME', 'TrainConfig', 'train_config_from', 'schedule_of', 'get_scheduler']
 
 # %% ../nbs/05b_train_config.ipynb
 SCHEDULERS = ('linear', 'cosine', 'constant', 'polynomial')
@@ -53,6 +56,9 @@ class TrainConfig(Config):
                                            # what the accelerate config launched (FSDP, DeepSpeed), else ddp
     fsdp_layer_cls: list[str] = None       # class names FSDP shards separately (default: the model's decoder layer, or
                                            # the accelerate config's)
+    mesh_dim: str = None                   # process mesh dp,fsdp,tp[,cp] (one -1 takes the rest): replicas, FSDP2 shards
+                                           # (dp and fsdp > 1: HSDP), tensor parallel by the model's TP plan, context
+                                           # parallel (memlab_bpt); None: distributed_type decides
     seed: int = 0                          # seed of everything (data order included)
     resume_from: str = None                # checkpoint folder, or 'latest' (in output_dir) to continue a run exactly
     report_to: str = 'tensorboard'         # tensorboard | wandb | none (the JSON log is always written)
@@ -61,7 +67,7 @@ class TrainConfig(Config):
 
     def __post_init__(self):
         check(self.max_steps > 0, f"max_steps must be positive, got {self.max_steps}")
-        check_ranges(self)  # lr > 0, betas in [0, 1), weight decay >= 0, ... (by field name, see memlab.core)
+        check_ranges(self)  # lr > 0, betas in [0, 1), weight decay >= 0, ... (by field name, see memlab.flags)
         check(self.max_eval_steps is None or self.max_eval_steps > 0,
               f"max_eval_steps must be positive (or None for the whole evaluation split), got {self.max_eval_steps}")
         check(self.per_device_batch_size > 0,
@@ -74,6 +80,7 @@ class TrainConfig(Config):
         self.mixed_precision = resolve_precision(self.mixed_precision)
         check(self.distributed_type in DISTRIBUTED_TYPES,
               f"distributed_type must be {', '.join(DISTRIBUTED_TYPES[:-1])} or deepspeed, not {self.distributed_type!r}")
+        if self.mesh_dim is not None: parse_mesh(self.mesh_dim)            # its form; the sizes meet the launch later
         check(self.report_to in ('tensorboard', 'wandb', 'none'),
               f"report_to must be tensorboard, wandb or none, not {self.report_to!r}")
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -89,6 +96,16 @@ class TrainConfig(Config):
               f"total_batch_size {self.total_batch_size} is not a multiple of per_device_batch_size × processes = "
               f"{self.per_device_batch_size} × {world_size}: choose sizes that divide")
         return self.total_batch_size // per_step
+
+# %% ../nbs/05b_train_config.ipynb
+LOOP_RESUME = ResumeTable('memlab.Trainer',
+    defines=('per_device_batch_size', 'total_batch_size', 'gradient_accumulation_steps', 'lr', 'weight_decay', 'adam_beta1',
+             'adam_beta2', 'adam_eps', 'scheduler', 'warmup_steps', 'min_lr_ratio', 'lr_end', 'power', 'max_grad_norm',
+             'mixed_precision', 'distributed_type', 'fsdp_layer_cls', 'seed'),
+    may_change=('output_dir', 'max_steps', 'max_train_tokens', 'eval_every', 'max_eval_steps', 'eval_at_start', 'save_every',
+                'keep_checkpoints', 'save_final', 'log_every', 'gradient_checkpointing', 'resume_from', 'report_to',
+                'progress', 'mesh_dim'),   # a mesh may change where its data ranks read the same rows (the Trainer checks)
+    budget=('max_steps', 'max_train_tokens'))
 
 # %% ../nbs/05b_train_config.ipynb
 def train_config_from(flags, names:dict, **computed) -> TrainConfig:

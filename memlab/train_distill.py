@@ -10,7 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .core import MemlabError, check, cli_main, markdown_table, parse_configs, show_path
+from .core import MemlabError, check, markdown_table, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters
 from .loaders import TokenBatches
 from .models import check_model_config, load_model, load_tokenizer
@@ -19,11 +22,11 @@ from .distributed import make_accelerator
 from .checkpoints import resume_plan
 from .training import run, run_summary
 from .callbacks import GradientStats
-from .distill.arguments import (ADAMW_NAMES, DEFAULT_EVALUATORS, SCHEDULER_TYPES, DatasetArguments,
-                                      DistillationTrainingArguments, EvalArguments, StudentModelArguments,
-                                      TeacherModelArguments, harness_scores, parse_copy_modules, run_length,
+from .cards import BUILTIN_HUB_IDS
+from .distill.arguments import (DatasetArguments, DistillationTrainingArguments, EvalArguments,
+                                      StudentModelArguments, TeacherModelArguments, harness_scores, run_length,
                                       loop_config)
-from .distill.data import DistillData, build_data, pack_rows, row_batches
+from .distill.data import DistillData, build_data, row_batches
 from .distill.teacher import TopKTeacher, generate_teacher_topk, tokenizer_fingerprint
 from .distill.objective import DistillationObjective, DistillLoss, remove_distill_heads, save_distill_heads
 from .distill.policy import OnPolicyBatches, on_policy_lengths
@@ -34,18 +37,9 @@ from .bitnet import (BitNetConfig, add_bitnet, bitnet_modules, hf_bitnet_problem
                            save_hf_bitnet, save_packed)
 
 # %% auto 0
-__all__ = ['BUILTIN_HUB_IDS', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers', 'load_teacher',
+__all__ = ['DISTILL_RESUME', 'CONFIG_GROUPS', 'build_distill_student', 'check_run', 'check_tokenizers', 'load_teacher',
            'existing_topk', 'write_topk', 'teacher_scores', 'card_teacher', 'train_batches', 'DistillHooks', 'distill',
-           'results_table', 'parse_args', 'main', 'DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES',
-           'parse_copy_modules', 'StudentModelArguments', 'TeacherModelArguments', 'DatasetArguments', 'EvalArguments',
-           'harness_scores', 'DistillationTrainingArguments', 'pack_rows', 'DistillData', 'build_data', 'distill_card',
-           'plot_distill']
-
-# %% ../nbs/42_train_distill.ipynb
-# the parts that moved into memlab.distill stay importable from here (star-import included)
-_all_ = ['DEFAULT_EVALUATORS', 'SCHEDULER_TYPES', 'ADAMW_NAMES', 'parse_copy_modules', 'StudentModelArguments',
-         'TeacherModelArguments', 'DatasetArguments', 'EvalArguments', 'harness_scores', 'DistillationTrainingArguments',
-         'pack_rows', 'DistillData', 'build_data', 'distill_card', 'plot_distill']
+           'results_table', 'parse_args', 'main']
 
 # %% ../nbs/42_train_distill.ipynb
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
@@ -59,9 +53,6 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
     return student.train(), how
 
 # %% ../nbs/42_train_distill.ipynb
-# what memlab's built-in names are (for the card's base_model)
-BUILTIN_HUB_IDS = {'smollm2-135m': 'HuggingFaceTB/SmolLM2-135M-Instruct'}
-
 def check_run(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
               objective:DistillationObjective):
     "Refuse, before anything loads, groups that contradict each other and a run memlab_distill does not do."
@@ -262,6 +253,27 @@ class DistillHooks:
                                           self.groups['training'], self.data, self.rows_per_update, self.acc)}
 
 # %% ../nbs/42_train_distill.ipynb
+DISTILL_RESUME = ResumeTable('memlab_distill', budget=('max_steps', 'num_train_epochs'),
+    defines=('student_model_name_or_path', 'student_config_name_or_path', 'student_model_config', 'reinitialize_weights',
+             'copy_teacher_modules', 'student_layer_selection', 'student_model_as_bitnet', 'bitnet_keep_weights',
+             'student_model_use_liger', 'teacher_model_name_or_path', 'teacher_load_in_8bit', 'teacher_load_in_4bit',
+             'teacher_dtype', 'teacher_topk_dir', 'teacher_topk_k', 'teacher_topk_dtype', 'dataset_uri', 'dataset_subset',
+             'dataset_split', 'dataset_column_name', 'dataset_sample_size', 'dataset_max_seq_length', 'dataset_test_size',
+             'dataset_shuffle_seed', 'logits_weight', 'logits_loss_fn', 'temperature', 'jsd_beta', 'cakld_beta',
+             'cakld_batches', 'ce_weight', 'hs_weight', 'hs_loss_fn', 'hs_layer_mapper', 'hs_norm', 'hs_projector',
+             'attn_weight', 'attn_loss_fn', 'attn_layer_mapper', 'attn_norm', 'attn_projector', 'topk_missing',
+             'chunk_size', 'fused', 'kl_warmup_steps', 'on_policy_fraction', 'on_policy_prompt_length',
+             'on_policy_new_tokens', 'on_policy_temperature', 'per_device_train_batch_size', 'gradient_accumulation_steps',
+             'learning_rate', 'weight_decay', 'adam_beta1', 'adam_beta2', 'adam_epsilon', 'max_grad_norm', 'optim',
+             'lr_scheduler_type', 'lr_scheduler_kwargs', 'warmup_ratio', 'warmup_steps', 'bf16', 'fp16', 'seed'),
+    may_change=('config', 'teacher_topk_only', 'ppl_evaluators', 'ppl_extra_evaluators', 'harness_benchmarks',
+                'harness_benchmark_limit', 'harness_benchmark_bootstrap_iters', 'harness_include_path', 'extra_grad_stats',
+                'output_dir', 'max_steps', 'num_train_epochs', 'per_device_eval_batch_size', 'gradient_checkpointing',
+                'logging_steps', 'eval_strategy', 'eval_steps', 'eval_on_start', 'eval_teacher_metrics', 'save_strategy',
+                'save_steps', 'save_total_limit', 'resume_from_checkpoint', 'report_to', 'push_to_hub', 'hub_model_id',
+                'disable_tqdm'))
+
+# %% ../nbs/42_train_distill.ipynb
 def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
             eval_args:EvalArguments, objective:DistillationObjective, train_args:DistillationTrainingArguments) -> dict:
     ("Distill the teacher into a student as configured; write the student, README.md, "
@@ -271,7 +283,8 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     check_run(student_args, ta, data_args, objective)
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
     acc = make_accelerator(tr.mixed_precision)
-    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest', accelerator=acc)
+    flags = RunFlags(DISTILL_RESUME, flag_values([student_args, ta, data_args, eval_args, objective, tr]))
+    resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest', accelerator=acc, flags=flags)
     progress = not tr.disable_tqdm and acc.is_main_process
     # data: the teacher's tokenizer is the run's
     tok = load_tokenizer(ta.teacher_model_name_or_path)
@@ -312,7 +325,7 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     return run(student, tc, train_data, eval_data, describe=hooks.describe,
                final=lambda trainer: trainer.unwrapped_model, results=hooks.results, save=hooks.save,
                report=hooks.report, loss_fn=loss_fn, callbacks=callbacks, accelerator=acc,
-               run_config={'distill': hooks.configs, 'data': data.fingerprint})
+               run_config={'distill': hooks.configs, 'data': data.fingerprint}, flags=flags)
 
 # %% ../nbs/42_train_distill.ipynb
 def results_table(res:dict) -> str:

@@ -6,20 +6,24 @@
 from __future__ import annotations
 import dataclasses, importlib.util, os
 
-from .core import MemlabError, check, cli_main, markdown_table, parse_configs, show_path, str2bool
+from .core import MemlabError, check, markdown_table, show_path
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs, str2bool
 from .mixer import (DataInfo, MaskedMixerConfig, MixerModelArgs, MixerTaskConfig, autoencoder_loss, build_model,
                           check_fits, check_memory, data_info, information, input_length, memory_cost, mixer_config, mixer_data,
                           normalized_loss, objective_loss, save_trained_model)
 from .models import load_tokenizer
 from .runtime import count_parameters
 from .tokenizers import pretokenized_args
-from .train_config import TrainConfig
+from .train_config import LOOP_RESUME, TrainConfig
+from .checkpoints import resume_plan
 from .distributed import make_accelerator, resolve_distributed_type
 from .training import default_output_dir, run, run_summary
 
 # %% auto 0
-__all__ = ['FSDP_CONFIG', 'ZERO_CONFIG', 'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'check_launcher', 'mixer_setup', 'mixer_loss',
-           'train_mixer', 'results_table', 'parse_mixer_args', 'main']
+__all__ = ['FSDP_CONFIG', 'ZERO_CONFIG', 'MIXER_RESUME', 'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'check_launcher', 'mixer_setup',
+           'mixer_loss', 'train_mixer', 'results_table', 'parse_mixer_args', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
 FSDP_CONFIG, ZERO_CONFIG = 'data/configs/fsdp_config.yaml', 'data/configs/zero_config.yaml'
@@ -56,6 +60,12 @@ def mixer_loss(task:MixerTaskConfig, config:MaskedMixerConfig, info:DataInfo):
                           info.pad_id if task.blank_id is None else task.blank_id)
 
 # %% ../nbs/51_train_mixer.ipynb
+MIXER_RESUME = ResumeTable('memlab_mixer', base=LOOP_RESUME, may_change=('config', 'save_model', 'plot'),
+    defines=('model', 'dataset_path', 'dataset_name', 'dataset_config', 'text_field', 'tokenizer', 'take', 'sequence_length',
+             'vocab_size', 'delimiter_id', 'blank_id', 'encoder_from', 'decoder_model', 'decoder_lora_r',
+             *(f.name for f in dataclasses.fields(MixerModelArgs))))   # the architecture: all of it
+
+# %% ../nbs/51_train_mixer.ipynb
 from .cards import output_card
 
 TRAIN_DEFAULTS = dict(max_steps=200, per_device_batch_size=8, lr=5e-4, scheduler='linear', warmup_steps=20,
@@ -68,13 +78,15 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
      "loss.png and model/; return the results.")
     check_launcher()
     acc = make_accelerator(train.mixed_precision, deepspeed=True)
+    if train.output_dir is None: train.output_dir = default_output_dir(f"mixer-{task.model}")
+    flags = RunFlags(MIXER_RESUME, flag_values([task, model_args, train]))
+    resume_plan(train.output_dir, train.resume_from, accelerator=acc, flags=flags)   # refused here, before anything loads
     tok, info, config, vocab = mixer_setup(task, model_args, train, acc.device)
     model = build_model(task, config, seed=train.seed)
     loss_fn = mixer_loss(task, config, info)
     train_data, eval_data = mixer_data(task, config, train.per_device_batch_size, train.seed, acc.process_index,
                                        acc.num_processes, tok)
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
-    if train.output_dir is None: train.output_dir = default_output_dir(f"mixer-{task.model}")
     objective = 'reconstruction' if task.model == 'autoencoder' else config.objective
     def results(trainer, history, res):
         res = {'model': task.model, 'architecture': type(model).__name__, 'parameters': n_params,
@@ -108,7 +120,7 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
                        task.decoder_model, task.dataset_path or task.dataset_name, tags=['masked-mixer'])
     return run(model, train, train_data, eval_data, results=results, save=save, report=results_table, describe=describe,
                plot_title=f"{type(model).__name__} ({objective})" if task.plot else None, loss_fn=loss_fn,
-               accelerator=acc, card=card,
+               accelerator=acc, card=card, flags=flags,
                run_config={'task': task.to_dict(), 'model': config.to_dict(), 'data': dataclasses.asdict(info)})
 
 def results_table(res:dict) -> str:

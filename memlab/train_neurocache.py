@@ -4,41 +4,40 @@
 
 # %% ../nbs/21_train_neurocache.ipynb 2
 from __future__ import annotations
-import dataclasses, importlib.util, json, os, time
+import dataclasses, importlib.util, os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .core import (Config, MemlabError, arg, atomic_write_text, check, cli_main, parse_configs, patch_to,
-                         seed_everything, show_path)
+from .core import Config, MemlabError, arg, check, patch_to, show_path
+from .rng import seed_everything
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs
 from .runtime import count_parameters, resolve_precision
 from .data import load_corpus
 from .loaders import DocumentStream
 from .compat import quant_kind
 from .models import load_model, load_tokenizer
 from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add_ffn_lora, add_neurocache,
-                               has_neurocache, load_neurocache, memory_per_token,
-                               neurocache_state_dict, save_neurocache, saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
-from .neurocache import (TINY_RECALL_MODEL, FactRecallTask, RecallLoss, RecallProbe, answer_nll,  # re-exported:
-                               fact_recall_tokenizer, recall_cache_config, recall_metrics)  # they lived here
+                               has_neurocache, load_neurocache, memory_per_token, save_neurocache,
+                               saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
 from .protocol import LossOutput, causal_lm_loss
 from .train_config import TrainConfig, train_config_from
 from .distributed import make_accelerator
-from .checkpoints import find_checkpoint, resume_plan
+from .checkpoints import resume_plan
 from .trainer import Trainer
 from .training import run
 from .cards import eval_metrics
 
 # %% auto 0
-__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'RESUME_FLAGS', 'NEUROCACHE_LOOP_FLAGS', 'NeurocacheRunConfig',
-           'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'save_run_neurocache', 'check_resume_flags', 'neurocache_resume', 'neurocache_train_config',
-           'train_neurocache', 'summary', 'main', 'train_fact_recall']
+__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'NEUROCACHE_RESUME', 'NEUROCACHE_LOOP_FLAGS',
+           'NeurocacheRunConfig', 'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model',
+           'load_streams', 'stream_loss', 'save_run_neurocache', 'neurocache_resume', 'neurocache_train_config',
+           'train_neurocache', 'summary', 'main']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -187,16 +186,10 @@ def _check_flags(self):
 
 # %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
-    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where measured faster "
-     "(`resolve_precision`); fp16 needs a GPU.")
-    mp = cfg.mixed_precision or os.environ.get('ACCELERATE_MIXED_PRECISION') or 'auto'
-    check(mp in ('auto', *MIXED_PRECISION),
-          f"mixed precision {mp!r} (from accelerate launch) is not one of no, bf16, fp16")
-    check(mp != 'fp16' or torch.cuda.is_available(),
-          "fp16 mixed precision (--mixed_precision fp16, or accelerate launch --mixed_precision fp16) needs a GPU: "
-          "on a CPU the "
-          "autocast would silently compute in fp32; use bf16 (or no)")
-    return resolve_precision(mp)
+    ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where measured faster: the one "
+     "rule, `resolve_precision` (fp16 needs a GPU).")
+    return resolve_precision(cfg.mixed_precision,
+                             fp16_from='--mixed_precision fp16, or accelerate launch --mixed_precision fp16')
 
 # %% ../nbs/21_train_neurocache.ipynb
 WEIGHT_FIELDS = ('compression_factor', 'retrieval_map', 'attention_layers', 'cache_attention', 'lora_r', 'lora_alpha',
@@ -314,18 +307,11 @@ def stream_loss(model, batch:dict) -> LossOutput:
     return causal_lm_loss(model, batch)
 
 # %% ../nbs/21_train_neurocache.ipynb
-def _full_state(trainer) -> dict:
-    "The unwrapped model's state dict with full tensors (gathered under FSDP; a collective there)."
-    if trainer.fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return trainer.unwrapped_model.state_dict()
-
 def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path, tokenizer=None) -> Path:
     ("Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process: its files, the whole model as "
      "plain transformers loads it and `tokenizer` (`save_neurocache`); every process must call it (FSDP gathers).")
     model = trainer.unwrapped_model
-    state = _full_state(trainer) if trainer.fsdp else None   # sharded: the gathered full tensors are saved
+    state = trainer.full_state_dict() if trainer.fsdp else None   # sharded: the gathered full tensors are saved
     if trainer.is_main:
         save_neurocache(model, path, None if has_neurocache(model) else _resolved(model, cfg), state_dict=state,
                         tokenizer=tokenizer)
@@ -336,22 +322,22 @@ def _resolved(model, cfg) -> NeurocacheConfig:
     from memlab.wrappers import decoder_layers
     return resolve_config(cfg.neurocache_config(), len(decoder_layers(model)))
 
-
 # %% ../nbs/21_train_neurocache.ipynb
-# what a resumed run must share with the run it continues: the Neurocache and its LoRA (the loop checks batch and optimizer)
-RESUME_FLAGS = ('retrieval_map', 'attention_layers', 'cache_size', 'eval_cache_size', 'cache_type', 'cache_dtype',
-                'compression_factor', 'context_size', 'neighborhood_size', 'topk', 'similarity_fn', 'global_cache',
-                'topk_buckets', 'retrieval_bias', 'joint_distance', 'cache_attention', 'disable_neurocache',
-                'disable_lora', 'lora_r', 'lora_alpha', 'lora_dropout', 'lora_modules')
-
-def check_resume_flags(cfg:NeurocacheRunConfig, checkpoint):
-    "Refuse, before anything loads, to resume `checkpoint` with other Neurocache or LoRA flags than its run's, naming them."
-    saved = Path(checkpoint).parents[1]/'run_config.json'              # <run>/checkpoints/step-*
-    try: was = json.loads(saved.read_text()).get('neurocache_run') or {}
-    except (OSError, ValueError, AttributeError): return               # no record: the weights' own checks apply
-    diff = [f"--{k} {was[k]} -> {getattr(cfg, k)}" for k in RESUME_FLAGS if k in was and was[k] != getattr(cfg, k)]
-    check(not diff, f"{checkpoint} was trained with other Neurocache settings ({'; '.join(diff)}): resume with the "
-          "flags the run was started with, or start a new run")
+# a resume repeats what the run is: model, data, batch, optimizer, schedule, precision, seed, the Neurocache and its LoRA;
+# the budget, evaluation (sizes, splits, cache size: what is measured, not what trains), logging, checkpoints and the mode
+# (--only_evaluate, --save_and_quit) may change
+NEUROCACHE_RESUME = ResumeTable('memlab_neurocache', budget=('max_train_steps',),
+    defines=('model_name_or_path', 'dataset_name', 'dataset_config', 'text_field', 'tokenizer_name', 'train_split',
+             'per_device_train_batch_size', 'sequence_length', 'seed', 'nf4', 'max_grad_norm', 'learning_rate',
+             'weight_decay', 'gradient_accumulation_steps', 'num_warmup_steps', 'lr_scheduler_type', 'mixed_precision',
+             'distributed_type', 'pretrained_neurocache', 'disable_neurocache', 'retrieval_map', 'attention_layers',
+             'cache_size', 'cache_type', 'cache_dtype', 'compression_factor', 'context_size', 'neighborhood_size', 'topk',
+             'similarity_fn', 'global_cache', 'topk_buckets', 'zero_init_output', 'retrieval_bias', 'joint_distance',
+             'cache_attention', 'disable_lora', 'lora_r', 'lora_alpha', 'lora_dropout', 'lora_modules'),
+    may_change=('config', 'output_dir', 'eval_split', 'test_split', 'per_device_eval_batch_size', 'max_train_steps',
+                'max_eval_steps', 'only_evaluate', 'disable_grad_checkpointing', 'evaluate_every_steps',
+                'resume_from_checkpoint', 'checkpointing_steps', 'keep_n_checkpoints', 'logging_steps', 'report_to',
+                'with_tracking', 'save_and_quit', 'progress', 'eval_cache_size'))
 
 # %% ../nbs/21_train_neurocache.ipynb
 def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None):
@@ -362,8 +348,8 @@ def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None):
               "--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)")
     out, resume = Path(cfg.output_dir), cfg.resume_from_checkpoint
     if training:   # the loop's folder rule, on the main process (with `acc`) before anything loads
-        resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc)
-        if resume: check_resume_flags(cfg, find_checkpoint(resume, out))
+        resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc,
+                             flags=RunFlags(NEUROCACHE_RESUME, flag_values(cfg)))
     elif cfg.only_evaluate and not resume:   # an evaluation only refuses to overwrite results
         check(not (out/'results.json').exists(),
               f"--output_dir {out} already holds results.json: choose another folder")
@@ -424,7 +410,8 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
     # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
     optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
     loop = dict(loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks], optimizer=optimizer, accelerator=acc,
-                run_config={'neurocache_run': cfg.to_dict(), 'world_size': world, 'mixed_precision': mp})
+                run_config={'neurocache_run': cfg.to_dict(), 'world_size': world, 'mixed_precision': mp},
+                flags=RunFlags(NEUROCACHE_RESUME, flag_values(cfg)))
     def describe(trainer):
         return (f"memlab_neurocache: {describe_model(trainer.unwrapped_model)}; {world} process(es) x "
                 f"{cfg.per_device_train_batch_size} rows x {cfg.gradient_accumulation_steps} micro-batches of "
@@ -483,45 +470,6 @@ def main(argv=None):
                         config_file_flag='config')
     res = train_neurocache(cfg)
     if int(os.environ.get('RANK', '0')) == 0 and 'eval' in res: print('\n' + summary(res))
-
-# %% ../nbs/21_train_neurocache.ipynb
-def train_fact_recall(task:FactRecallTask, cache:NeurocacheConfig=None, steps:int=150, batch_size:int=8,
-                      sequence_length:int=32, lr:float=3e-3, n_train:int=4000, n_eval:int=32, seed:int=0,
-                      eval_every:int=0, output_dir:str=None,
-                      model_kw:dict=None, progress:bool=False, threads:int=1) -> dict:
-    ("Train a tiny Llama from scratch on `task`, with the Neurocache `cache` (or none); answer accuracy and loss on "
-     "held-out documents.")
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)      # a tiny model's operations are too small to gain from a second thread
-    try: return _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed,
-                                   eval_every, output_dir, model_kw, progress)
-    finally: torch.set_num_threads(prev)
-
-def _train_fact_recall(task, cache, steps, batch_size, sequence_length, lr, n_train, n_eval, seed, eval_every,
-                       output_dir, model_kw, progress) -> dict:
-    tok = fact_recall_tokenizer(task.vocab_size)
-    from memlab.models import tiny_model
-    model = tiny_model('llama', seed=seed, vocab_size=task.vocab_size,
-                       **{**TINY_RECALL_MODEL, **(model_kw or {})}).train()
-    if cache is not None: model = add_neurocache(model, cache, train_base=True)
-    train = DocumentStream(task.documents(n_train, seed), tok, batch_size, sequence_length, seed=seed,
-                           add_special_tokens=False)
-    ev = DocumentStream(task.documents(n_eval, seed + 10_000), tok, batch_size, sequence_length, loop=False,
-                        add_special_tokens=False)
-    tc = TrainConfig(output_dir=output_dir, max_steps=steps, per_device_batch_size=batch_size, lr=lr,
-                     warmup_steps=min(20, steps // 5), log_every=max(1, steps // 15), eval_every=eval_every,
-                     report_to='none', progress=progress, seed=seed, save_final=False)
-    t0 = time.time()
-    trainer = Trainer(model, tc, train, ev, loss_fn=RecallLoss(task),
-                      callbacks=[NeurocacheCallback()] if cache is not None else [])
-    history = trainer.fit()
-    final = [h for h in history if 'eval_loss' in h][-1]
-    return {'cache': cache.to_dict() if cache is not None else None, 'steps': steps, 'seconds': time.time() - t0,
-            **recall_metrics(final, 'eval_'), 'eval_loss': final['eval_loss'],
-            'train': [(h['step'], recall_metrics(h)['answer_loss'], recall_metrics(h)['accuracy']) for h in history
-                      if 'loss' in h and h['answers']],                          # (update, answer loss, accuracy)
-            'eval': [(h['step'], recall_metrics(h, 'eval_')['answer_loss'], recall_metrics(h, 'eval_')['accuracy'])
-                     for h in history if 'eval_loss' in h]}
 
 # %% ../nbs/21_train_neurocache.ipynb
 #| eval: false

@@ -4,20 +4,26 @@
 
 # %% ../nbs/31_train_relora.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, time
+import dataclasses, json, math, os, pickle, shutil, time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .core import (Config, MemlabError, arg, check, cli_main, parse_configs, parse_count, seed_everything,
-                         show_path)
-from .runtime import PRECISION_NAMES, count_parameters, memlab_home, resolve_precision
+from .core import Config, MemlabError, arg, check, show_path
+from .rng import seed_everything
+from .resume_tables import ResumeTable, RunFlags, flag_values
+from .cli import cli_main
+from .flags import parse_configs, parse_count
+from .runtime import PRECISION_NAMES, check_fp16_device, count_parameters, memlab_home, resolve_precision
 from .loaders import TokenBatches
-from .models import llama_config, load_model
-from .relora import (PRUNING_RULES, SCHEDULERS, ReLoRACallback, ReLoRAConfig, add_relora, get_scheduler,
-                           merged_model, relora_layers, reset_mode_from_flags)
+from .models import llama_config, load_model, pickle_refusal
+from .relora import (PRUNING_RULES, ReLoRACallback, ReLoRAConfig, add_relora, merged_model, relora_layers,
+                           reset_mode_from_flags)
+# ReLoRA's --scheduler chooser, renamed in memlab.relora so that get_scheduler / SCHEDULERS mean the loop's
+# (memlab.train_config) only; the cells below still use the old names
+from .relora import RELORA_SCHEDULES as SCHEDULERS, make_relora_scheduler as get_scheduler
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
                                pretokenized_name)
 from .distributed import main_process_value
@@ -25,16 +31,17 @@ from .checkpoints import resume_plan
 from .training import run
 from .callbacks import ConsolidateZeroState, ProfileCallback
 from .train_config import TrainConfig, train_config_from
-from .distributed import make_accelerator
+from .distributed import launch_data_rank, make_accelerator, parse_mesh, resolve_mesh
 from .checkpoints import (CHECKPOINTS, find_checkpoint, list_checkpoints, load_sharded, load_strict, read_json,
-                                read_state, sharded_metadata)
+                                read_state, sharded_metadata, verify_checkpoint)
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig', 'check_relora_flags',
-           'build_model', 'find_warm_start', 'original_training_state', 'warm_start_step', 'load_warm_start',
-           'accumulation_steps', 'training_steps', 'default_dataset', 'load_data', 'load_data_tokenizer', 'SkipUpdates',
-           'optimizer_factory', 'default_save_dir', 'with_default_dataset', 'relora_schedule', 'relora_model',
-           'relora_batches', 'relora_callbacks', 'relora_train_config', 'train_relora', 'main']
+__all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_RESUME', 'RELORA_LOOP_FLAGS', 'ReLoRARunConfig',
+           'check_relora_flags', 'build_model', 'find_warm_start', 'original_training_state', 'warm_start_step',
+           'load_warm_start', 'accumulation_steps', 'training_steps', 'default_dataset', 'load_data',
+           'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory', 'default_save_dir', 'with_default_dataset',
+           'relora_schedule', 'relora_model', 'relora_batches', 'relora_callbacks', 'relora_train_config',
+           'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
@@ -104,6 +111,8 @@ class ReLoRARunConfig(Config):
                                            # (autocast, fp32 master weights) | float32 | float16 (GPU)
     quantize: str = None  # store the frozen base weights in 4bit (nf4) or 8bit (bitsandbytes; needs --use_peft)
     distributed_type: str = 'ddp'  # ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded by layer)
+    mesh_dim: str = None                   # memlab: process mesh dp,fsdp,tp (one -1 takes the rest): DDP, FSDP2 (both >
+                                           # 1: HSDP), tensor parallel (full-rank training); replaces --distributed_type
     profile: bool = False                  # record torch.profiler traces of a few updates in <save_dir>/profiler_logs
     skip_batches: list[int] = None         # comma-separated update numbers whose data is dropped (the reference's
                                            # update_step: updates before it, skipped ones included)
@@ -155,8 +164,8 @@ def check_relora_flags(cfg:ReLoRARunConfig):
     check(cfg.optimizer.lower() in OPTIMIZERS, f"--optimizer {cfg.optimizer}: memlab_relora does Adam "
           "(AdamW) and adam_zero (ZeroRedundancyOptimizer over AdamW), not other optimizers")
     check(cfg.dtype in PRECISION_NAMES, f"--dtype must be auto, bf16, float32 or float16, got {cfg.dtype!r}")
-    check(PRECISION_NAMES[cfg.dtype] != 'fp16' or torch.cuda.is_available(),
-          "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
+    check_fp16_device(PRECISION_NAMES[cfg.dtype],
+                      "--dtype float16 needs a GPU (fp16 autocast with loss scaling); use bf16 or float32 on a CPU")
     check(cfg.quantize in (None, '4bit', '8bit'), f"--quantize must be 4bit or 8bit, got {cfg.quantize!r}")
     check(cfg.quantize is None or cfg.use_peft,
           "--quantize stores the frozen base weights in 4/8 bits: it needs --use_peft")
@@ -166,6 +175,16 @@ def check_relora_flags(cfg:ReLoRARunConfig):
           "fsdp is not supported: FSDP2 cannot shard bitsandbytes weights; use ddp")
     check(not (cfg.distributed_type == 'fsdp' and cfg.optimizer.lower() == 'adam_zero'),
           "--optimizer adam_zero with --distributed_type fsdp: FSDP already shards the optimizer state; use Adam")
+    if cfg.mesh_dim is not None:                     # the mesh replaces --distributed_type; what it cannot shard, refused
+        dp, fsdp, tp, cp = parse_mesh(cfg.mesh_dim)
+        check(cfg.distributed_type == 'ddp', "give --mesh_dim or --distributed_type fsdp, not both (the mesh says "
+              "how the processes share the work)")
+        check(cp == 1, f"--mesh_dim {cfg.mesh_dim}: context parallelism (cp) is memlab_bpt's; memlab_relora runs dp, "
+              "fsdp and tp")
+        check(tp == 1 or not cfg.use_peft, f"--mesh_dim {cfg.mesh_dim}: tensor parallelism splits each linear layer, "
+              "and ReLoRA's layers (--use_peft) compute from their whole weight: use a mesh without tp")
+        check(fsdp == tp == 1 or not (cfg.quantize or cfg.optimizer.lower() == 'adam_zero'), f"--mesh_dim "
+              f"{cfg.mesh_dim} shards the weights: --quantize and --optimizer adam_zero run under dp only")
     check(cfg.report_to in ('tensorboard', 'wandb', 'none'),
           f"--report_to must be tensorboard, wandb or none, got {cfg.report_to!r}")
     check(not (cfg.resume_from and cfg.autoresume and str(cfg.resume_from) != 'latest'),
@@ -214,6 +233,7 @@ def find_warm_start(path) -> tuple:
 def _checkpoint_weights(p:Path) -> dict:
     ("The model state of memlab checkpoint `p` as full tensors (from model.safetensors, or gathered from "
      "an FSDP checkpoint).")
+    verify_checkpoint(p)                     # the checkpoint agrees with itself (its manifest) before any of it is used
     if (p/'model.safetensors').exists():
         from safetensors.torch import load_file
         return load_file(str(p/'model.safetensors'))
@@ -232,7 +252,8 @@ def _hf_weights(p:Path) -> dict:
     if (p/'model.safetensors.index.json').exists():
         files = sorted(set(json.loads((p/'model.safetensors.index.json').read_text())['weight_map'].values()))
         return {k: v for f in files for k, v in load_file(str(p/f)).items()}
-    return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
+    try: return torch.load(p/'pytorch_model.bin', map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e: raise MemlabError(pickle_refusal(p/'pytorch_model.bin', e)) from None
 
 def original_training_state(p:Path) -> dict:
     ("`step` and `tokens_seen` of a checkpoint in the original ReLoRA's format "
@@ -432,13 +453,16 @@ def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int
     ("Stage 4, data: the training batches (continuing a warm start's data order where it was trained on this data, "
      "skipping --skip_batches updates) and the validation batches.")
     pad = data_args.get('pad_token_id') or 0
-    train_data = TokenBatches(dd['train'], cfg.batch_size, shuffle=True, seed=cfg.seed, pad_id=pad)
+    rank, world = launch_data_rank(cfg.mesh_dim)        # under a mesh, tensor-parallel processes read the same rows
+    train_data = TokenBatches(dd['train'], cfg.batch_size, shuffle=True, seed=cfg.seed, pad_id=pad, rank=rank,
+                              world_size=world)
     if warm and warm['data'] is not None:
         try: train_data.load_state_dict(warm['data'])
         except MemlabError:
             acc.print("the warm start was trained on other data (or with another --seed): reading the data from its start")
     if cfg.skip_batches: train_data = SkipUpdates(train_data, cfg.skip_batches, accum, start_step=start)
-    return train_data, TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad)
+    return train_data, TokenBatches(dd['validation'], cfg.batch_size, shuffle=False, loop=False, pad_id=pad, rank=rank,
+                                    world_size=world)
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> list:
@@ -459,37 +483,54 @@ def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> li
     return callbacks
 
 # %% ../nbs/31_train_relora.ipynb
+RELORA_RESUME = ResumeTable('memlab_relora', budget=('num_training_steps', 'max_train_tokens'),
+    defines=('model_config', 'model_name_or_path', 'warmed_up_model', 'dataset_path', 'tokenizer', 'max_length',
+             'batch_size', 'gradient_accumulation', 'total_batch_size', 'use_peft', 'lora_r', 'lora_alpha', 'relora',
+             'train_scaling', 'reset_optimizer_on_relora', 'optimizer_random_pruning', 'optimizer_magnitude_pruning',
+             'optimizer_pruning', 'force_keep_original', 'optimizer', 'lr', 'adam_beta1', 'adam_beta2', 'weight_decay',
+             'clip_grad_norm', 'scheduler', 'warmup_steps', 'cycle_length', 'restart_warmup_steps', 'adjust_step',
+             'min_lr_ratio', 'dtype', 'quantize', 'distributed_type', 'skip_batches', 'seed', 'freeze_embeddings'),
+    may_change=('training_config', 'resume_from', 'autoresume', 'workers', 'max_train_tokens', 'num_training_steps',
+                'eval_every', 'save_every', 'save_dir', 'keep_checkpoints', 'tags', 'comment', 'profile',
+                'max_eval_tokens', 'report_to', 'export_model', 'progress',
+                'mesh_dim'))   # another mesh reading the same rows continues the run (the loop checks the data layout)
+
+# %% ../nbs/31_train_relora.ipynb
 # the loop's settings that torchrun_main.py's flags give directly: {loop field: flag}
 RELORA_LOOP_FLAGS = dict(per_device_batch_size='batch_size', lr='lr', weight_decay='weight_decay',
                          adam_beta1='adam_beta1', adam_beta2='adam_beta2', max_grad_norm='clip_grad_norm',
                          eval_every='eval_every', save_every='save_every',
-                         distributed_type='distributed_type', seed='seed', report_to='report_to', progress='progress')
+                         mesh_dim='mesh_dim', seed='seed', report_to='report_to', progress='progress')
 
 def relora_train_config(cfg:ReLoRARunConfig, save_dir, steps:int, accum:int, world:int, resume) -> TrainConfig:
-    "Stage 5, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others."
+    ("Stage 5, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others "
+     "(`world`: the processes reading different rows).")
     return train_config_from(cfg, RELORA_LOOP_FLAGS, output_dir=save_dir, max_steps=steps,
                              gradient_accumulation_steps=accum, log_every=1, resume_from=resume,
                              mixed_precision=cfg.mixed_precision,            # from --dtype
                              max_eval_steps=max(1, math.ceil(cfg.max_eval_tokens / (cfg.batch_size * world * cfg.max_length))),
-                             keep_checkpoints=cfg.keep_checkpoints or 10**9)
+                             keep_checkpoints=cfg.keep_checkpoints or 10**9,
+                             distributed_type='auto' if cfg.mesh_dim else cfg.distributed_type)   # a mesh decides
 
 # %% ../nbs/31_train_relora.ipynb
 def train_relora(cfg:ReLoRARunConfig) -> dict:
     "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
     acc = make_accelerator(cfg.mixed_precision)
     world = acc.num_processes
+    rows_world = resolve_mesh(cfg.mesh_dim, world).data if cfg.mesh_dim else world   # processes reading different rows
     save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
+    flags = RunFlags(RELORA_RESUME, flag_values(cfg))
     resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
-                         'save_dir', acc)                                   # refused here, before anything is loaded
+                         'save_dir', acc, flags)                            # refused here, before anything is loaded
     cfg = with_default_dataset(cfg, acc)
     dd, data_args = load_data(cfg)
     tok = load_data_tokenizer(cfg, data_args)
-    accum, steps = accumulation_steps(cfg, world), training_steps(cfg, world)
+    accum, steps = accumulation_steps(cfg, rows_world), training_steps(cfg, rows_world)
     K = warm_start_step(cfg.warmed_up_model) if cfg.warmed_up_model else 0
     sched_fn = relora_schedule(cfg, steps, K)
     model, warm, counts = relora_model(cfg, len(tok), resume, acc)
     train_data, eval_data = relora_batches(cfg, dd, data_args, accum, K, warm, acc)
-    tc = relora_train_config(cfg, save_dir, steps, accum, world, resume)
+    tc = relora_train_config(cfg, save_dir, steps, accum, rows_world, resume)
     callbacks = relora_callbacks(cfg, model, K, save_dir, acc)
     run_config = {'relora': cfg.to_dict(), 'dataset': data_args, 'world_size': world, 'gradient_accumulation': accum,
                   'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
@@ -506,7 +547,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
                 'merges': next((cb.merges for cb in callbacks if isinstance(cb, ReLoRACallback)), 0),
                 'final_eval_loss': evals[-1]['eval_loss'] if evals else None,
                 'final_eval_ppl': evals[-1]['eval_ppl'] if evals else None,
-                'world_size': world, 'distributed_type': cfg.distributed_type if world > 1 else 'none',
+                'world_size': world, 'distributed_type': trainer.distributed, 'mesh': list(trainer.mesh),
                 'save_dir': save_dir}
     def save(trainer, out):                     # the merged plain model and the tokenizer
         if trainer.is_main and cfg.export_model:
@@ -520,7 +561,7 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     return run(model, tc, train_data, eval_data, prepare=prepare, describe=describe,
                final=lambda trainer: merged_model(trainer.unwrapped_model), results=results, save=save,
                callbacks=callbacks, optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc,
-               run_config=run_config, card=card)
+               run_config=run_config, card=card, flags=flags)
 
 @cli_main
 def main(argv=None):

@@ -4,26 +4,26 @@
 
 # %% ../nbs/05g_trainer.ipynb 2
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, signal, threading, time
+import dataclasses, json, math, os, signal, threading, time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .core import MemlabError, atomic_write_text, check, patch_to, rng_state, set_rng_state
+from .core import MemlabError, atomic_write_text, check, patch_to
+from .resume_tables import RunFlags, flag_values
 from .runtime import peak_memory
 from .models import enable_activation_checkpointing
 from .schedules import continue_at
 from .protocol import causal_lm_loss, model_callbacks
-from .train_config import TrainConfig, get_scheduler
-from .distributed import apply_fsdp, make_accelerator, resolve_distributed_type
-from .checkpoints import (CHECKPOINTS, DEEPSPEED_TAG, clear_unfinished_run, find_checkpoint, list_checkpoints,
-                                load_sharded, load_strict, read_json, read_safetensors, read_state,
-                                resume_plan, step_dir, write_state)
+from .train_config import LOOP_RESUME, TrainConfig, get_scheduler
+from .distributed import (MeshShape, apply_fsdp, apply_mesh, clip_grad_norm, make_accelerator, mesh_step_context,
+                                resolve_distributed_type, resolve_mesh)
+from .checkpoints import clear_unfinished_run, find_checkpoint, resume_plan
+from .run_state import RunState
 
 # %% auto 0
-__all__ = ['RESUME_FIELDS', 'BatchList', 'count_targets', 'Interrupted', 'StopSignals', 'Trainer', 'EvaluationStopped',
-           'resume_differences']
+__all__ = ['BatchList', 'count_targets', 'Interrupted', 'StopSignals', 'Trainer', 'EvaluationStopped']
 
 # %% ../nbs/05g_trainer.ipynb
 class BatchList:
@@ -85,30 +85,42 @@ class StopSignals:
         self._old = {}
 
 # %% ../nbs/05g_trainer.ipynb
-class Trainer:
+class Trainer(RunState):
     "memlab's one training loop: `Trainer(model, config, train_data, eval_data, loss_fn, callbacks).fit()`."
     def __init__(self, model:nn.Module, config:TrainConfig, train_data=None, eval_data=None, loss_fn=None, callbacks=(),
-                 optimizer=None, scheduler=None, accelerator=None, run_config:dict=None):
+                 optimizer=None, scheduler=None, accelerator=None, run_config:dict=None, flags:RunFlags=None):
         self.config, self.train_data, self.eval_data = config, train_data, eval_data
         self.loss_fn = loss_fn or causal_lm_loss
         given = list(callbacks)  # plus what the model's methods need, unless given
         callbacks = given + [cb for cb in model_callbacks(model) if not any(type(c) is type(cb) for c in given)]
         self.callbacks = sorted(callbacks, key=lambda c: getattr(c, 'order', 0))
         self.run_config = run_config or {}
+        # what defines the run: the command's flags and its table, else the loop's own settings (`LOOP_RESUME`)
+        self.flags = flags or RunFlags(LOOP_RESUME, flag_values(config))
         self.accelerator = accelerator or make_accelerator(config.mixed_precision, deepspeed=True)
         self.world_size = self.accelerator.num_processes
-        self.accum = config.accumulation_steps(self.world_size)
+        # the process mesh (None until _prepare: DDP or FSDP over every process), and how many processes read different
+        # rows (a tensor- or context-parallel group shares its rows)
+        self.mesh = resolve_mesh(config.mesh_dim, self.world_size) if config.mesh_dim else None
+        self.data_world = self.mesh.data if self.mesh else self.world_size
+        self._tp = self.mesh.tp if self.mesh else 1
+        check(self.mesh is None or self.mesh.cp == 1 or getattr(self.loss_fn, 'splits_sequences', False),
+              f"mesh_dim {config.mesh_dim}: context parallelism (cp = {self.mesh and self.mesh.cp}) needs a loss that "
+              "splits each sequence over the cp processes (memlab_bpt's, memlab.bpt.context); this run's does not: "
+              "use cp = 1")
+        self.accum = config.accumulation_steps(self.data_world)
         self._check_output_dir()
         self.accelerator.wait_for_everyone()   # no rank writes to output_dir before every rank has checked it
         self._clear_unfinished_run()
         for name, data in (('train_data', train_data), ('eval_data', eval_data)):
             w = getattr(data, 'world_size', None)
-            check(w is None or w == self.world_size, f"{name} was built for {w} process(es) "
-                  f"but {self.world_size} are running: build the loaders inside the launched processes "
-                  "(they read RANK/WORLD_SIZE) or pass rank= and world_size=")
-        from memlab.core import seed_everything
+            check(w is None or w == self.data_world, f"{name} was built for {w} process(es) "
+                  f"but {self.data_world} are running (reading different rows): build the loaders inside the launched "
+                  "processes (they read RANK/WORLD_SIZE) or pass rank= and world_size= (under a mesh: "
+                  "memlab.distributed.data_rank)")
+        from memlab.rng import seed_everything
         seed_everything(config.seed)
-        self.step, self.tokens_seen, self.history, self._log_sums = 0, 0, [], {}
+        self.step, self.tokens_seen, self.history, self._window = 0, 0, [], []   # _window: updates not yet logged
         self._optimizer_fn = (optimizer
                               if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else None)
         self._given_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -123,7 +135,7 @@ class Trainer:
         "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
         c = self.config
         resume = resume_plan(c.output_dir, c.resume_from,    # 'latest' with nothing to resume yet: a fresh start
-                             accelerator=self.accelerator)
+                             accelerator=self.accelerator, flags=self.flags)
         if resume != c.resume_from: self.config = dataclasses.replace(c, resume_from=resume)
 
     def _clear_unfinished_run(self):
@@ -133,29 +145,6 @@ class Trainer:
             if gone:
                 print(f"memlab: starting over in {self.config.output_dir}: "
                       f"it held a run that stopped before its first checkpoint (removed {', '.join(gone)})")
-
-    def _prepare(self, model):
-        c, acc = self.config, self.accelerator
-        if c.gradient_checkpointing: enable_activation_checkpointing(model)
-        from accelerate.utils import DistributedType
-        kind = resolve_distributed_type(c.distributed_type)
-        self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED   # one process of it is DeepSpeed too
-        launch = ('a DeepSpeed one' if self.deepspeed else
-                  'not a DeepSpeed one (accelerate launch --config_file data/configs/zero_config.yaml)')
-        check(self.deepspeed == (kind == 'deepspeed'),
-              f"distributed_type is {c.distributed_type} but the launch was {launch}: make them agree")
-        self.fsdp = kind == 'fsdp' and self.world_size > 1
-        if self.deepspeed: return self._prepare_deepspeed(model)
-        if self.fsdp:
-            self.model = apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls)
-            self.unwrapped_model = self.model
-        else:
-            self.model = acc.prepare_model(model)
-            # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch
-            # would stay on the user's model after training (bf16 forwards in their own code, logits unlike the saved
-            # model's): remove it
-            self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
-        self._build_optimizer()
 
     # ---- events --------------------------------------------------------------------------------------------
     def _event(self, name, *args):
@@ -169,6 +158,36 @@ class Trainer:
         if self.is_main: print(*a, flush=True)
 
 # %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _prepare(self, model):
+    c, acc = self.config, self.accelerator
+    if c.gradient_checkpointing: enable_activation_checkpointing(model)
+    from accelerate.utils import DistributedType
+    kind = resolve_distributed_type(c.distributed_type)
+    if self.mesh is not None:               # the mesh decides; a distributed_type given as well must agree
+        kind = 'fsdp' if self.mesh.kind == 'mesh' else self.mesh.kind
+        check(c.distributed_type in ('auto', kind), f"distributed_type {c.distributed_type} and mesh_dim "
+              f"{c.mesh_dim} ({self.mesh}) disagree: give one of them")
+    self.deepspeed = acc.distributed_type == DistributedType.DEEPSPEED   # one process of it is DeepSpeed too
+    launch = ('a DeepSpeed one' if self.deepspeed else
+              'not a DeepSpeed one (accelerate launch --config_file data/configs/zero_config.yaml)')
+    check(self.deepspeed == (kind == 'deepspeed'),
+          f"distributed_type is {c.distributed_type} but the launch was {launch}: make them agree")
+    self.fsdp = kind == 'fsdp' and self.world_size > 1
+    self.mesh = self.mesh or (MeshShape(fsdp=self.world_size) if self.fsdp else MeshShape(dp=self.world_size))
+    if self.deepspeed: return self._prepare_deepspeed(model)
+    if self.fsdp:                       # a mesh: tensor parallel, then FSDP2 over its data (and context) axes
+        self.model = (apply_mesh(model, self.mesh, acc.device, c.mixed_precision, c.fsdp_layer_cls)
+                      if self.mesh.kind == 'mesh' else apply_fsdp(model, acc.device, c.mixed_precision, c.fsdp_layer_cls))
+        self.unwrapped_model = self.model
+    else:
+        self.model = acc.prepare_model(model)
+        # accelerate also patches the model's forward with its autocast; the loop autocasts itself, and the patch
+        # would stay on the user's model after training (bf16 forwards in their own code, logits unlike the saved
+        # model's): remove it
+        self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
+    self._build_optimizer()
+
 @patch_to(Trainer)
 def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
     c = self.config
@@ -221,14 +240,19 @@ def _prepare_deepspeed(self, model):
     self._set_schedule(opt)
 
 @patch_to(Trainer)
-def full_state_dict(self) -> dict:
+def full_state_dict(self, every_process:bool=False) -> dict:
     ("The trained model's full state dict on the main process (FSDP's shards and ZeRO-3's partitions gathered: a "
-     "collective, so every process calls it); other processes get an empty dict.")
+     "collective, so every process calls it); other processes get an empty dict. `every_process`: on every process, "
+     "as full CPU tensors (what a replica check fingerprints).")
     if self.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # cpu_offload gathers to the main process only; without it every process receives the full tensors
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_process)
+        sd = get_model_state_dict(self.model, options=opts)
     elif self.deepspeed: sd = self.accelerator.get_state_dict(self.model)
     else: sd = self.unwrapped_model.state_dict()
+    if every_process:
+        return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
     return sd if self.is_main else {}
 
 def _distributed(self) -> str:
@@ -286,7 +310,8 @@ def _sync_context(self, last:bool):
 @patch_to(Trainer)
 def _reduce(self, t:torch.Tensor) -> torch.Tensor:
     t = t.detach().float().to(self.accelerator.device)
-    return self.accelerator.reduce(t, reduction='sum') if self.world_size > 1 else t
+    # a tensor-parallel group computes the same tokens' sums: they count once
+    return self.accelerator.reduce(t, reduction='sum') / self._tp if self.world_size > 1 else t
 
 @patch_to(Trainer)
 def train_step(self, micro_batches:list) -> dict:
@@ -300,9 +325,10 @@ def train_step(self, micro_batches:list) -> dict:
         batch = _to_device(batch, self.accelerator.device)
         # no_sync covers forward and backward: DDP decides in forward, FSDP2 in backward, whether to reduce gradients
         with self._sync_context(last=i == len(micro_batches) - 1):
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), mesh_step_context(self.mesh):
                 out = self.loss_fn(self.model, batch)
-                loss = out.loss_sum * self.world_size / n_global
+                # gradients are averaged over the processes that are not tensor-parallel ranks of one another
+                loss = out.loss_sum * (self.world_size // self._tp) / n_global
             if self.deepspeed: self._engine_backward(loss, last=i == len(micro_batches) - 1)
             else: self.accelerator.backward(loss)
         loss_sum += out.loss_sum.detach().float()
@@ -342,10 +368,8 @@ def _clip(self):
     params = [p for p in self.model.parameters() if p.grad is not None]
     if not params: return None
     self.accelerator.unscale_gradients()
-    norm = torch.nn.utils.clip_grad_norm_(params,
-                                          c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
-    if hasattr(norm, 'full_tensor'): norm = norm.full_tensor()
-    return float(norm)
+    # gradients on several meshes (tensor parallel's and FSDP's) are clipped by one global norm
+    return clip_grad_norm(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
 
 # %% ../nbs/05g_trainer.ipynb
 class EvaluationStopped(Exception):
@@ -428,134 +452,6 @@ def _get_writer(self):
 
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
-def save_checkpoint(self) -> Path:
-    "Write a complete checkpoint of the run atomically; return its folder. A write that fails (a full disk) leaves none."
-    try: return self._write_checkpoint()
-    except Exception:
-        if self.is_main and self.config.output_dir:
-            shutil.rmtree(Path(self.config.output_dir)/CHECKPOINTS/f".{step_dir(self.step)}.tmp", ignore_errors=True)
-        raise
-
-@patch_to(Trainer)
-def _write_checkpoint(self) -> Path:
-    c, acc = self.config, self.accelerator
-    check(c.output_dir, "save_checkpoint needs an output_dir")
-    root = Path(c.output_dir)/CHECKPOINTS
-    final, tmp = root/step_dir(self.step), root/f".{step_dir(self.step)}.tmp"
-    if self.is_main:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    r = acc.process_index
-    if self.fsdp:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
-    elif self.deepspeed:    # every process writes its partitions (DeepSpeed's own format)
-        self.model.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
-    elif self.is_main:
-        from safetensors.torch import save_model
-        save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
-        write_state(self.optimizer.state_dict(), tmp/'optimizer')
-    data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
-    write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
-    if self.is_main:
-        callbacks = [cb.state_dict() for cb in self.callbacks]
-        write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
-    self._event('on_save', tmp)
-    acc.wait_for_everyone()
-    if self.is_main:
-        state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
-                 'distributed_type': self._checkpoint_kind, 'history': self.history, 'config': c.to_dict()}
-        atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1))
-        import shutil
-        if final.exists(): shutil.rmtree(final)
-        os.replace(tmp, final)
-        atomic_write_text(root/'latest', final.name)
-        for old in list_checkpoints(c.output_dir)[:-max(1, c.keep_checkpoints)]: shutil.rmtree(old, ignore_errors=True)
-    acc.wait_for_everyone()
-    return final
-
-# %% ../nbs/05g_trainer.ipynb
-# what a resume may not change: the batch, the optimizer, the schedule's kind and the data order (max_steps may grow)
-RESUME_FIELDS = ('per_device_batch_size', 'lr', 'weight_decay', 'adam_beta1', 'adam_beta2', 'adam_eps', 'scheduler',
-                 'min_lr_ratio', 'lr_end', 'power', 'max_grad_norm', 'seed')
-
-def resume_differences(saved:dict, config:TrainConfig, world_size:int) -> list:
-    "The settings in which `config` differs from the `saved` config of a checkpoint ('flag old -> new', one each)."
-    out = [f"--{k} {saved[k]} -> {getattr(config, k)}" for k in RESUME_FIELDS
-           if k in saved and saved[k] != getattr(config, k)]
-    if 'per_device_batch_size' in saved:
-        then = dataclasses.replace(config, per_device_batch_size=saved['per_device_batch_size'],
-                                   total_batch_size=saved.get('total_batch_size'),
-                                   gradient_accumulation_steps=saved.get('gradient_accumulation_steps'))
-        rows = [c.per_device_batch_size * world_size * c.accumulation_steps(world_size) for c in (then, config)]
-        if rows[0] != rows[1]: out.append(f"rows per update (--total_batch_size) {rows[0]} -> {rows[1]}")
-    return out
-
-# %% ../nbs/05g_trainer.ipynb
-@patch_to(Trainer)
-def load_checkpoint(self, path):
-    "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
-    path, acc = Path(path), self.accelerator
-    state = read_json(path/'trainer_state.json')
-    check(state['world_size'] == self.world_size,
-          f"{path} was written by {state['world_size']} process(es); resume it with the same number "
-          f"(now {self.world_size})")
-    check(state['distributed_type'] == self._checkpoint_kind,
-          f"{path} was written under {state['distributed_type']}; resume it the same way")
-    changed = resume_differences(state.get('config') or {}, self.config, self.world_size)
-    check(not changed, f"{path} was trained with other settings ({'; '.join(changed)}): a resume continues the run "
-          "exactly, so pass the settings it was started with (or start a new run from its weights)")
-    # Callbacks first: one may need to change the model (say, add
-    # adapters the run had switched to) before its state loads.
-    sc = read_state(path/'scheduler_callbacks')
-    check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
-          f"this run has {len(self.callbacks)}: resume with the same method options")
-    for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
-    self.step = state['step']
-    self._event('on_load_begin', path)
-    if self.fsdp:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        sd = {'model': msd, 'optimizer': osd}
-        load_sharded(sd, path/'sharded')
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
-    elif self.deepspeed:
-        check((path/DEEPSPEED_TAG).is_dir(), f"{path} holds no DeepSpeed checkpoint ({DEEPSPEED_TAG}/)")
-        loaded, _ = self.model.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_module_strict=True,
-                                               load_optimizer_states=True, load_lr_scheduler_states=False)
-        check(loaded is not None, f"DeepSpeed could not load the checkpoint in {path/DEEPSPEED_TAG}")
-    else:
-        sd = read_safetensors(path/'model.safetensors')
-        # save_model stored tied weights once: restore the aliases before the strict check
-        own = self.unwrapped_model.state_dict()
-        for k in own:
-            if k not in sd:
-                twin = next((k2 for k2 in sd if k2 in own and own[k2].data_ptr() == own[k].data_ptr()), None)
-                if twin is not None: sd[k] = sd[twin]
-        load_strict(self.unwrapped_model, sd, 'model')
-        try: self.optimizer.load_state_dict(read_state(path/'optimizer'))
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "
-                              f"({str(e).splitlines()[0]}): resume with the model and method options of "
-                              "the run that wrote it") from None
-    self.scheduler.load_state_dict(sc['scheduler'])
-    proc = read_state(path/f'process_{acc.process_index}')
-    set_rng_state(proc['rng'])
-    if proc['data'] is not None:
-        check(hasattr(self.train_data, 'load_state_dict'),
-              "the checkpoint holds a data position but the training data cannot restore one")
-        self.train_data.load_state_dict(proc['data'])
-    self.step, self.tokens_seen, self.history = state['step'], state['tokens_seen'], state['history']
-    # the log restarts from the checkpoint: drop what a killed run logged after it
-    if self.is_main and self.config.output_dir:
-        atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
-    self._event('on_load', path)
-
-# %% ../nbs/05g_trainer.ipynb
-@patch_to(Trainer)
 def fit(self) -> list:
     "Train until `max_steps` updates (or `max_train_tokens`); returns the history of logged dicts."
     c = self.config
@@ -600,7 +496,7 @@ def _stop(self, signals:StopSignals, saved:Path=None):
 def _fit_loop(self, it, bar, signals:StopSignals):
     c = self.config
     pm = peak_memory(self.accelerator.device, collect=False).__enter__()
-    t0, tok0, window = time.perf_counter(), 0, []
+    t0, tok0, window = time.perf_counter(), 0, self._window    # the window a resumed run's checkpoint carried
     self.should_stop = False
     while self.step < c.max_steps and not self.should_stop:
         if c.max_train_tokens and self.tokens_seen >= c.max_train_tokens: break
@@ -612,7 +508,7 @@ def _fit_loop(self, it, bar, signals:StopSignals):
         if len(micro) < self.accum: break  # finite training data ran out
         res = self.train_step(micro)
         self.step += 1; self.tokens_seen += res['tokens']; tok0 += res['tokens']
-        window.append(res)
+        window.append(res)                  # the updates since the last log, saved in checkpoints
         self._event('on_step_end')
         bar.update(1); bar.set_postfix(loss=f"{res['loss']:.3f}")
         last = self.step >= c.max_steps or bool(c.max_train_tokens and self.tokens_seen >= c.max_train_tokens)
@@ -626,7 +522,7 @@ def _fit_loop(self, it, bar, signals:StopSignals):
             logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tok0 / dt,
                         peak_memory_mib=pm.absolute / 2**20)
             self.log(logs)
-            window, tok0 = [], 0
+            window[:], tok0 = [], 0
             pm = peak_memory(self.accelerator.device, collect=False).__enter__(); t0 = time.perf_counter()
         stopping = not last and self._stop_requested(signals)      # the last update finishes the run as usual
         if not stopping and self.eval_data is not None and ((c.eval_every and self.step % c.eval_every == 0) or last):

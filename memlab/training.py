@@ -14,17 +14,7 @@ from .train_config import TrainConfig
 from .trainer import Trainer
 
 # %% auto 0
-__all__ = ['default_output_dir', 'plot_history', 'standard_results', 'run', 'run_summary', 'LossOutput', 'model_inputs',
-           'causal_lm_loss', 'Callback', 'model_callbacks', 'SCHEDULERS', 'DISTRIBUTED_TYPES', 'TrainConfig',
-           'schedule_of', 'get_scheduler', 'launched_processes', 'deepspeed_launched', 'make_accelerator',
-           'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp', 'main_process_value', 'fingerprint',
-           'check_replicas', 'CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES', 'DAMAGED', 'list_checkpoints',
-           'find_checkpoint', 'output_dir_refusal', 'resume_plan', 'clear_unfinished_run', 'load_strict', 'read_json',
-           'read_safetensors', 'write_state', 'read_state', 'load_pickled_data', 'load_sharded', 'sharded_metadata',
-           'HUB_ID_PATTERN', 'BUILTIN_HUB_IDS', 'hub_model_id', 'base_model_license', 'model_card', 'eval_metrics',
-           'output_card', 'write_model_card', 'Trainer', 'BatchList', 'count_targets', 'Interrupted', 'StopSignals',
-           'EvaluationStopped', 'RESUME_FIELDS', 'resume_differences', 'CheckpointSchedule', 'OptimizerStateSwitch',
-           'DatasetStateFile', 'GradientStats', 'ConsolidateZeroState', 'ProfileCallback']
+__all__ = ['default_output_dir', 'plot_history', 'standard_results', 'run', 'run_summary']
 
 # %% ../nbs/05_training.ipynb
 def default_output_dir(prefix:str='train') -> str:
@@ -56,6 +46,20 @@ def standard_results(trainer:Trainer, history:list) -> dict:
             'mixed_precision': trainer.config.mixed_precision,
             'final': evals[-1] if evals else None}
 
+# %% ../nbs/05_training.ipynb
+def _write_run_folder(trainer, out:Path, res:dict, history:list, report=None, plot_title:str=None, card=None):
+    "Write `res` as results.json into `out`, with `report`'s files, the loss plot and `card`'s model cards."
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
+    if report is not None:
+        text = report(res)
+        for name, t in (text if isinstance(text, dict) else {'results.md': text}).items():
+            atomic_write_text(out/name, t)
+    if plot_title is not None and history: plot_history(history, out/'loss.png', title=plot_title)
+    for where, kw in ((card(trainer, res) or {}) if card is not None else {}).items():
+        if (out/where).is_dir(): write_model_card(out/where, **{'model_name': out.name, **kw})   # if written
+
+# %% ../nbs/05_training.ipynb
 def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, describe=None, final=None, results=None,
         save=None, report=None, plot_title:str=None, fit:bool=True, folder=None, card=None,
         **trainer_kwargs) -> dict:
@@ -83,16 +87,7 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
     out = folder or trainer.config.output_dir
     out = Path(out) if out else None
     if save is not None and out is not None: res.update(save(trainer, out) or {})
-    if trainer.is_main and out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out/'results.json', json.dumps(res, indent=1, default=str))
-        if report is not None:
-            text = report(res)
-            for name, t in (text if isinstance(text, dict) else {'results.md': text}).items():
-                atomic_write_text(out/name, t)
-        if plot_title is not None and history: plot_history(history, out/'loss.png', title=plot_title)
-        for where, kw in ((card(trainer, res) or {}) if card is not None else {}).items():
-            if (out/where).is_dir(): write_model_card(out/where, **{'model_name': out.name, **kw})   # if written
+    if trainer.is_main and out is not None: _write_run_folder(trainer, out, res, history, report, plot_title, card)
     trainer.accelerator.wait_for_everyone()
     return res
 
@@ -100,31 +95,3 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
 def run_summary(res:dict) -> str:
     "The start of every command's closing line: updates, training tokens and tokens/s of a `run` result."
     return f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s"
-
-# %% ../nbs/05_training.ipynb
-from .protocol import Callback, LossOutput, causal_lm_loss, model_callbacks, model_inputs
-from .train_config import DISTRIBUTED_TYPES, SCHEDULERS, get_scheduler, schedule_of
-from .distributed import (apply_fsdp, deepspeed_launched, launched_processes, main_process_value,
-                                make_accelerator, resolve_distributed_type, shard_layer_classes)
-from .checkpoints import (CHECKPOINTS, DAMAGED, DEEPSPEED_TAG, UNFINISHED_RUN_FILES, clear_unfinished_run,
-                                find_checkpoint, list_checkpoints, load_pickled_data, load_sharded, load_strict,
-                                output_dir_refusal, read_json, read_safetensors, read_state, resume_plan,
-                                sharded_metadata, write_state)
-from .cards import (BUILTIN_HUB_IDS, HUB_ID_PATTERN, base_model_license, eval_metrics, hub_model_id, model_card,
-                          output_card)
-from .callbacks import (CheckpointSchedule, ConsolidateZeroState, DatasetStateFile, GradientStats,
-                              OptimizerStateSwitch, ProfileCallback)
-from .trainer import (RESUME_FIELDS, BatchList, EvaluationStopped, Interrupted, StopSignals, count_targets,
-                            resume_differences)
-
-_all_ = ['LossOutput', 'model_inputs', 'causal_lm_loss', 'Callback', 'model_callbacks', 'SCHEDULERS',
-         'DISTRIBUTED_TYPES', 'TrainConfig', 'schedule_of', 'get_scheduler', 'launched_processes',
-         'deepspeed_launched', 'make_accelerator', 'resolve_distributed_type', 'shard_layer_classes', 'apply_fsdp',
-         'main_process_value', 'fingerprint', 'check_replicas', 'CHECKPOINTS', 'DEEPSPEED_TAG', 'UNFINISHED_RUN_FILES',
-         'DAMAGED', 'list_checkpoints', 'find_checkpoint', 'output_dir_refusal', 'resume_plan', 'clear_unfinished_run',
-         'load_strict', 'read_json', 'read_safetensors', 'write_state', 'read_state', 'load_pickled_data',
-         'load_sharded', 'sharded_metadata', 'HUB_ID_PATTERN', 'BUILTIN_HUB_IDS', 'hub_model_id', 'base_model_license',
-         'model_card', 'eval_metrics', 'output_card', 'write_model_card', 'Trainer', 'BatchList', 'count_targets',
-         'Interrupted', 'StopSignals', 'EvaluationStopped', 'RESUME_FIELDS', 'resume_differences',
-         'CheckpointSchedule', 'OptimizerStateSwitch', 'DatasetStateFile', 'GradientStats', 'ConsolidateZeroState',
-         'ProfileCallback']

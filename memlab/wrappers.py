@@ -44,6 +44,7 @@ def _add_base_layer(module, state_dict, prefix, local_metadata, strict, missing_
         head = rest.split('.', 1)[0]
         if head != _BASE and head not in own: state_dict[f"{prefix}{_BASE}.{rest}"] = state_dict.pop(k)
 
+# %% ../nbs/04a_wrappers.ipynb
 class TransparentWrapper(nn.Module):
     "Base of a method layer wrapping `base_layer`: in state dicts its tensors keep the plain model's names."
     def __init__(self, base_layer:nn.Module):
@@ -61,6 +62,7 @@ class TransparentWrapper(nn.Module):
             if name == _BASE or base is None or name not in plain_names(base): raise
             return getattr(base, name)
 
+# %% ../nbs/04a_wrappers.ipynb
 def state_names(model:nn.Module) -> dict:
     "{module name: its name in state dicts} for every module of `model` (the two differ inside a `TransparentWrapper`)."
     out = {'': ''}
@@ -137,6 +139,7 @@ def decoder_layers(model) -> nn.ModuleList:
     raise MemlabError(f"cannot find the decoder layers of {type(model).__name__}; supported families: Llama, "
                       "Mistral, OPT, GPT-2, Phi")
 
+# %% ../nbs/04a_wrappers.ipynb
 _ATTN_NAMES, MLP_NAMES = ('self_attn', 'attn', 'attention'), ('mlp', 'feed_forward')
 
 def layer_parts(layer) -> dict:

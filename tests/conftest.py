@@ -1,5 +1,5 @@
 "Shared helpers for memlab's integration tests: run memlab's scripts as real processes (plain, torchrun, accelerate launch)."
-import json, os, socket, subprocess, sys
+import json, os, signal, socket, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -23,7 +23,14 @@ def env(**kw) -> dict:
     return e
 
 def run(cmd, timeout=600, check=True, **envkw) -> subprocess.CompletedProcess:
-    r = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(**envkw), capture_output=True, text=True, timeout=timeout)
+    "Run `cmd` from the project root; on a timeout its whole process group goes (torchrun's and accelerate's workers too)."
+    p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env(**envkw), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try: out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL); p.communicate()
+        raise
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}")
     return r
@@ -36,7 +43,7 @@ def cli_runner(module:str, prog:str) -> str:
     return f'''
 import json, sys
 from accelerate.state import AcceleratorState
-from memlab.core import run_cli
+from memlab.cli import run_cli
 from {module} import {fn or 'main'} as main
 out = []
 for argv in json.loads(sys.argv[1]):

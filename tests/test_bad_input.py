@@ -114,33 +114,170 @@ def test_environment_errors_are_one_line(world, tmp_path, prog):
     assert (world/'a_file').read_text() == 'keep me\n' and not Path('/sys/memlab_out').exists()
     assert not (tmp_path/'c').exists() and not (tmp_path/'w').exists()
 
+def snapshot(folder) -> dict:
+    "Every file under `folder` with its bytes: a refused command must leave it as it was."
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(Path(folder).rglob('*')) if p.is_file()}
+
+def run_many(module, prog, argvs, **envkw) -> list:
+    "[(exit status, stderr lines)] of `prog` run in one process on each argv."
+    r = run([sys.executable, '-c', cli_runner(module, prog), json.dumps([[str(a) for a in argv] for argv in argvs])], timeout=900,
+            **envkw)
+    return [(code, [l for l in err.splitlines() if l.strip()]) for code, err in json.loads(r.stdout.strip().splitlines()[-1])]
+
+def refused(result, *fragments):
+    "One line on stderr, a non-zero exit, no traceback, holding every fragment (counted in the bad-input tally)."
+    code, lines = result
+    BAD_INPUT['tried'] += 1
+    assert code != 0 and len(lines) == 1 and 'Traceback' not in lines[0], (code, lines[-5:])
+    for f in fragments: assert f in lines[0], (f, lines[0])
+    BAD_INPUT['clean'] += 1
+
 def test_damaged_or_mismatched_checkpoints_are_one_line(world, tmp_path):
-    "memlab_train resumed into another model, from a full fine-tune with LoRA on, and from damaged checkpoint files: one line each."
+    """memlab_train resumed into another model, with LoRA switched on, and from checkpoints that do not agree with themselves: a file
+    edited, cut short, removed, added or swapped, the manifest gone, the step forged with a manifest written again to match. One line
+    each, naming the flag or the file, and the run folder left as it was."""
+    import shutil
+    from memlab.checkpoints import write_manifest
     module, out_flag, _, _, base = commands(world)['memlab_train']
-    out = tmp_path/'run'
-    argv = lambda *extra: [str(a) for a in [*base, '--output_dir', out, '--lora_r', 0, *extra]]
-    r = run([sys.executable, '-c', cli_runner(module, 'memlab_train'), json.dumps([argv('--max_steps', 2, '--save_every', 1)])])
-    assert json.loads(r.stdout.strip().splitlines()[-1])[0][0] == 0
-    ck = out/'checkpoints'/'step-00000002'
+    argv = lambda out, *extra: [*base, '--output_dir', out, '--lora_r', 0, *extra]
+    first = tmp_path/'first'
+    assert run_many(module, 'memlab_train', [argv(first, '--max_steps', 2, '--save_every', 1)])[0][0] == 0
     other = tmp_path/'other'
     from memlab.models import tiny_model
     tiny_model('llama', vocab_size=512, num_layers=2, seed=1).save_pretrained(other)
     for f in ('tokenizer.json', 'tokenizer_config.json'): (other/f).write_bytes((world/'tok'/f).read_bytes())
-    resume = ['--max_steps', 3, '--resume_from', 'latest']
-    cases = [(argv(*resume, '--model', other), 'model state does not match'),
-             (argv(*resume, '--lora_r', 4), 'does not match'),
-             ('trainer_state.json', 'is damaged (not valid JSON'), ('model.safetensors', 'is damaged or cut short'),
-             ('optimizer.safetensors', 'is damaged or cut short')]
-    for what, msg in cases:
-        saved = {p.name: p.read_bytes() for p in ck.iterdir()}
-        if isinstance(what, str):                                # damage one file of the checkpoint
-            (ck/what).write_bytes(b'{bad' if what.endswith('.json') else saved[what][:len(saved[what]) // 3])
-            what = argv(*resume)
-        r = run([sys.executable, '-c', cli_runner(module, 'memlab_train'), json.dumps([what])])
-        code, err = json.loads(r.stdout.strip().splitlines()[-1])[0]
-        BAD_INPUT['tried'] += 1
-        lines = [l for l in err.splitlines() if l.strip()]
-        assert code != 0 and len(lines) == 1 and msg in lines[0] and 'Traceback' not in err, (what, err[-2000:])
-        BAD_INPUT['clean'] += 1
-        for name, b in saved.items(): (ck/name).write_bytes(b)   # restore for the next case
-        assert sorted(p.name for p in (out/'checkpoints').glob('step-*')) == ['step-00000001', 'step-00000002']
+    def cut(p): p.write_bytes(p.read_bytes()[:p.stat().st_size // 3])
+    def forge(ck):
+        st = ck/'trainer_state.json'; st.write_text(st.read_text().replace('"step": 2', '"step": 9', 1)); write_manifest(ck, 9)
+    ck = lambda out: out/'checkpoints'/'step-00000002'
+    cases = {   # name: (damage to the copy's latest checkpoint, extra flags, what the line says)
+        'another model': (None, ['--model', other], '--model_name_or_path'),
+        'LoRA switched on': (None, ['--lora_r', 4], '--lora_r 0 -> 4'),
+        'state not JSON': (lambda c: (c/'trainer_state.json').write_text('{bad'), [], 'trainer_state.json has 4 bytes'),
+        'weights cut short': (lambda c: cut(c/'model.safetensors'), [], 'model.safetensors has'),
+        'moments cut short': (lambda c: cut(c/'optimizer.safetensors'), [], 'optimizer.safetensors has'),
+        'step edited': (lambda c: (c/'trainer_state.json').write_text((c/'trainer_state.json').read_text().replace(
+                            '"step": 2', '"step": 7', 1)), [], 'trainer_state.json does not match its hash'),
+        'file added': (lambda c: (c/'process_0.pt').write_bytes(b'planted'), [], 'process_0.pt is not in manifest.json'),
+        'file removed': (lambda c: (c/'process_0.json').unlink(), [], 'process_0.json is missing'),
+        'moments of another update': (lambda c: [shutil.copy(c.parent/'step-00000001'/f, c/f) for f in
+                                                 ('optimizer.json', 'optimizer.safetensors')] and write_manifest(c, 2),
+                                      [], "the optimizer's state has taken 1 steps but its checkpoint says 2"),
+        'manifest removed': (lambda c: (c/'manifest.json').unlink(), [], 'has no manifest.json'),
+        'step forged, manifest rewritten': (forge, [], 'the folder name says update 2 but manifest.json says 9'),
+    }
+    argvs, before = [], {}
+    for name, (damage, extra, _) in cases.items():
+        out = tmp_path/name.replace(' ', '_').replace(',', '')
+        shutil.copytree(first, out)
+        if damage: damage(ck(out))
+        before[name] = snapshot(out)
+        argvs.append(argv(out, '--max_steps', 2, '--resume_from', 'latest', *extra))
+    for (name, (_, _, msg)), res in zip(cases.items(), run_many(module, 'memlab_train', argvs)):
+        refused(res, msg)
+        assert snapshot(tmp_path/name.replace(' ', '_').replace(',', '')) == before[name], name   # nothing written
+
+# ---- resume: exact or refused, for every training command ------------------------------------------------------------------
+# per command: (flags of a first run that checkpoints, flags that resume it, a defining flag changed, what the refusal names)
+RESUMES = {
+    'memlab_train': (['--max_steps', 2, '--save_every', 1], ['--resume_from', 'latest'], ['--lora_alpha', 64],
+                     ['--lora_alpha 32 -> 64']),
+    'memlab_neurocache': (['--checkpointing_steps', 1], ['--resume_from_checkpoint', 'latest'], ['--topk', 8], ['--topk 4 -> 8']),
+    'memlab_relora': (['--use_peft', '--lora_r', 4, '--relora', 2, '--num_training_steps', 2, '--save_every', 1], ['--autoresume', 'True'],
+                      ['--relora', 3], ['--relora 2 -> 3', '--cycle_length 2 -> 3']),     # issue 40: the merges and the restarts
+    'memlab_distill': ([], ['--resume_from_checkpoint', 'latest'], ['--temperature', 2.0, '--logits_loss_fn', 'jsd'],
+                       ['--logits_loss_fn kl -> jsd', '--temperature 1.0 -> 2.0']),       # issue 40: the objective
+    'memlab_mixer': ([], ['--resume_from', 'latest'], ['--hidden_size', 48], ['--hidden_size 32 -> 48']),
+    'memlab_bpt': ([], ['--autoresume=True'], ['--optimizer.adamw_optimizer.lr=0.001'], ['--optimizer.adamw_optimizer.lr']),
+}
+
+MANY = r'''
+import importlib, json, sys
+from accelerate.state import AcceleratorState
+from memlab.cli import run_cli
+out = []
+for target, prog, argv in json.loads(sys.argv[1]):
+    module, _, fn = target.partition(':')
+    AcceleratorState._reset_state(True)
+    code, _, err = run_cli(getattr(importlib.import_module(module), fn or 'main'), argv, prog=prog)
+    out.append([code, err])
+print(json.dumps(out))
+'''
+
+def run_commands(runs) -> list:
+    "[(exit status, stderr lines)] of each (module[:function], program, argv) of `runs`, all in one process (one interpreter start)."
+    r = run([sys.executable, '-c', MANY, json.dumps([[m, p, [str(a) for a in argv]] for m, p, argv in runs])], timeout=900)
+    return [(code, [l for l in err.splitlines() if l.strip()]) for code, err in json.loads(r.stdout.strip().splitlines()[-1])]
+
+def test_resume_refuses_a_changed_run(world, tmp_path):
+    """Each training command: a run of one or two updates that checkpoints, then resumed with one of its defining flags changed:
+    one line naming each changed flag with its old and new value, and nothing in the run folder changes (run_config.json
+    included). Two processes in all: the first runs, then the resumes."""
+    firsts, resumes = [], []
+    for prog, (first, again, changed, said) in RESUMES.items():
+        module, out_flag, _, _, base = commands(world)[prog]
+        out = tmp_path/prog
+        with_out = [a for a in base if not str(a).startswith(f'{out_flag}=')] + ([f'{out_flag}={out}'] if prog == 'memlab_bpt'
+                                                                                  else [out_flag, out])
+        firsts.append((module, prog, with_out + first)); resumes.append((module, prog, with_out + first + again + changed))
+    for (_, prog, _), (code, lines) in zip(firsts, run_commands(firsts)): assert code == 0, (prog, lines[-5:])
+    before = {prog: snapshot(tmp_path/prog) for prog in RESUMES}
+    for prog in RESUMES: assert any(p.name == 'manifest.json' for p in before[prog]), (prog, sorted(before[prog]))
+    for (_, prog, _), res in zip(resumes, run_commands(resumes)):
+        refused(res, 'belongs to a run with other settings', *RESUMES[prog][3])
+        assert snapshot(tmp_path/prog) == before[prog], prog
+
+def test_a_resume_may_change_what_does_not_define_the_run(world, tmp_path):
+    """memlab_train stopped at update 2 continues to 3 with another logging cadence and evaluation size (they may change), where its
+    schedule gives the 2 updates it trained the same rates: here they were the cosine's warm-up, and the resumed run follows the
+    3-update cosine from update 3, ending with the weights of the run trained straight to 3. A cosine past its warm-up is refused:
+    the updates it trained would have had other learning rates."""
+    module, out_flag, _, _, base = commands(world)['memlab_train']
+    argv = lambda o, *extra: [*base, '--output_dir', tmp_path/o, '--save_every', 1, '--log_every', 1, *extra]
+    warm = ['--warmup_steps', 2]      # updates 1 and 2 in the warm-up; update 3 on the cosine, which the length sets
+    res = run_many(module, 'memlab_train', [
+        argv('warm', '--max_steps', 2, *warm), argv('straight', '--max_steps', 3, *warm),
+        argv('warm', '--max_steps', 3, '--resume_from', 'latest', '--log_every', 2, '--max_eval_steps', 2, *warm),
+        argv('cos', '--max_steps', 2, '--warmup_steps', 0), argv('cos', '--max_steps', 3, '--resume_from', 'latest', '--warmup_steps', 0)])
+    assert [r[0] for r in res[:4]] == [0] * 4, res
+    results = lambda o: json.loads((tmp_path/o/'results.json').read_text())
+    assert results('warm')['steps'] == 3 and results('warm')['fingerprint'] == results('straight')['fingerprint']
+    refused(res[4], 'other learning rates (--max_steps 2 -> 3)')
+
+def test_code_in_weights_and_broken_launch_configs_are_one_line(world, tmp_path):
+    """A model folder whose pytorch_model.bin is a pickle that would run code (memlab_train --model, memlab_relora --continue_from),
+    and an accelerate launch naming a malformed or missing DeepSpeed JSON: one line naming the file; the pickle never runs."""
+    import io, os, torch
+    from memlab.models import tiny_model
+    planted = tmp_path/'planted'; tiny_model('llama', vocab_size=512).save_pretrained(planted)
+    os.remove(planted/'model.safetensors')
+    for f in ('tokenizer.json', 'tokenizer_config.json'): (planted/f).write_bytes((world/'tok'/f).read_bytes())
+    marker = tmp_path/'RAN'
+    class Planted:
+        def __reduce__(self): return (io.open, (str(marker), 'w'))
+    torch.save({'model.embed_tokens.weight': Planted()}, planted/'pytorch_model.bin')
+    (tm, _, _, _, tb), (rm, _, _, _, rb) = commands(world)['memlab_train'], commands(world)['memlab_relora']
+    train, relora = run_commands([(tm, 'memlab_train', [*tb, '--model', planted, '--output_dir', tmp_path/'t']),
+                                  (rm, 'memlab_relora', [*rb, '--continue_from', planted, '--save_dir', tmp_path/'r'])])
+    refused(train, f"refusing to load {planted/'pytorch_model.bin'}: the pickle holds more than tensors (Unsupported global: "
+            "GLOBAL io.open")
+    refused(relora, f"refusing to load {planted/'pytorch_model.bin'}")
+    assert not marker.exists() and not (tmp_path/'t').exists() and not (tmp_path/'r').exists()
+    (tmp_path/'bad.json').write_text('{"zero_optimization": {"stage": 3,}')
+    module, _, _, _, base = commands(world)['memlab_mixer']
+    for ds, said in ((tmp_path/'bad.json', 'is not valid JSON (Expecting property name'), (tmp_path/'none.json', 'does not exist')):
+        refused(run_many(module, 'memlab_mixer', [[*base, '--output_dir', tmp_path/'m']], ACCELERATE_USE_DEEPSPEED='true',
+                         ACCELERATE_DEEPSPEED_CONFIG_FILE=ds)[0], f'the DeepSpeed config {ds}', said)
+    assert not (tmp_path/'m').exists()
+
+def test_every_command_reads_a_corpus_by_one_rule(world, tmp_path):
+    "A JSON-lines corpus whose texts are all blank: memlab_bpt refuses it as memlab_train does, in the same words."
+    blank = tmp_path/'blank.jsonl'
+    blank.write_text(''.join(json.dumps({'text': t}) + '\n' for t in (' ', '\n\n', '\t', '')))
+    said = "blank.jsonl holds 4 records but every 'text' is empty"
+    (tm, _, _, _, tb), (bm, _, _, _, bb) = commands(world)['memlab_train'], commands(world)['memlab_bpt']
+    bb = [a for a in bb if not str(a).startswith('--train_dataset.json_dataset.path')]
+    for res in run_commands([(tm, 'memlab_train', [*tb, '--dataset', blank, '--output_dir', tmp_path/'t']),
+                             (bm, 'memlab_bpt', [*bb, f'--train_dataset.json_dataset.path={blank}', f'--output_dir={tmp_path/"b"}'])]):
+        refused(res, said)
+    assert not (tmp_path/'t').exists() and not (tmp_path/'b').exists()

@@ -158,7 +158,7 @@ def test_bad_input_is_one_line(teacher, tmp_path):
         (['--on_policy_fraction', 0.5, '--ce_weight', 0.1], "the student's own samples"),
     ]
     argvs = [[str(a) for a in args(teacher, tmp_path/f'bad{i}', *bad)] for i, (bad, _) in enumerate(cases)]
-    code = ("import json, sys\nfrom accelerate.state import AcceleratorState\nfrom memlab.core import run_cli\n"
+    code = ("import json, sys\nfrom accelerate.state import AcceleratorState\nfrom memlab.cli import run_cli\n"
             "from memlab.train_distill import main\nout = []\nfor argv in json.loads(sys.argv[1]):\n"
             "    AcceleratorState._reset_state(True)\n    code, _, err = run_cli(main, argv, prog='memlab_distill')\n"
             "    out.append([code, err])\nprint(json.dumps(out))")
@@ -206,3 +206,92 @@ def test_harness_benchmarks_score_teacher_and_student(teacher, tmp_path):
                      (['--harness_include_path', tmp_path/'none', '--harness_benchmarks', '["x"]'], 'is not a folder')]:
         r = run([PYTHON, '-m', 'memlab.train_distill', *args(teacher, tmp_path/'bad', *bad)], check=False)
         assert r.returncode == 2 and msg in r.stderr and 'Traceback' not in r.stderr and not (tmp_path/'bad').exists(), r.stderr[-1500:]
+
+# --- the losses' memory accounting and the chunk size's guards (unit tests, seconds on a CPU) ---
+
+def tensor_bytes():
+    "A TorchDispatchMode counting the peak bytes of the tensors created inside it (41_0_losses: `TensorBytes`)."
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    class TensorBytes(TorchDispatchMode):
+        def __init__(self): super().__init__(); self.size, self.refs, self.now, self.peak = {}, {}, 0, 0
+        def _drop(self, key):
+            self.refs[key] -= 1
+            if not self.refs[key]: self.now -= self.size.pop(key); del self.refs[key]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor): continue
+                key = t.untyped_storage().data_ptr()
+                if key not in self.size:
+                    if key in given: continue
+                    self.size[key], self.refs[key] = t.untyped_storage().nbytes(), 0
+                    self.now += self.size[key]; self.peak = max(self.peak, self.now)
+                self.refs[key] += 1; weakref.finalize(t, self._drop, key)
+            return out
+    return TensorBytes()
+
+def test_kl_loss_is_chunked_by_default_at_a_quarter_of_naive_memory():
+    "kl_loss() on logits, as a user calls it, holds at most a quarter of what the naive F.kl_div holds, and gives its value."
+    import torch.nn.functional as F
+    from memlab.distill.losses import kl_loss
+    torch.manual_seed(0)
+    s0, t = torch.randn(2048, 16384), torch.randn(2048, 16384)
+    peaks, vals = {}, {}
+    for path in ('naive', 'kl_loss'):
+        s = s0.clone().requires_grad_()
+        with tensor_bytes() as tb:
+            loss = (F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction='sum') / 2048
+                    if path == 'naive' else kl_loss(s, t))
+            loss.backward()
+        peaks[path], vals[path] = tb.peak, loss.item()
+    assert peaks['kl_loss'] <= peaks['naive'] / 4, peaks
+    assert vals['kl_loss'] == pytest.approx(vals['naive'], rel=1e-5)
+
+def test_fused_head_accounting_on_cpu():
+    """tests/test_gpu.py's bound for the fused KD loss (fp32 heads, bf16 autocast, the head's gradient in bf16 as on a GPU),
+    on the CPU: 6·V·C (two head casts and the gradient buffer) + 6·N·C + CHUNK_BYTES_PER_LOGIT · chunk · V; one more fp32
+    head-sized tensor would not fit."""
+    from memlab.distill.losses import CHUNK_BYTES_PER_LOGIT, Hidden, loss_sum
+    N, C, V, chunk = 512, 256, 4000, 16
+    bound = 6 * V * C + 6 * N * C + CHUNK_BYTES_PER_LOGIT * chunk * V
+    torch.manual_seed(0)
+    hs, ws = torch.randn(N, C, requires_grad=True), (torch.randn(V, C) / C ** 0.5).requires_grad_()
+    ht, wt = torch.randn(N, C), torch.randn(V, C) / C ** 0.5
+    with tensor_bytes() as tb:
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            loss, _ = loss_sum('kl', Hidden(hs, ws), Hidden(ht, wt), chunk_size=chunk, grad_dtype=torch.bfloat16)
+        torch.autograd.grad(loss, (hs, ws))
+    assert tb.peak <= bound < tb.peak + 4 * V * C, (tb.peak, bound)
+
+def test_chunk_size_measurement_survives_out_of_memory(monkeypatch):
+    "measure_chunk_size under a faked short device: fewer tokens, only the chunks that fit, every allocation guarded."
+    import memlab.distill.losses as L
+    kw = dict(n_tokens=256, dtype=torch.float32, candidates=(2**13, 2**15, 2**17))
+    monkeypatch.setattr(L, '_free_bytes', lambda dev: 2 * 2**20)
+    r = L.measure_chunk_size(512, 'cpu', **kw)
+    assert (r['n_tokens'], sorted(r['times'])) == (85, [16])
+    monkeypatch.setattr(L, '_free_bytes', lambda dev: None)
+    def oom(s, t, chunk, compiled, sync):
+        if chunk >= 64: raise torch.OutOfMemoryError('fake')
+        return 1e-3
+    monkeypatch.setattr(L, '_time_chunk', oom)
+    assert sorted(L.measure_chunk_size(512, 'cpu', **kw)['times']) == [16]
+    def no_memory(*a, **k): raise torch.OutOfMemoryError('fake')
+    monkeypatch.setattr(torch, 'randn', no_memory)
+    assert L.measure_chunk_size(512, 'cpu', **kw) == {'chunk_size': 16, 'times': {}, 'n_tokens': 256}
+
+def test_chunk_size_measured_once_per_machine(tmp_path, monkeypatch):
+    "Ranks starting together: the first measures under the file lock, the others read its result from memlab_home."
+    import threading, time
+    import memlab.distill.losses as L
+    monkeypatch.setenv('MEMLAB_HOME', str(tmp_path))
+    calls, got = [], []
+    def measure(): calls.append(1); time.sleep(0.2); return 77
+    ranks = [threading.Thread(target=lambda: got.append(L._cached_measurement('GPU | vocab 9', measure))) for _ in range(4)]
+    for r in ranks: r.start()
+    for r in ranks: r.join()
+    assert got == [77] * 4 and len(calls) == 1
+    assert json.loads((tmp_path/'machine.json').read_text())['kd_chunk_size'] == {'GPU | vocab 9': 77}

@@ -15,6 +15,7 @@ NO_API = {
     # the top of a package split into modules: its `__init__` is star imports of the modules, each documented on its own page
     '10_bpt.html': "BPT's overview; exports memlab.bpt's __init__, the names of bpt/*",
     '20_neurocache.html': "Neurocache's overview; exports memlab.neurocache's __init__, the names of neurocache/*",
+    '30_relora.html': "ReLoRA's overview; exports memlab.relora's __init__, the names of relora/*",
     'distill/41_package.html': "memlab.distill's __init__, the names of distill/*",
     '50_mixer.html': "the masked mixers' overview; exports memlab.mixer's __init__, the names of mixer/*",
     # notebooks that export no module

@@ -76,8 +76,8 @@ def test_seed_1_refuses_fp16_on_cpu_and_runs_bf16(seed1):
 
 RECORDER = r'''
 import json, os, sys
-from memlab.core import parse_configs
-from memlab.training import Callback
+from memlab.flags import parse_configs
+from memlab.protocol import Callback
 from memlab.train_neurocache import NeurocacheRunConfig, train_neurocache
 
 class Record(Callback):
@@ -203,3 +203,41 @@ def test_bad_input_is_one_line(data, tmp_path):
     assert not bad.exists()
     r = run([sys.executable, '-m', 'memlab.train_neurocache', '--help'])
     assert all(f in r.stdout for f in ('--per_device_batch_size', '--eval_cache_size', '--pretrained_neurocache', '16384'))
+
+# --- the training step's host syncs, counted on the CPU (unit test, seconds) ---
+
+def test_training_step_asks_for_no_host_sync(monkeypatch):
+    """A steady-state training update (cache filled, one row padded) of the joint and the separate design (on its GPU path)
+    runs no operation of memlab's that would make a CUDA host wait: nonzero, unique, boolean-mask indexing, item,
+    masked_select, a tensor from Python data (a TorchDispatchMode sees every operation, with the line that asked for it)."""
+    import traceback
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    import memlab.neurocache.layer as nc_layer
+    from memlab.models import tiny_model
+    from memlab.neurocache import NeurocacheConfig, add_neurocache, reset_cache
+    waits = {'aten.nonzero.default', 'aten._unique2.default', 'aten.unique_dim.default', 'aten.unique_consecutive.default',
+             'aten._local_scalar_dense.default', 'aten.masked_select.default', 'aten.is_nonzero.default',
+             'aten.repeat_interleave.Tensor', 'aten.lift_fresh.default'}
+    class HostSyncs(TorchDispatchMode):
+        def __init__(self): super().__init__(); self.found = []
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            masked = name.startswith(('aten.index.', 'aten.index_put')) and any(
+                isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_leaves(args[1]))
+            if name in waits or masked:
+                site = next((f for f in reversed(traceback.extract_stack()[:-1]) if '/torch/' not in f.filename), None)
+                if site is not None and '/memlab/' in site.filename: self.found.append(f"{name} at {site.filename}:{site.lineno}")
+            return func(*args, **(kwargs or {}))
+    g = torch.Generator().manual_seed(0)
+    segs = [torch.randint(2, 256, (2, 8), generator=g) for _ in range(2)]
+    mask = torch.ones(2, 8, dtype=torch.long); mask[1, :3] = 0
+    monkeypatch.setattr(nc_layer, 'DEDUP_DEVICES', ())                      # the GPU's path, here on the CPU
+    for design in ('joint', 'separate'):
+        model = add_neurocache(tiny_model('llama'), NeurocacheConfig(cache_size=64, compression_factor=4, topk=4,
+                                                                     cache_attention=design, lora_r=4)).train()
+        reset_cache(model)
+        for s, m in ((segs[0], None), (segs[1], mask)):
+            with HostSyncs() as hs: model(input_ids=s, attention_mask=m, labels=s).loss.backward()
+        assert hs.found == [], (design, hs.found)

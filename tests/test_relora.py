@@ -58,7 +58,7 @@ def losses(res:dict, after:int=0) -> list: return [h['loss'] for h in res['histo
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     "A 512-token BPE trained on pydocs and pydocs pretokenized at length 512 by memlab_pretokenize, under the seed's folder name."
-    from memlab.core import run_cli
+    from memlab.cli import run_cli
     from memlab.tokenizers import pretokenize_main, train_tokenizer
     root = tmp_path_factory.mktemp('relora')
     train_tokenizer('pydocs', vocab_size=512, save_dir=root/'tok', take=40, show_progress=False)
@@ -167,7 +167,7 @@ def test_ddp_zero_agrees_with_fsdp(data, warm, relora_fsdp):
     assert ddp['fingerprint'] == pytest.approx(fsdp['fingerprint'], rel=5e-3)    # the weights after those steps (measured: 1.6e-3)
 
 def read_state(stem):
-    from memlab.training import read_state
+    from memlab.checkpoints import read_state
     return read_state(stem)
 
 SWITCH = r'''
@@ -176,8 +176,9 @@ from memlab.loaders import TokenBatches
 from memlab.models import tiny_model
 from memlab.relora import (ReLoRACallback, ReLoRAConfig, WarmStartCallback, get_cosine_schedule, get_cosine_schedule_with_restarts,
                            relora_layers)
-from memlab.training import fingerprint
-from memlab.training import TrainConfig, Trainer, make_accelerator
+from memlab.distributed import fingerprint, make_accelerator
+from memlab.train_config import TrainConfig
+from memlab.trainer import Trainer
 out = sys.argv[1]
 make_accelerator()          # the process group first: TokenBatches shards the rows by it
 def run(name, resume_from=None):

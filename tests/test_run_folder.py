@@ -14,8 +14,10 @@ def tiny(tmp_path_factory):
     return p
 
 def train_argv(model, out, *extra):
+    # a constant schedule: the killed run below is resumed for one update more than it reached (its length may change)
     return ['--model', model, '--dataset', 'pydocs', '--sequence_length', 32, '--max_eval_steps', 1, '--eval_every', 0,
-            '--log_every', 1, '--output_dir', out, '--report_to', 'none', '--progress', 'false', '--mixed_precision', 'no', *extra]
+            '--log_every', 1, '--output_dir', out, '--report_to', 'none', '--progress', 'false', '--mixed_precision', 'no',
+            '--scheduler', 'constant', *extra]
 
 def wait_for(cond, proc, timeout=120):
     t0 = time.time()
@@ -32,13 +34,21 @@ def test_second_run_into_a_live_folder_is_refused_and_a_killed_run_resumes(tiny,
         log = out/'log.jsonl'
         wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3 and (out/'checkpoints'/'latest').exists(), first)
         before, config = log.read_text(), (out/'run_config.json').read_text()
-        for cmd in ([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3)],                    # a fresh start
-                    [BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3, '--resume_from', 'latest')]):   # or a resume
+        names = sorted(p.name for p in out.iterdir())
+        busy = f'is in use by a running memlab command (memlab_train, process {first.pid} on'
+        for cmd, flag in (([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3)], 'output_dir'),   # a fresh start
+                          ([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3, '--resume_from', 'latest')], 'output_dir'),
+                          # every other command that writes into a folder takes the same lock (issue 40: pretokenize wrote here)
+                          ([BIN/'memlab_pretokenize', '--tokenizer', tiny, '--dataset', 'pydocs', '--take', 2, '--sequence_length',
+                            32, '--save_dir', out], 'save_dir'),
+                          ([BIN/'memlab_eval', tiny, '--tasks', 'x', '--out', out/'scores.json'], 'out'),
+                          ([BIN/'memlab_docs', '--root', ROOT, '--site', '--out', out], 'out')):
             r = run(cmd, check=False)
             lines = r.stderr.strip().splitlines()
             assert r.returncode != 0 and len(lines) == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
-            assert f'--output_dir {out} is in use by a running memlab run (process {first.pid} on' in lines[0], lines[0]
+            assert f'--{flag} {out} {busy}' in lines[0], lines[0]
         assert log.read_text().startswith(before) and (out/'run_config.json').read_text() == config  # the first run's files untouched
+        assert sorted(p.name for p in out.iterdir()) == names
         assert first.poll() is None                                                                   # and it still runs
     finally:
         first.send_signal(signal.SIGKILL); first.communicate()
@@ -61,7 +71,21 @@ def test_a_live_run_under_torchrun_holds_its_folder(tiny, tmp_path):
         wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 2, first)
         before = log.read_text()
         r = run(launch('--max_steps', 3), check=False)
-        assert r.returncode != 0 and f'--output_dir {out} is in use by a running memlab run' in r.stderr, r.stderr[-3000:]
+        assert r.returncode != 0 and f'--output_dir {out} is in use by a running memlab command' in r.stderr, r.stderr[-3000:]
         assert log.read_text().startswith(before) and first.poll() is None   # (torchrun adds its own report of a failed worker)
     finally:
         subprocess.run(['pkill', '-KILL', '-P', str(first.pid)]); first.kill(); first.communicate()   # the workers, then torchrun
+
+def test_a_lock_that_is_not_memlabs_is_refused_and_left_alone(tiny, tmp_path):
+    """A `.memlab.lock` planted as a link to a file elsewhere, as another name (hard link) of a file, or holding a user's data: the
+    command refuses in one line, the file it points at is not truncated or written, and nothing else is created."""
+    import os
+    victim = tmp_path/'victim.txt'; victim.write_text('precious\n')
+    plants = {'link': lambda lock: lock.symlink_to(victim), 'hard link': lambda lock: os.link(victim, lock),
+              'notes': lambda lock: lock.write_text('my notes\n')}
+    for name, plant in plants.items():
+        out = tmp_path/name.replace(' ', '_'); out.mkdir(); plant(out/'.memlab.lock')
+        r = run([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 1)], check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "not memlab's lock file" in lines[0], (name, r.stderr[-2000:])
+        assert victim.read_text() == 'precious\n' and sorted(p.name for p in out.iterdir()) == ['.memlab.lock'], name

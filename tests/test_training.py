@@ -103,25 +103,38 @@ torch.save({'rng': Planted(), 'data': None}, sys.argv[1])
 '''
 
 def test_planted_pickle_in_a_checkpoint_is_refused(tmp_path):
-    "Resuming from a checkpoint with a planted pickle (an older memlab's process_0.pt): one line, exit 2, no code run."
+    """Resuming from a checkpoint whose process state was swapped for a planted pickle (an older memlab's process_0.pt): one line,
+    exit 2, no code run. The manifest refuses it before any file of the checkpoint is read."""
     run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '4', '--save_every', '2'])
     ck, marker = tmp_path/'run'/'checkpoints'/'step-00000004', tmp_path/'ran'
     assert sorted(p.name for p in ck.iterdir() if not p.name.startswith('model')) == [
-        'optimizer.json', 'optimizer.safetensors', 'process_0.json', 'process_0.safetensors',
-        'scheduler_callbacks.json', 'trainer_state.json']             # no pickle written
+        'manifest.json', 'optimizer.json', 'optimizer.safetensors', 'process_0.json', 'process_0.safetensors',
+        'scheduler_callbacks.json', 'trainer_state.json']             # no pickle written; the manifest last
     for f in ('process_0.json', 'process_0.safetensors'): (ck/f).unlink()
     run([sys.executable, '-c', PLANT, ck/'process_0.pt', marker])
     r = run([sys.executable, SCRIPT, tmp_path/'run', '--steps', '6', '--save_every', '2', '--resume'], check=False)
     lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and f"refusing to load {ck/'process_0.pt'}" in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and f"{ck/'process_0.json'} is missing" in lines[0], r.stderr
     assert not marker.exists()
+
+def test_a_stop_between_logs_keeps_the_logging_window(tmp_path):
+    """--log_every 3 and a SIGTERM after update 4, in the middle of a logging window: the checkpoint carries the window's updates, so
+    the resumed run logs at update 6 the mean over updates 4 to 6, and every logged loss equals the uninterrupted run's."""
+    run([sys.executable, SCRIPT, tmp_path/'full', '--steps', '8', '--log_every', '3'])
+    r = run([sys.executable, SCRIPT, tmp_path/'stopped', '--steps', '8', '--log_every', '3', '--signal_at_step', '4'], check=False)
+    assert r.returncode == 128 + signal.SIGTERM and 'stopped by SIGTERM after update 4' in r.stderr, r.stderr[-2000:]
+    run([sys.executable, SCRIPT, tmp_path/'stopped', '--steps', '8', '--log_every', '3', '--resume'])
+    full, resumed = results(tmp_path/'full')[0], results(tmp_path/'stopped')[0]
+    assert full['logged_at'] == resumed['logged_at'] == [3, 6, 8]
+    assert resumed['losses'] == full['losses'] and resumed['fingerprint'] == full['fingerprint']
 
 WRAPPED = r'''
 import json, os, sys, torch
 from memlab.bitnet import add_bitnet
 from memlab.models import tiny_model
 from memlab.relora import ReLoRAConfig, add_relora
-from memlab.training import BatchList, Trainer, TrainConfig
+from memlab.trainer import BatchList, Trainer
+from memlab.train_config import TrainConfig
 sys.path.insert(0, sys.argv[3]); from dist_train import fingerprint, make_batches
 out, mode = sys.argv[1], sys.argv[2]
 model = add_relora(add_bitnet(tiny_model('llama', seed=1)), ReLoRAConfig(r=4, lora_dropout=0.0), seed=0)

@@ -12,6 +12,8 @@ from ..bench import main as bench_main, register_benchmark
 # each benchmark by its module here, imported only when it runs (`memlab_bench --help` imports none of them)
 register_benchmark('loop', 'memlab.benchmarks.loop:benchmark',
                    "memlab's training loop vs a bare PyTorch loop: same model, batches and precision")
+register_benchmark('mesh', 'memlab.benchmarks.mesh:benchmark',
+                   'peak memory per process vs sequence length: one process, FSDP, tensor and context parallel (2 CPU processes)')
 register_benchmark('bpt', 'memlab.benchmarks.bpt:benchmark',
                    'BPT vs HF attention: peak memory and tokens/s vs sequence length, longest sequence in a budget')
 register_benchmark('neurocache', 'memlab.benchmarks.neurocache:benchmark',

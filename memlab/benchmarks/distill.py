@@ -34,7 +34,7 @@ def _loss_measurement(path:str, n_tokens:int=2048, vocab:int=49152, width:int=57
     if path == 'fused': s_in, t_in = Hidden(h.requires_grad_(), W.requires_grad_()), Hidden(ht, Wt)
     else:
         with torch.no_grad(): s_in, t_in = (h @ W.T).requires_grad_(), ht @ Wt.T      # (N, V) each: the models' logits
-    chunk = None if path in ('dense', 'naive') else (chunk_size or auto_chunk_size(vocab, device=dev))
+    chunk = 0 if path in ('dense', 'naive') else (chunk_size or auto_chunk_size(vocab, device=dev))   # 0: dense
     def step():
         if path == 'naive':   # what a user writes: both log-softmaxes whole, in the logits' dtype
             total = F.kl_div(F.log_softmax(s_in, -1), F.log_softmax(t_in, -1), log_target=True, reduction='sum')
@@ -73,8 +73,8 @@ def _step_measurement(kind:str, quick:bool=False, seq_len:int=512) -> dict:
         return measure_step(step, seq_len, warmup=1, repeats=2)
 
 def benchmark(quick:bool=False, device:str='cpu') -> tuple:
-    ("Distillation vs CE training steps, and the dense vs chunked vs fused loss at vocabulary 49,152 "
-     "(`memlab_bench distill`); on a GPU the losses alone at the GPU probe's shape, against the naive `F.kl_div`.")
+    ("Distillation vs CE training steps, and the naive `F.kl_div` vs memlab's dense, chunked and fused loss at vocabulary "
+     "49,152 (`memlab_bench distill`); on a GPU the losses alone at the GPU probe's shape.")
     from memlab.bench import run_isolated
     rows, N = [], 512 if quick else 2048
     if torch.device(device).type != 'cpu':   # the H200 probe's shapes: 4096 x 128256 logits, fused from width 2048
@@ -84,7 +84,7 @@ def benchmark(quick:bool=False, device:str='cpu') -> tuple:
                              device=device)
             rows.append({'config': f"{path} KL loss", **{k: round(v, 2) for k, v in r.items()}})
         return rows, 'naive KL loss'
-    for path in ('dense', 'chunked', 'fused'):
+    for path in ('naive', 'dense', 'chunked', 'fused'):
         r = run_isolated('memlab.benchmarks.distill:_loss_measurement', path, n_tokens=N)
         rows.append({'config': f"{path} KL loss", 'group': f"loss alone, {N} tokens x 49152",
                      **{k: round(v, 2) for k, v in r.items() if k != 'chunk_size'}})

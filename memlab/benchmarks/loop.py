@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from ..runtime import resolve_precision
 from ..models import as_dtype
-from ..training import BatchList, Callback, TrainConfig, Trainer
+from ..trainer import BatchList, Trainer
+from ..protocol import Callback
+from ..train_config import TrainConfig
 
 # %% auto 0
 __all__ = ['loop_step_times', 'benchmark']

@@ -24,6 +24,10 @@ def _rss() -> int:
     import re
     return int(re.search(r"VmRSS:\s+(\d+)", Path('/proc/self/status').read_text()).group(1)) * 1024
 
+def _nc_device(nc) -> torch.device:
+    "The device of a `Neurocache`'s parameters."
+    return next(nc.parameters()).device
+
 def _fill_cache(model, batch_size:int, seed:int=0):
     "Fill every cache of the model's current mode with random states, as after a long document (benchmarks)."
     nc = unwrap(model).neurocache
@@ -36,10 +40,7 @@ def _fill_cache(model, batch_size:int, seed:int=0):
         c.write(keys.to(c.device), raw=None if raw is None else raw.to(c.device))
         check(bool(c.valid.all()), "the cache did not fill")
 
-def _nc_device(nc) -> torch.device:
-    "The device of a `Neurocache`'s parameters."
-    return next(nc.parameters()).device
-
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
 # SmolLM2-135M's shape, for a GPU machine that has no copy of its weights (random weights: the speed is the same)
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
@@ -60,15 +61,10 @@ def _flops(fn) -> int:
     with FlopCounterMode(display=False) as counter: fn()
     return counter.get_total_flops()
 
-def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
-                 threads:int=None, cache_attention:str='separate', device:str=None) -> dict:
-    ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
-     "(run it through `run_isolated`).")
-    import statistics, time
-    from memlab.models import load_model
-    from memlab.training import causal_lm_loss
-    if threads: torch.set_num_threads(threads)
-    torch.manual_seed(0)
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
+def _speed_models(model_name:str, cache_size:int, cache_attention:str) -> dict:
+    ("The two models a speed measurement compares: {'cache': a Neurocache (bf16 cache, top-16, LoRA r 32), 'lora': "
+     "the same LoRA on the same layers, no cache}.")
     cfg = NeurocacheConfig(cache_size=cache_size, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32,
                            lora_dropout=0.0)
     # layers and context as the defaults choose (resolve_design); a random model has no copying layers to find: the
@@ -80,7 +76,35 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
     # the same layers
     cfg = dataclasses.replace(cfg, retrieval_map=nc.neurocache_config.retrieval_map,
                               attention_layers=nc.neurocache_config.attention_layers)
-    models = {'cache': nc, 'lora': add_ffn_lora(_bench_model(model_name), cfg)}
+    return {'cache': nc, 'lora': add_ffn_lora(_bench_model(model_name), cfg)}
+
+def _time_modes(models:dict, steps:dict, batch_size:int, seq_len:int, repeats:int, sync) -> dict:
+    ("Each mode's step (`steps`: {'train': fn, 'eval': fn} of a model's key) timed on both `models` alternately, "
+     "their caches full: tokens/s of each, the median ratio, and the FLOP bound (LoRA's FLOPs over the cache's).")
+    import statistics, time
+    res = {}
+    for mode, step in steps.items():
+        for m in models.values(): m.train(mode == 'train')
+        _fill_cache(models['cache'], batch_size)
+        times = {k: [] for k in models}
+        flops = {k: _flops(lambda: step(k)) for k in models}           # also the warm-up (and the optimizer state)
+        res[f"{mode}_flop_bound"] = flops['lora'] / flops['cache']
+        for _ in range(repeats):
+            for k in models:
+                sync(); t = time.perf_counter(); step(k); sync(); times[k].append(time.perf_counter() - t)
+        for k in models: res[f"{mode}_{k}"] = batch_size * seq_len / statistics.median(times[k])
+        res[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(times['lora'], times['cache']))
+    return res
+
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
+def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=1, cache_size:int=16384, repeats:int=3,
+                 threads:int=None, cache_attention:str='separate', device:str=None) -> dict:
+    ("Tokens/s with a full cache vs the same LoRA without one, training and evaluation, measured alternately "
+     "(run it through `run_isolated`).")
+    from memlab.protocol import causal_lm_loss
+    if threads: torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    models = _speed_models(model_name, cache_size, cache_attention)
     vocab = models['lora'].get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     batch = dict(input_ids=ids, labels=torch.roll(ids, -1, 1), attention_mask=torch.ones_like(ids))
@@ -98,18 +122,7 @@ def _bench_speed(model_name:str='smollm2-135m', seq_len:int=512, batch_size:int=
         (out.loss_sum / out.n_tokens).backward(); opts[k].step(); opts[k].zero_grad(set_to_none=True)
     def eval_step(k):
         with torch.no_grad(), autocast(): models[k](input_ids=ids)
-    res = {}
-    for mode, step in (('train', train_step), ('eval', eval_step)):
-        for m in models.values(): m.train(mode == 'train')
-        _fill_cache(models['cache'], batch_size)
-        times = {k: [] for k in models}
-        flops = {k: _flops(lambda: step(k)) for k in models}           # also the warm-up (and the optimizer state)
-        res[f"{mode}_flop_bound"] = flops['lora'] / flops['cache']
-        for _ in range(repeats):
-            for k in models:
-                sync(); t = time.perf_counter(); step(k); sync(); times[k].append(time.perf_counter() - t)
-        for k in models: res[f"{mode}_{k}"] = batch_size * seq_len / statistics.median(times[k])
-        res[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(times['lora'], times['cache']))
+    res = _time_modes(models, {'train': train_step, 'eval': eval_step}, batch_size, seq_len, repeats, sync)
     res['precision'] = 'bf16 autocast' if native_bf16(device) else 'fp32'
     a = models['cache'].neurocache_config.attention_layers
     res['layers'] = f"layers {a[0]}-{a[-1]}" if a == list(range(a[0], a[-1] + 1)) else f"layers {','.join(map(str, a))}"
@@ -140,33 +153,22 @@ def _bench_memory(hidden_size:int=576, num_heads:int=9, head_dim:int=64, cache_s
     return out
 
 # %% ../../nbs/neurocache/20_4_benchmark.ipynb
-def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
-    ("`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token "
-     "vs Memorizing Transformers; on a GPU, SmolLM2's shape at 4 x 1024 tokens.")
-    from memlab.bench import run_isolated
+def _speed_rows(sp:dict, design:str, setting:str) -> list:
+    ("A speed measurement `sp` as the table's rows: per mode, LoRA alone, then the cache + LoRA with its speed ratio "
+     "and FLOP bound; `setting` (threads) follows the mode in the row's name.")
     rows = []
-    if torch.device(device).type != 'cpu':
-        for design in ('separate', 'joint'):
-            sp = run_isolated('memlab.benchmarks.neurocache:_bench_speed', 'smollm2-shape', seq_len=256 if quick else 1024,
-                              batch_size=4, repeats=1 if quick else 3, cache_attention=design, device=device)
-            for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
-                what = f"{label}, {sp['precision']}"
-                rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
-                rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
-                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x",
-                             'FLOP bound': f"{sp[f'{mode}_flop_bound']:.2f}x"})
-        return rows, None
-    for design in ('separate', 'joint'):
-        for n in threads or ((1,) if quick else (1, torch.get_num_threads())):
-            sp = run_isolated('memlab.benchmarks.neurocache:_bench_speed', seq_len=128 if quick else 512,
-                              repeats=1 if quick else 3, threads=n, cache_attention=design)
-            for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
-                what = f"{label}, {n} thread(s), {sp['precision']}"
-                rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
-                rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
-                             'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x",
-                             'FLOP bound': f"{sp[f'{mode}_flop_bound']:.2f}x"})
-    mem = run_isolated('memlab.benchmarks.neurocache:_bench_memory')
+    for mode, label in (('train', 'training update'), ('eval', 'evaluation forward')):
+        what = f"{label}{setting}, {sp['precision']}"
+        rows.append({'config': f"{what}: LoRA ({sp['layers']}), no cache", 'tokens_per_s': sp[f'{mode}_lora']})
+        rows.append({'config': f"{what}: 16K {design} cache + LoRA", 'tokens_per_s': sp[f'{mode}_cache'],
+                     'speed vs no cache': f"{sp[f'{mode}_ratio']:.2f}x",
+                     'FLOP bound': f"{sp[f'{mode}_flop_bound']:.2f}x"})
+    return rows
+
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
+def _memory_rows(mem:dict) -> list:
+    "The memory measurement as the table's rows: each store's bytes per cached token, against Memorizing Transformers'."
+    rows = []
     mt = mem['memorizing']['bytes_per_token']
     for k, label in (('memorizing', 'memory: Memorizing Transformers K/V (one layer), 16K tokens'),
                      ('neurocache', 'memory: Neurocache cache (evaluation), 16K tokens'),
@@ -176,6 +178,27 @@ def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
         rows.append({'config': label, 'bytes_per_token': round(m['bytes_per_token'], 1),
                      'tensor_mib': round(m['tensor_mib'], 1), 'rss_growth_mib': round(m['rss_growth_mib'], 1),
                      'memory vs Memorizing': f"{m['bytes_per_token'] / mt:.3f}x"})
+    return rows
+
+# %% ../../nbs/neurocache/20_4_benchmark.ipynb
+def benchmark(quick:bool=False, threads:tuple=None, device:str='cpu') -> tuple:
+    ("`memlab_bench neurocache`: tokens/s with a 16K cache vs without (training, evaluation), memory per cached token "
+     "vs Memorizing Transformers; on a GPU, SmolLM2's shape at 4 x 1024 tokens.")
+    from memlab.bench import run_isolated
+    rows = []
+    if torch.device(device).type != 'cpu':
+        for design in ('separate', 'joint'):
+            sp = run_isolated('memlab.benchmarks.neurocache:_bench_speed', 'smollm2-shape', seq_len=256 if quick else 1024,
+                              batch_size=4, repeats=1 if quick else 3, cache_attention=design, device=device)
+            rows += _speed_rows(sp, design, '')
+        return rows, None
+    for design in ('separate', 'joint'):
+        for n in threads or ((1,) if quick else (1, torch.get_num_threads())):
+            sp = run_isolated('memlab.benchmarks.neurocache:_bench_speed', seq_len=128 if quick else 512,
+                              repeats=1 if quick else 3, threads=n, cache_attention=design)
+            rows += _speed_rows(sp, design, f', {n} thread(s)')
+    mem = run_isolated('memlab.benchmarks.neurocache:_bench_memory')
+    rows += _memory_rows(mem)
     keys = ['config', 'tokens_per_s', 'speed vs no cache', 'FLOP bound', 'bytes_per_token', 'tensor_mib', 'rss_growth_mib',
             'memory vs Memorizing']
     # every row has every column (memlab_bench's table takes its columns from the first row); a missing speed is None

@@ -43,7 +43,7 @@ def precision_step_times(method:str, precision:str, rows:int=4, seq_len:int=256,
     ("Train `method`'s model `steps` updates in `precision` ('no' or 'bf16'); "
      "tokens/s after the first two, and the losses.")
     import time, torch
-    from memlab.training import causal_lm_loss
+    from memlab.protocol import causal_lm_loss
     check(steps >= 4, f"steps must be at least 4 (the first two are not timed), got {steps}")
     torch.manual_seed(0)
     model = _method_model(method, seq_len, vocab).train()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..core import Config, arg, check
+from ..core import Config, arg, check, patch_to
 from ..runtime import resolve_precision
 from ..evaluation import lm_eval_scores, require_lm_eval
 from ..models import check_model_sizes
@@ -46,6 +46,7 @@ def parse_copy_modules(spec) -> list:
             out.append((name, flag in ('freeze', 'frozen')))
     return out
 
+# %% ../../nbs/distill/41_8_arguments.ipynb
 @dataclass
 class StudentModelArguments(Config):
     ("The student: an existing model, or one built from a config (the teacher's by default), "
@@ -70,32 +71,36 @@ class StudentModelArguments(Config):
     student_model_use_liger: bool = False  # Liger (Triton) kernels: not available (GPU-only); memlab's chunked and
                                            # fused losses save the same logits memory
 
-    def __post_init__(self):
-        check(not (self.student_model_name_or_path and self.student_config_name_or_path),
-              "give --student_model_name_or_path (an existing student) or --student_config_name_or_path "
-              "(a config to build one), not both")
-        check(not (self.student_model_name_or_path and self.student_model_config),
-              "--student_model_config overrides a config the student is built from; "
-              "an existing --student_model_name_or_path has its own")
-        check(self.student_model_config is None or isinstance(self.student_model_config, dict),
-              f"--student_model_config must be a dict such as '{{\"num_hidden_layers\": 6}}', "
-              f"got {self.student_model_config!r}")
-        check_model_sizes(self.student_model_config or {}, '--student_model_config')   # a 0-layer student, say
-        if self.reinitialize_weights is not None and str(self.reinitialize_weights).lower() in ('none', 'false', ''):
-            self.reinitialize_weights = None
-        check(self.reinitialize_weights in (None, 'xavier'),
-              f"--reinitialize_weights supports xavier, got {self.reinitialize_weights!r}")
-        check(not self.student_model_use_liger, "--student_model_use_liger: Liger's Triton kernels need a GPU "
-              "and are not used here; memlab's chunked loss (--chunk_size) "
-              "and --fused True keep the full logits out of memory instead")
-        if self.copy_teacher_modules is None:
-            self.copy_teacher_modules = [] if self.student_model_name_or_path else ['lm_head']
-        self.copy_teacher_modules = [f"{n}:freeze" if f else n
-                                     for n, f in parse_copy_modules(self.copy_teacher_modules)]
-        sel = self.student_layer_selection
-        check(sel in ('uniform', 'first', 'last') or all(x.strip().lstrip('-').isdigit() for x in str(sel).split(',')),
-              "--student_layer_selection must be uniform, first, last or teacher layer indices like "
-              f"'0,14,29', got {sel!r}")
+    def __post_init__(self): _check_student_args(self)
+
+# %% ../../nbs/distill/41_8_arguments.ipynb
+def _check_student_args(a):
+    "Check the student's arguments and normalise them: no reinitialisation as None, the copies as 'name[:freeze]'."
+    check(not (a.student_model_name_or_path and a.student_config_name_or_path),
+          "give --student_model_name_or_path (an existing student) or --student_config_name_or_path "
+          "(a config to build one), not both")
+    check(not (a.student_model_name_or_path and a.student_model_config),
+          "--student_model_config overrides a config the student is built from; "
+          "an existing --student_model_name_or_path has its own")
+    check(a.student_model_config is None or isinstance(a.student_model_config, dict),
+          f"--student_model_config must be a dict such as '{{\"num_hidden_layers\": 6}}', "
+          f"got {a.student_model_config!r}")
+    check_model_sizes(a.student_model_config or {}, '--student_model_config')   # a 0-layer student, say
+    if a.reinitialize_weights is not None and str(a.reinitialize_weights).lower() in ('none', 'false', ''):
+        a.reinitialize_weights = None
+    check(a.reinitialize_weights in (None, 'xavier'),
+          f"--reinitialize_weights supports xavier, got {a.reinitialize_weights!r}")
+    check(not a.student_model_use_liger, "--student_model_use_liger: Liger's Triton kernels need a GPU "
+          "and are not used here; memlab's chunked loss (--chunk_size) "
+          "and --fused True keep the full logits out of memory instead")
+    if a.copy_teacher_modules is None:
+        a.copy_teacher_modules = [] if a.student_model_name_or_path else ['lm_head']
+    a.copy_teacher_modules = [f"{n}:freeze" if f else n
+                              for n, f in parse_copy_modules(a.copy_teacher_modules)]
+    sel = a.student_layer_selection
+    check(sel in ('uniform', 'first', 'last') or all(x.strip().lstrip('-').isdigit() for x in str(sel).split(',')),
+          "--student_layer_selection must be uniform, first, last or teacher layer indices like "
+          f"'0,14,29', got {sel!r}")
 
 # %% ../../nbs/distill/41_8_arguments.ipynb
 @dataclass
@@ -173,35 +178,40 @@ class EvalArguments(Config):
                                       # which run offline; registry tasks download their data
     extra_grad_stats: bool = False  # log the mean and variance of the gradient norm over each logging window
 
-    def __post_init__(self):
-        for f in ('ppl_evaluators', 'ppl_extra_evaluators', 'harness_benchmarks'):
-            v = getattr(self, f)
-            if v is None: setattr(self, f, [])
-            check(isinstance(getattr(self, f), list), f"--{f} must be a JSON list, got {v!r}")
-        check(all(isinstance(t, str) and t for t in self.harness_benchmarks),
-              f"--harness_benchmarks must be a JSON list of lm-eval task names, got {self.harness_benchmarks!r}")
-        check(self.harness_benchmark_limit >= 1, f"--harness_benchmark_limit must be >= 1, "
-              f"got {self.harness_benchmark_limit}")
-        check(self.harness_benchmark_bootstrap_iters >= 0, f"--harness_benchmark_bootstrap_iters must be >= 0, "
-              f"got {self.harness_benchmark_bootstrap_iters}")
-        check(self.harness_include_path is None or Path(self.harness_include_path).is_dir(),
-              f"--harness_include_path {self.harness_include_path} is not a folder")
-        if self.harness_benchmarks: require_lm_eval()
-        names = []
-        for e in self.evaluators:
-            check(isinstance(e, dict) and e.get('name') and e.get('dataset'),
-                  f"a perplexity evaluator needs at least a name and a dataset, got {e!r}")
-            bad = sorted(set(e) - set(_EVAL_KEYS))
-            check(not bad, f"perplexity evaluator {e['name']!r} has unknown key(s) {', '.join(bad)}; "
-                           f"use {', '.join(_EVAL_KEYS)}")
-            check(e.get('sample_size') is None or int(e['sample_size']) >= 1,
-                  f"perplexity evaluator {e['name']!r}: sample_size must be positive")
-            names.append(e['name'])
-        check(len(set(names)) == len(names), f"perplexity evaluators need distinct names, got {names}")
+    def __post_init__(self): _check_eval_args(self)
 
     @property
     def evaluators(self) -> list: return list(self.ppl_evaluators) + list(self.ppl_extra_evaluators)
 
+# %% ../../nbs/distill/41_8_arguments.ipynb
+def _check_eval_args(a):
+    "Check the evaluation arguments (an empty list for None) and each perplexity evaluator."
+    for f in ('ppl_evaluators', 'ppl_extra_evaluators', 'harness_benchmarks'):
+        v = getattr(a, f)
+        if v is None: setattr(a, f, [])
+        check(isinstance(getattr(a, f), list), f"--{f} must be a JSON list, got {v!r}")
+    check(all(isinstance(t, str) and t for t in a.harness_benchmarks),
+          f"--harness_benchmarks must be a JSON list of lm-eval task names, got {a.harness_benchmarks!r}")
+    check(a.harness_benchmark_limit >= 1, f"--harness_benchmark_limit must be >= 1, "
+          f"got {a.harness_benchmark_limit}")
+    check(a.harness_benchmark_bootstrap_iters >= 0, f"--harness_benchmark_bootstrap_iters must be >= 0, "
+          f"got {a.harness_benchmark_bootstrap_iters}")
+    check(a.harness_include_path is None or Path(a.harness_include_path).is_dir(),
+          f"--harness_include_path {a.harness_include_path} is not a folder")
+    if a.harness_benchmarks: require_lm_eval()
+    names = []
+    for e in a.evaluators:
+        check(isinstance(e, dict) and e.get('name') and e.get('dataset'),
+              f"a perplexity evaluator needs at least a name and a dataset, got {e!r}")
+        bad = sorted(set(e) - set(_EVAL_KEYS))
+        check(not bad, f"perplexity evaluator {e['name']!r} has unknown key(s) {', '.join(bad)}; "
+                       f"use {', '.join(_EVAL_KEYS)}")
+        check(e.get('sample_size') is None or int(e['sample_size']) >= 1,
+              f"perplexity evaluator {e['name']!r}: sample_size must be positive")
+        names.append(e['name'])
+    check(len(set(names)) == len(names), f"perplexity evaluators need distinct names, got {names}")
+
+# %% ../../nbs/distill/41_8_arguments.ipynb
 def harness_scores(model, tokenizer, eval_args:EvalArguments, batch_size:int) -> dict:
     "lm-evaluation-harness scores of `model` on `eval_args`' tasks (empty without tasks): {task: {metric: value}}."
     if not eval_args.harness_benchmarks: return {}
@@ -255,55 +265,61 @@ class DistillationTrainingArguments(Config):
     hub_model_id: str = None  # the student's name in its model card (None: <teacher>-distilled)
     disable_tqdm: bool = False  # hide the progress bars
 
-    def __post_init__(self):
-        check(self.per_device_train_batch_size >= 1 and self.per_device_eval_batch_size >= 1,
-              "batch sizes must be positive")
-        check(self.gradient_accumulation_steps >= 1,
-              f"--gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}")
-        check(self.max_steps > 0 or self.num_train_epochs > 0, "give --max_steps > 0 or --num_train_epochs > 0")
-        check(self.optim in ADAMW_NAMES, f"--optim {self.optim}: memlab_distill trains with AdamW "
-              f"({', '.join(ADAMW_NAMES)}); Distily's paged_lion_32bit needs a GPU")
-        check(self.lr_scheduler_type in SCHEDULER_TYPES,
-              f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, got {self.lr_scheduler_type!r}")
-        kw = self.lr_scheduler_kwargs or {}
-        check(isinstance(kw, dict), f"--lr_scheduler_kwargs must be a dict, got {kw!r}")
-        if self.bf16 is None:                                          # the one precision rule (resolve_precision)
-            p = 'no' if self.fp16 else resolve_precision('auto')
-            self.bf16, self.fp16 = p == 'bf16', self.fp16 or p == 'fp16'
-        check(not (self.bf16 and self.fp16), "give --bf16 or --fp16, not both")
-        check(not self.fp16 or torch.cuda.is_available(),
-              "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
-        check(0 <= self.warmup_ratio < 1 and self.warmup_steps >= 0,
-              "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")
-        check(self.eval_strategy in ('steps', 'no'), f"--eval_strategy must be steps or no, got {self.eval_strategy!r}")
-        check(self.save_strategy in ('steps', 'no'), f"--save_strategy must be steps or no, got {self.save_strategy!r}")
-        if self.report_to == 'all': self.report_to = 'tensorboard'
-        check(self.report_to in ('tensorboard', 'wandb', 'none'),
-              f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
-        check(not self.push_to_hub, "--push_to_hub: memlab_distill does not upload; "
-              "the output folder is a complete model folder (upload it with huggingface-cli upload)")
-        check(self.save_total_limit is None or self.save_total_limit >= 1, "--save_total_limit must be positive")
+    def __post_init__(self): _check_training_args(self)
 
     @property
     def mixed_precision(self) -> str: return 'bf16' if self.bf16 else 'fp16' if self.fp16 else 'no'
 
-    def schedule(self, steps:int) -> dict:
-        "TrainConfig's schedule fields for `steps` updates, following Hugging Face's definitions."
-        kw, t = dict(self.lr_scheduler_kwargs or {}), self.lr_scheduler_type
-        warmup = self.warmup_steps or math.ceil(self.warmup_ratio * steps)
-        if t == 'constant': return dict(scheduler='constant', warmup_steps=0)
-        if t == 'constant_with_warmup': return dict(scheduler='constant', warmup_steps=warmup)
-        if t == 'linear': return dict(scheduler='linear', warmup_steps=warmup)
-        if t == 'cosine': return dict(scheduler='cosine', warmup_steps=warmup)
-        if t == 'cosine_with_min_lr':
-            check('min_lr' in kw or 'min_lr_rate' in kw,
-                  "--lr_scheduler_type cosine_with_min_lr needs min_lr or min_lr_rate in --lr_scheduler_kwargs")
-            ratio = kw['min_lr_rate'] if 'min_lr_rate' in kw else kw['min_lr'] / self.learning_rate
-            return dict(scheduler='cosine', warmup_steps=warmup, min_lr_ratio=float(ratio))
-        lr_end, power = float(kw.get('lr_end', 1e-7)), float(kw.get('power', 1.0))  # Hugging Face's polynomial defaults
-        check(lr_end < self.learning_rate,
-              f"lr_end ({lr_end}) must be smaller than --learning_rate ({self.learning_rate})")
-        return dict(scheduler='polynomial', warmup_steps=warmup, lr_end=lr_end, power=power)
+# %% ../../nbs/distill/41_8_arguments.ipynb
+def _check_training_args(a):
+    "Check the training arguments and settle them: bf16 None by memlab's precision rule, report_to 'all' as tensorboard."
+    check(a.per_device_train_batch_size >= 1 and a.per_device_eval_batch_size >= 1,
+          "batch sizes must be positive")
+    check(a.gradient_accumulation_steps >= 1,
+          f"--gradient_accumulation_steps must be positive, got {a.gradient_accumulation_steps}")
+    check(a.max_steps > 0 or a.num_train_epochs > 0, "give --max_steps > 0 or --num_train_epochs > 0")
+    check(a.optim in ADAMW_NAMES, f"--optim {a.optim}: memlab_distill trains with AdamW "
+          f"({', '.join(ADAMW_NAMES)}); Distily's paged_lion_32bit needs a GPU")
+    check(a.lr_scheduler_type in SCHEDULER_TYPES,
+          f"--lr_scheduler_type must be one of {', '.join(SCHEDULER_TYPES)}, got {a.lr_scheduler_type!r}")
+    kw = a.lr_scheduler_kwargs or {}
+    check(isinstance(kw, dict), f"--lr_scheduler_kwargs must be a dict, got {kw!r}")
+    if a.bf16 is None:                                             # the one precision rule (resolve_precision)
+        p = 'no' if a.fp16 else resolve_precision('auto')
+        a.bf16, a.fp16 = p == 'bf16', a.fp16 or p == 'fp16'
+    check(not (a.bf16 and a.fp16), "give --bf16 or --fp16, not both")
+    check(not a.fp16 or torch.cuda.is_available(),
+          "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
+    check(0 <= a.warmup_ratio < 1 and a.warmup_steps >= 0,
+          "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")
+    check(a.eval_strategy in ('steps', 'no'), f"--eval_strategy must be steps or no, got {a.eval_strategy!r}")
+    check(a.save_strategy in ('steps', 'no'), f"--save_strategy must be steps or no, got {a.save_strategy!r}")
+    if a.report_to == 'all': a.report_to = 'tensorboard'
+    check(a.report_to in ('tensorboard', 'wandb', 'none'),
+          f"--report_to must be tensorboard, wandb or none, got {a.report_to!r}")
+    check(not a.push_to_hub, "--push_to_hub: memlab_distill does not upload; "
+          "the output folder is a complete model folder (upload it with huggingface-cli upload)")
+    check(a.save_total_limit is None or a.save_total_limit >= 1, "--save_total_limit must be positive")
+
+# %% ../../nbs/distill/41_8_arguments.ipynb
+@patch_to(DistillationTrainingArguments)
+def schedule(self, steps:int) -> dict:
+    "TrainConfig's schedule fields for `steps` updates, following Hugging Face's definitions."
+    kw, t = dict(self.lr_scheduler_kwargs or {}), self.lr_scheduler_type
+    warmup = self.warmup_steps or math.ceil(self.warmup_ratio * steps)
+    if t == 'constant': return dict(scheduler='constant', warmup_steps=0)
+    if t == 'constant_with_warmup': return dict(scheduler='constant', warmup_steps=warmup)
+    if t == 'linear': return dict(scheduler='linear', warmup_steps=warmup)
+    if t == 'cosine': return dict(scheduler='cosine', warmup_steps=warmup)
+    if t == 'cosine_with_min_lr':
+        check('min_lr' in kw or 'min_lr_rate' in kw,
+              "--lr_scheduler_type cosine_with_min_lr needs min_lr or min_lr_rate in --lr_scheduler_kwargs")
+        ratio = kw['min_lr_rate'] if 'min_lr_rate' in kw else kw['min_lr'] / self.learning_rate
+        return dict(scheduler='cosine', warmup_steps=warmup, min_lr_ratio=float(ratio))
+    lr_end, power = float(kw.get('lr_end', 1e-7)), float(kw.get('power', 1.0))  # Hugging Face's polynomial defaults
+    check(lr_end < self.learning_rate,
+          f"lr_end ({lr_end}) must be smaller than --learning_rate ({self.learning_rate})")
+    return dict(scheduler='polynomial', warmup_steps=warmup, lr_end=lr_end, power=power)
 
 # %% ../../nbs/distill/41_8_arguments.ipynb
 def run_length(tr:DistillationTrainingArguments, rows:int, world:int=1) -> tuple:
@@ -312,6 +328,7 @@ def run_length(tr:DistillationTrainingArguments, rows:int, world:int=1) -> tuple
     steps = tr.max_steps if tr.max_steps > 0 else max(1, math.ceil(tr.num_train_epochs * rows / rows_per_update))
     return rows_per_update, steps
 
+# %% ../../nbs/distill/41_8_arguments.ipynb
 # the loop's settings that Hugging Face's TrainingArguments give directly: {loop field: argument}
 DISTILL_LOOP_FLAGS = dict(per_device_batch_size='per_device_train_batch_size',
                           gradient_accumulation_steps='gradient_accumulation_steps', lr='learning_rate',

@@ -72,30 +72,24 @@ def describe_objective(objective:DistillationObjective) -> str:
             + ", every term averaged over the same target tokens.")
 
 # %% ../../nbs/distill/41_7_card.ipynb
-def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:DistillationObjective=None,
-               hyperparameters:dict=None, training_tokens:int=None, peak_memory:int=None, teacher=None,
-               student_name:str=None, license:str=None,
-               tags=(), devices:str=None, student_init:str=None, base_model_relation:Optional[str]='distillation',
-               sections:dict=None) -> str:
-    ("README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} "
-     "(measured by the caller); `sections` adds {title: markdown}.")
-    check(isinstance(metrics, dict) and all(isinstance(v, dict) for v in metrics.values()),
-          "metrics must map a metric name to {'teacher': value, 'student': value}")
-    objective = objective if objective is not None else DistillationObjective()
-    distilled = objective.logits_weight > 0 or objective.hs_weight > 0 or objective.attn_weight > 0
+def _card_metadata(name:str, teacher_name:str, hub:Optional[str], dataset:str, metrics:dict, distilled:bool,
+                   license:Optional[str], tags, base_model_relation:Optional[str]):
+    "The card's `ModelCardData`: name, base model and relation, data, license, the student's metrics, tags."
     from huggingface_hub import EvalResult, ModelCardData
-    name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-{'distilled' if distilled else 'baseline'}"
-    hub = hub_model_id(teacher_name)                  # base_model only as a hub id, never a local path
     ds = dataset or 'text'
     results = [EvalResult(task_type='text-generation', dataset_type=ds, dataset_name=ds, metric_name=m,
                           metric_type='perplexity' if 'perplexity' in m else re.sub(r'\W+', '_', m).strip('_'),
                           metric_value=float(v['student']))
                for m, v in metrics.items() if isinstance(v.get('student'), (int, float))]
     relation = {'base_model_relation': base_model_relation} if hub and base_model_relation and distilled else {}
-    meta = ModelCardData(model_name=name, base_model=hub, **relation, library_name='transformers',
+    return ModelCardData(model_name=name, base_model=hub, **relation, library_name='transformers',
                          pipeline_tag='text-generation', datasets=[dataset] if dataset else None,
                          license=license or base_model_license(teacher_name), eval_results=results or None,
                          tags=list(dict.fromkeys(['memlab', 'distillation', 'knowledge-distillation', *tags])))
+
+# %% ../../nbs/distill/41_7_card.ipynb
+def _card_intro(teacher_name:str, hub:Optional[str], dataset:str, distilled:bool) -> tuple:
+    "(the card's first paragraph, the first sentences of its method): a distilled student, or the CE-only baseline."
     teacher_ref = f"[`{teacher_name}`](https://huggingface.co/{teacher_name})" if hub else f"`{teacher_name}`"
     if distilled:
         intro = (f"A student language model **distilled** from the teacher {teacher_ref} with "
@@ -109,12 +103,12 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
                  f"[memlab](https://github.com/memlab/memlab) on `{dataset}` **without distillation**: "
                  "the baseline of a distillation experiment. No output of the teacher was used in training.")
         method = "Plain language-model training on the text. "
-    L = ['---', meta.to_yaml(), '---', '', f"# {name}", '', intro,
-         '', '## Method', '', method + describe_objective(objective), '',
-         '## Teacher and data', '', f"- Teacher: `{teacher_name}`", f"- Training data: `{dataset}`"]
-    if student_init: L.append(f"- Student initialisation: {student_init}")
-    if training_tokens is not None: L.append(f"- Training tokens: {training_tokens:,}")
-    L += ['', '## Architecture', '']
+    return intro, method
+
+# %% ../../nbs/distill/41_7_card.ipynb
+def _card_tables(student, teacher, metrics:dict, objective:DistillationObjective, hyperparameters:dict) -> list:
+    "The card's lines from its architecture to its hyperparameters (teacher against student where the teacher is given)."
+    L = ['', '## Architecture', '']
     a_s = _arch(student)
     if teacher is not None:
         a_t = _arch(teacher)
@@ -127,6 +121,30 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     if hyperparameters:
         L += (['', '### Hyperparameters', '', '| name | value |', '|---|---|']
               + [f"| {k} | {_fmt(v)} |" for k, v in hyperparameters.items()])
+    return L
+
+# %% ../../nbs/distill/41_7_card.ipynb
+def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:DistillationObjective=None,
+               hyperparameters:dict=None, training_tokens:int=None, peak_memory:int=None, teacher=None,
+               student_name:str=None, license:str=None,
+               tags=(), devices:str=None, student_init:str=None, base_model_relation:Optional[str]='distillation',
+               sections:dict=None) -> str:
+    ("README.md text for a distilled student; `metrics` maps a metric name to {'teacher': value, 'student': value} "
+     "(measured by the caller); `sections` adds {title: markdown}.")
+    check(isinstance(metrics, dict) and all(isinstance(v, dict) for v in metrics.values()),
+          "metrics must map a metric name to {'teacher': value, 'student': value}")
+    objective = objective if objective is not None else DistillationObjective()
+    distilled = objective.logits_weight > 0 or objective.hs_weight > 0 or objective.attn_weight > 0
+    name = student_name or f"{teacher_name.rstrip('/').split('/')[-1]}-{'distilled' if distilled else 'baseline'}"
+    hub = hub_model_id(teacher_name)                  # base_model only as a hub id, never a local path
+    meta = _card_metadata(name, teacher_name, hub, dataset, metrics, distilled, license, tags, base_model_relation)
+    intro, method = _card_intro(teacher_name, hub, dataset, distilled)
+    L = ['---', meta.to_yaml(), '---', '', f"# {name}", '', intro,
+         '', '## Method', '', method + describe_objective(objective), '',
+         '## Teacher and data', '', f"- Teacher: `{teacher_name}`", f"- Training data: `{dataset}`"]
+    if student_init: L.append(f"- Student initialisation: {student_init}")
+    if training_tokens is not None: L.append(f"- Training tokens: {training_tokens:,}")
+    L += _card_tables(student, teacher, metrics, objective, hyperparameters)
     L += ['', '### Resources', '']
     if peak_memory is not None: L.append(f"- Peak memory: {fmt_bytes(peak_memory)}")
     if devices: L.append(f"- Devices: {devices}")
@@ -136,9 +154,9 @@ def model_card(student, teacher_name:str, dataset:str, metrics:dict, objective:D
     return '\n'.join(L)
 
 # %% ../../nbs/distill/41_7_card.ipynb
-def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingArguments, data:DistillData,
-                 rows_per_update:int, acc) -> str:
-    "The model card of a `distill` run."
+def _run_metrics(res:dict) -> dict:
+    ("The results table of a run: each evaluator's perplexities (teacher, student, the student before training), "
+     "lm-evaluation-harness scores, the objective on held-out rows.")
     metrics = {}
     for name, m in res['metrics'].items():
         metrics[f"{name} (perplexity)"] = {'teacher': m['teacher'], 'student': m['student']}
@@ -151,6 +169,11 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
     if res['eval_objective']:
         metrics['objective on held-out training rows (per token)'] = {'teacher': None,
                                                                       'student': res['eval_objective']['eval_loss']}
+    return metrics
+
+# %% ../../nbs/distill/41_7_card.ipynb
+def _run_hyperparameters(res:dict, tr:DistillationTrainingArguments, data:DistillData, rows_per_update:int) -> dict:
+    "The hyperparameters table of a run, as the loop ran them."
     steps = res['steps']
     hyper = {'updates': steps, 'learning rate': tr.learning_rate, 'schedule': tr.lr_scheduler_type,
              **({'schedule arguments': json.dumps(tr.lr_scheduler_kwargs)}
@@ -163,6 +186,10 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
                            'no': 'fp32'}[tr.mixed_precision],
              'gradient checkpointing': tr.gradient_checkpointing, 'teacher outputs': res['teacher_outputs'],
              'seed': tr.seed}
+    return hyper
+
+def _run_sections(res:dict) -> dict:
+    "The card's extra sections of a run: the packed BitNet weights and how to load them, the distillation heads."
     sections = {}
     if res.get('packed'):
         p = res['packed']
@@ -180,12 +207,19 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
         sections['Distillation heads'] = ("`distill_heads.safetensors` holds the hidden-state projector and norm "
                                           "trained with the student (not part of the model; "
                                           "`memlab.distill.load_distill_heads` restores them to continue distilling).")
-    return model_card(student, res['teacher'], data.label, metrics, objective=objective, hyperparameters=hyper,
+    return sections
+
+# %% ../../nbs/distill/41_7_card.ipynb
+def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingArguments, data:DistillData,
+                 rows_per_update:int, acc) -> str:
+    "The model card of a `distill` run."
+    return model_card(student, res['teacher'], data.label, _run_metrics(res), objective=objective,
+                      hyperparameters=_run_hyperparameters(res, tr, data, rows_per_update),
                       training_tokens=res['train_tokens'],
                       peak_memory=None if res['peak_memory_mib'] is None else int(res['peak_memory_mib'] * 2**20),
                       teacher=teacher, student_name=tr.hub_model_id, tags=('bitnet', '1.58b') if res['bitnet'] else (),
                       student_init=res['student_init'], devices=f"{res['world_size']} × {acc.device.type}",
-                      sections=sections)
+                      sections=_run_sections(res))
 
 # %% ../../nbs/distill/41_7_card.ipynb
 def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):

@@ -51,8 +51,6 @@ def pack_rows(docs, tokenizer, sequence_length:int, max_rows:int=None, progress:
         ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
     return {'input_ids': ids.astype(np.int64), 'attention_mask': mask.astype(np.int64)}, keys
 
-def _rows_dict(rows:dict, idx) -> dict: return {k: v[idx] for k, v in rows.items()}
-
 # %% ../../nbs/distill/41_9_data.ipynb
 @dataclass
 class DistillData:
@@ -68,21 +66,20 @@ def _load(uri, subset, column, cache):
     if key not in cache: cache[key] = load_corpus(uri, text_field=column, config=subset)
     return cache[key]
 
-def build_data(data:DatasetArguments, evals:EvalArguments, tokenizer, progress:bool=False) -> DistillData:
-    ("Pack the training sample and the evaluators' rows; hold out test rows; "
-     "refuse an evaluator that shares a document with training.")
-    cache, L = {}, data.dataset_max_seq_length
-    corpus = _load(data.dataset_uri, data.dataset_subset, data.dataset_column_name, cache)
-    docs = corpus.split(data.dataset_split)
-    check(len(docs) > 0, f"split {data.dataset_split!r} of {corpus.name} has no documents")
-    rows, keys = pack_rows(docs, tokenizer, L, data.dataset_sample_size, progress, desc=f"tokenize {data.dataset_uri}")
-    n = len(rows['input_ids'])
-    check(n >= 2, f"{corpus.name} ({data.dataset_split}) holds {n} row(s) of {L} tokens: too little to train on")
-    order = np.random.default_rng(data.dataset_shuffle_seed).permutation(n)
-    n_test = 0 if data.dataset_test_size == 0 else min(n - 1, max(1, round(data.dataset_test_size * n)))
-    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
-    train_docs = set(keys)
-    ev = {}
+def _rows_dict(rows:dict, idx) -> dict: return {k: v[idx] for k, v in rows.items()}
+
+def _held_out(n:int, test_size:float, seed:int) -> tuple:
+    ("(training, held-out) row indices, each sorted: a random `test_size` of the `n` rows held out, at least 1 "
+     "(when > 0), never all.")
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = 0 if test_size == 0 else min(n - 1, max(1, round(test_size * n)))
+    return np.sort(order[n_test:]), np.sort(order[:n_test])
+
+# %% ../../nbs/distill/41_9_data.ipynb
+def _evaluator_rows(evals:EvalArguments, tokenizer, sequence_length:int, train_docs:set, cache:dict,
+                    progress:bool=False) -> dict:
+    "{evaluator name: its packed rows}; an evaluator holding a document of the training rows (`train_docs`) is refused."
+    ev, L = {}, sequence_length
     for e in evals.evaluators:
         c = _load(e['dataset'], e.get('subset'), e.get('column', 'text'), cache)
         split = e.get('split', 'validation')
@@ -94,6 +91,21 @@ def build_data(data:DatasetArguments, evals:EvalArguments, tokenizer, progress:b
               f"perplexity evaluator {e['name']!r} shares {shared} document(s) with the training rows ({c.name}, split "
               f"{split!r}): evaluate on held-out text, e.g. the validation split")
         ev[e['name']] = erows
+    return ev
+
+# %% ../../nbs/distill/41_9_data.ipynb
+def build_data(data:DatasetArguments, evals:EvalArguments, tokenizer, progress:bool=False) -> DistillData:
+    ("Pack the training sample and the evaluators' rows; hold out test rows; "
+     "refuse an evaluator that shares a document with training.")
+    cache, L = {}, data.dataset_max_seq_length
+    corpus = _load(data.dataset_uri, data.dataset_subset, data.dataset_column_name, cache)
+    docs = corpus.split(data.dataset_split)
+    check(len(docs) > 0, f"split {data.dataset_split!r} of {corpus.name} has no documents")
+    rows, keys = pack_rows(docs, tokenizer, L, data.dataset_sample_size, progress, desc=f"tokenize {data.dataset_uri}")
+    n = len(rows['input_ids'])
+    check(n >= 2, f"{corpus.name} ({data.dataset_split}) holds {n} row(s) of {L} tokens: too little to train on")
+    train, test = _held_out(n, data.dataset_test_size, data.dataset_shuffle_seed)
+    ev = _evaluator_rows(evals, tokenizer, L, set(keys), cache, progress)
     fp = dataset_fingerprint([{'input_ids': torch.from_numpy(rows['input_ids'])}], name=corpus.name,
                              split=data.dataset_split, sequence_length=L)
     fp['sample_size'] = n

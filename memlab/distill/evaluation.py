@@ -44,6 +44,7 @@ def perplexity(model, rows:dict, batch_size:int=8, accelerator=None, progress:bo
     loss = (tot / n).item()
     return {'loss': loss, 'ppl': math.exp(min(loss, 700)), 'tokens': int(n.item())}
 
+# %% ../../nbs/distill/41_5_evaluation.ipynb
 class PerplexityEvaluation(Callback):
     "Student perplexity on the evaluators: before training (optional), every `every` updates, and at the end."
     order = 10

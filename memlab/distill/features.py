@@ -23,6 +23,7 @@ def layer_index(i:int, n:int, who:str) -> int:
     check(-n <= i < n, f"layer {i} does not exist in the {who}, which has {n} layers")
     return i % n
 
+# %% ../../nbs/distill/41_1_features.ipynb
 def map_layers(mapper, n_student:int, n_teacher:int) -> list:
     "Pairs (student layer, teacher layer), 0-based decoder-layer indices, for layer mapper `mapper` and the two depths."
     if isinstance(mapper, int): mapper = str(mapper)
@@ -70,6 +71,7 @@ class OrthogonalProjector(nn.Module):
         return torch.linalg.matrix_exp((w - w.T) / 2)[:, :self.d_student]   # fp32 for the matrix exponential
     def forward(self, x): return F.linear(x, self.matrix().to(x.dtype))   # (..., D_s) → (..., D_t)
 
+# %% ../../nbs/distill/41_1_features.ipynb
 PROJECTORS = ('identity', 'linear', 'mlp', 'mlp_64', 'mlp_256', 'orthogonal')
 
 def make_projector(name:str, d_student:int, d_teacher:int) -> nn.Module:
@@ -84,6 +86,7 @@ def make_projector(name:str, d_student:int, d_teacher:int) -> nn.Module:
     hidden = 256 if name == 'mlp_256' else 64
     return nn.Sequential(nn.Linear(d_student, hidden), nn.ReLU(), nn.Linear(hidden, d_teacher))
 
+# %% ../../nbs/distill/41_1_features.ipynb
 NORMS = ('none', 'layernorm', 'layernorm_affine', 'layernorm_teacher_only', 'layernorm_teacher_only_affine',
          'rmsnorm', 'rmsnorm_affine', 'rmsnorm_teacher_only', 'rmsnorm_teacher_only_affine')
 
@@ -103,7 +106,6 @@ class FeatureNorm(nn.Module):
 
 # %% ../../nbs/distill/41_1_features.ipynb
 FEATURE_LOSSES = ('mse', 'raw_mse', 'l1', 'cos')
-ATTENTION_LOSSES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'soft_ce', 'mse', 'raw_mse', 'cos')
 
 def feature_loss(name:str, fs:torch.Tensor, ft:torch.Tensor) -> torch.Tensor:
     "Per-token feature loss between student and teacher features (..., D) → (...)."
@@ -113,6 +115,7 @@ def feature_loss(name:str, fs:torch.Tensor, ft:torch.Tensor) -> torch.Tensor:
     if name == 'cos': return 1 - F.cosine_similarity(fs, ft, dim=-1)
     raise MemlabError(f"unknown hidden-state loss {name!r}; use one of {', '.join(FEATURE_LOSSES)}")
 
+# %% ../../nbs/distill/41_1_features.ipynb
 def hidden_state_loss(hs_student, hs_teacher, pairs, loss:str='mse', projector=None, norm=None) -> torch.Tensor:
     ("Per-token hidden-state loss (B, T), averaged over the layer `pairs` "
      "(0-based decoder layers; HF tuples hold embeddings first).")
@@ -123,6 +126,9 @@ def hidden_state_loss(hs_student, hs_teacher, pairs, loss:str='mse', projector=N
         if norm is not None: fs, ft = norm(fs, ft)
         out = out + feature_loss(loss, fs, ft)
     return out / len(pairs)
+
+# %% ../../nbs/distill/41_1_features.ipynb
+ATTENTION_LOSSES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'soft_ce', 'mse', 'raw_mse', 'cos')
 
 def attention_loss(attn_student, attn_teacher, pairs, loss:str='mse') -> torch.Tensor:
     ("Per-query-token attention-map loss (B, T): a distribution loss over each row of keys, "

@@ -4,21 +4,22 @@
 
 # %% ../../nbs/distill/41_0_losses.ipynb 2
 from __future__ import annotations
-import math
+import json, math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..core import MemlabError, check
-from ..runtime import compiled_fn
+from ..core import MemlabError, atomic_write_text, check
+from ..runtime import compiled_fn, memlab_home
 from ..protocol import Callback
 
 # %% auto 0
-__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'KD_BACKENDS', 'LOSSES', 'CPU_LOGITS_PER_CHUNK', 'divergence', 'Hidden', 'TopK',
-           'head_dtype', 'vocab_of', 'liger_available', 'liger_kd_sum', 'liger_faster', 'objective_sums', 'loss_sum',
-           'kl_loss', 'reverse_kl_loss', 'jsd_loss', 'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss',
-           'auto_chunk_size', 'measure_chunk_size', 'TeacherConfidence', 'teacher_top1']
+__all__ = ['LOSS_NAMES', 'MISSING_MODES', 'CPU_LOGITS_PER_CHUNK', 'CHUNK_BYTES_PER_LOGIT', 'KD_BACKENDS', 'LOSSES', 'divergence',
+           'Hidden', 'TopK', 'head_dtype', 'vocab_of', 'head_grad_dtype', 'auto_chunk_size', 'liger_available',
+           'liger_kd_sum', 'liger_faster', 'objective_sums', 'loss_sum', 'kl_loss', 'reverse_kl_loss', 'jsd_loss',
+           'tvd_loss', 'cakld_loss', 'soft_ce_loss', 'mse_loss', 'cos_loss', 'measure_chunk_size', 'TeacherConfidence',
+           'teacher_top1']
 
 # %% ../../nbs/distill/41_0_losses.ipynb
 LOSS_NAMES = ('kl', 'reverse_kl', 'jsd', 'tvd', 'cakld', 'soft_ce', 'mse', 'cos')
@@ -56,6 +57,7 @@ class TopK(NamedTuple):
     indices: torch.Tensor   # (..., k) token ids
     logprobs: torch.Tensor  # (..., k) log-probabilities
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 MISSING_MODES = ('zero', 'rest')
 _REST_EPS = 1e-6  # smallest "rest" mass: keeps log(rest) finite when the top-k hold (numerically) everything
 
@@ -67,12 +69,13 @@ def _rest_logmass(lp):
     "Log of the probability mass outside the given log-probs (..., k) → (..., 1), clamped to at least `_REST_EPS`."
     return _log1mexp(lp.logsumexp(-1, keepdim=True).clamp(max=math.log1p(-_REST_EPS)))
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _log_probs(s_logits, teacher, T:float, missing:str='zero'):
-    ("Student and teacher log-probs over a common support, from fp32 student logits (n, V) "
+    ("Student and teacher log-probs over a common support, from student logits (n, V) in fp32 or wider "
      "and teacher rows (logits or TopK).")
     ls = torch.log_softmax(s_logits / T, -1)                                   # (n, V)
-    if not isinstance(teacher, TopK): return ls, torch.log_softmax(teacher.float() / T, -1)
-    idx, lp = teacher.indices.long(), teacher.logprobs.float()                 # (n, k)
+    if not isinstance(teacher, TopK): return ls, torch.log_softmax(teacher.to(ls.dtype) / T, -1)
+    idx, lp = teacher.indices.long(), teacher.logprobs.to(ls.dtype)                 # (n, k)
     if missing == 'zero':  # the top-k renormalised at temperature T, −inf elsewhere
         lt_k = torch.log_softmax(lp / T, -1)
         return ls, torch.full_like(ls, -math.inf).scatter(-1, idx, lt_k)
@@ -89,15 +92,20 @@ def head_dtype(states:torch.Tensor, weight:torch.Tensor=None) -> torch.dtype:
     if torch.is_autocast_enabled(dev): return torch.get_autocast_dtype(dev)
     return states.dtype if weight is None else torch.promote_types(states.dtype, weight.dtype)
 
+def _wide(dtype:torch.dtype) -> torch.dtype:
+    "The dtype the softmaxes run in: fp32, or the input's if wider (fp64 stays fp64)."
+    return torch.promote_types(dtype, torch.float32)
+
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _rows(x, rows, mm:torch.dtype=None):
-    ("Rows `rows` of a flattened input: logits (N, V) → (n, V) fp32; `Hidden` → its logits for those rows, the "
-     "product in `mm` (default: the inputs' dtype), the result fp32.")
+    ("Rows `rows` (indices or a slice) of a flattened input, in its own dtype: logits (N, V) → (n, V); `Hidden` → its "
+     "logits for those rows, the product in `mm` (default: the inputs' dtype); `TopK` → its rows.")
     if x is None: return None   # no teacher (a CE-only objective)
     if isinstance(x, Hidden):
         mm = mm or torch.promote_types(x.states.dtype, x.weight.dtype)
-        return F.linear(x.states[rows].to(mm), x.weight.to(mm), None if x.bias is None else x.bias.to(mm)).float()
+        return F.linear(x.states[rows].to(mm), x.weight.to(mm), None if x.bias is None else x.bias.to(mm))
     if isinstance(x, TopK): return TopK(x.indices[rows], x.logprobs[rows])
-    return x[rows].float()
+    return x[rows]
 
 def _flatten(x):
     "Flatten the token dimensions of a logits tensor, `Hidden` or `TopK` to rows."
@@ -114,8 +122,11 @@ def vocab_of(x):
     "Vocabulary size of logits (..., V) or of a `Hidden`'s head; None for `TopK`."
     return x.weight.shape[0] if isinstance(x, Hidden) else None if isinstance(x, TopK) else x.shape[-1]
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
-    "Per-token distillation loss (× T²) and cross-entropy on `labels` (or None) for fp32 student logits (n, V)."
+    ("Per-token distillation loss (× T²) and cross-entropy on `labels` (or None) for student logits (n, V), by "
+     "autograd-friendly formulas in fp32 or wider: the dense reference.")
+    s_logits = s_logits.to(_wide(s_logits.dtype))
     # no teacher: CE only
     if t_rows is None: ls, kd = torch.log_softmax(s_logits, -1), s_logits.new_zeros(s_logits.shape[0])
     else:
@@ -128,45 +139,143 @@ def _token_terms(name, s_logits, t_rows, labels, T, beta, missing):
     return kd, ce
 
 # %% ../../nbs/distill/41_0_losses.ipynb
-class _ObjectiveSpec(NamedTuple):
-    name: str; teacher: object; rows: torch.Tensor; labels: object; T: float; beta: float; missing: str
-    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object; head_dtype: torch.dtype
+def _rowdot(a, b):
+    "Σ over the last dim of a·b, (n, K) × (n, K) → (n,), without an (n, K) product (fused when compiled)."
+    if torch.compiler.is_compiling(): return (a * b).sum(-1)
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)        # one batched product
 
+def _log_softmax_wide(z, T:float=1.0):
+    "log softmax(z / T) over the last dim in fp32 or wider, (n, K): one new tensor (z is not copied at T = 1)."
+    if T == 1: return torch.log_softmax(z, -1, dtype=_wide(z.dtype))
+    return torch.log_softmax(z.to(_wide(z.dtype), copy=True).div_(T), -1)
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _distance_grad(name, ps, pt):
+    "tvd, mse or cos between probabilities (n, K): each row's value and G = p_s ∂/∂p_s (= ∂/∂ log p_s)."
+    d = ps - pt
+    if name == 'tvd': return 0.5 * torch.linalg.vector_norm(d, 1, dim=-1), d.sign_().mul_(ps).mul_(0.5)
+    if name == 'mse': return _rowdot(d, d), d.mul_(ps).mul_(2.)
+    ns, nt, dot = ps.norm(dim=-1, keepdim=True), pt.norm(dim=-1, keepdim=True), _rowdot(ps, pt)[:, None]
+    # ∂(1 − cos)/∂p_s = (p_s·p_t) p_s / (‖p_s‖³ ‖p_t‖) − p_t / (‖p_s‖ ‖p_t‖)
+    g = d.copy_(ps).mul_(dot / (ns ** 3 * nt)).addcmul_(pt, 1 / (ns * nt), value=-1.)
+    return (1 - dot / (ns * nt)).squeeze(1), g.mul_(ps)
+
+def _divergence_grad(name, ls, lt, beta, ruled_out=None):
+    ("Per-row divergence `name` (n,) between log-probs `ls` and `lt` (n, K), and G = its gradient w.r.t. `ls` "
+     "(n, K) in closed form; `ruled_out`: where `lt` is −inf (a top-k teacher). Overwrites `lt`.")
+    pt = lt.exp()
+    if name in ('tvd', 'mse', 'cos'): return _distance_grad(name, ls.exp(), pt)
+    if name == 'soft_ce': return -_rowdot(pt, ls), pt.neg_()                   # G = −p_t
+    if name == 'jsd':
+        lm = ls + math.log1p(-beta)                                            # log M, M = β p_t + (1−β) p_s,
+        torch.logaddexp(lt.add_(math.log(beta)), lm, out=lm)                   # without temporaries
+        d = lt.sub_(lm).sub_(math.log(beta))                                   # log p_t − log M
+        if ruled_out is not None: d.masked_fill_(ruled_out, 0.)                # 0 · log 0 = 0
+        ps, e = ls.exp(), lm.neg_().add_(ls)                                   # log p_s − log M
+        return beta * _rowdot(pt, d) + (1 - beta) * _rowdot(ps, e), e.mul_(ps).mul_(1 - beta)
+    d = lt.sub_(ls)                                                            # log p_t − log p_s
+    if ruled_out is not None: d.masked_fill_(ruled_out, 0.)
+    if name == 'kl': return _rowdot(pt, d), pt.neg_()                          # G = −p_t
+    ps = ls.exp()
+    kl, rkl = (_rowdot(pt, d) if name == 'cakld' else None), -_rowdot(ps, d)
+    g = d.neg_().add_(1.).mul_(ps)                                             # G = p_s (log p_s − log p_t + 1)
+    if name == 'reverse_kl': return rkl, g
+    return beta * rkl + (1 - beta) * kl, g.mul_(beta).sub_(pt, alpha=1 - beta)   # cakld: the two mixed
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _kd_grad(name, ls, t_rows, T, beta, missing):
+    "Divergence per row (n,) between the student's log-probs `ls` (n, V) and the teacher's rows, and G (n, V)."
+    if not isinstance(t_rows, TopK): return _divergence_grad(name, ls, _log_softmax_wide(t_rows, T), beta)
+    idx, lp = t_rows.indices.long(), t_rows.logprobs.to(ls.dtype)
+    if missing == 'zero':  # the teacher's top-k renormalised at temperature T, −inf elsewhere
+        lt = torch.full_like(ls, -math.inf).scatter_(-1, idx, torch.log_softmax(lp / T, -1))
+        return _divergence_grad(name, ls, lt, beta, ruled_out=lt == -math.inf)
+    ls_k = ls.gather(-1, idx)                                                  # (n, k)
+    lse = ls_k.logsumexp(-1, keepdim=True)
+    rest = _log1mexp(lse.clamp(max=math.log1p(-_REST_EPS)))                     # log of the student's rest bucket
+    lt_b = torch.log_softmax(torch.cat([lp, _rest_logmass(lp)], -1) / T, -1)    # (n, k+1)
+    kd, g_b = _divergence_grad(name, torch.cat([ls_k, rest], -1), lt_b, beta)
+    # ∂ log p_rest / ∂ log p_s,j = −p_s,j / p_rest on the top-k (0 where the clamp holds)
+    g_k = g_b[:, :-1] - g_b[:, -1:] * torch.exp(ls_k - rest) * (lse <= math.log1p(-_REST_EPS))
+    return kd, torch.zeros_like(ls).scatter_add_(-1, idx, g_k)
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _chunk_terms(name, z, t_rows, labels, T, beta, missing, kd_weight, ce_weight, grad:bool):
+    ("One chunk: Σ divergence × T², Σ CE and, if `grad`, the gradient of kd_weight·Σkd + ce_weight·Σce w.r.t. the "
+     "student's logits z (n, V) in closed form, fp32 or wider (None otherwise).")
+    T = T if t_rows is not None else 1.0                                       # CE alone: no temperature
+    ls = _log_softmax_wide(z, T)                                               # (n, V) log p_s
+    l1 = ls if T == 1 or labels is None else _log_softmax_wide(z)              # log-probs at T = 1, for the CE
+    ce = None if labels is None else -l1.gather(-1, labels[:, None]).squeeze(1)
+    kd, g = (None, None) if t_rows is None else _kd_grad(name, ls, t_rows, T, beta, missing)
+    sums = (ls.new_zeros(()) if kd is None else kd.sum() * T ** 2, ls.new_zeros(()) if ce is None else ce.sum())
+    if not grad: return (*sums, None)
+    ps = ls.exp_()                                                             # p_s, in place of its logarithm
+    if g is None: g = torch.zeros_like(ps)
+    else: g = g.addcmul_(ps, g.sum(-1, keepdim=True), value=-1.).mul_(kd_weight * T)   # kd_weight T² (G − p_s ΣG) / T
+    if ce is not None and ce_weight:                                           # + ce_weight (softmax(z) − onehot)
+        g.add_(ps if l1 is ls else l1.exp_(), alpha=ce_weight)
+        g.scatter_add_(-1, labels[:, None], g.new_full((labels.shape[0], 1), -ce_weight))
+    return (*sums, g)
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def head_grad_dtype(weight:torch.Tensor, mm:torch.dtype) -> torch.dtype:
+    ("The dtype the head's gradient accumulates in, chunk after chunk: the head's own where it is fp32 or wider and "
+     "the product is too, or the device is a CPU (fp32 products cost little there); else the product's (bf16 under "
+     "autocast on a GPU, whose bf16 rate is many times its fp32 one): rounded once per chunk, as Liger's fused losses do.")
+    if weight.dtype.itemsize >= 4 and (mm.itemsize >= 4 or weight.device.type == 'cpu'): return weight.dtype
+    return mm
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+class _ObjectiveSpec(NamedTuple):
+    name: str; teacher: object; rows: object; labels: object; T: float; beta: float; missing: str
+    kd_weight: float; ce_weight: float; chunk_size: int; grad: bool; compiled: object; head_dtype: torch.dtype
+    grad_dtype: torch.dtype
+
+def _grad_buffers(x, w, b, spec, need, dense_rows:bool):
+    ("The gradient buffers of (x, w, b) where `need`: x's in its dtype (zeros where rows are skipped); the head's in "
+     "`spec.grad_dtype` (`addmm_` accumulates into it in place), its bias's in fp32 or wider.")
+    gx = None if not need[0] else torch.empty_like(x) if dense_rows else torch.zeros_like(x)
+    gw = torch.zeros(w.shape, dtype=spec.grad_dtype, device=w.device) if need[1] else None
+    gb = torch.zeros(b.shape, dtype=_wide(b.dtype), device=b.device) if need[2] else None
+    return gx, gw, gb
+
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _chunk_loop(spec:_ObjectiveSpec, x, w, b, need):
     ("Sums of the weighted objective, the distillation term and the CE over `spec.rows`, with gradients w.r.t. "
-     "(x, w, b) where `need`.")
-    dev = x.device
-    gx = torch.zeros_like(x) if need[0] else None
-    # the head in the dtype it multiplies in (a copy only if that differs from its own), shared by all chunks; the
-    # logits are fp32 from there on. Gradients accumulate in fp32 for an fp32 head, else in the head's dtype (as
-    # Liger's fused losses: a 16-bit head's fp32 gradient buffer would double its memory)
-    mm = spec.head_dtype
-    w_mm = None if w is None else w.detach().to(mm).requires_grad_(need[1])
-    b_mm = None if b is None else b.detach().to(mm).requires_grad_(need[2])
-    acc = lambda p: torch.float32 if p.dtype == torch.float32 else p.dtype
-    gw = torch.zeros(w.shape, dtype=acc(w), device=w.device) if need[1] else None
-    gb = torch.zeros(b.shape, dtype=acc(b), device=b.device) if need[2] else None
-    total, kd_sum, ce_sum = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(3))
-    for start in range(0, spec.rows.numel(), spec.chunk_size):
-        r = spec.rows[start:start + spec.chunk_size]
-        with torch.enable_grad(), torch.autocast(dev.type, enabled=False):
-            xc = x[r].detach().requires_grad_(need[0])  # (n, V) logits or (n, C) hidden
-            logits = xc.float() if w_mm is None else F.linear(xc.to(mm), w_mm, b_mm).float()  # (n, V) fp32: one chunk
-            with torch.no_grad(): t_rows = _rows(spec.teacher, r)
-            labels = None if spec.labels is None else spec.labels[r]
-            terms = compiled_fn(_token_terms, spec.compiled)   # on CUDA: a few fused kernels, not a dozen passes
-            kd, ce = terms(spec.name, logits, t_rows, labels, spec.T, spec.beta, spec.missing)
-            kd, ce = kd.sum(), (ce.sum() if ce is not None else torch.zeros((), device=dev))
-            obj = spec.kd_weight * kd + spec.ce_weight * ce
-            wrt = [v for v, n in zip((xc, w_mm, b_mm), need) if n]
-            grads = list(torch.autograd.grad(obj, wrt)) if wrt else []
-        if need[0]: gx[r] = grads.pop(0).to(gx.dtype)
-        if need[1]: gw += grads.pop(0)
-        if need[2]: gb += grads.pop(0)
-        total += obj.detach(); kd_sum += kd.detach(); ce_sum += ce.detach()
-        del logits, t_rows, kd, ce, obj, grads, xc  # free the chunk before the next one
-    return (total.float(), kd_sum.float(), ce_sum.float()), (gx, gw, gb)
+     "(x, w, b) where `need`, each chunk's in closed form (`_chunk_terms`).")
+    rows, mm, dev = spec.rows, spec.head_dtype, x.device
+    dense_rows = isinstance(rows, slice)                  # every row valid: chunks are views, not gathered copies
+    n_rows = x.shape[0] if dense_rows else rows.numel()
+    # the head in the dtype it multiplies in, cast once for the step (no copy where it already is) and shared by all
+    w_mm = None if w is None else w.detach().to(mm)
+    b_mm = None if b is None else b.detach().to(mm)
+    gx, gw, gb = _grad_buffers(x, w, b, spec, need, dense_rows)
+    terms = compiled_fn(_chunk_terms, spec.compiled)     # on CUDA: a few fused kernels, not a dozen passes
+    kd_sum, ce_sum = (torch.zeros((), device=dev, dtype=torch.float64) for _ in range(2))
+    for start in range(0, n_rows, spec.chunk_size):
+        r = slice(start, start + spec.chunk_size) if dense_rows else rows[start:start + spec.chunk_size]
+        xc = x[r].detach()                                # (n, V) logits or (n, C) hidden states
+        if w is not None: xc = xc.to(mm)
+        with torch.autocast(dev.type, enabled=False):    # the dtypes are chosen: mm for products, fp32+ for the rest
+            z = xc if w is None else F.linear(xc, w_mm, b_mm)                 # (n, V), in its dtype: one chunk
+            kd, ce, g = terms(spec.name, z, _rows(spec.teacher, r), None if spec.labels is None else spec.labels[r],
+                              spec.T, spec.beta, spec.missing, spec.kd_weight, spec.ce_weight, any(need))
+            del z
+            kd_sum += kd; ce_sum += ce
+            if g is None: continue
+            if w is None: gx[r] = g.to(gx.dtype)                              # (n, V)
+            else:
+                if need[2]: gb += g.sum(0)
+                if need[1] and gw.dtype != mm: gw.addmm_(g.T.to(gw.dtype), x[r].to(gw.dtype))   # (V, C) in place
+                g = g.to(mm)                                                   # (n, V) as autocast's backward has it
+                if need[0]: gx[r] = (g @ w_mm).to(gx.dtype)                    # (n, C)
+                if need[1] and gw.dtype == mm: gw.addmm_(g.T, xc)              # (V, C) in place: no temporary
+            del g
+    total, out = spec.kd_weight * kd_sum + spec.ce_weight * ce_sum, _wide(x.dtype)      # fp32, or fp64 for fp64 inputs
+    return (total.to(out), kd_sum.to(out), ce_sum.to(out)), (gx, gw, gb)
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 class _ChunkedObjective(torch.autograd.Function):
     "Chunked distillation objective: gradients computed chunk by chunk in the forward, scaled in the backward."
     @staticmethod
@@ -183,14 +292,57 @@ class _ChunkedObjective(torch.autograd.Function):
                             "(its gradient buffer is scaled in place)")
         ctx.done = True
         gx, gw, gb = ctx.saved_tensors
-        # in place: a second (N, V) buffer would double the peak memory of the logits path
-        scale = lambda g, dt=None: None if g is None else g.mul_(g_total.to(g.dtype)).to(dt or g.dtype)
+        # in place: a second (N, V) buffer would double the peak memory of the logits path; the head's buffer is
+        # taken to the head's dtype first (an fp32 head's gradient is scaled in fp32)
+        def scale(g, dt=None):
+            if g is None: return None
+            g = g.to(dt or g.dtype)
+            return g.mul_(g_total.to(g.dtype))
         return scale(gx), scale(gw, ctx.dtypes[0]), scale(gb, ctx.dtypes[1]), None
 
 # %% ../../nbs/distill/41_0_losses.ipynb
-KD_BACKENDS = ('auto', 'memlab', 'liger')
+CPU_LOGITS_PER_CHUNK = 2**20   # measured on these CPUs (below): as fast as larger chunks, at a fraction of their memory
+CHUNK_BYTES_PER_LOGIT = 32     # the most a chunk holds per logit, over every loss, logits or `Hidden` inputs, fp32 or
+                               # bf16 (measured below: 12 for kl on logits, three fp32 tensors; 28 at most)
+_MEASURED = {}
+
+def _device_signature(device, vocab_size:int, dtype) -> str:
+    "What a measured chunk size depends on: the device's model, torch's version, the vocabulary and the logits' dtype."
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev.type
+    return f"{name} | torch {torch.__version__} | vocab {int(vocab_size)} | {str(dtype).replace('torch.', '')}"
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _cached_measurement(key:str, measure) -> int:
+    "`measure()` once per `key` on this machine: read from, or written to, `memlab_home()/machine.json` under a lock."
+    path = memlab_home()/'machine.json'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix('.lock'), 'a+') as lock:
+        try:
+            import fcntl; fcntl.flock(lock, fcntl.LOCK_EX)  # the other ranks wait here, then read rank 0's result
+        except ImportError: pass                           # no fcntl (Windows): each process measures
+        try: known = json.loads(path.read_text())
+        except (OSError, ValueError): known = {}
+        if key not in known.get('kd_chunk_size', {}):
+            known.setdefault('kd_chunk_size', {})[key] = int(measure())
+            atomic_write_text(path, json.dumps(known, indent=1))
+        return known['kd_chunk_size'][key]
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def auto_chunk_size(vocab_size:int, logits_per_chunk:int=None, device=None, dtype=torch.bfloat16) -> int:
+    ("Tokens per chunk: about `logits_per_chunk` logits a chunk if given; else on CPU 1M logits, and on another device "
+     "the size `measure_chunk_size` finds fastest there, measured once per device model, vocabulary and dtype and "
+     "kept in `memlab_home()/machine.json` (the ranks of a job on one machine measure once: a file lock).")
+    dev = torch.device('cpu' if device is None else device)
+    if logits_per_chunk is None and dev.type != 'cpu':
+        key = _device_signature(dev, vocab_size, dtype)
+        if key not in _MEASURED: _MEASURED[key] = _cached_measurement(key, lambda: measure_chunk_size(
+            vocab_size, dev, dtype=dtype)['chunk_size'])
+        return _MEASURED[key]
+    return max(16, (logits_per_chunk or CPU_LOGITS_PER_CHUNK) // max(int(vocab_size), 1))
+
+# %% ../../nbs/distill/41_0_losses.ipynb
 _LIGER_BETA = {'kl': 0.0, 'reverse_kl': 1.0}   # jsd: its own beta (the same convention)
-_LIGER_FASTER = {}
 
 def liger_available(device) -> bool:
     "Whether Liger Kernel's fused linear JSD can run on `device` (liger-kernel importable, CUDA)."
@@ -199,6 +351,7 @@ def liger_available(device) -> bool:
     except Exception: return False
     return True
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def liger_kd_sum(name:str, student:Hidden, teacher:Hidden, mask:torch.Tensor, temperature:float=1.0,
                  beta:float=None) -> torch.Tensor:
     ("Σ over the tokens where `mask` (N,) of divergence `name` × T², by Liger Kernel's `LigerFusedLinearJSD` on "
@@ -210,10 +363,24 @@ def liger_kd_sum(name:str, student:Hidden, teacher:Hidden, mask:torch.Tensor, te
     if not bool(n): return student.states.sum() * 0                          # no token: zero, with a gradient
     return fn(student.states, student.weight, teacher.states, teacher.weight, labels) * n * temperature ** 2
 
+# %% ../../nbs/distill/41_0_losses.ipynb
+_LIGER_FASTER = {}
+
+def _cuda_time(fn, hs) -> float:
+    "Best of two timed passes of `fn(x).backward()`, x a fresh leaf copy of `hs`, after one untimed (CUDA)."
+    import time
+    best = float('inf')
+    for i in range(3):
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        x = hs.clone().requires_grad_()
+        fn(x).backward()
+        torch.cuda.synchronize()
+        if i: best = min(best, time.perf_counter() - t0)
+    return best
+
 def liger_faster(name:str, student:Hidden, teacher:Hidden, n_tokens:int=2048, beta:float=None) -> bool:
     ("Whether Liger's fused linear JSD ran faster (forward and backward) than memlab's chunked path on `student`'s and "
      "`teacher`'s shapes and dtypes, `n_tokens` random tokens; measured once per device and shape.")
-    import time
     dev, V = student.states.device, student.weight.shape[0]
     key = (str(dev), name, V, student.weight.shape[1], teacher.weight.shape[1], student.states.dtype,
            student.weight.dtype, torch.is_autocast_enabled(dev.type))
@@ -223,21 +390,13 @@ def liger_faster(name:str, student:Hidden, teacher:Hidden, n_tokens:int=2048, be
     ht = torch.randn(n_tokens, teacher.weight.shape[1], generator=g, device=dev).to(teacher.states.dtype)
     ws, wt = student.weight.detach().requires_grad_(), teacher.weight.detach()
     mask = torch.ones(n_tokens, dtype=torch.bool, device=dev)
-    def run(fn):
-        best = float('inf')
-        for i in range(3):
-            torch.cuda.synchronize(); t0 = time.perf_counter()
-            x = hs.clone().requires_grad_()
-            fn(x).backward()
-            torch.cuda.synchronize()
-            if i: best = min(best, time.perf_counter() - t0)
-        return best
-    ours = run(lambda x: objective_sums(name, Hidden(x, ws), Hidden(ht, wt), beta=beta, backend='memlab',
-                                        chunk_size=auto_chunk_size(V, device=dev))[0])
-    theirs = run(lambda x: liger_kd_sum(name, Hidden(x, ws), Hidden(ht, wt), mask, beta=beta))
+    ours = _cuda_time(lambda x: objective_sums(name, Hidden(x, ws), Hidden(ht, wt), beta=beta, backend='memlab',
+                                               chunk_size=auto_chunk_size(V, device=dev))[0], hs)
+    theirs = _cuda_time(lambda x: liger_kd_sum(name, Hidden(x, ws), Hidden(ht, wt), mask, beta=beta), hs)
     _LIGER_FASTER[key] = theirs < ours
     return _LIGER_FASTER[key]
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def _use_liger(backend, name, s, t, ce_weight, temperature, beta) -> bool:
     "Whether the chunked fused path goes to Liger Kernel (`backend` 'liger' asks; 'auto' where it runs and is faster)."
     fits = (isinstance(s, Hidden) and isinstance(t, Hidden) and s.bias is None and t.bias is None
@@ -261,15 +420,7 @@ def _check_loss_args(name, T, beta, missing):
         check(beta is not None and 0 <= beta <= 1,
               f"cakld needs a beta in [0, 1] (the teacher's mean top-1 probability), got {beta}")
 
-def objective_sums(name:str, student, teacher, mask=None, labels=None, temperature:float=1.0, beta:float=None,
-                   missing:str='zero', kd_weight:float=1.0, ce_weight:float=0.0, chunk_size:int=None,
-                   compiled:bool=None, backend:str='auto') -> tuple:
-    ("`(kd_weight·Σkd + ce_weight·Σce, Σkd, Σce, n_tokens)` over the unmasked tokens; "
-     "`student`/`teacher` are logits, `Hidden` or `TopK`. `backend` of the chunked fused path: 'memlab', 'liger' "
-     "(Liger Kernel's fused linear JSD) or 'auto' (Liger where it is installed, runs and measured faster).")
-    if name == 'jsd' and beta is None: beta = 0.5
-    check(backend in KD_BACKENDS, f"unknown backend {backend!r}; use one of {', '.join(KD_BACKENDS)}")
-    _check_loss_args(name, temperature, beta, missing)
+def _check_pair(name, student, teacher, kd_weight, missing):
     check(not isinstance(student, TopK), "the student must be logits or Hidden(states, weight), not TopK")
     check(teacher is not None or kd_weight == 0,
           "no teacher given: only a CE objective (kd_weight=0) can be computed without one")
@@ -283,41 +434,75 @@ def objective_sums(name:str, student, teacher, mask=None, labels=None, temperatu
     if name in ('reverse_kl', 'cakld') and isinstance(teacher, TopK) and missing == 'zero':
         check(teacher.indices.shape[-1] >= vs, f"{name} is infinite with a top-{teacher.indices.shape[-1]} teacher "
                                                "whose missing mass is zero; use missing='rest'")
-    lead = _lead_shape(student)
-    mask = (torch.ones(lead, dtype=torch.bool,
-                       device=(student.states if isinstance(student, Hidden) else student).device)
-            if mask is None else mask.bool())
-    if labels is not None: mask = mask & (labels != -100)
-    rows = mask.reshape(-1).nonzero().squeeze(1)                                     # (n,) indices of valid tokens
-    labels_flat = None if labels is None else labels.reshape(-1)
-    s, t = _flatten(student), _flatten(teacher)
-    # each head multiplies in its own dtype, or autocast's: the teacher's is cast once here, not once per chunk
-    if isinstance(t, Hidden):
-        tm = head_dtype(t.states, t.weight)
-        t = Hidden(t.states.to(tm), t.weight.to(tm), None if t.bias is None else t.bias.to(tm))
-    x, w, b = (s.states, s.weight, s.bias) if isinstance(s, Hidden) else (s, None, None)
-    mm = head_dtype(x, w)
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _valid_rows(x, mask, labels_flat) -> tuple:
+    ("The tokens that count, of x's N rows: (their mask (N,), their row indices, or `slice(None)` where every row "
+     "counts, their number as a tensor); a label of -100 does not count.")
+    mask = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if mask is None else mask.bool().reshape(-1)
+    if labels_flat is not None: mask = mask & (labels_flat != -100)
+    rows = mask.nonzero().squeeze(1)                                                 # (n,) indices of valid tokens
     n = torch.tensor(rows.numel(), device=rows.device)
-    if not chunk_size:  # dense reference: plain autograd over all valid rows at once
-        every = slice(None) if rows.numel() == mask.numel() else rows   # every row valid: views, no gathered copies
-        with torch.autocast(x.device.type, enabled=False):
-            kd, ce = _token_terms(name, _rows(s, every, mm), _rows(t, every),
-                                  None if labels is None else labels_flat[every], temperature, beta, missing)
-        kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=x.device)
-        return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach(), n
+    if rows.numel() == mask.numel(): rows = slice(None)       # every row valid: views of the inputs, no gathered copies
+    return mask, rows, n
+
+def _in_head_dtype(t):
+    ("A `Hidden` teacher cast once to the dtype its head multiplies in (its own, or autocast's), not once per chunk; "
+     "another teacher as it is.")
+    if not isinstance(t, Hidden): return t
+    tm = head_dtype(t.states, t.weight)
+    return Hidden(t.states.to(tm), t.weight.to(tm), None if t.bias is None else t.bias.to(tm))
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+KD_BACKENDS = ('auto', 'memlab', 'liger')   # objective_sums' backends (Liger's: above)
+
+def _dense_sums(name, s, t, rows, labels, mm, T, beta, missing, kd_weight, ce_weight) -> tuple:
+    ("The dense reference over rows `rows` of the flattened student `s` and teacher `t`: plain autograd through "
+     "`_token_terms`, (kd_weight·Σkd + ce_weight·Σce, Σkd, Σce).")
+    dev = (s.states if isinstance(s, Hidden) else s).device
+    with torch.autocast(dev.type, enabled=False):
+        kd, ce = _token_terms(name, _rows(s, rows, mm), _rows(t, rows), labels, T, beta, missing)
+    kd = kd.sum(); ce = ce.sum() if ce is not None else torch.zeros((), device=dev)
+    return kd_weight * kd + ce_weight * ce, kd.detach(), ce.detach()
+
+def objective_sums(name:str, student, teacher, mask=None, labels=None, temperature:float=1.0, beta:float=None,
+                   missing:str='zero', kd_weight:float=1.0, ce_weight:float=0.0, chunk_size:int=None,
+                   compiled:bool=None, backend:str='auto', grad_dtype:torch.dtype=None) -> tuple:
+    ("`(kd_weight·Σkd + ce_weight·Σce, Σkd, Σce, n_tokens)` over the unmasked tokens; `student`/`teacher` are "
+     "logits, `Hidden` or `TopK`. `chunk_size`: tokens per chunk (None or -1: `auto_chunk_size`; 0: the dense "
+     "reference). `backend` of the chunked fused path: 'memlab', 'liger' (Liger Kernel's fused linear JSD) or "
+     "'auto' (Liger where it is installed, runs and measured faster). `grad_dtype`: what a `Hidden` student's head "
+     "gradient accumulates in (None: `head_grad_dtype`).")
+    if name == 'jsd' and beta is None: beta = 0.5
+    check(backend in KD_BACKENDS, f"unknown backend {backend!r}; use one of {', '.join(KD_BACKENDS)}")
+    check(chunk_size is None or chunk_size >= -1, f"chunk_size must be None or -1 (auto), 0 (dense) or a number of "
+                                                  f"tokens, got {chunk_size}")
+    _check_loss_args(name, temperature, beta, missing)
+    _check_pair(name, student, teacher, kd_weight, missing)
+    s, t = _flatten(student), _in_head_dtype(_flatten(teacher))
+    x, w, b = (s.states, s.weight, s.bias) if isinstance(s, Hidden) else (s, None, None)
+    labels_flat = None if labels is None else labels.reshape(-1)
+    mask, rows, n = _valid_rows(x, mask, labels_flat)
+    mm = head_dtype(x, w)
+    if chunk_size == 0:  # dense reference: plain autograd over all valid rows at once
+        return (*_dense_sums(name, s, t, rows, None if labels is None else labels_flat[rows], mm, temperature, beta,
+                             missing, kd_weight, ce_weight), n)
     if backend != 'memlab' and _use_liger(backend, name, s, t, ce_weight, temperature, beta):
-        kd = liger_kd_sum(name, s, t, mask.reshape(-1), temperature, beta)
+        kd = liger_kd_sum(name, s, t, mask, temperature, beta)
         return kd_weight * kd, kd.detach(), torch.zeros_like(kd).detach(), n
+    if chunk_size in (None, -1): chunk_size = auto_chunk_size(vocab_of(s), device=x.device)
     # compiled chunks by default where the elementwise passes cost most: on CUDA
     compiled = x.device.type == 'cuda' if compiled is None else compiled
     spec = _ObjectiveSpec(name, t, rows, labels_flat, temperature, beta, missing, kd_weight, ce_weight, chunk_size,
-                          torch.is_grad_enabled(), compiled, mm)
+                          torch.is_grad_enabled(), compiled, mm,
+                          None if w is None else grad_dtype or head_grad_dtype(w, mm))
     total, kd, ce = _ChunkedObjective.apply(x, w, b, spec)
     return total, kd, ce, n
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def loss_sum(name:str, student, teacher, mask=None, temperature:float=1.0, chunk_size:int=None, **kw) -> tuple:
     ("Per-token distillation loss `name` summed over the unmasked tokens, "
-     "and the number of those tokens: `(sum, count)`.")
+     "and the number of those tokens: `(sum, count)`; chunked by default (`chunk_size=0`: dense).")
     total, _, _, n = objective_sums(name, student, teacher, mask=mask, temperature=temperature,
                                     chunk_size=chunk_size, **kw)
     return total, n
@@ -363,49 +548,66 @@ LOSSES = {'kl': kl_loss, 'reverse_kl': reverse_kl_loss, 'jsd': jsd_loss, 'tvd': 
           'soft_ce': soft_ce_loss, 'mse': mse_loss, 'cos': cos_loss}
 
 # %% ../../nbs/distill/41_0_losses.ipynb
-CPU_LOGITS_PER_CHUNK = 2**21   # measured on these CPUs (above): the speed of larger chunks at a fraction of their memory
-_MEASURED = {}
+def _free_bytes(dev) -> int:
+    "Memory free on `dev` now (CUDA: the driver's count, the allocator's reusable cache included); None elsewhere."
+    if dev.type != 'cuda': return None
+    free, _ = torch.cuda.mem_get_info(dev)
+    return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
-def auto_chunk_size(vocab_size:int, logits_per_chunk:int=None, device=None) -> int:
-    ("Tokens per chunk: about `logits_per_chunk` logits a chunk if given; else on CPU 2M logits, and on another device "
-     "the size `measure_chunk_size` finds fastest there (measured once per device and vocabulary).")
-    dev = torch.device('cpu' if device is None else device)
-    if logits_per_chunk is None and dev.type != 'cpu':
-        key = (str(dev), int(vocab_size))
-        if key not in _MEASURED: _MEASURED[key] = measure_chunk_size(vocab_size, dev)['chunk_size']
-        return _MEASURED[key]
-    return max(16, (logits_per_chunk or CPU_LOGITS_PER_CHUNK) // max(int(vocab_size), 1))
-
-def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bfloat16,
-                       candidates=(2**21, 2**23, 2**25, 2**27), compiled:bool=None, tolerance:float=0.05) -> dict:
-    ("Time the chunked forward KL, forward and backward, on (n_tokens, vocab) random logits for each candidate "
-     "number of logits per chunk; the smallest chunk within `tolerance` of the fastest wins: {'chunk_size', 'times'}.")
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _time_chunk(s, t, chunk, compiled, sync) -> float:
+    "Best of two timed forward + backward passes of the chunked forward KL (after one untimed: compile, warm-up)."
     import time
+    best = float('inf')
+    for i in range(3):
+        sync(); start = time.perf_counter()
+        total, _ = loss_sum('kl', s, t, chunk_size=chunk, compiled=compiled)
+        total.backward(); s.grad = None
+        sync()
+        if i: best = min(best, time.perf_counter() - start)
+    return best
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def _measurement_plan(vocab_size:int, dev, n_tokens:int, dtype, candidates, memory_fraction:float) -> tuple:
+    ("(the bytes the measurement may use, None where the device does not say; its number of tokens; its chunk "
+     "sizes in tokens): the inputs in at most half of `memory_fraction` of the free memory, at least 64 tokens.")
+    free = _free_bytes(dev)
+    budget = None if free is None else int(free * memory_fraction)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if budget is not None:        # the inputs (s, its gradient, t) in at most half the budget, at least 64 tokens
+        n_tokens = max(64, min(n_tokens, budget // 2 // (3 * itemsize * vocab_size)))
+    chunks = sorted({max(16, min(n_tokens, c // vocab_size)) for c in candidates})
+    return budget, n_tokens, chunks
+
+# %% ../../nbs/distill/41_0_losses.ipynb
+def measure_chunk_size(vocab_size:int, device, n_tokens:int=4096, dtype=torch.bfloat16,
+                       candidates=(2**21, 2**23, 2**25, 2**27), compiled:bool=None, tolerance:float=0.05,
+                       memory_fraction:float=0.5) -> dict:
+    ("Time the chunked forward KL, forward and backward, on (n_tokens, vocab) random logits for each candidate "
+     "number of logits per chunk, within `memory_fraction` of the device's free memory (fewer tokens and candidates "
+     "where it is short; every allocation guarded); the smallest chunk within `tolerance` of the fastest wins: "
+     "{'chunk_size', 'times', 'n_tokens'}; with no room at all, the smallest candidate, untimed.")
     dev = torch.device(device)
-    g = torch.Generator(device=dev).manual_seed(0)
-    s = torch.randn(n_tokens, vocab_size, generator=g, device=dev).to(dtype).requires_grad_()
-    t = torch.randn(n_tokens, vocab_size, generator=g, device=dev).to(dtype)
+    budget, n_tokens, chunks = _measurement_plan(vocab_size, dev, n_tokens, dtype, candidates, memory_fraction)
+    itemsize = torch.empty((), dtype=dtype).element_size()
     sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
-    times = {}
-    for logits in candidates:
-        chunk = max(16, min(n_tokens, logits // vocab_size))
-        if chunk in times: continue
-        best = float('inf')
-        try:
-            for i in range(3):                                   # the first call compiles and warms up: not counted
-                sync(); start = time.perf_counter()
-                total, _ = loss_sum('kl', s, t, chunk_size=chunk, compiled=compiled)
-                total.backward(); s.grad = None
-                sync()
-                if i: best = min(best, time.perf_counter() - start)
-        except torch.OutOfMemoryError:                           # too large for this device: not a candidate
-            s.grad = None
-            if dev.type == 'cuda': torch.cuda.empty_cache()
-            continue
-        times[chunk] = best
-    check(times, f"no chunk size fits in the memory of {device} (vocabulary {vocab_size})")
+    times, s, t = {}, None, None
+    try:
+        g = torch.Generator(device=dev).manual_seed(0)
+        s = torch.randn(n_tokens, vocab_size, generator=g, device=dev, dtype=dtype).requires_grad_()
+        t = torch.randn(n_tokens, vocab_size, generator=g, device=dev, dtype=dtype)
+        for chunk in chunks:
+            if budget is not None and 3 * itemsize * n_tokens * vocab_size + CHUNK_BYTES_PER_LOGIT * chunk * vocab_size > budget:
+                continue                                         # would not fit: not a candidate
+            times[chunk] = _time_chunk(s, t, chunk, compiled, sync)
+    except torch.OutOfMemoryError: pass                          # this candidate and larger ones: not candidates
+    finally:
+        del s, t
+        if dev.type == 'cuda': torch.cuda.empty_cache()
+    if not times: return {'chunk_size': chunks[0], 'times': {}, 'n_tokens': n_tokens}
     fastest = min(times.values())
-    return {'chunk_size': min(c for c, v in times.items() if v <= fastest * (1 + tolerance)), 'times': times}
+    return {'chunk_size': min(c for c, v in times.items() if v <= fastest * (1 + tolerance)), 'times': times,
+            'n_tokens': n_tokens}
 
 # %% ../../nbs/distill/41_0_losses.ipynb
 class TeacherConfidence(Callback):
@@ -428,6 +630,7 @@ class TeacherConfidence(Callback):
         (self.n_batches, self.total,
          self.count, self.batches) = state['n_batches'], state['total'], state['count'], state['batches']
 
+# %% ../../nbs/distill/41_0_losses.ipynb
 def teacher_top1(teacher, mask=None, temperature:float=1.0, missing:str='zero', chunk_size:int=4096) -> torch.Tensor:
     "The teacher's top-1 probability at each unmasked token (logits, `Hidden` or `TopK` teacher), chunk by chunk."
     t = _flatten(teacher)

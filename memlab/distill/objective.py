@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from safetensors.torch import save_file, load_file
 
-from ..core import Config, MemlabError, check
+from ..core import Config, MemlabError, check, patch_to
 from ..wrappers import decoder_layers, unwrap
 from ..protocol import Callback, LossOutput, model_inputs
 from .losses import (LOSS_NAMES, MISSING_MODES, Hidden, TeacherConfidence, TopK, auto_chunk_size,
@@ -23,7 +23,7 @@ from .teacher import TopKTeacher, model_device, output_vocab_size
 
 # %% auto 0
 __all__ = ['DISTILY_LOSSES', 'HEADS_ATTR', 'distily_loss_name', 'DistillationObjective', 'DistillHeads', 'remove_distill_heads',
-           'save_distill_heads', 'load_distill_heads', 'DistillLoss', 'LossSchedule']
+           'save_distill_heads', 'load_distill_heads', 'LossSchedule', 'DistillLoss']
 
 # %% ../../nbs/distill/41_3_objective.ipynb
 import warnings
@@ -82,7 +82,8 @@ class DistillationObjective(Config):
     attn_projector: str = 'identity'    # only identity: the last axis of an attention map is the sequence, not a width
     topk_missing: str = 'rest'          # offline top-k teacher: the missing mass is one 'rest' bucket, or 'zero' (top-k
                                         # renormalised)
-    chunk_size: int = -1  # tokens per chunk of the logit term: -1 = auto (about 2M logits per chunk), 0 = dense
+    chunk_size: int = -1  # tokens per chunk of the logit term: -1 = auto (about 1M logits per chunk on a CPU,
+                          # measured on a GPU), 0 = dense
     fused: bool = False  # compute logits from the final hidden states chunk by chunk: neither model's full logits exist
     kl_warmup_steps: int = 0  # train the first N updates under forward KL, then under logits_loss_fn (a warm-up for
                               # reverse_kl, jsd...; 0: off)
@@ -104,43 +105,58 @@ class DistillationObjective(Config):
             if getattr(self, f) is None or str(getattr(self, f)).lower() in ('none', 'null', ''): setattr(self, f, none)
         for f, term in (('logits_loss_fn', 'logits'), ('hs_loss_fn', 'hs'), ('attn_loss_fn', 'attn')):
             setattr(self, f, distily_loss_name(term, getattr(self, f)))      # Distily's names carry over (table above)
-        for f in ('logits_weight', 'ce_weight', 'hs_weight', 'attn_weight'):
-            check(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
-        check(self.logits_weight + self.ce_weight + self.hs_weight + self.attn_weight > 0,
-              "every weight is 0: the objective is empty")
-        check(self.logits_loss_fn in LOSS_NAMES,
-              f"unknown logits_loss_fn {self.logits_loss_fn!r}; use one of {', '.join(LOSS_NAMES)}")
-        check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-        check(0 < self.jsd_beta < 1,
-              f"jsd_beta must be in (0, 1) (use kl or reverse_kl for the end points), got {self.jsd_beta}")
-        check(self.cakld_beta is None or 0 <= self.cakld_beta <= 1,
-              f"cakld_beta must be in [0, 1] or None, got {self.cakld_beta}")
-        check(self.cakld_batches >= 1, f"cakld_batches must be >= 1, got {self.cakld_batches}")
-        check(self.hs_loss_fn in FEATURE_LOSSES,
-              f"unknown hs_loss_fn {self.hs_loss_fn!r}; use one of {', '.join(FEATURE_LOSSES)}")
-        check(self.hs_norm in NORMS, f"unknown hs_norm {self.hs_norm!r}; use one of {', '.join(NORMS)}")
-        check(self.hs_projector in PROJECTORS,
-              f"unknown hs_projector {self.hs_projector!r}; use one of {', '.join(PROJECTORS)}")
-        check(self.attn_loss_fn in ATTENTION_LOSSES,
-              f"unknown attn_loss_fn {self.attn_loss_fn!r}; use one of {', '.join(ATTENTION_LOSSES)}")
-        check(self.attn_norm in ('none', None), f"attn_norm {self.attn_norm!r} is not supported: "
-                                                "attention rows are distributions and are compared as such; use 'none'")
-        check(self.attn_projector in ('identity', None), f"attn_projector {self.attn_projector!r} is not supported: "
-                                                         "an attention map's last axis is the sequence; use 'identity'")
-        # syntax only; depths checked by DistillLoss
-        for f in ('hs_layer_mapper', 'attn_layer_mapper'): map_layers(getattr(self, f), 10**6, 10**6)
-        check(self.topk_missing in MISSING_MODES, f"unknown topk_missing {self.topk_missing!r}; use 'zero' or 'rest'")
-        check(self.chunk_size >= -1,
-              f"chunk_size must be -1 (auto), 0 (dense) or a number of tokens, got {self.chunk_size}")
-        check(self.kl_warmup_steps >= 0, f"kl_warmup_steps must be >= 0, got {self.kl_warmup_steps}")
-        check(0 <= self.on_policy_fraction <= 1, f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
-        for f in ('on_policy_prompt_length', 'on_policy_new_tokens'):
-            v = getattr(self, f)
-            check(v is None or v >= 1, f"{f} must be >= 1 or None, got {v}")
-        check(self.on_policy_temperature > 0, f"on_policy_temperature must be > 0, got {self.on_policy_temperature}")
-        check(not (self.on_policy_fraction > 0 and self.ce_weight > 0),
-              "ce_weight > 0 with on_policy_fraction > 0: the labels of a generated batch are the student's own "
-              "samples, and a CE on them trains the student to repeat itself; set one of them to 0")
+        _check_logit_fields(self)
+        _check_feature_fields(self)
+        _check_training_fields(self)
+
+# %% ../../nbs/distill/41_3_objective.ipynb
+def _check_logit_fields(obj:DistillationObjective):
+    "The weights (not all 0) and the logit term: its loss, temperature and β's."
+    for f in ('logits_weight', 'ce_weight', 'hs_weight', 'attn_weight'):
+        check(getattr(obj, f) >= 0, f"{f} must be >= 0, got {getattr(obj, f)}")
+    check(obj.logits_weight + obj.ce_weight + obj.hs_weight + obj.attn_weight > 0,
+          "every weight is 0: the objective is empty")
+    check(obj.logits_loss_fn in LOSS_NAMES,
+          f"unknown logits_loss_fn {obj.logits_loss_fn!r}; use one of {', '.join(LOSS_NAMES)}")
+    check(obj.temperature > 0, f"temperature must be > 0, got {obj.temperature}")
+    check(0 < obj.jsd_beta < 1,
+          f"jsd_beta must be in (0, 1) (use kl or reverse_kl for the end points), got {obj.jsd_beta}")
+    check(obj.cakld_beta is None or 0 <= obj.cakld_beta <= 1,
+          f"cakld_beta must be in [0, 1] or None, got {obj.cakld_beta}")
+    check(obj.cakld_batches >= 1, f"cakld_batches must be >= 1, got {obj.cakld_batches}")
+
+# %% ../../nbs/distill/41_3_objective.ipynb
+def _check_feature_fields(obj:DistillationObjective):
+    "The hidden-state and attention terms: losses, norms, projectors, layer mappers' syntax."
+    check(obj.hs_loss_fn in FEATURE_LOSSES,
+          f"unknown hs_loss_fn {obj.hs_loss_fn!r}; use one of {', '.join(FEATURE_LOSSES)}")
+    check(obj.hs_norm in NORMS, f"unknown hs_norm {obj.hs_norm!r}; use one of {', '.join(NORMS)}")
+    check(obj.hs_projector in PROJECTORS,
+          f"unknown hs_projector {obj.hs_projector!r}; use one of {', '.join(PROJECTORS)}")
+    check(obj.attn_loss_fn in ATTENTION_LOSSES,
+          f"unknown attn_loss_fn {obj.attn_loss_fn!r}; use one of {', '.join(ATTENTION_LOSSES)}")
+    check(obj.attn_norm in ('none', None), f"attn_norm {obj.attn_norm!r} is not supported: "
+                                           "attention rows are distributions and are compared as such; use 'none'")
+    check(obj.attn_projector in ('identity', None), f"attn_projector {obj.attn_projector!r} is not supported: "
+                                                    "an attention map's last axis is the sequence; use 'identity'")
+    # syntax only; depths checked by DistillLoss
+    for f in ('hs_layer_mapper', 'attn_layer_mapper'): map_layers(getattr(obj, f), 10**6, 10**6)
+
+# %% ../../nbs/distill/41_3_objective.ipynb
+def _check_training_fields(obj:DistillationObjective):
+    "The top-k convention, the chunks, the forward-KL warm-up and on-policy distillation."
+    check(obj.topk_missing in MISSING_MODES, f"unknown topk_missing {obj.topk_missing!r}; use 'zero' or 'rest'")
+    check(obj.chunk_size >= -1,
+          f"chunk_size must be -1 (auto), 0 (dense) or a number of tokens, got {obj.chunk_size}")
+    check(obj.kl_warmup_steps >= 0, f"kl_warmup_steps must be >= 0, got {obj.kl_warmup_steps}")
+    check(0 <= obj.on_policy_fraction <= 1, f"on_policy_fraction must be in [0, 1], got {obj.on_policy_fraction}")
+    for f in ('on_policy_prompt_length', 'on_policy_new_tokens'):
+        v = getattr(obj, f)
+        check(v is None or v >= 1, f"{f} must be >= 1 or None, got {v}")
+    check(obj.on_policy_temperature > 0, f"on_policy_temperature must be > 0, got {obj.on_policy_temperature}")
+    check(not (obj.on_policy_fraction > 0 and obj.ce_weight > 0),
+          "ce_weight > 0 with on_policy_fraction > 0: the labels of a generated batch are the student's own "
+          "samples, and a CE on them trains the student to repeat itself; set one of them to 0")
 
 # %% ../../nbs/distill/41_3_objective.ipynb
 HEADS_ATTR = 'distill'
@@ -159,6 +175,7 @@ def remove_distill_heads(student) -> Optional[DistillHeads]:
     if isinstance(heads, DistillHeads): delattr(student, HEADS_ATTR); return heads
     return None
 
+# %% ../../nbs/distill/41_3_objective.ipynb
 def save_distill_heads(student, path) -> Optional[Path]:
     "Write the student's distillation modules to `path/distill_heads.safetensors` (None if it has none)."
     heads = getattr(student, HEADS_ATTR, None)
@@ -168,6 +185,7 @@ def save_distill_heads(student, path) -> Optional[Path]:
               str(path/'distill_heads.safetensors'))
     return path/'distill_heads.safetensors'
 
+# %% ../../nbs/distill/41_3_objective.ipynb
 def load_distill_heads(student, path):
     ("Load distillation modules saved by `save_distill_heads` into the heads attached to `student` "
      "(strict: every key must match).")
@@ -194,6 +212,7 @@ def _head(model) -> tuple:
     head = unwrap(model).get_output_embeddings()
     return head.weight, getattr(head, 'bias', None)
 
+# %% ../../nbs/distill/41_3_objective.ipynb
 def _vocab_size(teacher, obj, student, offline:bool, feature_terms:bool):
     "The vocabulary the loss compares over, after checking that the teacher, the student and the objective agree."
     if teacher is None: v_teacher = None if student is None else output_vocab_size(student)
@@ -218,6 +237,7 @@ def _vocab_size(teacher, obj, student, offline:bool, feature_terms:bool):
         if obj.fused: _check_fusable(student, 'student')
     return v_teacher
 
+# %% ../../nbs/distill/41_3_objective.ipynb
 def _feature_setup(teacher, obj, student) -> tuple:
     "(hidden-state layer pairs, attention layer pairs, `DistillHeads`), each None when its term is off."
     hs_pairs = attn_pairs = heads = None
@@ -238,6 +258,7 @@ def _feature_setup(teacher, obj, student) -> tuple:
         if any(True for _ in heads.parameters()): setattr(unwrap(student), HEADS_ATTR, heads)
     return hs_pairs, attn_pairs, heads
 
+# %% ../../nbs/distill/41_3_objective.ipynb
 def _feature_sums(obj, out_s, out_t, mask, hs_pairs, attn_pairs, heads) -> dict:
     "The summed hidden-state and attention terms over the target tokens, {'hs': ..., 'attn': ...} for those that are on."
     sums = {}
@@ -250,6 +271,14 @@ def _feature_sums(obj, out_s, out_t, mask, hs_pairs, attn_pairs, heads) -> dict:
               "the models returned no attention maps: use attn_implementation='eager'")
         sums['attn'] = attention_loss(out_s.attentions, out_t.attentions, attn_pairs, obj.attn_loss_fn)[mask].sum()
     return sums
+
+# %% ../../nbs/distill/41_3_objective.ipynb
+class LossSchedule(Callback):
+    ("Tells a `DistillLoss` which update (0-based) the loop is about to train, read from the loop at every update "
+     "(so a resumed run picks the same loss at the same update).")
+    def __init__(self, loss): self.loss = loss
+    def on_train_begin(self, trainer): self.loss.step = trainer.step
+    def on_step_begin(self, trainer): self.loss.step = trainer.step
 
 # %% ../../nbs/distill/41_3_objective.ipynb
 class DistillLoss:
@@ -289,59 +318,69 @@ class DistillLoss:
                                      "(Trainer(..., callbacks=loss_fn.callbacks)) or set loss_fn.step")
         return 'kl' if self.step < obj.kl_warmup_steps else obj.logits_loss_fn
 
-    def _forward_kwargs(self, device) -> dict:
-        obj = self.objective
-        fwd = {'output_hidden_states': obj.hs_weight > 0 or obj.fused, 'output_attentions': obj.attn_weight > 0}
-        # HF computes no logits at all
-        if obj.fused: fwd['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=device)
-        return fwd
+# %% ../../nbs/distill/41_3_objective.ipynb
+@patch_to(DistillLoss)
+def _forward_kwargs(self, device) -> dict:
+    obj = self.objective
+    fwd = {'output_hidden_states': obj.hs_weight > 0 or obj.fused, 'output_attentions': obj.attn_weight > 0}
+    # HF computes no logits at all
+    if obj.fused: fwd['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=device)
+    return fwd
 
-    def _teacher_outputs(self, batch, device):
-        if self.offline:
-            topk = self.teacher.lookup(batch['input_ids'], batch.get('attention_mask'))
-            return None, TopK(topk.indices.to(device), topk.logprobs.to(device))
-        t_dev = model_device(self.teacher)
-        t_in = {k: batch[k].to(t_dev) for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
-        if self.teacher.training: self.teacher.eval()
-        with torch.no_grad(): out = self.teacher(**t_in, **self._forward_kwargs(t_dev))
-        if self.objective.fused:
-            w, b = _head(self.teacher)
-            return out, Hidden(out.hidden_states[-1].to(device), w.to(device), None if b is None else b.to(device))
-        return out, out.logits.to(device)
+# %% ../../nbs/distill/41_3_objective.ipynb
+@patch_to(DistillLoss)
+def _teacher_outputs(self, batch, device):
+    if self.offline:
+        topk = self.teacher.lookup(batch['input_ids'], batch.get('attention_mask'))
+        return None, TopK(topk.indices.to(device), topk.logprobs.to(device))
+    t_dev = model_device(self.teacher)
+    t_in = {k: batch[k].to(t_dev) for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
+    if self.teacher.training: self.teacher.eval()
+    with torch.no_grad(): out = self.teacher(**t_in, **self._forward_kwargs(t_dev))
+    if self.objective.fused:
+        w, b = _head(self.teacher)
+        return out, Hidden(out.hidden_states[-1].to(device), w.to(device), None if b is None else b.to(device))
+    return out, out.logits.to(device)
 
-    def __call__(self, model, batch:dict) -> LossOutput:
-        obj = self.objective
-        labels = batch['labels']
-        mask = labels != -100
-        if batch.get('attention_mask') is not None: mask = mask & batch['attention_mask'].to(mask.device).bool()
-        out_s = model(**model_inputs(batch), **self._forward_kwargs(labels.device))
-        dev = (out_s.hidden_states[-1] if obj.fused else out_s.logits).device
-        out_t, t = self._teacher_outputs(batch, dev) if self.needs_teacher else (None, None)
-        if obj.fused:
-            w, b = _head(model)
-            s = Hidden(out_s.hidden_states[-1], w, b)
-        else: s = out_s.logits
-        mask, labels = mask.to(dev), labels.to(dev)
-        name = self.last_loss = self.loss_name(torch.is_grad_enabled() and model.training)
-        beta = obj.jsd_beta if name == 'jsd' else obj.cakld_beta if name == 'cakld' else None
-        if name == 'cakld' and beta is None and t is None: beta = 0.5   # no logit term: β is never used
-        if name == 'cakld' and beta is None:
-            if torch.is_grad_enabled() and model.training and not self.confidence.frozen:
-                self.confidence.update(teacher_top1(t, mask, obj.temperature, obj.topk_missing))
-            beta = self.confidence.value
-        chunk = (auto_chunk_size(self.vocab_size or vocab_of(s), device=dev) if obj.chunk_size == -1
-                 else (obj.chunk_size or None))
-        total, kd, ce, n = objective_sums(name, s, t, mask=mask, labels=labels, temperature=obj.temperature, beta=beta,
-                                          missing=obj.topk_missing, kd_weight=obj.logits_weight,
-                                          ce_weight=obj.ce_weight, chunk_size=chunk)
-        logs = {'logits': kd, 'ce': ce} if t is not None else {'ce': ce}
-        for k, v in _feature_sums(obj, out_s, out_t, mask, self.hs_pairs, self.attn_pairs, self.heads).items():
-            total = total + getattr(obj, f"{k}_weight") * v; logs[k] = v.detach()
-        return LossOutput(total, n, logs)
+# %% ../../nbs/distill/41_3_objective.ipynb
+@patch_to(DistillLoss)
+def _logit_beta(self, name:str, t, mask, training:bool) -> Optional[float]:
+    ("The β of logit loss `name` now: jsd's, cakld's given one, or the teacher's confidence (updated from `t` while "
+     "it is being estimated, in training); None for the other losses.")
+    obj = self.objective
+    beta = obj.jsd_beta if name == 'jsd' else obj.cakld_beta if name == 'cakld' else None
+    if name == 'cakld' and beta is None and t is None: beta = 0.5   # no logit term: β is never used
+    if name == 'cakld' and beta is None:
+        if training and not self.confidence.frozen:
+            self.confidence.update(teacher_top1(t, mask, obj.temperature, obj.topk_missing))
+        beta = self.confidence.value
+    return beta
 
-class LossSchedule(Callback):
-    ("Tells a `DistillLoss` which update (0-based) the loop is about to train, read from the loop at every update "
-     "(so a resumed run picks the same loss at the same update).")
-    def __init__(self, loss): self.loss = loss
-    def on_train_begin(self, trainer): self.loss.step = trainer.step
-    def on_step_begin(self, trainer): self.loss.step = trainer.step
+# %% ../../nbs/distill/41_3_objective.ipynb
+@patch_to(DistillLoss)
+def __call__(self, model, batch:dict) -> LossOutput:
+    "The objective's `LossOutput` on `batch`: Σ weight·component over the target tokens, their number, the sums."
+    obj = self.objective
+    labels = batch['labels']
+    mask = labels != -100
+    if batch.get('attention_mask') is not None: mask = mask & batch['attention_mask'].to(mask.device).bool()
+    out_s = model(**model_inputs(batch), **self._forward_kwargs(labels.device))
+    dev = (out_s.hidden_states[-1] if obj.fused else out_s.logits).device
+    out_t, t = self._teacher_outputs(batch, dev) if self.needs_teacher else (None, None)
+    if obj.fused:
+        w, b = _head(model)
+        s = Hidden(out_s.hidden_states[-1], w, b)
+    else: s = out_s.logits
+    mask, labels = mask.to(dev), labels.to(dev)
+    training = torch.is_grad_enabled() and model.training
+    name = self.last_loss = self.loss_name(training)
+    beta = self._logit_beta(name, t, mask, training)
+    chunk = (auto_chunk_size(self.vocab_size or vocab_of(s), device=dev) if obj.chunk_size == -1
+             else obj.chunk_size)                              # 0: the dense reference
+    total, kd, ce, n = objective_sums(name, s, t, mask=mask, labels=labels, temperature=obj.temperature, beta=beta,
+                                      missing=obj.topk_missing, kd_weight=obj.logits_weight,
+                                      ce_weight=obj.ce_weight, chunk_size=chunk)
+    logs = {'logits': kd, 'ce': ce} if t is not None else {'ce': ce}
+    for k, v in _feature_sums(obj, out_s, out_t, mask, self.hs_pairs, self.attn_pairs, self.heads).items():
+        total = total + getattr(obj, f"{k}_weight") * v; logs[k] = v.detach()
+    return LossOutput(total, n, logs)

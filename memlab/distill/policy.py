@@ -8,7 +8,7 @@ import hashlib, math
 
 import torch
 
-from ..core import check
+from ..core import check, patch_to
 from ..wrappers import unwrap
 from .teacher import model_device
 
@@ -67,18 +67,6 @@ class OnPolicyBatches:
         key = hashlib.blake2b(f"{self.seed},{k},{self.rank}".encode(), digest_size=8).digest()
         return torch.Generator(device=model_device(self.student)).manual_seed(int.from_bytes(key, 'little'))
 
-    def generate(self, batch:dict, k:int) -> dict:
-        "The on-policy batch made from `batch` (the k-th micro-batch): prompt, the student's sample, its labels."
-        ids, mask = batch['input_ids'], batch.get('attention_mask')
-        P, N = on_policy_lengths(ids.shape[1], self.prompt_length, self.new_tokens)
-        dev = model_device(self.student)
-        seq = sample_continuations(self.student, ids[:, :P].to(dev), N, self.temperature, self.generator(k))  # (B, P+N)
-        labels = torch.full_like(seq, -100)
-        labels[:, P - 1:-1] = seq[:, P:]                        # pre-shifted: position t predicts token t+1
-        if mask is not None:                                    # a prompt with padding (a short last row): no loss
-            labels[~mask[:, :P].to(dev).bool().all(1)] = -100
-        return {'input_ids': seq, 'labels': labels, 'attention_mask': torch.ones_like(seq)}
-
     def __iter__(self):
         for batch in self.batches:
             k, self.k = self.k, self.k + 1
@@ -93,3 +81,17 @@ class OnPolicyBatches:
                                             "on_policy_fraction the run was started with")
         self.k = int(state['on_policy_batches'])
         if state['data'] is not None: self.batches.load_state_dict(state['data'])
+
+# %% ../../nbs/distill/41_4_policy.ipynb
+@patch_to(OnPolicyBatches)
+def generate(self, batch:dict, k:int) -> dict:
+    "The on-policy batch made from `batch` (the k-th micro-batch): prompt, the student's sample, its labels."
+    ids, mask = batch['input_ids'], batch.get('attention_mask')
+    P, N = on_policy_lengths(ids.shape[1], self.prompt_length, self.new_tokens)
+    dev = model_device(self.student)
+    seq = sample_continuations(self.student, ids[:, :P].to(dev), N, self.temperature, self.generator(k))  # (B, P+N)
+    labels = torch.full_like(seq, -100)
+    labels[:, P - 1:-1] = seq[:, P:]                        # pre-shifted: position t predicts token t+1
+    if mask is not None:                                    # a prompt with padding (a short last row): no loss
+        labels[~mask[:, :P].to(dev).bool().all(1)] = -100
+    return {'input_ids': seq, 'labels': labels, 'attention_mask': torch.ones_like(seq)}

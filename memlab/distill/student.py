@@ -12,7 +12,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from ..compat import is_quantized
-from ..core import MemlabError, check, seed_everything
+from ..core import MemlabError, check
+from ..rng import seed_everything
 from ..models import check_model_sizes, load_model, resolve_model
 from ..wrappers import decoder_layers, unwrap
 from .features import layer_index
@@ -29,17 +30,9 @@ _CONFIG_ALIASES = {'num_layers': 'num_hidden_layers', 'n_layer': 'num_hidden_lay
                    'num_kv_heads': 'num_key_value_heads'}
 _FAMILY_KEYS = {('gpt2', 'intermediate_size'): 'n_inner', ('opt', 'intermediate_size'): 'ffn_dim'}
 
-def student_config(teacher_config, overrides:dict=None):
-    "The teacher's config with `overrides` mapped to the family's field names; width-derived fields follow the width."
-    cfg = copy.deepcopy(teacher_config)
-    given = set()
-    for key, v in (overrides or {}).items():
-        canon = _CONFIG_ALIASES.get(key, key)
-        check(canon != 'vocab_size',
-              "the student's vocabulary is always the teacher's: remove vocab_size from the overrides")
-        attr = _FAMILY_KEYS.get((cfg.model_type, canon), canon)
-        check(hasattr(cfg, attr), f"{cfg.model_type} configs have no field {key!r}")
-        setattr(cfg, attr, v); given.add(canon)
+def _follow_width(cfg, teacher_config, given:set):
+    ("The fields of the student's `cfg` that follow the overrides `given` (canonical names): head_dim, OPT's "
+     "word_embed_proj_dim, the key/value heads, the layer types; the head counts checked.")
     if given & {'hidden_size', 'num_attention_heads'}:
         if getattr(cfg, 'head_dim', None) is not None and 'head_dim' not in given:
             cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -57,6 +50,20 @@ def student_config(teacher_config, overrides:dict=None):
     if isinstance(getattr(cfg, 'layer_types', None), list) and len(cfg.layer_types) != cfg.num_hidden_layers:
         check(len(set(cfg.layer_types)) == 1, "the teacher mixes layer types; pass layer_types in the overrides")
         cfg.layer_types = cfg.layer_types[:1] * cfg.num_hidden_layers
+
+# %% ../../nbs/distill/41_6_student.ipynb
+def student_config(teacher_config, overrides:dict=None):
+    "The teacher's config with `overrides` mapped to the family's field names; width-derived fields follow the width."
+    cfg = copy.deepcopy(teacher_config)
+    given = set()
+    for key, v in (overrides or {}).items():
+        canon = _CONFIG_ALIASES.get(key, key)
+        check(canon != 'vocab_size',
+              "the student's vocabulary is always the teacher's: remove vocab_size from the overrides")
+        attr = _FAMILY_KEYS.get((cfg.model_type, canon), canon)
+        check(hasattr(cfg, attr), f"{cfg.model_type} configs have no field {key!r}")
+        setattr(cfg, attr, v); given.add(canon)
+    _follow_width(cfg, teacher_config, given)
     return cfg
 
 # %% ../../nbs/distill/41_6_student.ipynb
@@ -88,6 +95,16 @@ def weight_groups(model) -> dict:
         groups[g].append(key)
     return groups
 
+# %% ../../nbs/distill/41_6_student.ipynb
+def xavier_reinitialize(model):
+    "Xavier-uniform weights and zero biases for every linear and embedding; norms keep their defaults."
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == 'Conv1D':
+                nn.init.xavier_uniform_(m.weight)
+                if getattr(m, 'bias', None) is not None: nn.init.zeros_(m.bias)
+
+# %% ../../nbs/distill/41_6_student.ipynb
 def _copy_keys(dst, src, keys, what):
     sd_d, sd_s = dst.state_dict(), src.state_dict()
     bad = [k for k in keys if k not in sd_d or sd_d[k].shape != sd_s[k].shape]
@@ -97,13 +114,16 @@ def _copy_keys(dst, src, keys, what):
     with torch.no_grad():
         for k in keys: sd_d[k].copy_(sd_s[k])
 
-def xavier_reinitialize(model):
-    "Xavier-uniform weights and zero biases for every linear and embedding; norms keep their defaults."
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == 'Conv1D':
-                nn.init.xavier_uniform_(m.weight)
-                if getattr(m, 'bias', None) is not None: nn.init.zeros_(m.bias)
+# %% ../../nbs/distill/41_6_student.ipynb
+def _copy_teacher_layers(student, teacher, plan:list):
+    "Teacher layer `plan[j]` into student layer j; refused in one line where their shapes differ."
+    for j, i in enumerate(plan):
+        src, dst = decoder_layers(teacher)[i].state_dict(), decoder_layers(student)[j].state_dict()
+        bad = [k for k in dst if k not in src or src[k].shape != dst[k].shape]
+        if bad:
+            raise MemlabError(f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
+                              f"({bad[0]}); pass copy_layers=None when changing widths")
+        decoder_layers(student)[j].load_state_dict(src)
 
 # %% ../../nbs/distill/41_6_student.ipynb
 def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embeddings:bool=True,
@@ -125,14 +145,8 @@ def build_student(teacher, overrides:dict=None, copy_layers='uniform', copy_embe
         if reinitialize: xavier_reinitialize(student)
         gt = weight_groups(teacher)
         if copy_layers is not None:
-            plan = copy_plan(copy_layers, len(decoder_layers(student)), len(decoder_layers(teacher)))
-            for j, i in enumerate(plan):
-                src, dst = decoder_layers(teacher)[i].state_dict(), decoder_layers(student)[j].state_dict()
-                bad = [k for k in dst if k not in src or src[k].shape != dst[k].shape]
-                if bad:
-                    raise MemlabError(f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
-                                      f"({bad[0]}); pass copy_layers=None when changing widths")
-                decoder_layers(student)[j].load_state_dict(src)
+            _copy_teacher_layers(student, teacher, copy_plan(copy_layers, len(decoder_layers(student)),
+                                                             len(decoder_layers(teacher))))
             _copy_keys(student, teacher, gt['trunk'], 'copy layers')
         if copy_embeddings: _copy_keys(student, teacher, gt['embeddings'], 'copy embeddings')
         if copy_lm_head: _copy_keys(student, teacher, gt['lm_head'], 'copy lm_head')
@@ -152,56 +166,10 @@ def _student_base_config(name):
     except (OSError, ValueError) as e:
         raise MemlabError(f"cannot read a student config from {name}: {str(e).splitlines()[0]}") from None
 
+# %% ../../nbs/distill/41_6_student.ipynb
 def _is_quantized(model) -> bool:
     "Whether any layer of `model` is a 4-/8-bit one (`memlab.compat.is_quantized`)."
     return any(is_quantized(m) for m in model.modules())
-
-def _copy_modules(student, teacher, copies, layer_selection) -> list:
-    ("Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); "
-     "return a description of each copy.")
-    done = []
-    gt = weight_groups(teacher)
-    for name, freeze in copies:
-        if name == 'layers':
-            check(not _is_quantized(teacher),
-                  "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "
-                  "in float32 or bfloat16 to build the student, or drop 'layers' from --copy_teacher_modules")
-            sel = (layer_selection if layer_selection in ('uniform', 'first', 'last')
-                   else [int(x) for x in str(layer_selection).split(',')])
-            plan = copy_plan(sel, len(decoder_layers(student)), len(decoder_layers(teacher)))
-            for j, i in enumerate(plan):
-                src, dst = decoder_layers(teacher)[i], decoder_layers(student)[j]
-                bad = [k for k, v in dst.state_dict().items()
-                       if k not in src.state_dict() or src.state_dict()[k].shape != v.shape]
-                check(not bad, f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
-                      f"({bad[0] if bad else ''}); a student of another width cannot take the teacher's layers")
-                dst.load_state_dict(src.state_dict())
-                if freeze: dst.requires_grad_(False)
-            keys, params = gt['trunk'], dict(student.named_parameters())
-            _copy_state(student, teacher, keys, 'final norm')
-            if freeze: [params[k].requires_grad_(False) for k in keys if k in params]
-            done.append(f"layers {plan} ({layer_selection})" + (' frozen' if freeze else ''))
-            continue
-        if name in ('embeddings', 'embed_tokens', 'lm_head'):
-            group = 'lm_head' if name == 'lm_head' else 'embeddings'
-            _copy_state(student, teacher, gt[group], name)
-            if freeze:   # by module: a tied head and embedding are one parameter, listed once by named_parameters()
-                mods = ([student.get_output_embeddings()] if group == 'lm_head'
-                        else [m for m in student.modules() if isinstance(m, nn.Embedding)])
-                for m in mods: m.requires_grad_(False)
-            done.append(name + (' (frozen)' if freeze else ''))
-            continue
-        try: src, dst = teacher.get_submodule(name), student.get_submodule(name)
-        except AttributeError:
-            raise MemlabError(f"copy_teacher_modules: {name!r} is not a module of both the teacher and the student "
-                              "(use layers, embeddings, lm_head or a module path such as model.norm)") from None
-        ss, ds = src.state_dict(), dst.state_dict()
-        bad = sorted(set(ss) ^ set(ds)) or [k for k in ds if ss[k].shape != ds[k].shape]
-        check(not bad, f"copy_teacher_modules: the teacher's and the student's {name} differ ({bad[0] if bad else ''})")
-        dst.load_state_dict(ss)
-        if freeze: dst.requires_grad_(False)
-        done.append(name + (' (frozen)' if freeze else ''))
-    return done
 
 def _copy_state(student, teacher, keys, what):
     sd_s, sd_t = student.state_dict(), teacher.state_dict()
@@ -209,6 +177,81 @@ def _copy_state(student, teacher, keys, what):
     check(not bad, f"cannot copy the teacher's {what} into the student: shapes differ ({bad[0] if bad else ''})")
     with torch.no_grad():
         for k in keys: sd_s[k].copy_(sd_t[k])
+
+def _copy_layer_stack(student, teacher, groups:dict, layer_selection, freeze:bool) -> str:
+    "The teacher's layers (by `layer_selection`) and final norm into the student, frozen if asked; a description."
+    check(not _is_quantized(teacher),
+          "cannot copy layers from a 4/8-bit teacher (its weights are quantized): load the teacher "
+          "in float32 or bfloat16 to build the student, or drop 'layers' from --copy_teacher_modules")
+    sel = (layer_selection if layer_selection in ('uniform', 'first', 'last')
+           else [int(x) for x in str(layer_selection).split(',')])
+    plan = copy_plan(sel, len(decoder_layers(student)), len(decoder_layers(teacher)))
+    for j, i in enumerate(plan):
+        src, dst = decoder_layers(teacher)[i], decoder_layers(student)[j]
+        bad = [k for k, v in dst.state_dict().items()
+               if k not in src.state_dict() or src.state_dict()[k].shape != v.shape]
+        check(not bad, f"cannot copy teacher layer {i} into student layer {j}: shapes differ "
+              f"({bad[0] if bad else ''}); a student of another width cannot take the teacher's layers")
+        dst.load_state_dict(src.state_dict())
+        if freeze: dst.requires_grad_(False)
+    keys, params = groups['trunk'], dict(student.named_parameters())
+    _copy_state(student, teacher, keys, 'final norm')
+    if freeze: [params[k].requires_grad_(False) for k in keys if k in params]
+    return f"layers {plan} ({layer_selection})" + (' frozen' if freeze else '')
+
+# %% ../../nbs/distill/41_6_student.ipynb
+def _copy_group(student, teacher, groups:dict, name:str, freeze:bool) -> str:
+    "The teacher's embeddings or LM head (`name`) into the student, frozen if asked; a description."
+    group = 'lm_head' if name == 'lm_head' else 'embeddings'
+    _copy_state(student, teacher, groups[group], name)
+    if freeze:   # by module: a tied head and embedding are one parameter, listed once by named_parameters()
+        mods = ([student.get_output_embeddings()] if group == 'lm_head'
+                else [m for m in student.modules() if isinstance(m, nn.Embedding)])
+        for m in mods: m.requires_grad_(False)
+    return name + (' (frozen)' if freeze else '')
+
+# %% ../../nbs/distill/41_6_student.ipynb
+def _copy_submodule(student, teacher, name:str, freeze:bool) -> str:
+    "The teacher's submodule at path `name` into the student's, strict about keys and shapes; a description."
+    try: src, dst = teacher.get_submodule(name), student.get_submodule(name)
+    except AttributeError:
+        raise MemlabError(f"copy_teacher_modules: {name!r} is not a module of both the teacher and the student "
+                          "(use layers, embeddings, lm_head or a module path such as model.norm)") from None
+    ss, ds = src.state_dict(), dst.state_dict()
+    bad = sorted(set(ss) ^ set(ds)) or [k for k in ds if ss[k].shape != ds[k].shape]
+    check(not bad, f"copy_teacher_modules: the teacher's and the student's {name} differ ({bad[0] if bad else ''})")
+    dst.load_state_dict(ss)
+    if freeze: dst.requires_grad_(False)
+    return name + (' (frozen)' if freeze else '')
+
+# %% ../../nbs/distill/41_6_student.ipynb
+def _copy_modules(student, teacher, copies, layer_selection) -> list:
+    ("Copy teacher modules into the student (shorthands layers/embeddings/lm_head or module paths); "
+     "return a description of each copy.")
+    done, gt = [], weight_groups(teacher)
+    for name, freeze in copies:
+        if name == 'layers': done.append(_copy_layer_stack(student, teacher, gt, layer_selection, freeze))
+        elif name in ('embeddings', 'embed_tokens', 'lm_head'): done.append(_copy_group(student, teacher, gt, name, freeze))
+        else: done.append(_copy_submodule(student, teacher, name, freeze))
+    return done
+
+# %% ../../nbs/distill/41_6_student.ipynb
+def _built_student(args:StudentModelArguments, teacher) -> tuple:
+    ("(a new fp32 student, how it was built): the teacher's config or the one `args` names, with its overrides, the "
+     "teacher's vocabulary, no quantization; sizes checked.")
+    base = (teacher.config if args.student_config_name_or_path is None
+            else _student_base_config(args.student_config_name_or_path))
+    cfg = student_config(base, args.student_model_config)
+    for attr in ('quantization_config', '_pre_quantization_dtype'):
+        if hasattr(cfg, attr): delattr(cfg, attr)
+    cfg.vocab_size = teacher.config.vocab_size  # the student reads the teacher's tokens (Distily forces this too)
+    check_model_sizes(cfg, f"the student config ({args.student_config_name_or_path or 'from the teacher'})")
+    student = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    what = ('the teacher\'s config' if args.student_config_name_or_path is None
+            else f"the config `{args.student_config_name_or_path}`")
+    how = [f"built from {what}"
+           + (f" with {json.dumps(args.student_model_config)}" if args.student_model_config else '')]
+    return student, how
 
 # %% ../../nbs/distill/41_6_student.ipynb
 def student_from_args(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
@@ -218,19 +261,7 @@ def student_from_args(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
     if args.student_model_name_or_path:
         student = load_model(args.student_model_name_or_path)
         how = [f"the existing model `{args.student_model_name_or_path}`"]
-    else:
-        base = (teacher.config if args.student_config_name_or_path is None
-                else _student_base_config(args.student_config_name_or_path))
-        cfg = student_config(base, args.student_model_config)
-        for attr in ('quantization_config', '_pre_quantization_dtype'):
-            if hasattr(cfg, attr): delattr(cfg, attr)
-        cfg.vocab_size = teacher.config.vocab_size  # the student reads the teacher's tokens (Distily forces this too)
-        check_model_sizes(cfg, f"the student config ({args.student_config_name_or_path or 'from the teacher'})")
-        student = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        what = ('the teacher\'s config' if args.student_config_name_or_path is None
-                else f"the config `{args.student_config_name_or_path}`")
-        how = [f"built from {what}"
-               + (f" with {json.dumps(args.student_model_config)}" if args.student_model_config else '')]
+    else: student, how = _built_student(args, teacher)
     if args.reinitialize_weights: xavier_reinitialize(student); how.append('re-initialised (Xavier-uniform)')
     copied = _copy_modules(student, teacher, parse_copy_modules(args.copy_teacher_modules),
                            args.student_layer_selection)

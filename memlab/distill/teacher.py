@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..core import atomic_write_text, check
+from ..core import atomic_write_text, check, patch_to
 from ..models import as_dtype
 from ..wrappers import unwrap
 from .losses import TopK
@@ -28,6 +28,7 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     return {'name': getattr(tokenizer, 'name_or_path', None) or type(tokenizer).__name__, 'vocab_size': len(vocab),
             'vocab_hash': h}
 
+# %% ../../nbs/distill/41_2_teacher.ipynb
 def _row_key(ids:torch.Tensor) -> int:
     "A 64-bit key of one row's token ids."
     return int.from_bytes(hashlib.blake2b(ids.detach().to('cpu', torch.int64).contiguous().numpy().tobytes(),
@@ -60,47 +61,49 @@ def output_vocab_size(model) -> int:
 # %% ../../nbs/distill/41_2_teacher.ipynb
 TOPK_FORMAT = 'memlab-topk'
 
+def _topk_meta(teacher, k:int, tokenizer, dataset:dict, teacher_name:str, dtype:str) -> dict:
+    "The identity a top-k index records (checked): the teacher, k, the vocabulary, the values' dtype, tokenizer and dataset."
+    vocab = output_vocab_size(teacher)
+    check(1 <= k <= vocab, f"k must be between 1 and the vocabulary size {vocab}, got {k}")
+    check(dtype in ('float16', 'float32', 'bfloat16'), f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
+    teacher_name = (teacher_name or getattr(unwrap(teacher).config, '_name_or_path', None)
+                    or type(unwrap(teacher)).__name__)
+    return {'format': TOPK_FORMAT, 'version': 1, 'teacher': teacher_name, 'k': k, 'vocab_size': vocab,
+            'value_dtype': dtype,
+            'tokenizer': tokenizer_fingerprint(tokenizer) if tokenizer is not None
+                         else {'name': None, 'vocab_size': vocab, 'vocab_hash': None},
+            'dataset': dict(dataset_fingerprint(name=None), **(dataset or {}))}
+
+# %% ../../nbs/distill/41_2_teacher.ipynb
+def _finished_shards(out_dir:Path, meta:dict, batches) -> bool:
+    ("Whether `out_dir` holds finished shards of this run, to reuse; refused where its index records other settings, "
+     "another tokenizer or other data (the rows' hash compared when `batches` can be iterated twice).")
+    index_file = out_dir/'index.json'
+    if not index_file.exists(): return False
+    old = json.loads(index_file.read_text())
+    want = dict(meta, dataset=dict(meta['dataset']))
+    if iter(batches) is not batches: want['dataset']['token_hash'] = dataset_fingerprint(batches)['token_hash']
+    diffs = [f for f in ('teacher', 'k', 'vocab_size', 'value_dtype') if old.get(f) != want[f]]
+    diffs += [f"tokenizer {f}"
+              for f in _same_identity(old.get('tokenizer', {}), want['tokenizer'], ('vocab_size', 'vocab_hash'))]
+    diffs += [f"dataset {f}" for f in _same_identity(old.get('dataset', {}), want['dataset'],
+                                                     ('name', 'split', 'sequence_length', 'token_hash'))]
+    check(not diffs, f"{out_dir} holds top-k outputs that differ in {', '.join(diffs)}; "
+                     "pass overwrite=True or another directory")
+    return bool(old.get('complete'))
+
+# %% ../../nbs/distill/41_2_teacher.ipynb
 def _write_shard(out_dir, n, keys, idx, vals) -> dict:
     name = f"topk-{n:05d}.safetensors"
     save_file({'row_key': torch.tensor(keys, dtype=torch.int64), 'indices': torch.stack(idx).contiguous(),
                'logprobs': torch.stack(vals).contiguous()}, str(Path(out_dir)/name))
     return {'file': name, 'rows': len(keys), 'seq_len': int(idx[0].shape[0])}
 
-def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, dataset:dict=None, teacher_name:str=None,
-                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False,
-                          progress:bool=False) -> Path:
-    ("Write the teacher's top-`k` log-probabilities of every token of `batches` to safetensors shards in "
-     "`out_dir`; return `out_dir`.")
-    out_dir = Path(out_dir)
-    vocab = output_vocab_size(teacher)
-    check(1 <= k <= vocab, f"k must be between 1 and the vocabulary size {vocab}, got {k}")
-    check(dtype in ('float16', 'float32', 'bfloat16'), f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
-    teacher_name = (teacher_name or getattr(unwrap(teacher).config, '_name_or_path', None)
-                    or type(unwrap(teacher)).__name__)
-    meta = {'format': TOPK_FORMAT, 'version': 1, 'teacher': teacher_name, 'k': k, 'vocab_size': vocab,
-            'value_dtype': dtype,
-            'tokenizer': tokenizer_fingerprint(tokenizer) if tokenizer is not None
-                         else {'name': None, 'vocab_size': vocab, 'vocab_hash': None},
-            'dataset': dict(dataset_fingerprint(name=None), **(dataset or {}))}
-    reiterable = iter(batches) is not batches
-    index_file = out_dir/'index.json'
-    if index_file.exists() and not overwrite:
-        old = json.loads(index_file.read_text())
-        want = dict(meta, dataset=dict(meta['dataset']))
-        if reiterable: want['dataset']['token_hash'] = dataset_fingerprint(batches)['token_hash']
-        diffs = [f for f in ('teacher', 'k', 'vocab_size', 'value_dtype') if old.get(f) != want[f]]
-        diffs += [f"tokenizer {f}"
-                  for f in _same_identity(old.get('tokenizer', {}), want['tokenizer'], ('vocab_size', 'vocab_hash'))]
-        diffs += [f"dataset {f}" for f in _same_identity(old.get('dataset', {}), want['dataset'],
-                                                         ('name', 'split', 'sequence_length', 'token_hash'))]
-        check(not diffs, f"{out_dir} holds top-k outputs that differ in {', '.join(diffs)}; "
-                         "pass overwrite=True or another directory")
-        if old.get('complete'): return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if index_file.exists(): index_file.unlink()
-    for f in out_dir.glob('topk-*.safetensors'): f.unlink()
+def _write_topk_rows(teacher, batches, out_dir:Path, k:int, vdtype, rows_per_shard:int, progress:bool) -> tuple:
+    ("One teacher pass over `batches`: each new row's top-`k` written to shards of `rows_per_shard` rows → (the "
+     "shards' index entries, the rows' keys, the number of tokens); repeated and all-padding rows skipped.")
     teacher.eval()
-    dev, vdtype = model_device(teacher), as_dtype(dtype)
+    dev = model_device(teacher)
     seen, shards, all_keys, buf, n_tokens = set(), [], [], ([], [], []), 0
     def flush():
         if buf[0]: shards.append(_write_shard(out_dir, len(shards), *buf)); [b.clear() for b in buf]
@@ -123,11 +126,26 @@ def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, d
                 buf[0].append(key); buf[1].append(i.to('cpu', torch.int32)); buf[2].append(v.to('cpu', vdtype))
             del logits, lp
     flush()
+    return shards, all_keys, n_tokens
+
+# %% ../../nbs/distill/41_2_teacher.ipynb
+def generate_teacher_topk(teacher, batches, out_dir, k:int=64, tokenizer=None, dataset:dict=None, teacher_name:str=None,
+                          dtype:str='float16', rows_per_shard:int=1024, overwrite:bool=False,
+                          progress:bool=False) -> Path:
+    ("Write the teacher's top-`k` log-probabilities of every token of `batches` to safetensors shards in "
+     "`out_dir`; return `out_dir`.")
+    out_dir = Path(out_dir)
+    meta = _topk_meta(teacher, k, tokenizer, dataset, teacher_name, dtype)
+    if not overwrite and _finished_shards(out_dir, meta, batches): return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir/'index.json').unlink(missing_ok=True)
+    for f in out_dir.glob('topk-*.safetensors'): f.unlink()
+    shards, all_keys, n_tokens = _write_topk_rows(teacher, batches, out_dir, k, as_dtype(dtype), rows_per_shard, progress)
     check(shards, "no batches: nothing to write")
     meta['dataset']['token_hash'] = hashlib.sha256(json.dumps(sorted(all_keys)).encode()).hexdigest()[:16]
     meta['dataset']['rows'] = len(all_keys)
     meta.update(shards=shards, rows=len(all_keys), tokens=n_tokens, complete=True)
-    atomic_write_text(index_file, json.dumps(meta, indent=2))
+    atomic_write_text(out_dir/'index.json', json.dumps(meta, indent=2))
     return out_dir
 
 # %% ../../nbs/distill/41_2_teacher.ipynb
@@ -164,22 +182,24 @@ class TopKTeacher:
             self._files[i] = safe_open(str(self.dir/self.index['shards'][i]['file']), framework='pt')
         return self._files[i]
 
-    def lookup(self, input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> TopK:
-        ("The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); "
-         "padding rows get a uniform filler.")
-        idx, vals = [], []
-        real = attention_mask.bool().any(-1).tolist() if attention_mask is not None else [True] * len(input_ids)
-        for row, r in zip(input_ids, real):
-            if not r:   # a padding row (no real token, every target masked): not stored, never read by a loss
-                idx.append(torch.arange(self.k).expand(len(row), self.k))
-                vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
-            key = _row_key(row)
-            check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: "
-                                     "the shards were made from other data or another sequence length")
-            i, r = self._rows[key]
-            fh = self._file(i)
-            idx.append(fh.get_slice('indices')[r]); vals.append(fh.get_slice('logprobs')[r])
-        out = TopK(torch.stack(idx).long(), torch.stack(vals).float())
-        check(out.indices.shape[1] == input_ids.shape[1],
-              f"top-k rows hold {out.indices.shape[1]} positions, the batch {input_ids.shape[1]}")
-        return out
+# %% ../../nbs/distill/41_2_teacher.ipynb
+@patch_to(TopKTeacher)
+def lookup(self, input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> TopK:
+    ("The teacher's top-k (indices (B, T, k), fp32 log-probs (B, T, k)) for each row of `input_ids` (B, T); "
+     "padding rows get a uniform filler.")
+    idx, vals = [], []
+    real = attention_mask.bool().any(-1).tolist() if attention_mask is not None else [True] * len(input_ids)
+    for row, r in zip(input_ids, real):
+        if not r:   # a padding row (no real token, every target masked): not stored, never read by a loss
+            idx.append(torch.arange(self.k).expand(len(row), self.k))
+            vals.append(torch.full((len(row), self.k), -math.log(self.k))); continue
+        key = _row_key(row)
+        check(key in self._rows, f"a batch row is not in the top-k shards of {self.dir}: "
+                                 "the shards were made from other data or another sequence length")
+        i, r = self._rows[key]
+        fh = self._file(i)
+        idx.append(fh.get_slice('indices')[r]); vals.append(fh.get_slice('logprobs')[r])
+    out = TopK(torch.stack(idx).long(), torch.stack(vals).float())
+    check(out.indices.shape[1] == input_ids.shape[1],
+          f"top-k rows hold {out.indices.shape[1]} positions, the batch {input_ids.shape[1]}")
+    return out

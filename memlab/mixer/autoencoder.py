@@ -38,6 +38,7 @@ def add_memory_noise(v:torch.Tensor, scale:float) -> torch.Tensor:
     if not scale: return v
     return v + scale * fp8_e4m3_step(v) * (torch.rand_like(v) - 0.5)
 
+# %% ../../nbs/mixer/50_4_autoencoder.ipynb
 def quantize_memory(v:torch.Tensor, fmt:str) -> torch.Tensor:
     ("Round `v` through `fmt` ('none', 'bf16', 'fp8' e4m3fn, 'int8' absmax per vector) and back; "
      "straight-through gradients.")
@@ -85,6 +86,7 @@ class MemoryEncoder(nn.Module):
 
     def forward(self, input_ids): return self.expand(self.encode(input_ids))
 
+# %% ../../nbs/mixer/50_4_autoencoder.ipynb
 def unroll_indices(length:int, dim:int) -> torch.Tensor:
     "(length, dim/2) feature indices: position i reads features i, i+1, …, i+dim/2-1 of the memory, modulo dim."
     return (torch.arange(length)[:, None] + torch.arange(dim // 2)[None]) % dim
@@ -98,6 +100,7 @@ class Unroll(nn.Module):
     def forward(self, v, length:int):  # (B, d) -> (B, T, d)
         return self.proj(v[:, unroll_indices(length, v.shape[-1]).to(v.device)])  # (B, T, d/2) -> (B, T, d)
 
+# %% ../../nbs/mixer/50_4_autoencoder.ipynb
 @dataclass
 class MemoryModelOutput(ModelOutput):
     "Output of autoencoders and memory models: `loss`, `logits` (B, T, V) and the stored `memory` vectors."
@@ -136,6 +139,7 @@ class MaskedMixerAutoencoder(MixerPreTrainedModel):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device), ignore_index=-100)
         return MemoryModelOutput(loss=loss, logits=logits, memory=memory)
 
+# %% ../../nbs/mixer/50_4_autoencoder.ipynb
 def autoencoder_targets(batch:dict) -> torch.Tensor:
     "Reconstruction targets of a batch: `input_ids` themselves (no shift), −100 where `attention_mask` is 0."
     ids, mask = batch['input_ids'], batch.get('attention_mask')

@@ -81,41 +81,8 @@ class MaskedMixerConfig(PretrainedConfig):
 
     def check(self):
         "Validate the fields; raise `MemlabError` (one line) on the first problem."
-        d, de = self.hidden_size, self.encoder_width
-        def positive(name, optional=False):
-            v = getattr(self, name)
-            check((optional and v is None) or (isinstance(v, int) and v >= 1),
-                  f"{name} must be a positive integer{' or None' if optional else ''}, got {v!r}")
-        def one_of(name, options):
-            check(getattr(self, name) in options,
-                  f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(options)}")
-        for name in ('vocab_size', 'hidden_size', 'num_layers', 'length', 'kernel', 'expansion', 'n_chunks',
-                     'compression', 'transformer_heads'): positive(name)
-        for name in ('encoder_layers', 'decoder_layers', 'encoder_hidden_size'): positive(name, optional=True)
-        for name, options in (('mixer_type', MIXER_TYPES), ('encoder_type', STACK_TYPES), ('decoder_type', STACK_TYPES),
-                              ('decoder_input', DECODER_INPUTS), ('memory_position', MEMORY_POSITIONS),
-                              ('memory_mode', MEMORY_MODES), ('memory_format', MEMORY_FORMATS),
-                              ('objective', OBJECTIVES)):
-            one_of(name, options)
-        check(isinstance(self.heads, int) and self.heads >= 0,
-              f"heads must be 0 or a positive integer, got {self.heads!r}")
-        for width, what in ((d, 'hidden_size'), (de, 'encoder_hidden_size')):
-            check(not self.heads or width % self.heads == 0, f"heads={self.heads} does not divide {what}={width}")
-        check(self.mixer_type == 'conv' or (self.kernel == 1 and self.heads == 0), "mixer_type='linear' is one masked "
-              f"Linear(length, length): it takes no kernel ({self.kernel}) or heads ({self.heads})")
-        check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
-        for kind, width, what in ((self.encoder_type, de, 'encoder_hidden_size'),
-                                  (self.decoder_type, d, 'hidden_size')):
-            if kind != 'transformer': continue
-            nh = self.transformer_heads
-            check(width % nh == 0, f"transformer_heads={nh} does not divide {what}={width}")
-            check(width // nh % 2 == 0, f"Llama blocks need an even head size (rotary embedding), "
-                  f"but {what}={width} / transformer_heads={nh} = {width // nh}")
-        check(de % self.compression == 0, f"compression={self.compression} does not divide the encoder width {de}")
-        check(self.decoder_input != 'unroll' or d % 2 == 0,
-              f"decoder_input='unroll' needs an even hidden_size, got {d}")
-        check(self.memory_position == 'last' or self.length >= 2, "memory_position='penultimate' needs length >= 2")
-        check(self.memory_noise >= 0, f"memory_noise must be >= 0, got {self.memory_noise}")
+        _check_mixer_fields(self)
+        _check_memory_fields(self)
 
     def validate_architecture(self): self.check()  # also run by transformers when saving
 
@@ -127,6 +94,50 @@ class MaskedMixerConfig(PretrainedConfig):
             setattr(cfg, k, v)
         cfg.check()
         return cfg
+
+# %% ../../nbs/mixer/50_0_config.ipynb
+def _check_mixer_fields(cfg:MaskedMixerConfig):
+    "Sizes, choices, heads and dropout; raise `MemlabError` (one line) on the first problem."
+    d, de = cfg.hidden_size, cfg.encoder_width
+    def positive(name, optional=False):
+        v = getattr(cfg, name)
+        check((optional and v is None) or (isinstance(v, int) and v >= 1),
+              f"{name} must be a positive integer{' or None' if optional else ''}, got {v!r}")
+    def one_of(name, options):
+        check(getattr(cfg, name) in options,
+              f"unknown {name} {getattr(cfg, name)!r}; choose one of {', '.join(options)}")
+    for name in ('vocab_size', 'hidden_size', 'num_layers', 'length', 'kernel', 'expansion', 'n_chunks',
+                 'compression', 'transformer_heads'): positive(name)
+    for name in ('encoder_layers', 'decoder_layers', 'encoder_hidden_size'): positive(name, optional=True)
+    for name, options in (('mixer_type', MIXER_TYPES), ('encoder_type', STACK_TYPES), ('decoder_type', STACK_TYPES),
+                          ('decoder_input', DECODER_INPUTS), ('memory_position', MEMORY_POSITIONS),
+                          ('memory_mode', MEMORY_MODES), ('memory_format', MEMORY_FORMATS),
+                          ('objective', OBJECTIVES)):
+        one_of(name, options)
+    check(isinstance(cfg.heads, int) and cfg.heads >= 0,
+          f"heads must be 0 or a positive integer, got {cfg.heads!r}")
+    for width, what in ((d, 'hidden_size'), (de, 'encoder_hidden_size')):
+        check(not cfg.heads or width % cfg.heads == 0, f"heads={cfg.heads} does not divide {what}={width}")
+    check(cfg.mixer_type == 'conv' or (cfg.kernel == 1 and cfg.heads == 0), "mixer_type='linear' is one masked "
+          f"Linear(length, length): it takes no kernel ({cfg.kernel}) or heads ({cfg.heads})")
+    check(0 <= cfg.dropout < 1, f"dropout must be in [0, 1), got {cfg.dropout}")
+
+# %% ../../nbs/mixer/50_0_config.ipynb
+def _check_memory_fields(cfg:MaskedMixerConfig):
+    "Llama blocks' heads, compression, decoder input, memory position and noise; raise on the first problem."
+    d, de = cfg.hidden_size, cfg.encoder_width
+    for kind, width, what in ((cfg.encoder_type, de, 'encoder_hidden_size'),
+                              (cfg.decoder_type, d, 'hidden_size')):
+        if kind != 'transformer': continue
+        nh = cfg.transformer_heads
+        check(width % nh == 0, f"transformer_heads={nh} does not divide {what}={width}")
+        check(width // nh % 2 == 0, f"Llama blocks need an even head size (rotary embedding), "
+              f"but {what}={width} / transformer_heads={nh} = {width // nh}")
+    check(de % cfg.compression == 0, f"compression={cfg.compression} does not divide the encoder width {de}")
+    check(cfg.decoder_input != 'unroll' or d % 2 == 0,
+          f"decoder_input='unroll' needs an even hidden_size, got {d}")
+    check(cfg.memory_position == 'last' or cfg.length >= 2, "memory_position='penultimate' needs length >= 2")
+    check(cfg.memory_noise >= 0, f"memory_noise must be >= 0, got {cfg.memory_noise}")
 
 # %% ../../nbs/mixer/50_0_config.ipynb
 def _register_auto():

@@ -53,6 +53,7 @@ def model_inputs(batch:dict) -> dict: return {k: v for k, v in batch.items() if 
 _PRELUDE_NAMES = {'core': {'MemlabError', 'atomic_write_text', 'check'}, 'runtime': {'count_parameters'},
                   'registry': {'register_folder'}, 'protocol': {'LossOutput', 'model_inputs'}}
 
+# %% ../../nbs/mixer/50_2_export.ipynb
 def _strip_imports(src:str, first:bool) -> str:
     "`src` without its memlab imports (the prelude in their place in the first module) and, after the first, its `__future__` line."
     import ast
@@ -70,6 +71,7 @@ def _strip_imports(src:str, first:bool) -> str:
     return '\n'.join(_STANDALONE_PRELUDE if first and i == at else l for i, l in enumerate(lines)
                      if i not in drop or (first and i == at))
 
+# %% ../../nbs/mixer/50_2_export.ipynb
 def standalone_source() -> str:
     ("The package's modules as one file importing no memlab (its memlab imports replaced by small stand-ins, the "
      "imports between its modules dropped): the remote code `save_pretrained` writes beside the weights.")

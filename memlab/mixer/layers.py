@@ -27,6 +27,7 @@ def causal_mask_like(w:torch.Tensor, groups:int=1) -> torch.Tensor:
     if groups > 1: m = m.repeat(groups, 1)                         # (g·T, T)
     return m[..., None] if w.dim() == 3 else m
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MaskedConv1d(nn.Conv1d):
     "Conv1d with positions as channels and the kernel sliding over features; the causal mask is applied in `forward`."
     def __init__(self, length:int, kernel:int=1, groups:int=1):
@@ -39,6 +40,7 @@ class MaskedConv1d(nn.Conv1d):
         x = F.pad(x, ((k - 1) // 2, k // 2))
         return F.conv1d(x, w, self.bias, groups=self.groups)
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MultiHeadMixing(nn.Module):
     "h heads: project d → d/h per head, masked conv per head, concatenate, project d → d."
     def __init__(self, dim:int, length:int, heads:int, kernel:int=1):
@@ -55,6 +57,7 @@ class MultiHeadMixing(nn.Module):
         y = self.conv(v).view(B, nh, T, hs).transpose(1, 2).reshape(B, T, C)       # (B, T, C)
         return self.out(y)
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MaskedLinearMixing(nn.Linear):
     "A masked Linear(length, length) mixing positions: y[o] = Σ_{i ≤ o} W[o, i] x[i] + b[o]."
     def __init__(self, length:int): super().__init__(length, length)
@@ -79,6 +82,7 @@ class MaskedMixerBlock(GradientCheckpointingLayer):
         x = x + self.dropout(self.token_mixing(self.token_norm(x)))
         return x + self.dropout(self.mlp(self.channel_norm(x)))
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class MixerStack(nn.Module):
     ("`n_layers` masked-mixer blocks of width `dim` at a fixed `length`; "
      "shorter inputs are right-padded inside and sliced.")
@@ -97,6 +101,7 @@ class MixerStack(nn.Module):
         for block in self.blocks: x = block(x)
         return x[:, :T]
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 class TransformerStack(nn.Module):
     ("Llama decoder layers (transformers' `LlamaModel` without its token embedding) "
      "mapping hidden states to hidden states.")
@@ -116,6 +121,7 @@ class TransformerStack(nn.Module):
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         return self.model(inputs_embeds=x, use_cache=False).last_hidden_state
 
+# %% ../../nbs/mixer/50_1_layers.ipynb
 def make_stack(kind:str, config:MaskedMixerConfig, dim:int, n_layers:int, length:int) -> nn.Module:
     "A 'mixer' or 'transformer' stack of `n_layers` blocks of width `dim` over `length` positions."
     check(kind in STACK_TYPES, f"unknown stack type {kind!r}; choose one of {', '.join(STACK_TYPES)}")

@@ -61,6 +61,34 @@ class OracleMemoryModel(MixerPreTrainedModel):
                                  memory=memory)
 
 # %% ../../nbs/mixer/50_5_memory.ipynb
+def _memory_slots(encoder:Optional[nn.Module], ids:torch.Tensor, tok:torch.Tensor) -> tuple:
+    ("(the memories (B, n-1, m), or None without an encoder; each chunk's slots (B, n, n, d): the expanded memories "
+     "of the chunks before it, the other slots empty) for chunked `ids` (B, n, L) and their embeddings `tok`.")
+    B, n, L = ids.shape
+    memory, slots = None, tok.new_zeros(B, n, n, tok.shape[-1])             # (B, chunk c, slot j, d): empty
+    if encoder is not None and n > 1:  # the last chunk's memory would never be read: not encoded
+        memory = encoder.encode(ids[:, :-1].reshape(B * (n - 1), L)).view(B, n - 1, -1)  # (B, n-1, m)
+        visible = torch.ones(n, n - 1, device=tok.device, dtype=tok.dtype).tril(-1)  # (n, n-1): slot j < chunk c
+        mem = visible[None, :, :, None] * encoder.expand(memory)[:, None]                     # (B, n, n-1, d)
+        slots = torch.cat([mem, slots[:, :, n - 1:]], 2)                                      # (B, n, n, d)
+    return memory, slots
+
+# %% ../../nbs/mixer/50_5_memory.ipynb
+def _chunk_inputs(slots:torch.Tensor, tok:torch.Tensor, fixed:bool) -> tuple:
+    ("(each chunk's decoder input (B, n, n+L, d): its slots then its tokens if `fixed`, else its tokens right after the "
+     "memories it reads; where its tokens sit in it (n, L)).")
+    B, n, L, _ = tok.shape
+    x = torch.cat([slots, tok], 2)                                          # (B, n, n+L, d): fixed layout
+    c = torch.arange(n, device=x.device)[:, None]                           # (n, 1)
+    if not fixed:  # move the empty slots behind the tokens: slots < c, tokens, slots ≥ c
+        p = torch.arange(n + L, device=x.device)[None]                      # (1, n+L)
+        order = torch.where(p < c, p, torch.where(p < c + L, p - c + n, p - L))  # (n, n+L)
+        x = x.gather(2, order[None, :, :, None].expand(B, n, n + L, x.shape[-1]))
+    start = torch.full_like(c, n) if fixed else c                          # where chunk c's tokens begin
+    pos = start + torch.arange(L, device=x.device)[None]                   # (n, L)
+    return x, pos
+
+# %% ../../nbs/mixer/50_5_memory.ipynb
 class ParallelMemoryModel(MixerPreTrainedModel):
     "Chunked LM whose decoder for chunk c reads the memories of chunks 0..c-1, all encoded in parallel."
     def __init__(self, config:MaskedMixerConfig, decoder:Optional[nn.Module]=None):
@@ -102,20 +130,8 @@ class ParallelMemoryModel(MixerPreTrainedModel):
         check_right_padded(attention_mask)
         ids = F.pad(input_ids, (0, n * L - N)).view(B, n, L)  # (B, n, L); padding only after the input
         tok = self.embed(ids)                                                   # (B, n, L, d)
-        memory, slots = None, tok.new_zeros(B, n, n, tok.shape[-1])             # (B, chunk c, slot j, d): empty
-        if self.encoder is not None and n > 1:  # the last chunk's memory would never be read: not encoded
-            memory = self.encoder.encode(ids[:, :-1].reshape(B * (n - 1), L)).view(B, n - 1, -1)  # (B, n-1, m)
-            visible = torch.ones(n, n - 1, device=tok.device, dtype=tok.dtype).tril(-1)  # (n, n-1): slot j < chunk c
-            mem = visible[None, :, :, None] * self.encoder.expand(memory)[:, None]                # (B, n, n-1, d)
-            slots = torch.cat([mem, slots[:, :, n - 1:]], 2)                                      # (B, n, n, d)
-        x = torch.cat([slots, tok], 2)                                          # (B, n, n+L, d): fixed layout
-        c = torch.arange(n, device=x.device)[:, None]                           # (n, 1)
-        if not self.fixed:  # move the empty slots behind the tokens: slots < c, tokens, slots ≥ c
-            p = torch.arange(n + L, device=x.device)[None]                      # (1, n+L)
-            order = torch.where(p < c, p, torch.where(p < c + L, p - c + n, p - L))  # (n, n+L)
-            x = x.gather(2, order[None, :, :, None].expand(B, n, n + L, x.shape[-1]))
-        start = torch.full_like(c, n) if self.fixed else c                     # where chunk c's tokens begin
-        pos = start + torch.arange(L, device=x.device)[None]                   # (n, L)
+        memory, slots = _memory_slots(self.encoder, ids, tok)                   # (B, n-1, m), (B, n, n, d)
+        x, pos = _chunk_inputs(slots, tok, self.fixed)                          # (B, n, n+L, d), (n, L)
         logits = self.decode(x, pos).reshape(B, n * L, -1)[:, :N]              # (B, N, V)
         return MemoryModelOutput(loss=None if labels is None else mixer_lm_loss(logits, labels), logits=logits,
                                  memory=memory)

@@ -19,7 +19,27 @@ from .layers import *
 from .export import *
 
 # %% auto 0
-__all__ = ['MixerPreTrainedModel', 'check_right_padded', 'mixer_lm_loss', 'MaskedMixerForCausalLM', 'assert_causal']
+__all__ = ['check_right_padded', 'MixerPreTrainedModel', 'mixer_lm_loss', 'MaskedMixerForCausalLM', 'assert_causal']
+
+# %% ../../nbs/mixer/50_3_model.ipynb
+def check_right_padded(attention_mask:Optional[torch.Tensor]):
+    "Refuse an attention mask with a token after padding (left padding, or padding in the middle)."
+    if attention_mask is None: return
+    m = attention_mask.bool()
+    bad = (m[:, 1:] & ~m[:, :-1]).any(1).nonzero()  # rows with a token right after a pad
+    if len(bad):
+        raise MemlabError(f"masked mixers need left-aligned, right-padded rows, but row {int(bad[0])} has a token "
+                          "after padding; pad on the right (tokenizer.padding_side='right') "
+                          "or use prompts of equal length")
+
+# %% ../../nbs/mixer/50_3_model.ipynb
+def _loading_problems(info:dict) -> dict:
+    "{'missing_keys' | 'unexpected_keys' | 'mismatched_keys': sorted descriptions}, the kinds with none left out."
+    def fmt(k):
+        return k if isinstance(k, str) else f"{k[0]} is {list(k[1])} in the checkpoint, {list(k[2])} in the model"
+    problems = {k: sorted(map(fmt, info.get(k) or ()))
+                for k in ('missing_keys', 'unexpected_keys', 'mismatched_keys')}
+    return {k: v for k, v in problems.items() if v}
 
 # %% ../../nbs/mixer/50_3_model.ipynb
 class MixerPreTrainedModel(PreTrainedModel):
@@ -36,11 +56,7 @@ class MixerPreTrainedModel(PreTrainedModel):
         want_info = kwargs.pop('output_loading_info', False)
         if strict: kwargs.setdefault('ignore_mismatched_sizes', True)  # report shape mismatches below, in one line
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        def fmt(k):
-            return k if isinstance(k, str) else f"{k[0]} is {list(k[1])} in the checkpoint, {list(k[2])} in the model"
-        problems = {k: sorted(map(fmt, info.get(k) or ()))
-                    for k in ('missing_keys', 'unexpected_keys', 'mismatched_keys')}
-        problems = {k: v for k, v in problems.items() if v}
+        problems = _loading_problems(info)
         if strict and problems:
             raise MemlabError(f"checkpoint does not fit {cls.__name__}: " + '; '.join(
                 f"{len(v)} {k.replace('_', ' ')} ({', '.join(v[:3])}{', …' if len(v) > 3 else ''})"
@@ -69,22 +85,13 @@ class MixerPreTrainedModel(PreTrainedModel):
         except RuntimeError as e:
             raise MemlabError('encoder weights do not fit: ' + ' '.join(str(e).split())[:300]) from None
 
-def check_right_padded(attention_mask:Optional[torch.Tensor]):
-    "Refuse an attention mask with a token after padding (left padding, or padding in the middle)."
-    if attention_mask is None: return
-    m = attention_mask.bool()
-    bad = (m[:, 1:] & ~m[:, :-1]).any(1).nonzero()  # rows with a token right after a pad
-    if len(bad):
-        raise MemlabError(f"masked mixers need left-aligned, right-padded rows, but row {int(bad[0])} has a token "
-                          "after padding; pad on the right (tokenizer.padding_side='right') "
-                          "or use prompts of equal length")
-
 # %% ../../nbs/mixer/50_3_model.ipynb
 def mixer_lm_loss(logits, labels):
     "Hugging Face-style loss: mean next-token cross-entropy, labels shifted here, -100 ignored, in fp32."
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
                            ignore_index=-100)
 
+# %% ../../nbs/mixer/50_3_model.ipynb
 class MaskedMixerForCausalLM(MixerPreTrainedModel, GenerationMixin):
     "A causal language model made of masked-mixer blocks."
     _tied_weights_keys = {'lm_head.weight': 'wte.weight'}

@@ -45,6 +45,7 @@ def copy_batch(batch:dict, delimiter_id:int, blank_id:Optional[int]=None) -> dic
     labels[empty.to(labels.device)], new_mask[empty] = -100, 0  # an empty row stays empty: no targets
     return {**batch, 'input_ids': new_ids, 'labels': labels, 'attention_mask': new_mask}
 
+# %% ../../nbs/mixer/50_6_objectives.ipynb
 def objective_batches(batch:dict, objective:str, delimiter_id:int=0, blank_id:int=1) -> list:
     "The batches whose summed causal-LM losses make `objective` ('clm', 'copy', 'blank_copy', 'combined')."
     check(objective in OBJECTIVES, f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
@@ -53,6 +54,7 @@ def objective_batches(batch:dict, objective:str, delimiter_id:int=0, blank_id:in
     if objective == 'blank_copy': return [copy_batch(batch, delimiter_id, blank_id)]
     return [batch, copy_batch(batch, delimiter_id)]
 
+# %% ../../nbs/mixer/50_6_objectives.ipynb
 def _lm_sums(model, batch:dict) -> tuple:
     "(summed next-token CE, target count, correct argmax count) of `model` on a batch with pre-shifted labels."
     logits = model(**model_inputs(batch)).logits                                    # (B, T, V)
@@ -81,6 +83,7 @@ def token_accuracy(logits:torch.Tensor, labels:torch.Tensor) -> torch.Tensor:
     target = labels != -100
     return (logits.argmax(-1) == labels)[target].float().mean()
 
+# %% ../../nbs/mixer/50_6_objectives.ipynb
 def bits_per_byte(loss_sum:float, n_bytes:int) -> float:
     "Summed cross-entropy in nats over a text → bits per UTF-8 byte of that text."
     return float(loss_sum) / (math.log(2) * n_bytes)
@@ -93,6 +96,7 @@ def information(ce:float, vocab_size:int) -> float:
     "Fraction of the uniform distribution's uncertainty removed: 1 − CE / ln V."
     return 1 - float(ce) / math.log(vocab_size)
 
+# %% ../../nbs/mixer/50_6_objectives.ipynb
 def info_nce(queries:torch.Tensor, keys:torch.Tensor, temperature:float=0.05) -> tuple:
     "InfoNCE loss and top-1 retrieval accuracy of `queries` (N, C) against `keys` (N, C), row i matching row i."
     sim = F.normalize(queries.float(), dim=-1) @ F.normalize(keys.float(), dim=-1).T / temperature  # (N, N)
@@ -104,6 +108,7 @@ def count_model_parameters(model_cls, config:MaskedMixerConfig, **kwargs) -> int
     "Parameters of `model_cls(config)`, built on the meta device (tied weights once)."
     with torch.device('meta'): return count_parameters(model_cls(config, **kwargs))
 
+# %% ../../nbs/mixer/50_6_objectives.ipynb
 def match_parameters(config:MaskedMixerConfig, n_params:int, model_cls=None, field:str='hidden_size',
                      candidates=None) -> MaskedMixerConfig:
     ("Copy of `config` with `field` set to the candidate whose `model_cls` model has the parameter "

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core import Config, arg, check, field_docs, seed_everything
+from ..core import Config, arg, check, field_docs
+from ..rng import seed_everything
 from ..data import load_corpus
 from ..loaders import TokenBatches
 from ..models import load_model, save_full_state
@@ -104,6 +105,7 @@ def input_length(kind:str, config:MaskedMixerConfig) -> int:
     "Tokens one row of data may hold for model kind `kind`: n_chunks × length for chunked memory models, else length."
     return config.n_chunks * config.length if kind in CHUNKED else config.length
 
+# %% ../../nbs/mixer/50_7_training.ipynb
 def free_memory(device) -> int:
     "Bytes free now on `device`: the GPU's free memory, or the machine's available memory (MemAvailable)."
     if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
@@ -120,6 +122,7 @@ def check_memory(task:MixerTaskConfig, config:MaskedMixerConfig, device, free:in
           f"(weights, gradients and AdamW state), more than the {fmt_bytes(free)} free on {device}: lower --length "
           "(a mixing layer holds length x length weights), --hidden_size or --num_layers")
 
+# %% ../../nbs/mixer/50_7_training.ipynb
 def build_model(task:MixerTaskConfig, config:MaskedMixerConfig, seed:int=0) -> nn.Module:
     "The model `task.model` of `config`, seeded; with a pretrained (LoRA) decoder and a loaded encoder when asked."
     check(task.model != 'autoencoder' or config.objective == 'clm', "autoencoders are trained to "
@@ -157,6 +160,7 @@ def data_info(task:MixerTaskConfig, tokenizer=None) -> DataInfo:
     return DataInfo(len(tokenizer), eos_id(tokenizer), pad_id(tokenizer), task.sequence_length,
                     f"{task.dataset_name} (tokenized on the fly)")
 
+# %% ../../nbs/mixer/50_7_training.ipynb
 def check_fits(info:DataInfo, kind:str, config:MaskedMixerConfig):
     "One line if rows of `info.sequence_length` tokens do not fit model kind `kind`."
     cap, L = input_length(kind, config), info.sequence_length
@@ -165,6 +169,7 @@ def check_fits(info:DataInfo, kind:str, config:MaskedMixerConfig):
           f"the {kind} model reads {cap} tokens{chunks}; pretokenize with --sequence_length {cap}, "
           f"or build the model with --length {math.ceil(L / config.n_chunks) if kind in CHUNKED else L}")
 
+# %% ../../nbs/mixer/50_7_training.ipynb
 def packed_rows(docs, tokenizer, sequence_length:int, full_only:bool=False) -> dict:
     ("Documents tokenized and packed into rows of `sequence_length` (EOS between documents); "
      "`full_only` drops the padded last row.")
@@ -179,6 +184,7 @@ def packed_rows(docs, tokenizer, sequence_length:int, full_only:bool=False) -> d
     check(len(ids), f"the documents hold fewer than {sequence_length} tokens: no full row to train on")
     return {'input_ids': ids, 'attention_mask': mask}
 
+# %% ../../nbs/mixer/50_7_training.ipynb
 def mixer_data(task:MixerTaskConfig, config:MaskedMixerConfig, batch_size:int, seed:int=0, rank:int=0, world_size:int=1,
                tokenizer=None) -> tuple:
     ("(train_data, eval_data or None) for the task: `TokenBatches` over pretokenized or freshly packed "

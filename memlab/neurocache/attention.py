@@ -13,13 +13,13 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..compat import dequantize_weight, quant_kind
-from ..core import check
+from ..core import check, patch_to
 from .cache import context_window
 
 # %% auto 0
 __all__ = ['dense_weight', 'attention_weights', 'WindowGrad', 'share_window', 'window_attention', 'CacheAttention',
-           'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'check_fused_attention', 'local_logsumexp',
-           'kv_heads', 'joint_mix', 'joint_attention']
+           'naive_cache_attention', 'FlashAttentionLse', 'fused_attention', 'local_logsumexp', 'kv_heads', 'joint_mix',
+           'joint_fused_attention', 'check_fused_attention', 'joint_attention']
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 def dense_weight(module) -> torch.Tensor:
@@ -29,6 +29,7 @@ def dense_weight(module) -> torch.Tensor:
     if type(module).__name__ == 'Conv1D': return module.weight.data.t().float()     # GPT-2 stores (in, out)
     return module.weight.data.float()
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
     ("(W_q, W_k, W_v, W_o) of a decoder layer's attention module, each dense (out, in): Llama/Mistral/OPT/Phi names or "
      "GPT-2's fused c_attn.")
@@ -41,19 +42,6 @@ def attention_weights(attn:nn.Module, hidden_size:int) -> tuple:
     return dense_weight(attn.q_proj), dense_weight(attn.k_proj), dense_weight(attn.v_proj), dense_weight(o)
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
-def _window_forward(qc, ctx, ok, bias):
-    ("Queries qc (B, T, nkv, g, d) over each token's window ctx (B, T, W, d) where ok (B, T, W), logits + bias "
-     "(B, T, nkv, g, W) if given: output (B·T, G, d) and probabilities (B·T, G, W), fp32.")
-    B, T, n, g, d = qc.shape
-    W = ctx.shape[2]
-    q2, c2 = qc.reshape(B * T, n * g, d), ctx.reshape(B * T, W, d).to(qc.dtype)
-    s = torch.bmm(q2, c2.transpose(1, 2)).float()                        # (B·T, G, W)
-    if bias is not None: s = s + bias.reshape(B * T, n * g, W).float()
-    okf = ok.reshape(B * T, 1, W)
-    # nothing valid -> exactly zero output
-    p = torch.softmax(s.masked_fill(~okf, torch.finfo(s.dtype).min), -1) * okf.any(-1, keepdim=True)
-    return torch.bmm(p.to(c2.dtype), c2), p, q2, c2
-
 class WindowGrad:
     "Where the attention layers that read one shared window add their gradients with respect to it (fp32 or wider)."
     def __init__(self): self.buf = None
@@ -79,6 +67,20 @@ class _SharedWindow(torch.autograd.Function):
 def share_window(win, hub:WindowGrad):
     "`win` for several `window_attention` calls that add its gradient to `hub` (unchanged where no gradient is needed)."
     return _SharedWindow.apply(win, hub) if torch.is_grad_enabled() and win.requires_grad else win
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+def _window_forward(qc, ctx, ok, bias):
+    ("Queries qc (B, T, nkv, g, d) over each token's window ctx (B, T, W, d) where ok (B, T, W), logits + bias "
+     "(B, T, nkv, g, W) if given: output (B·T, G, d) and probabilities (B·T, G, W), fp32.")
+    B, T, n, g, d = qc.shape
+    W = ctx.shape[2]
+    q2, c2 = qc.reshape(B * T, n * g, d), ctx.reshape(B * T, W, d).to(qc.dtype)
+    s = torch.bmm(q2, c2.transpose(1, 2)).float()                        # (B·T, G, W)
+    if bias is not None: s = s + bias.reshape(B * T, n * g, W).float()
+    okf = ok.reshape(B * T, 1, W)
+    # nothing valid -> exactly zero output
+    p = torch.softmax(s.masked_fill(~okf, torch.finfo(s.dtype).min), -1) * okf.any(-1, keepdim=True)
+    return torch.bmm(p.to(c2.dtype), c2), p, q2, c2
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 class _WindowAttention(torch.autograd.Function):
@@ -129,16 +131,6 @@ class CacheAttention(nn.Module):
         # only)
         self.retrieval_scale = nn.Parameter(torch.full((num_heads,), float(retrieval_bias))) if retrieval_bias else None
 
-    @torch.no_grad()
-    def init_from(self, wq, wk, wv, wo):
-        ("The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input "
-         "columns.")
-        d = self.k_proj.in_features
-        for lin, w in ((self.q_proj, wq), (self.k_proj, wk[:, :d]), (self.v_proj, wv[:, :d]), (self.o_proj, wo)):
-            check(lin.weight.shape == w.shape,
-                  f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
-            lin.weight.copy_(w)
-
     def forward(self, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
         """x (B, T, C) attends to ctx (B, P+T, M, d), the states retrieved for the P prefix tokens and the T tokens;
         valid (B, P+T, M); bias (B, P+T, M): the retrieval score of each state, weighted per head by `retrieval_scale`
@@ -164,6 +156,18 @@ class CacheAttention(nn.Module):
         out = window_attention(qc, ctx, ok, logit_bias, hub)                 # (B, T, nkv, g, d)
         out = torch.einsum('btngd,nhd->btngh', out, self.v_proj.weight.view(nkv, hs, d))    # (B, T, nkv, g, hs)
         return self.o_proj(out.reshape(B, T, self.num_heads * hs))           # (B, T, C)
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+@patch_to(CacheAttention)
+@torch.no_grad()
+def init_from(self, wq, wk, wv, wo):
+    ("The reference's initialisation: W_q, W_o copied from the layer's attention; W_k, W_v its first d input "
+     "columns.")
+    d = self.k_proj.in_features
+    for lin, w in ((self.q_proj, wq), (self.k_proj, wk[:, :d]), (self.v_proj, wv[:, :d]), (self.o_proj, wo)):
+        check(lin.weight.shape == w.shape,
+              f"cannot initialise the cache attention from a {tuple(w.shape)} projection")
+        lin.weight.copy_(w)
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1, prefix:int=0, bias=None):
@@ -193,55 +197,77 @@ def naive_cache_attention(attn:CacheAttention, x, ctx, valid, context_size:int=1
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 _flash_cpu_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
+_flash_cuda = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention', None)
+_flash_cuda_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_backward', None)
 _eff_cuda = getattr(torch.ops.aten, '_scaled_dot_product_efficient_attention', None)
 _eff_cuda_backward = getattr(torch.ops.aten, '_scaled_dot_product_efficient_attention_backward', None)
+_FLASH_GQA = {}   # CUDA device -> False once its flash kernel refused a call (an older GPU or build): efficient serves
 
 def _lse_forward(q, k, v, mask, causal, scale):
-    ("Output and logsumexp of the device's fused kernel, and what its backward needs: CPU flash attention, or CUDA's "
-     "memory-efficient attention (which has no GQA and wants its bias's rows 16-aligned).")
+    ("Output (B, H, T, hs) and logsumexp (B, H, T) of the device's fused kernel, and `aux`: the keys and values it "
+     "read and what its backward needs. CPU: flash attention, grouped-query heads as they are. CUDA without a mask, in "
+     "16 bits: flash attention, grouped-query heads as they are; otherwise memory-efficient attention, which has no "
+     "GQA: K and V repeated once (kept for the backward), the mask padded to 16-aligned rows and broadcast over heads.")
     if q.device.type == 'cpu':
         out, lse = _flash_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-        return out, lse, lse, ()
-    g = q.shape[1] // k.shape[1]
+        return out, lse, ('cpu', k, v, mask)
+    dev = str(q.device)
+    if (mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and _FLASH_GQA.get(dev, _flash_cuda is not None)):
+        try:
+            out, lse, cq, ck, mq, mk, seed, offset, _ = _flash_cuda(q, k, v, 0.0, causal, False, scale=scale)
+            return out, lse, ('flash', k, v, cq, ck, mq, mk, seed, offset)
+        except RuntimeError: _FLASH_GQA[dev] = False
+    nkv, g = k.shape[1], q.shape[1] // k.shape[1]
     if g > 1: k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if mask is not None:
         S = mask.shape[-1]
-        mask = F.pad(mask.expand(q.shape[0], q.shape[1], -1, -1), (0, -S % 16))[..., :S]
+        mask = F.pad(mask, (0, -S % 16))[..., :S].expand(q.shape[0], q.shape[1], -1, -1)
     out, lse_pad, seed, offset = _eff_cuda(q, k, v, mask, True, 0.0, causal, scale=scale)
-    return out, lse_pad[..., :q.shape[2]], lse_pad, (mask, seed, offset)
+    return out, lse_pad[..., :q.shape[2]], ('efficient', k, v, mask, lse_pad, seed, offset, nkv)
 
-def _lse_backward(dout, q, k, v, mask, out, lse_saved, aux, causal, scale):
-    "dq, dk, dv from the device's fused backward kernel (`_lse_forward`'s counterpart)."
-    if q.device.type == 'cpu':
-        return _flash_cpu_backward(dout, q, k, v, out, lse_saved, 0.0, causal, attn_mask=mask, scale=scale)
-    bias, seed, offset = aux
-    nkv = k.shape[1]
-    g = q.shape[1] // nkv
-    if g > 1: k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    dq, dk, dv, _ = _eff_cuda_backward(dout, q, k, v, bias, out, lse_saved, seed, offset, 0.0,
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+def _lse_backward(dout, q, k, v, out, lse, aux, causal, scale):
+    ("dq, dk, dv from the device's fused backward kernel (`_lse_forward`'s `aux`; k, v as it read them, or padded), its "
+     "softmax normalised by `lse` (B, H, T) and D_t = rowsum(dout_t · out_t).")
+    kind = aux[0]
+    if kind == 'cpu':
+        return _flash_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=aux[3], scale=scale)
+    if kind == 'flash':
+        cq, ck, mq, mk, seed, offset = aux[3:]
+        dq, dk, dv = _flash_cuda_backward(dout, q, k, v, out, lse.contiguous(), cq, ck, mq, mk, 0.0, causal, seed,
+                                          offset, scale=scale)
+        return dq, dk, dv
+    mask, lse_pad, seed, offset, nkv = aux[3:]
+    lse_pad = lse_pad.clone(); lse_pad[..., :q.shape[2]] = lse                  # the kernel's 32-aligned layout
+    dq, dk, dv, _ = _eff_cuda_backward(dout, q, k, v, mask, out, lse_pad, seed, offset, 0.0,
                                        [True, True, True, False], causal, scale=scale)
+    g = q.shape[1] // nkv
     if g > 1: dk, dv = (t.unflatten(1, (nkv, g)).sum(2) for t in (dk, dv))
     return dq, dk, dv
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 class FlashAttentionLse(torch.autograd.Function):
     """Attention (B, H, T, hs) and the logsumexp of its logits (B, H, T) in one call of the device's fused attention
-    kernel (PyTorch's flash attention on CPU, memory-efficient attention on CUDA), both with gradients. The kernel
-    returns the logsumexp but not its gradient. Since ∂ lse_t / ∂ logit_ts = p_ts, a gradient g of the logsumexp enters
-    the kernel's own backward where it subtracts D_t = rowsum(dO_t · O_t) from each row: with zero columns added to q, k
-    and v, a 1 in dO's first extra column and -g_t in O's, D_t becomes rowsum(dO_t · O_t) - g_t, and the kernel returns
-    the gradients of both outputs at once. (CUDA's kernels want head sizes in multiples of 8: eight columns there.)"""
+    kernel (PyTorch's flash attention on CPU; flash or memory-efficient attention on CUDA), both with gradients. The
+    kernel returns the logsumexp but not its gradient. Since ∂ lse_t / ∂ logit_ts = p_ts, a gradient g of the
+    logsumexp enters the kernel's own backward where it subtracts D_t = rowsum(dO_t · O_t) from each row: with zero
+    columns added to q, k and v, a 1 in dO's first extra column and -g_t in O's, D_t becomes rowsum(dO_t · O_t) - g_t,
+    and the kernel returns the gradients of both outputs at once. (CUDA's kernels want head sizes in multiples of 8:
+    eight columns there.) A joint layer does not come here: `joint_fused_attention` needs no logsumexp gradient."""
     @staticmethod
     def forward(ctx, q, k, v, mask, causal:bool, scale:float):
-        out, lse, lse_saved, aux = _lse_forward(q, k, v, mask, causal, scale)
-        ctx.save_for_backward(q, k, v, mask, out, lse_saved)
+        out, lse, aux = _lse_forward(q, k, v, mask, causal, scale)
+        ctx.save_for_backward(q, out, lse)
         ctx.causal, ctx.scale, ctx.aux = causal, scale, aux
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, mask, out, lse_saved = ctx.saved_tensors
-        bwd = lambda do, q_, k_, v_, o: _lse_backward(do.contiguous(), q_, k_, v_, mask, o, lse_saved, ctx.aux,
-                                                       ctx.causal, ctx.scale)
+        q, out, lse = ctx.saved_tensors
+        aux = ctx.aux
+        k, v = aux[1], aux[2]
+        bwd = lambda do, q_, k_, v_, o: _lse_backward(do.contiguous(), q_, k_, v_, o, lse, aux, ctx.causal, ctx.scale)
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
         if dlse is None: return (*bwd(dout, q, k, v, out), None, None, None)
         n = 1 if q.device.type == 'cpu' else 8
@@ -252,6 +278,18 @@ class FlashAttentionLse(torch.autograd.Function):
         return dq[..., :-n], dk[..., :-n], dv[..., :-n], None, None, None
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
+def _kernel_mask(q, mask, T:int, S:int) -> tuple:
+    ("An attention layer's mask (None, bool (B, 1, T, S): True = attend, or additive) as the fused kernels take it: "
+     "additive in q's dtype, a query that may attend to nothing attending to everything (no NaN either way); and "
+     "`attend` (B, 1, T), or None.")
+    if mask is None: return None, None
+    mask = mask[..., :S]
+    attend = mask.any(-1) if mask.dtype == torch.bool else (mask > float('-inf')).any(-1)      # (B, 1, T)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float('-inf'))
+    return mask.to(q.dtype).masked_fill(~attend[..., None], 0).expand(q.shape[0], -1, T, S), attend
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> tuple:
     """`FlashAttentionLse` with a mask as attention layers are given one: None, bool (B, 1, T, S) (True: attend) or
     additive; k, v may have fewer heads than q (grouped-query). Returns the output (B, H, T, hs) and the logsumexp (B,
@@ -259,46 +297,13 @@ def fused_attention(q, k, v, mask=None, causal:bool=False, scale:float=None) -> 
     T, S = q.shape[2], k.shape[2]
     if torch.is_autocast_enabled(q.device.type):          # as F.scaled_dot_product_attention runs under autocast
         q = q.to(torch.get_autocast_dtype(q.device.type))
-    attend = None
-    if mask is not None:
-        mask = mask[..., :S]
-        attend = mask.any(-1) if mask.dtype == torch.bool else (mask > float('-inf')).any(-1)      # (B, 1, T)
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float('-inf'))
-        # a query that may attend to nothing attends to everything (no NaN in either direction); its lse is -inf below
-        mask = mask.to(q.dtype).masked_fill(~attend[..., None], 0).expand(q.shape[0], -1, T, S)
+    mask, attend = _kernel_mask(q, mask, T, S)
     out, lse = FlashAttentionLse.apply(q, k.to(q.dtype), v.to(q.dtype), mask, causal, scale or q.shape[-1]**-0.5)
     if attend is None: return out, lse
     return out.masked_fill(~attend[..., None], 0), lse.masked_fill(~attend, float('-inf'))
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
 _FUSED_OK = {}
-
-def check_fused_attention(device) -> tuple:
-    ("Compare `fused_attention` on `device` with plain PyTorch (output, logsumexp and their gradients; GQA, causal and "
-     "padding masks): (ok, why not).")
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        rnd = lambda *s: torch.randn(*s, generator=g, device=device).requires_grad_()
-        q, k, v = rnd(2, 4, 24, 16), rnd(2, 2, 24, 16), rnd(2, 2, 24, 16)
-        causal = torch.ones(2, 1, 24, 24, dtype=torch.bool, device=device).tril()
-        padded = causal.clone(); padded[1, ..., :5] = False                  # sequence 1: five padding tokens
-        for mask, keep in ((None, causal), (padded, padded)):
-            o1, l1 = fused_attention(q, k, v, mask, mask is None)
-            s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.25
-            s = s.masked_fill(~keep, float('-inf'))
-            fin = torch.isfinite(torch.logsumexp(s, -1))                      # queries that see a key
-            l2 = torch.logsumexp(s, -1).where(fin, 0.)
-            o2 = torch.softmax(s.where(fin[..., None], 0.), -1) @ v.repeat_interleave(2, 1) * fin[..., None]
-            o1, l1 = o1 * fin[..., None], l1.where(fin, 0.)
-            w = torch.randn(l2.shape, generator=g, device=device)
-            g1, g2 = (torch.autograd.grad((o * o).sum() + (l * w).sum(), (q, k, v)) for o, l in ((o1, l1), (o2, l2)))
-            if not all(torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3)
-                       for a, b in [(o1, o2), (l1, l2), *zip(g1, g2)]):
-                return False, 'its results differ from plain PyTorch'
-        return True, ''
-    except Exception as e:   # an operator this build lacks, or a signature it does not take
-        return False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 def _fused_lse_works(device) -> bool:
     ("Whether `fused_attention` serves `device`: on CPU when PyTorch has the operator (tested in this notebook); on "
@@ -348,11 +353,40 @@ def local_logsumexp(q, keys, mask=None, scaling:float=None, fused:bool=None):
     return torch.logsumexp(s, -1).reshape(B, H, T).transpose(1, 2)
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
+def _memory_attention(q, k_mem, v_mem, ok, scale:float):
+    ("Each token's heads over its own retrieved keys and values: q (B, T, H·hs), k_mem, v_mem head-major (nkv, B, T, "
+     "W, hs), ok (B, T, W). Returns the probabilities (nkv, B, T, g, W) in fp32 or wider (0 where nothing is retrieved), the "
+     "logsumexp (nkv, B, T, g, 1) (−inf there) and the output (nkv, B, T, g, hs) in v_mem's dtype.")
+    nkv, B, T, W, hs = k_mem.shape
+    g = q.shape[-1] // (nkv * hs)
+    n = nkv * B * T
+    # one batched product per kv head and token, on the keys and values as they lie (the queries, g per head, are moved)
+    qh = q.reshape(B, T, nkv, g, hs).permute(2, 0, 1, 3, 4).reshape(n, g, hs)
+    wt = torch.promote_types(qh.dtype, torch.float32)             # the softmax in fp32 at least (fp64 stays fp64)
+    s = torch.bmm(qh, k_mem.reshape(n, W, hs).to(qh.dtype).transpose(1, 2)).to(wt).view(nkv, B, T, g, W) * scale
+    s = s.masked_fill(~ok[None, :, :, None, :], float('-inf'))
+    lse = torch.logsumexp(s, -1, keepdim=True)                     # (nkv, B, T, g, 1); -inf: nothing retrieved
+    p = torch.exp(s - lse.where(torch.isfinite(lse), 0.))          # the softmax over the retrieved (0 where none)
+    out = torch.bmm(p.to(v_mem.dtype).view(n, g, W), v_mem.reshape(n, W, hs)).view(nkv, B, T, g, hs)
+    return p, lse, out
+
+def _heads_first(x, B:int, T:int):
+    "(nkv, B, T, g, ·) → (B, H, T, ·), H = nkv·g: the attention kernel's layout."
+    nkv, _, _, g, d = x.shape
+    return x.permute(1, 0, 3, 2, 4).reshape(B, nkv * g, T, d)
+
+def _kv_first(x, nkv:int):
+    "(B, H, T, ·) → (nkv·B·T, g, ·): the memory attention's batches."
+    B, H, T, d = x.shape
+    return x.view(B, nkv, H // nkv, T, d).permute(1, 0, 3, 2, 4).reshape(-1, H // nkv, d)
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def kv_heads(kv, head_dim:int):
     "Retrieved keys or values (B, T, W, nkv·hs) head-major, (nkv, B, T, W, hs), contiguous: each head's W rows together."
     B, T, W, _ = kv.shape
     return kv.view(B, T, W, -1, head_dim).permute(3, 0, 1, 2, 4).contiguous()
 
+# %% ../../nbs/neurocache/20_2_attention.ipynb
 def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     """The joint softmax of the segment and the cache, head by head: u (B, T, H·hs) the layer's attention output over
     the segment (before W_o), lse_local (B, T, H) its logsumexp, q (B, T, H·hs) the queries before the rotary embedding,
@@ -363,15 +397,8 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     hs = u.shape[-1] // H
     if k_mem.dim() == 4: k_mem, v_mem = kv_heads(k_mem, hs), kv_heads(v_mem, hs)
     nkv = k_mem.shape[0]
-    g, n = H // nkv, nkv * B * T
-    # one batched product per kv head and token, on the keys and values as they lie (the queries, g per head, are moved)
-    qh = q.reshape(B, T, nkv, g, hs).permute(2, 0, 1, 3, 4).reshape(n, g, hs)
-    s = (torch.bmm(qh, k_mem.reshape(n, W, hs).to(qh.dtype).transpose(1, 2)).float().view(nkv, B, T, g, W)
-         * (scaling or hs**-0.5))
-    s = s.masked_fill(~ok[None, :, :, None, :], float('-inf'))
-    lse_mem = torch.logsumexp(s, -1, keepdim=True)                 # (nkv, B, T, g, 1); -inf: nothing retrieved
-    p = torch.exp(s - lse_mem.where(torch.isfinite(lse_mem), 0.))  # the softmax over the retrieved (0 where none)
-    out_mem = torch.bmm(p.to(v_mem.dtype).view(n, g, W), v_mem.reshape(n, W, hs)).view(nkv, B, T, g, hs)
+    g = H // nkv
+    _, lse_mem, out_mem = _memory_attention(q, k_mem, v_mem, ok, scaling or hs**-0.5)
     out_mem, lse_mem = out_mem.permute(1, 2, 0, 3, 4), lse_mem.permute(1, 2, 0, 3, 4)   # (B, T, nkv, g, ·)
     # the cache's share of the joint softmax, e^L_m / (e^L + e^L_m) = sigmoid(L_m - L): 0 when nothing is retrieved, 1
     # when the segment offers nothing (a padding query that retrieved something), 0 when neither (NaN from -inf - -inf)
@@ -381,11 +408,115 @@ def joint_mix(u, lse_local, q, k_mem, v_mem, ok, scaling:float=None):
     return (ul + b.to(wt) * (out_mem.to(wt) - ul)).reshape(B, T, H * hs).to(u.dtype)
 
 # %% ../../nbs/neurocache/20_2_attention.ipynb
+class _JointAttention(torch.autograd.Function):
+    ("The segment's attention (the device's fused kernel) and each token's attention to its retrieved keys and values "
+     "in one softmax, forward and backward by hand (the derivation is above).")
+    @staticmethod
+    def forward(ctx, q, k, v, mask, attend, qd, k_mem, v_mem, ok, causal:bool, scale:float, mem_scale:float):
+        B, H, T, hs = q.shape
+        nkv = k_mem.shape[0]
+        out_s, lse_k, aux = _lse_forward(q, k, v, mask, causal, scale)          # (B, H, T, hs), (B, H, T)
+        p, lse_m, out_m = _memory_attention(qd, k_mem, v_mem, ok, mem_scale)    # (nkv, B, T, g, ·)
+        # the mix in the layout (B, T, nkv, g, ·): views of both parts (the kernel's output lies as (B, T, H, hs))
+        tokens_first = lambda x: x.transpose(1, 2).unflatten(2, (nkv, H // nkv))
+        lse_m, out_m = lse_m.permute(1, 2, 0, 3, 4)[..., 0], out_m.permute(1, 2, 0, 3, 4)
+        lse_s = lse_k if attend is None else lse_k.masked_fill(~attend, float('-inf'))   # a query that sees no key
+        z = torch.logaddexp(tokens_first(lse_s), lse_m)                          # (B, T, nkv, g): the joint softmax's
+        b = torch.exp(lse_m - z).nan_to_num(0.)                                   # the cache's share (0: neither)
+        wt = torch.promote_types(out_s.dtype, torch.float32)                      # fp32 at least (fp64 stays fp64)
+        u = tokens_first(out_s).to(wt)
+        if attend is not None: u = u.masked_fill(~attend.transpose(1, 2)[..., None, None], 0.)
+        out = (u + b[..., None].to(wt) * (out_m.to(wt) - u)).to(out_s.dtype)     # (B, T, nkv, g, hs)
+        out = out.view(B, T, H, hs).transpose(1, 2)                               # (B, H, T, hs), as the kernel's
+        if not any(ctx.needs_input_grad): return out                            # evaluation: nothing to keep
+        # the kernel's backward reads its softmax from the logsumexp it is given: the joint one (a query that sees no
+        # key here keeps the kernel's own; its output gradient is zeroed there)
+        z = z.view(B, T, H).transpose(1, 2)
+        lse_b = (z if attend is None else torch.where(attend, z, lse_k)).contiguous()
+        pj = p * b.permute(2, 0, 1, 3)[..., None]                                 # (nkv, B, T, g, W) joint probs
+        ctx.save_for_backward(q, out, lse_b, qd, k_mem, v_mem, pj, attend)
+        ctx.aux, ctx.causal, ctx.scale, ctx.mem_scale = aux, causal, scale, mem_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse_b, qd, k_mem, v_mem, pj, attend = ctx.saved_tensors
+        nkv, B, T, W, hs = k_mem.shape
+        g = q.shape[1] // nkv
+        dout, wt = dout.to(out.dtype), pj.dtype
+        d = (dout.to(wt) * out.to(wt)).sum(-1, keepdim=True)                    # (B, H, T, 1) rowsum(dO · O)
+        # the cache's logits: dS = P (dO · v − D), with P the joint softmax's share of each retrieved key
+        dp = torch.bmm(_kv_first(dout, nkv).to(v_mem.dtype), v_mem.reshape(-1, W, hs).transpose(1, 2)).to(wt)
+        ds = pj.view(-1, g, W) * (dp - _kv_first(d, nkv))                         # (nkv·B·T, g, W)
+        dqd = torch.bmm((ds * ctx.mem_scale).to(qd.dtype), k_mem.reshape(-1, W, hs).to(qd.dtype))
+        dqd = dqd.view(nkv, B, T, g, hs).permute(1, 2, 0, 3, 4).reshape(qd.shape)
+        # the segment's: the kernel's own backward, given the joint output and logsumexp (no logsumexp gradient)
+        if attend is not None: dout = dout.masked_fill(~attend[..., None], 0.)
+        aux = ctx.aux
+        dq, dk, dv = _lse_backward(dout.contiguous(), q, aux[1], aux[2], out, lse_b, aux, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, dqd, None, None, None, None, None, None
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+def joint_fused_attention(q, k, v, mask, causal:bool, scale:float, qd, k_mem, v_mem, ok, mem_scale:float=None):
+    """A joint layer's attention in one call: the segment's attention (q (B, H, T, hs), k, v (B, nkv, S, hs), `mask` as
+    `fused_attention` takes it) and each token's attention to its retrieved keys and values (qd (B, T, H·hs) the queries
+    rotated to `joint_distance`, k_mem, v_mem head-major (nkv, B, T, W, hs), ok (B, T, W)) in one softmax, through the
+    device's fused kernel (`_fusable`). Returns (B, H, T, hs)."""
+    T, S = q.shape[2], k.shape[2]
+    if torch.is_autocast_enabled(q.device.type): q = q.to(torch.get_autocast_dtype(q.device.type))
+    mask, attend = _kernel_mask(q, mask, T, S)
+    return _JointAttention.apply(q, k.to(q.dtype), v.to(q.dtype), mask, attend, qd, k_mem, v_mem, ok, causal,
+                                 scale or q.shape[-1]**-0.5, mem_scale or q.shape[-1]**-0.5)
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+def _check_one(device, dtype, tol:float) -> bool:
+    ("`fused_attention` against plain PyTorch on `device` in `dtype` (GQA, causal and padding masks: output, logsumexp "
+     "and gradients), and `joint_fused_attention` against `fused_attention` + `joint_mix`.")
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype).requires_grad_()
+    q, k, v = rnd(2, 4, 24, 16), rnd(2, 2, 24, 16), rnd(2, 2, 24, 16)
+    qd, km, vm = rnd(2, 24, 64), rnd(2, 2, 24, 5, 16).detach(), rnd(2, 2, 24, 5, 16).detach()
+    ok = torch.rand(2, 24, 5, generator=g, device=device) > 0.3
+    close = lambda a, b: torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+    causal = torch.ones(2, 1, 24, 24, dtype=torch.bool, device=device).tril()
+    padded = causal.clone(); padded[1, ..., :5] = False                  # sequence 1: five padding tokens
+    for mask, keep in ((None, causal), (padded, padded)):
+        o1, l1 = fused_attention(q, k, v, mask, mask is None)
+        s = (q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2)) * 0.25
+        s = s.masked_fill(~keep, float('-inf'))
+        fin = torch.isfinite(torch.logsumexp(s, -1))                      # queries that see a key
+        l2 = torch.logsumexp(s, -1).where(fin, 0.)
+        o2 = torch.softmax(s.where(fin[..., None], 0.), -1) @ v.float().repeat_interleave(2, 1) * fin[..., None]
+        o1, l1 = o1 * fin[..., None], l1.where(fin, 0.)
+        w = torch.randn(l2.shape, generator=g, device=device)
+        g1, g2 = (torch.autograd.grad((o.float() ** 2).sum() + (l * w).sum(), (q, k, v)) for o, l in ((o1, l1), (o2, l2)))
+        if not all(close(a, b) for a, b in [(o1, o2), (l1, l2), *zip(g1, g2)]): return False
+        u, lse = fused_attention(q, k, v, mask, mask is None)
+        j2 = joint_mix(u.transpose(1, 2).reshape(2, 24, 64), lse.transpose(1, 2), qd, km, vm, ok).view(2, 24, 4, 16)
+        j1 = joint_fused_attention(q, k, v, mask, mask is None, None, qd, km, vm, ok).transpose(1, 2)
+        w = torch.randn(j2.shape, generator=g, device=device)
+        g1, g2 = (torch.autograd.grad((j.float() * w).sum(), (q, k, v, qd)) for j in (j1, j2))
+        if not all(close(a, b) for a, b in [(j1, j2), *zip(g1, g2)]): return False
+    return True
+
+def check_fused_attention(device) -> tuple:
+    ("Compare `fused_attention` and `joint_fused_attention` on `device` with plain PyTorch, in fp32 and bf16 (each "
+     "dtype can take another kernel): (ok, why not).")
+    try:
+        for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
+            if not _check_one(device, dtype, tol): return False, f'its results differ from plain PyTorch in {dtype}'
+        return True, ''
+    except Exception as e:   # an operator this build lacks, or a signature it does not take
+        return False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+# %% ../../nbs/neurocache/20_2_attention.ipynb
+_JOINT_IN_ONE_CALL = True  # False: the kernel's output and logsumexp, mixed by `Neurocache.mix` (the reference route)
+
 def joint_attention(module, query, key, value, attention_mask, dropout:float=0.0, scaling:float=None, **kwargs):
-    """A joint layer's attention (a Hugging Face attention function, registered as 'memlab_joint'): what the model's own
-    implementation computes, and for `Neurocache.mix` the logsumexp of the logits. Where the model uses SDPA on a device
-    whose fused kernel serves (`_fusable`: CPU, or CUDA once checked), one call of that kernel gives both
-    (`fused_attention`, SDPA's causal rule); otherwise the model's implementation runs and `mix` recomputes the
+    """A joint layer's attention (a Hugging Face attention function, registered as 'memlab_joint'). Where the model uses
+    SDPA on a device whose fused kernel serves (`_fusable`: CPU, or CUDA once checked), the whole joint attention in one
+    call (`joint_fused_attention`, with the cache's part from `Neurocache.joint_inputs`; SDPA's causal rule), and
+    `Neurocache.mix` has nothing left to do; otherwise the model's implementation runs and `mix` recomputes the
     logsumexp."""
     route = module.config
     impl = route.config._attn_implementation
@@ -397,8 +528,14 @@ def joint_attention(module, query, key, value, attention_mask, dropout:float=0.0
         try: return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         finally: module.config = route
     causal = query.shape[2] > 1 and attention_mask is None and getattr(module, 'is_causal', True)
-    out, lse = fused_attention(query, key, value, attention_mask, causal, scaling)
-    route.neurocache.capture(route.layer, 'lse', lse.transpose(1, 2))
+    nc, layer = route.neurocache, route.layer
+    mem = nc.joint_inputs(layer, module) if _JOINT_IN_ONE_CALL else None
+    if mem is not None:
+        out = joint_fused_attention(query, key, value, attention_mask, causal, scaling, *mem)
+        nc.capture(layer, 'mixed', True)
+    else:
+        out, lse = fused_attention(query, key, value, attention_mask, causal, scaling)
+        nc.capture(layer, 'lse', lse.transpose(1, 2))
     return out.transpose(1, 2).contiguous(), None
 
 AttentionInterface.register('memlab_joint', joint_attention)

@@ -10,17 +10,16 @@ import torch.nn.functional as F
 from ..core import check, patch_to
 
 # %% auto 0
-__all__ = ['SCORE_BUDGET', 'TOPK_BLOCK', 'CACHE_BOOKKEEPING_BYTES', 'neighborhood_offsets', 'bucketed_topk', 'blocked_topk',
+__all__ = ['TOPK_BLOCK', 'SCORE_BUDGET', 'CACHE_BOOKKEEPING_BYTES', 'neighborhood_offsets', 'bucketed_topk', 'blocked_topk',
            'exact_topk', 'index_rows', 'KNNCache', 'brute_force_knn', 'context_window', 'retrieval_scores',
            'memory_per_token']
 
 # %% ../../nbs/neurocache/20_1_cache.ipynb
-SCORE_BUDGET = 2**24  # largest score matrix (elements) retrieval builds at once: 64 MiB in fp32
-
 def neighborhood_offsets(size:int) -> list:
     "Slot offsets fetched around each hit: 1 -> [0]; 2 -> [0, 1]; 4 -> [-1, 0, 1, 2]."
     return list(range(-(size // 2) + 1, size // 2 + 1)) if size > 1 else [0]
 
+# %% ../../nbs/neurocache/20_1_cache.ipynb
 def bucketed_topk(scores:torch.Tensor, k:int, num_buckets:int):
     ("The reference's approximate top-k over the last dim: best of each strided bucket, then the exact top-k of the "
      "winners.")
@@ -45,6 +44,7 @@ def blocked_topk(scores:torch.Tensor, k:int, block:int=TOPK_BLOCK) -> tuple:
     v, i = scores.gather(-1, idx).topk(k, dim=-1)
     return v, idx.gather(-1, i)
 
+# %% ../../nbs/neurocache/20_1_cache.ipynb
 def exact_topk(scores:torch.Tensor, k:int) -> tuple:
     "`scores.topk(k)` over the last dim, by `blocked_topk` where it measured faster (CPU, at least 16·k blocks)."
     S = scores.shape[-1]
@@ -52,6 +52,7 @@ def exact_topk(scores:torch.Tensor, k:int) -> tuple:
         return blocked_topk(scores, k)
     return scores.topk(k, dim=-1)
 
+# %% ../../nbs/neurocache/20_1_cache.ipynb
 def index_rows(src:torch.Tensor, index:torch.Tensor) -> torch.Tensor:
     ("`src.index_select(0, index)` for a 2-D contiguous `src`, copying each row as the widest machine words its bytes "
      "divide into (bit for bit the same).")
@@ -93,34 +94,78 @@ class KNNCache:
     def nbytes(self) -> int:
         "Memory held by the cache's tensors."
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
-
-    _STATE = ('keys', 'raw', 'sqnorm', 'valid', 'time', 'used', 'ptr', 'clock', 'tick')
-    def to(self, device):
-        "Move every buffer to `device` (in place)."
-        for name in self._STATE:
-            t = getattr(self, name)
-            if t is not None: setattr(self, name, t.to(device))
-        return self
-
-    def state_dict(self) -> dict:
-        "The cache's contents, to be saved with a training checkpoint."
-        return {n: getattr(self, n) for n in self._STATE if getattr(self, n) is not None}
-
-    def load_state_dict(self, state:dict):
-        "Restore contents saved by `state_dict` into a cache of the same shape."
-        for n in self._STATE:
-            cur = getattr(self, n)
-            check((cur is None) == (n not in state), f"saved cache {'has' if n in state else 'lacks'} '{n}' "
-                                                     f"but this cache {'does not' if cur is None else 'does'}")
-            if cur is None: continue
-            check(state[n].shape == cur.shape,
-                  f"saved cache '{n}' has shape {tuple(state[n].shape)}, this cache {tuple(cur.shape)}")
-            setattr(self, n, state[n].to(device=cur.device, dtype=cur.dtype).clone())
-
     def reset(self, rows=None):
         "Empty all rows, or those where the bool mask `rows` (N,) is true."
         sel = slice(None) if rows is None else rows.to(self.device)
         for t in (self.valid, self.time, self.used, self.ptr, self.clock, self.tick): t[sel] = 0
+
+# %% ../../nbs/neurocache/20_1_cache.ipynb
+KNNCache._STATE = ('keys', 'raw', 'sqnorm', 'valid', 'time', 'used', 'ptr', 'clock', 'tick')   # its buffers
+
+@patch_to(KNNCache)
+def to(self, device):
+    "Move every buffer to `device` (in place)."
+    for name in self._STATE:
+        t = getattr(self, name)
+        if t is not None: setattr(self, name, t.to(device))
+    return self
+
+@patch_to(KNNCache)
+def state_dict(self) -> dict:
+    "The cache's contents, to be saved with a training checkpoint."
+    return {n: getattr(self, n) for n in self._STATE if getattr(self, n) is not None}
+
+@patch_to(KNNCache)
+def load_state_dict(self, state:dict):
+    "Restore contents saved by `state_dict` into a cache of the same shape."
+    for n in self._STATE:
+        cur = getattr(self, n)
+        check((cur is None) == (n not in state), f"saved cache {'has' if n in state else 'lacks'} '{n}' "
+                                                 f"but this cache {'does not' if cur is None else 'does'}")
+        if cur is None: continue
+        check(state[n].shape == cur.shape,
+              f"saved cache '{n}' has shape {tuple(state[n].shape)}, this cache {tuple(cur.shape)}")
+        setattr(self, n, state[n].to(device=cur.device, dtype=cur.dtype).clone())
+
+# %% ../../nbs/neurocache/20_1_cache.ipynb
+def _put_all(cache, r, s, keep, new:dict):
+    ("Write `new` (N, M, ...) at slots (r, s) where `keep`, without a host sync: every position is written, those not "
+     "kept with what their slot holds (the M slots of a row are distinct: a ring buffer and M <= S).")
+    for name, value in new.items():
+        if value is None: continue
+        buf = getattr(cache, name)
+        k = keep.view(*keep.shape, *([1] * (value.dim() - 2)))
+        buf[r, s] = torch.where(k, value, buf[r, s])
+
+def _put_kept(cache, r, s, keep, new:dict):
+    "Write `new` (N, M, ...) at slots (r, s) where `keep` (boolean indexing: the host waits for the count on a GPU)."
+    r, s = r[keep], s[keep]
+    for name, value in new.items():
+        if value is not None: getattr(cache, name)[r, s] = value[keep]
+
+# %% ../../nbs/neurocache/20_1_cache.ipynb
+@patch_to(KNNCache)
+def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
+    ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
+     "the first free slot (N,).")
+    count = self.valid.sum(1)
+    evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
+    if not bool(evict.any()): return count
+    N, S = self.valid.shape
+    row = torch.arange(N, device=self.device)[:, None]
+    # rank slots by (last use, age); empty slots last
+    by_age = torch.argsort(torch.where(self.valid, self.time, torch.iinfo(torch.long).max), dim=1, stable=True)
+    use = torch.where(self.valid, self.used, torch.iinfo(torch.long).max)[row, by_age]
+    order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
+    keep = self.valid & (rank >= evict[:, None])
+    # kept entries first, still in insertion order
+    pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
+    for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
+        t = getattr(self, name)
+        if t is not None: setattr(self, name, t[row, pack])
+    self.valid = keep[row, pack]
+    return self.valid.sum(1)
 
 # %% ../../nbs/neurocache/20_1_cache.ipynb
 @patch_to(KNNCache)
@@ -150,47 +195,21 @@ def write(self, keys:torch.Tensor, mask:torch.Tensor=None, raw:torch.Tensor=None
         self.ptr = (self.ptr + n) % S
     else:
         slot = self._lru_make_room(torch.clamp(n, max=S))[:, None] + j - torch.clamp(n - S, min=0)[:, None]
-    r, s = row.expand(N, M)[keep], slot[keep]
-    stored = keys[keep].to(self.keys.dtype)
-    self.keys[r, s] = stored
-    self.sqnorm[r, s] = stored.float().pow(2).sum(-1)
-    if raw is not None: self.raw[r, s] = raw[keep].to(self.raw.dtype)
-    self.valid[r, s] = True
-    self.time[r, s] = t[keep]
+    stored = keys.to(self.keys.dtype)
+    new = {'keys': stored, 'sqnorm': stored.float().pow(2).sum(-1), 'time': t, 'used': (self.tick + 1)[:, None].expand(N, M),
+           'valid': torch.ones_like(keep), 'raw': None if raw is None else raw.to(self.raw.dtype)}
     self.tick = self.tick + 1
-    self.used[r, s] = self.tick[r]
-
-@patch_to(KNNCache)
-def _lru_make_room(self, n:torch.Tensor) -> torch.Tensor:
-    ("Evict least recently used entries so that `n` (N,) new ones fit, pack the rest in insertion order; return "
-     "the first free slot (N,).")
-    count = self.valid.sum(1)
-    evict = torch.clamp(count + n - self.size, min=0)                      # (N,)
-    if not bool(evict.any()): return count
-    N, S = self.valid.shape
-    row = torch.arange(N, device=self.device)[:, None]
-    # rank slots by (last use, age); empty slots last
-    by_age = torch.argsort(torch.where(self.valid, self.time, torch.iinfo(torch.long).max), dim=1, stable=True)
-    use = torch.where(self.valid, self.used, torch.iinfo(torch.long).max)[row, by_age]
-    order = by_age[row, torch.argsort(use, dim=1, stable=True)]           # (N, S) eviction order
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(S, device=self.device).expand(N, S))
-    keep = self.valid & (rank >= evict[:, None])
-    # kept entries first, still in insertion order
-    pack = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
-    for name in ('keys', 'raw', 'sqnorm', 'time', 'used'):
-        t = getattr(self, name)
-        if t is not None: setattr(self, name, t[row, pack])
-    self.valid = keep[row, pack]
-    return self.valid.sum(1)
+    if self.cache_type == 'FIFO' and M <= S: _put_all(self, row.expand(N, M), slot, keep, new)
+    else: _put_kept(self, row.expand(N, M), slot, keep, new)
 
 # %% ../../nbs/neurocache/20_1_cache.ipynb
+SCORE_BUDGET = 2**24  # largest score matrix (elements) retrieval builds at once: 64 MiB in fp32
+
 @patch_to(KNNCache)
-@torch.no_grad()
-def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1, touch:bool=True):
-    ("Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity "
-     "(N, Q, k·w).")
+def _top_hits(self, query:torch.Tensor, k:int) -> tuple:
+    "Each query's `k` best slots (N, Q, k), and whether each holds a token: scored in chunks of queries, all rows at once."
     N, Q, _ = query.shape
-    S, k = self.size, min(topk, self.size)
+    S = self.size
     # one fp32 product gives the whole score: [w·q, 1]·[k, b] = w q·k + b, with w = 2, b = −‖k‖² for l2 (w = 1, b =
     # 0 for dot), and b = −inf in an empty slot, so no pass over the (N, Q, S) scores besides the product and the
     # top-k
@@ -206,9 +225,14 @@ def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1,
         s = torch.bmm(q, keys.transpose(1, 2))                            # (N, q, S)
         v, i = bucketed_topk(s, k, self.topk_buckets) if self.topk_buckets else exact_topk(s, k)
         hits.append(i); ok.append(v > float('-inf'))
-    hits, ok = torch.cat(hits, 1), torch.cat(ok, 1)                       # (N, Q, k)
-    if query_mask is not None: ok = ok & query_mask.to(self.device)[..., None]
-    off = torch.tensor(self.offsets, device=self.device)                  # (w,)
+    return torch.cat(hits, 1), torch.cat(ok, 1)                           # (N, Q, k)
+
+@patch_to(KNNCache)
+def _neighbours(self, hits:torch.Tensor, ok:torch.Tensor) -> tuple:
+    ("Each hit's neighbourhood: its slots (N, Q, k·w) and whether each holds the token written that many steps after "
+     "the hit (a ring buffer's next slot, or found by write time in an LRU cache).")
+    N, S = self.rows, self.size
+    off = torch.arange(self.offsets[0], self.offsets[-1] + 1, device=self.device)   # (w,) (no copy from the host)
     row = torch.arange(N, device=self.device)[:, None, None, None]
     want = self.time[row, hits[..., None]] + off  # (N, Q, k, w) write time of each neighbour
     # a ring buffer holds consecutive tokens in consecutive slots
@@ -217,13 +241,26 @@ def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1,
         t = torch.where(self.valid, self.time, torch.iinfo(torch.long).max)
         slots = torch.searchsorted(t, want.flatten(1)).view_as(want).clamp(max=S - 1)
     valid = ok[..., None] & self.valid[row, slots] & (self.time[row, slots] == want)   # (N, Q, k, w)
-    slots, valid = slots.flatten(2), valid.flatten(2)                     # (N, Q, k·w)
+    return slots.flatten(2), valid.flatten(2)                             # (N, Q, k·w)
+
+# %% ../../nbs/neurocache/20_1_cache.ipynb
+@patch_to(KNNCache)
+@torch.no_grad()
+def retrieve(self, query:torch.Tensor, query_mask:torch.Tensor=None, topk:int=1, touch:bool=True):
+    ("Top-`topk` slots of each query (N, Q, d) with their neighbourhoods: slots (N, Q, k·w) and their validity "
+     "(N, Q, k·w).")
+    N, Q, _ = query.shape
+    S, k = self.size, min(topk, self.size)
+    hits, ok = self._top_hits(query, k)                                   # (N, Q, k)
+    if query_mask is not None: ok = ok & query_mask.to(self.device)[..., None]
+    slots, valid = self._neighbours(hits, ok)                             # (N, Q, k·w)
     if touch and self.cache_type == 'LRU':
         hit_count = torch.zeros(N, S, device=self.device).scatter_add_(1, slots.flatten(1),
                                                                        valid.flatten(1).float())
         self.used = torch.where(hit_count > 0, self.tick[:, None] + 1, self.used)
     return slots, valid
 
+# %% ../../nbs/neurocache/20_1_cache.ipynb
 @patch_to(KNNCache)
 def gather(self, slots:torch.Tensor, raw:bool=False) -> torch.Tensor:
     "The stored states at `slots` (N, Q, M): (N, Q, M, d) compressed states, or (N, Q, M, h) raw states when `raw`."
@@ -233,6 +270,7 @@ def gather(self, slots:torch.Tensor, raw:bool=False) -> torch.Tensor:
     flat = (torch.arange(self.rows, device=self.device)[:, None, None] * self.size + slots).reshape(-1)
     return index_rows(src.reshape(self.rows * self.size, -1), flat).view(*slots.shape, src.shape[-1])
 
+# %% ../../nbs/neurocache/20_1_cache.ipynb
 @patch_to(KNNCache)
 def gather_parts(self, slots:torch.Tensor, parts:int) -> torch.Tensor:
     ("The raw states at `slots` (N, Q, M), each cut into `parts` equal pieces, piece-major: (parts, N, Q, M, h/parts), "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..core import check
+from ..core import check, patch_to
 from ..protocol import Callback
 from .model import NeurocacheModel, cache_state_dict, has_neurocache, load_cache_state_dict
 
@@ -28,23 +28,27 @@ class NeurocacheCallback(Callback):
     def on_evaluate_end(self, trainer, metrics:dict):
         m = self._nc(trainer)
         if m is not None: m.neurocache.reset(training=False)
-    def on_save(self, trainer, checkpoint_dir:Path):
-        m = self._nc(trainer)
-        if m is None: return
-        from safetensors.torch import save_file
-        state = {k: v.detach().contiguous().cpu() for k, v in cache_state_dict(m).items() if k.startswith('train.')}
-        save_file(state, str(Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)))
-    def on_load(self, trainer, checkpoint_dir:Path):
-        m = self._nc(trainer)
-        if m is None: return
-        from safetensors.torch import load_file
-        f = Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)
-        check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches "
-                          f"for process {trainer.accelerator.process_index} ({f.name})")
-        load_cache_state_dict(m, load_file(str(f)))
+
+# %% ../../nbs/neurocache/20_3b_callbacks.ipynb
+@patch_to(NeurocacheCallback)
+def on_save(self, trainer, checkpoint_dir:Path):
+    m = self._nc(trainer)
+    if m is None: return
+    from safetensors.torch import save_file
+    state = {k: v.detach().contiguous().cpu() for k, v in cache_state_dict(m).items() if k.startswith('train.')}
+    save_file(state, str(Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)))
+
+@patch_to(NeurocacheCallback)
+def on_load(self, trainer, checkpoint_dir:Path):
+    m = self._nc(trainer)
+    if m is None: return
+    from safetensors.torch import load_file
+    f = Path(checkpoint_dir)/_caches_file(trainer.accelerator.process_index)
+    check(f.exists(), f"{checkpoint_dir} holds no Neurocache caches "
+                      f"for process {trainer.accelerator.process_index} ({f.name})")
+    load_cache_state_dict(m, load_file(str(f)))
 
 def _training_callbacks(self) -> list:
     "What a Neurocache needs from memlab's loop (`Trainer` asks each module of the model it trains)."
     return [NeurocacheCallback()]
 NeurocacheModel.training_callbacks = _training_callbacks
-

@@ -14,7 +14,7 @@ __all__ = ['CACHE_DTYPES', 'SUPPORTED_FAMILIES', 'JOINT_FAMILIES', 'parse_layers
            'NeurocacheConfig']
 
 # %% ../../nbs/neurocache/20_0_config.ipynb
-CACHE_DTYPES = ('float32', 'bfloat16', 'float16')
+CACHE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')   # float64: exactness tests
 SUPPORTED_FAMILIES = ('llama', 'mistral', 'opt', 'gpt2', 'phi', 'gptj')
 JOINT_FAMILIES = ('llama', 'mistral')             # cache_attention='joint' works inside their attention (see below)
 
@@ -40,6 +40,7 @@ def parse_layers(value, name:str='attention_layers') -> list:
     check(len(value) > 0, f"{name} is empty: give at least one layer (or None for the default)")
     return sorted(set(value))
 
+# %% ../../nbs/neurocache/20_0_config.ipynb
 def parse_retrieval_map(value) -> dict:
     "{retrieving layer: storing layer} from a dict or a string such as '18:18', '12:12,18:18', '{18: 12}' or '12,18'."
     if value is None: return None
@@ -77,7 +78,8 @@ class NeurocacheConfig(Config):
                                        # eval_cache_size, resize_cache)
     eval_cache_size: int = None        # entries per cache in evaluation mode (model.eval()); None = cache_size. Train
                                        # at 16K, evaluate at 128K
-    cache_dtype: str = 'float32'       # storage dtype of the cache: float32, bfloat16 or float16
+    cache_dtype: str = 'float32'       # storage dtype of the cache: float32, bfloat16 or float16 (float64 for
+                                       # tests in float64)
     compression_factor: int = 8        # cached states have d = hidden_size / compression_factor features; 1 stores the
                                        # states as they are
     topk: int = 32                     # nearest cache entries retrieved per token
@@ -160,6 +162,7 @@ def _check_cache(self):
           f"context_size must be a positive integer, got {self.context_size!r}")
     check(self.similarity_fn in ('l2', 'dot'), f"similarity_fn must be 'l2' or 'dot', got {self.similarity_fn!r}")
 
+# %% ../../nbs/neurocache/20_0_config.ipynb
 @patch_to(NeurocacheConfig)
 def _check_layers_and_attention(self):
     "The layer maps (normalised), eviction, the cache attention's fields."
@@ -184,6 +187,7 @@ def _check_layers_and_attention(self):
     check(_is_int(self.joint_distance) and self.joint_distance >= 0,
           f"joint_distance must be an integer >= 0, got {self.joint_distance!r}")
 
+# %% ../../nbs/neurocache/20_0_config.ipynb
 @patch_to(NeurocacheConfig)
 def _check_buckets_and_lora(self):
     "Bucketed top-k against the sizes, and LoRA's fields."

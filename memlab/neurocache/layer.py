@@ -16,7 +16,7 @@ from .cache import KNNCache, context_window, index_rows, retrieval_scores
 from .attention import (CacheAttention, WindowGrad, joint_mix, local_logsumexp, share_window)
 
 # %% auto 0
-__all__ = ['CacheProjection', 'row_mask', 'Neurocache', 'NeurocacheAttention']
+__all__ = ['DEDUP_DEVICES', 'CacheProjection', 'row_mask', 'Neurocache', 'NeurocacheAttention']
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 class CacheProjection(nn.Module):
@@ -46,6 +46,7 @@ def _compute_dtype(weight:torch.Tensor) -> torch.dtype:
     dev = weight.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
 
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
 class Neurocache(nn.Module):
     ("A Neurocache's parameters (W_p per cache, a CacheAttention per attention layer), its caches, and the state of "
      "the current forward.")
@@ -84,43 +85,79 @@ class Neurocache(nn.Module):
          "(incremental decoding).")
         self._mask, self._retrieved, self._queries, self._stashed, self._pending = token_mask, {}, {}, set(), []
         self._calls = {}  # joint: each attention layer's q, k, v and call
+        self._rotation = {}  # joint: the rotation to `joint_distance` (hs, hs), per device and dtype
         if not continuing: self._tail = {}
-
-    def _new_cache(self, r:int, rows:int, training:bool, device) -> KNNCache:
-        cfg = self.config
-        # training caches keep raw states for W_p
-        raw = self.hidden_size if training and cfg.compression_factor > 1 else 0
-        # joint: each served layer's K and V
-        if self.joint: raw = 2 * self.num_kv_heads * self.head_dim * len(self.served[r])
-        return KNNCache(rows, cfg.size(training), self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
-                        cfg.neighborhood_size, cfg.similarity_fn, cfg.cache_type, cfg.topk_buckets)
-
-    def cache(self, r:int, batch_size:int, device) -> KNNCache:
-        "The cache retrieved at layer `r` for the current mode, created on first use."
-        cfg, caches = self.config, self.caches[self.training]
-        rows = 1 if cfg.global_cache else batch_size
-        c = caches.get(r)
-        if c is None: c = caches[r] = self._new_cache(r, rows, self.training, device)
-        check(c.rows == rows, f"the Neurocache holds caches for {c.rows} rows but this batch has {batch_size}: "
-                              f"call reset_cache(model) before changing the batch size")
-        if c.device != torch.device(device): c.to(device)
-        return c
-
-    def _token_mask(self, B:int, T:int, device) -> torch.Tensor:
-        m = self._mask
-        return (m.to(device) if m is not None and tuple(m.shape) == (B, T)
-                else torch.ones(B, T, dtype=torch.bool, device=device))
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
-def before_attention(self, layer:int, x:torch.Tensor):
-    ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
-     "if it stores.")
-    if layer in self.retrieving and layer not in self._retrieved: self._retrieve(layer, x)
-    if not self.frozen:
-        for r in self.stores.get(layer, ()):
-            if r not in self._stashed: self._stash(r, x)
+def _new_cache(self, r:int, rows:int, training:bool, device) -> KNNCache:
+    cfg = self.config
+    # training caches keep raw states for W_p
+    raw = self.hidden_size if training and cfg.compression_factor > 1 else 0
+    # joint: each served layer's K and V
+    if self.joint: raw = 2 * self.num_kv_heads * self.head_dim * len(self.served[r])
+    return KNNCache(rows, cfg.size(training), self.cache_dim, raw, getattr(torch, cfg.cache_dtype), device,
+                    cfg.neighborhood_size, cfg.similarity_fn, cfg.cache_type, cfg.topk_buckets)
 
+@patch_to(Neurocache)
+def cache(self, r:int, batch_size:int, device) -> KNNCache:
+    "The cache retrieved at layer `r` for the current mode, created on first use."
+    cfg, caches = self.config, self.caches[self.training]
+    rows = 1 if cfg.global_cache else batch_size
+    c = caches.get(r)
+    if c is None: c = caches[r] = self._new_cache(r, rows, self.training, device)
+    check(c.rows == rows, f"the Neurocache holds caches for {c.rows} rows but this batch has {batch_size}: "
+                          f"call reset_cache(model) before changing the batch size")
+    if c.device != torch.device(device): c.to(device)
+    return c
+
+@patch_to(Neurocache)
+def _token_mask(self, B:int, T:int, device) -> torch.Tensor:
+    m = self._mask
+    return (m.to(device) if m is not None and tuple(m.shape) == (B, T)
+            else torch.ones(B, T, dtype=torch.bool, device=device))
+
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+DEDUP_DEVICES = ('cpu',)   # device types where training reads each distinct retrieved slot once (`torch.unique`)
+
+@patch_to(Neurocache)
+def _gather_retrieved(self, r:int, cache:KNNCache, slots:torch.Tensor, B:int, T:int) -> tuple:
+    ("What the layers read of the retrieved `slots` (N, Q, M), and each slot's index among the distinct ones (training; "
+     "else None): in training the distinct slots' raw states (U, h), which W_p re-projects with gradients; joint, in a "
+     "window of one token, the served layers' keys and values head-major; else the states (B, T, M, ·).")
+    N, cfg = cache.rows, self.config
+    # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
+    if self.reencode:
+        rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
+        flat = (rows * cache.size + slots).flatten()
+        # the distinct ones on a CPU; on a GPU every retrieved slot, since finding the distinct ones makes the host wait
+        if flat.device.type in DEDUP_DEVICES: uniq, inverse = torch.unique(flat, return_inverse=True)
+        else: uniq, inverse = flat, torch.arange(flat.numel(), device=flat.device)
+        return index_rows(cache.raw.view(N * cache.size, -1), uniq), inverse.view(B, T, -1)  # (U, h)
+    if self.joint and cfg.context_size == 1:
+        # joint: the served layers' keys and values, (L·2·nkv, B, T, M, hs), as the joint attention reads them
+        return cache.gather_parts(slots, 2 * len(self.served[r]) * self.num_kv_heads).view(-1, B, T, slots.shape[-1],
+                                                                                            self.head_dim), None
+    # (B, T, M, d); joint: the K/V
+    return cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1), None
+
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+@patch_to(Neurocache)
+def _with_tail(self, r:int, vals, valid, bias, B:int) -> tuple:
+    ("A window wider than one token (`context_size` > 1): the last tokens' retrievals of the previous call prepended "
+     "(decoding on), and in evaluation this call's kept for the next: (vals, valid, bias, the number prepended).")
+    cfg, P = self.config, 0
+    tail = self._tail.get(r)
+    if tail is not None and tail[0].shape[0] == B and tail[0].shape[2:] == vals.shape[2:]:
+        vals, valid, P = torch.cat([tail[0], vals], 1), torch.cat([tail[1], valid], 1), tail[0].shape[1]
+        if bias is not None: bias = torch.cat([tail[2], bias], 1)
+    if not self.training:                                                 # kept for a continuation (generation)
+        keep = -(cfg.context_size - 1)
+        self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(),
+                         None if bias is None else bias[:, keep:].clone())
+    return vals, valid, bias, P
+
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
 def _retrieve(self, r:int, x:torch.Tensor):
     cfg = self.config
@@ -131,33 +168,14 @@ def _retrieve(self, r:int, x:torch.Tensor):
     N = cache.rows
     slots, valid = cache.retrieve(c.reshape(N, -1, c.shape[-1]), mask.reshape(N, -1), cfg.topk,
                                   touch=not self.frozen)
-    inverse = None
-    # training: each distinct retrieved slot's raw state once (W_p re-projects them with gradients)
-    if self.reencode:
-        rows = torch.arange(N, device=slots.device)[:, None, None].expand_as(slots)
-        uniq, inverse = torch.unique((rows * cache.size + slots).flatten(), return_inverse=True)
-        vals, inverse = index_rows(cache.raw.view(N * cache.size, -1), uniq), inverse.view(B, T, -1)  # (U, h)
-    elif self.joint and cfg.context_size == 1:
-        # joint: the served layers' keys and values, (L·2·nkv, B, T, M, hs), as the joint attention reads them
-        vals = cache.gather_parts(slots, 2 * len(self.served[r]) * self.num_kv_heads).view(-1, B, T, slots.shape[-1],
-                                                                                            self.head_dim)
-    # (B, T, M, d); joint: the K/V
-    else: vals = cache.gather(slots, raw=self.joint).view(B, T, slots.shape[-1], -1)
+    vals, inverse = self._gather_retrieved(r, cache, slots, B, T)
     slots, valid = slots.view(B, T, -1), valid.view(B, T, -1)
     bias = None
     # scores of the stored states, no gradient needed
     if cfg.retrieval_bias and inverse is None and not self.joint:
         bias = retrieval_scores(c, vals, cfg.neighborhood_size, cfg.similarity_fn)  # (B, T, M)
     P = 0
-    if cfg.context_size > 1 and inverse is None:
-        tail = self._tail.get(r)
-        if tail is not None and tail[0].shape[0] == B and tail[0].shape[2:] == vals.shape[2:]:
-            vals, valid, P = torch.cat([tail[0], vals], 1), torch.cat([tail[1], valid], 1), tail[0].shape[1]
-            if bias is not None: bias = torch.cat([tail[2], bias], 1)
-        if not self.training:                                                 # kept for a continuation (generation)
-            keep = -(cfg.context_size - 1)
-            self._tail[r] = (vals[:, keep:].clone(), valid[:, keep:].clone(),
-                             None if bias is None else bias[:, keep:].clone())
+    if cfg.context_size > 1 and inverse is None: vals, valid, bias, P = self._with_tail(r, vals, valid, bias, B)
     self._retrieved[r] = dict(states=vals, valid=valid, prefix=P, inverse=inverse, bias=bias,
                               x=x.detach() if cfg.retrieval_bias and inverse is not None else None)
     self.last_retrieval[r] = dict(slots=slots, valid=valid[:, P:])             # (B, T, M): for inspection and tests
@@ -173,14 +191,15 @@ def _stash(self, r:int, x:torch.Tensor):
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
-def attend(self, layer:int, x:torch.Tensor):
-    "The cache attention's output (B, T, C) for attention layer `layer`, or None if it has none."
-    r = self.source.get(layer)
-    if r is None or self.joint: return None
-    check(r in self._retrieved,
-          f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
-    return self.attentions[str(layer)].attend(x, *self._context(r, layer))
+def before_attention(self, layer:int, x:torch.Tensor):
+    ("Called with the input x (B, T, C) of layer `layer`'s attention: retrieve if it retrieves, set states aside "
+     "if it stores.")
+    if layer in self.retrieving and layer not in self._retrieved: self._retrieve(layer, x)
+    if not self.frozen:
+        for r in self.stores.get(layer, ()):
+            if r not in self._stashed: self._stash(r, x)
 
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
 def _context(self, r:int, layer:int) -> tuple:
     """The window of retrieved states of cache `r` as the attention layers read them (re-projected through W_p in
@@ -210,6 +229,16 @@ def _context(self, r:int, layer:int) -> tuple:
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
+def attend(self, layer:int, x:torch.Tensor):
+    "The cache attention's output (B, T, C) for attention layer `layer`, or None if it has none."
+    r = self.source.get(layer)
+    if r is None or self.joint: return None
+    check(r in self._retrieved,
+          f"layer {layer} attends to the cache of layer {r}, which did not retrieve in this forward")
+    return self.attentions[str(layer)].attend(x, *self._context(r, layer))
+
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+@patch_to(Neurocache)
 def commit(self, keep_retrieved:bool=False):
     "End a forward: write the stashed states to the caches (unless frozen)."
     pending, self._pending = self._pending, []
@@ -225,6 +254,7 @@ def commit(self, keep_retrieved:bool=False):
             else: cache.write(c, mask, raw)
     if not keep_retrieved: self._retrieved = {}
 
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
 def reset(self, rows=None, training:bool=None):
     "Empty the caches (all, or the per-row caches of `rows`), of both modes or of `training` mode only."
@@ -241,21 +271,25 @@ def capture(self, layer:int, what:str, value):
      "`mix`.")
     self._calls.setdefault(layer, {})[what] = value
 
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
-def mix(self, layer:int, attn:nn.Module, u):
-    ("Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to "
-     "the cache.")
-    call, r = self._calls.get(layer, {}), self.source.get(layer)
-    if not self.enabled or r is None or r not in self._retrieved: return u
-    check(all(k in call for k in ('q', 'k', 'kwargs')),
-          f"cache_attention='joint': the attention of layer {layer} did not "
-          f"call its q_proj / k_proj (or was called without going through the Neurocache wrapper)")
-    B, T, _ = u.shape
-    H, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
-    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q = call['q'].view(B, T, H, hs)
-    lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
-    if lse is None: lse = self._local_lse(call, attn, q, rotate)
+def _joint_kv(self, r:int):
+    ("Joint attention: the K and V (B, T, n·2·nkv·hs) of this forward's tokens in the layers served by cache `r`, to "
+     "be written.")
+    parts = []
+    for j in self.served[r]:
+        call = self._calls.get(j, {})
+        check('k' in call and 'v' in call,
+              f"cache_attention='joint': layer {j}'s attention did not call k_proj / v_proj")
+        parts += [call['k'].detach(), call['v'].detach()]
+    return torch.cat(parts, -1)
+
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+@patch_to(Neurocache)
+def _joint_heads(self, r:int, B:int, T:int) -> tuple:
+    ("Every layer served by cache `r`: its retrieved keys and values head-major (L, 2, nkv, B, T, W, hs), and which are "
+     "real (B, T, W); laid out once per forward.")
+    nkv, hs = self.num_kv_heads, self.head_dim
     ret = self._retrieved[r]
     if 'heads' not in ret:        # every served layer's keys and values head-major, (L, 2, nkv, B, T, W, hs)
         L = len(self.served[r])
@@ -265,15 +299,42 @@ def mix(self, layer:int, attn:nn.Module, u):
             states, ok = context_window(ret['states'], ret['valid'], None, self.config.context_size, ret['prefix'])[:2]
             ret['heads'] = (states.view(B, T, states.shape[2], L, 2, nkv, hs).permute(3, 4, 5, 0, 1, 2, 6).contiguous(),
                             ok)
-    kv, ok = ret['heads']
+    return ret['heads']
+
+@patch_to(Neurocache)
+def _joint_rotation(self, q:torch.Tensor, attn:nn.Module) -> torch.Tensor:
+    ("The rotation of queries q (B, T, H, hs) to `joint_distance` as an (hs, hs) matrix: the model's own rotary "
+     "embedding applied to each unit vector, once per forward, device and dtype.")
+    key, hs = (q.device, q.dtype), q.shape[-1]
+    if key not in self._rotation:   # the rotation as an (hs, hs) matrix, once per forward: the model's own rotary
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb          # function applied to each unit vector
+        cos, sin = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))
+        eye = torch.eye(hs, device=q.device, dtype=q.dtype)[None, :, None, :]   # (1, hs, 1, hs): hs queries
+        self._rotation[key] = rotate(eye, eye, cos, sin, unsqueeze_dim=2)[0][0, :, 0, :]
+    return self._rotation[key]
+
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
+@patch_to(Neurocache)
+def joint_inputs(self, layer:int, attn:nn.Module):
+    ("Joint attention in layer `layer`: its queries rotated to `joint_distance` (B, T, H·hs), the retrieved keys and "
+     "values head-major (nkv, B, T, W, hs), which are real (B, T, W), and the logits' scale; None where the layer reads "
+     "no cache in this forward.")
+    call, r = self._calls.get(layer, {}), self.source.get(layer)
+    if not self.enabled or r is None or r not in self._retrieved: return None
+    check(all(k in call for k in ('q', 'k', 'kwargs')),
+          f"cache_attention='joint': the attention of layer {layer} did not "
+          f"call its q_proj / k_proj (or was called without going through the Neurocache wrapper)")
+    B, T, _ = call['q'].shape
+    H, hs = self.num_heads, self.head_dim
+    kv, ok = self._joint_heads(r, B, T)
     i = self.served[r].index(layer)
     # the cached keys have no position: each query meets them `joint_distance` tokens back (q rotated to that position,
-    # keys at 0)
-    # one position for all
-    cos_d, sin_d = self.rotary(q, torch.full((1, 1), self.config.joint_distance, device=q.device))
-    qd = rotate(q, q[:, :1, :1], cos_d, sin_d, unsqueeze_dim=2)[0].reshape(B, T, H * hs)
-    return joint_mix(u, lse, qd, kv[i, 0], kv[i, 1], ok, getattr(attn, 'scaling', None))
+    # one position for all, keys at 0)
+    q = call['q'].view(B, T, H, hs)
+    qd = (q @ self._joint_rotation(q, attn)).reshape(B, T, H * hs)  # one product, not the rotary's passes
+    return qd, kv[i, 0], kv[i, 1], ok, getattr(attn, 'scaling', None) or hs**-0.5
 
+# %% ../../nbs/neurocache/20_2a_layer.ipynb
 @patch_to(Neurocache)
 def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
     ("The segment's logsumexp (B, T, H) recomputed from the layer's q, k, mask and KV cache "
@@ -290,16 +351,19 @@ def _local_lse(self, call:dict, attn:nn.Module, q, rotate):
     return local_logsumexp(qr, keys, kw.get('attention_mask'), getattr(attn, 'scaling', None))
 
 @patch_to(Neurocache)
-def _joint_kv(self, r:int):
-    ("Joint attention: the K and V (B, T, n·2·nkv·hs) of this forward's tokens in the layers served by cache `r`, to "
-     "be written.")
-    parts = []
-    for j in self.served[r]:
-        call = self._calls.get(j, {})
-        check('k' in call and 'v' in call,
-              f"cache_attention='joint': layer {j}'s attention did not call k_proj / v_proj")
-        parts += [call['k'].detach(), call['v'].detach()]
-    return torch.cat(parts, -1)
+def mix(self, layer:int, attn:nn.Module, u):
+    ("Joint attention: layer `layer`'s attention output u (B, T, H·hs) before W_o, mixed with its heads' attention to "
+     "the cache (unless `joint_attention` did both in one call).")
+    call = self._calls.get(layer, {})
+    if call.get('mixed'): return u
+    mem = self.joint_inputs(layer, attn)
+    if mem is None: return u
+    B, T, _ = u.shape
+    lse = call.get('lse')                                  # from the layer's own attention call (`joint_attention`)
+    if lse is None:
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        lse = self._local_lse(call, attn, call['q'].view(B, T, self.num_heads, self.head_dim), rotate)
+    return joint_mix(u, lse, *mem)
 
 # %% ../../nbs/neurocache/20_2a_layer.ipynb
 class _JointRoute:
@@ -326,7 +390,7 @@ class NeurocacheAttention(TransparentWrapper):
         base = self.base_layer
         if nc.joint:
             nc.capture(self.layer_idx, 'kwargs', kwargs)  # the rotary embedding, mask and KV cache of this call
-            nc._calls[self.layer_idx].pop('lse', None)
+            for what in ('lse', 'mixed'): nc._calls[self.layer_idx].pop(what, None)
         # a joint layer: its attention through joint_attention
         if nc.joint and nc.enabled and self.layer_idx in nc.source:
             config, base.config = base.config, _JointRoute(base.config, nc, self.layer_idx)

@@ -19,12 +19,20 @@ from .attention import attention_weights
 from .layer import Neurocache, NeurocacheAttention, row_mask
 
 # %% auto 0
-__all__ = ['CACHE_FIELDS', 'resolve_design', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'add_ffn_lora',
-           'unwrap_neurocache', 'remove_lora', 'remove_neurocache', 'has_neurocache', 'induction_scores',
-           'copying_layers', 'reset_cache', 'resize_cache', 'cache_state_dict', 'load_cache_state_dict',
-           'disable_neurocache', 'freeze_neurocache']
+__all__ = ['CACHE_FIELDS', 'resolve_design', 'resolve_config', 'NeurocacheModel', 'add_neurocache', 'unwrap_neurocache',
+           'has_neurocache', 'remove_neurocache', 'add_ffn_lora', 'remove_lora', 'induction_scores', 'copying_layers',
+           'reset_cache', 'resize_cache', 'disable_neurocache', 'freeze_neurocache', 'cache_state_dict',
+           'load_cache_state_dict']
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
+def _check_family(model) -> str:
+    "The model's family, or a one-line refusal of an unsupported one."
+    family = getattr(getattr(model, 'config', None), 'model_type', None)
+    check(family in SUPPORTED_FAMILIES,
+          f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
+          f"{type(model).__name__} is {family!r}")
+    return family
+
 def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig:
     """A copy of `config` with the choices that depend on the model made: cache_attention 'auto' (joint for a Llama or
     Mistral model with copying layers, else separate), context_size None (1 joint, 2 separate), and a joint cache
@@ -43,6 +51,7 @@ def resolve_design(config:NeurocacheConfig, model:nn.Module) -> NeurocacheConfig
                                  attention_layers=list(range(found[0], found[-1] + 1)))
     return dataclasses.replace(config, **changes)
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
     "A copy of `config` with the default layers filled in for a model of `num_layers` layers, checked against it."
     L = num_layers
@@ -61,14 +70,7 @@ def resolve_config(config:NeurocacheConfig, num_layers:int) -> NeurocacheConfig:
                                f"nearest retrieving layer at or below it)")
     return dataclasses.replace(config, retrieval_map=format_retrieval_map(rmap), attention_layers=att)
 
-def _check_family(model) -> str:
-    "The model's family, or a one-line refusal of an unsupported one."
-    family = getattr(getattr(model, 'config', None), 'model_type', None)
-    check(family in SUPPORTED_FAMILIES,
-          f"Neurocache supports the {', '.join(SUPPORTED_FAMILIES)} families (SmolLM2 is a llama); "
-          f"{type(model).__name__} is {family!r}")
-    return family
-
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def _lora_targets(base_model, layers, config, family) -> list:
     "Full names of the FFN linears of the attention layers that get LoRA."
     prefix = next(n for n, m in base_model.named_modules() if m is layers)
@@ -111,6 +113,7 @@ def _refuse_plain_save(model:nn.Module, why:str):
 def _allow_plain_save(model:nn.Module):
     if isinstance(vars(model).get('save_pretrained'), _SaveRefused): del model.save_pretrained
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def _joint_hooks(nc:Neurocache, j:int, attn:nn.Module) -> list:
     ("Joint attention in layer j: forward hooks keep q, k, v as `attn` makes them; a pre-hook on its o_proj mixes in "
      "the cache.")
@@ -131,6 +134,35 @@ def _stop_gradient(module, args, kwargs):
     return args, kwargs
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
+def _layer_facts(base_model, layers, config:NeurocacheConfig) -> tuple:
+    ("(hidden size, heads, key/value heads, head size, the attention's name in a decoder layer) of the model, checked: "
+     "the compression divides the width, the decoder layers are not wrapped yet.")
+    hc = base_model.config
+    h, nh = hc.hidden_size, hc.num_attention_heads
+    check(h % config.compression_factor == 0,
+          f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
+    nkv = getattr(hc, 'num_key_value_heads', None) or nh
+    check(not any(isinstance(getattr(l, 'base_layer', None), nn.Module) for l in layers),
+          f"the decoder layers are wrapped ({type(layers[0]).__name__}): "
+          f"add the Neurocache before converting the model "
+          f"(e.g. add_neurocache, then add_bpt)")
+    attn_name = layer_parts(layers[0])['attn']
+    hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
+    return h, nh, nkv, hs, attn_name
+
+# %% ../../nbs/neurocache/20_3_model.ipynb
+def _check_joint(config:NeurocacheConfig, family:str, layers, attn_name:str):
+    "A joint cache works inside the attention of the Llama and Mistral families, with q/k/v/o projections by name."
+    check(family in JOINT_FAMILIES,
+          f"cache_attention='joint' works inside the attention of the {', '.join(JOINT_FAMILIES)} "
+          f"families (q/k/v/o projections and a rotary embedding); {family} takes 'separate'")
+    for j in config.attention_layers:
+        a = getattr(layers[j], attn_name)
+        check(all(isinstance(getattr(a, n, None), nn.Module) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
+              f"cache_attention='joint' needs q_proj, k_proj, v_proj and o_proj "
+              f"in layer {j}'s {type(a).__name__}")
+
+# %% ../../nbs/neurocache/20_3_model.ipynb
 class NeurocacheModel(PreTrainedModel):
     ("A causal LM with a Neurocache: `base_model` (attention wrapped, LoRA added, frozen) and `neurocache` "
      "(the method's parameters and caches).")
@@ -145,27 +177,9 @@ class NeurocacheModel(PreTrainedModel):
         family = _check_family(base_model)
         layers = decoder_layers(base_model)
         config = resolve_config(resolve_design(config, base_model), len(layers))
-        hc = base_model.config
-        h, nh = hc.hidden_size, hc.num_attention_heads
-        check(h % config.compression_factor == 0,
-              f"compression_factor {config.compression_factor} does not divide hidden_size {h}")
-        nkv = getattr(hc, 'num_key_value_heads', None) or nh
-        check(not any(isinstance(getattr(l, 'base_layer', None), nn.Module) for l in layers),
-              f"the decoder layers are wrapped ({type(layers[0]).__name__}): "
-              f"add the Neurocache before converting the model "
-              f"(e.g. add_neurocache, then add_bpt)")
-        attn_name = layer_parts(layers[0])['attn']
-        hs = getattr(getattr(layers[0], attn_name), 'head_dim', None) or h // nh
+        h, nh, nkv, hs, attn_name = _layer_facts(base_model, layers, config)
         joint = config.cache_attention == 'joint'
-        if joint:                                                                # refused before anything is changed
-            check(family in JOINT_FAMILIES,
-                  f"cache_attention='joint' works inside the attention of the {', '.join(JOINT_FAMILIES)} "
-                  f"families (q/k/v/o projections and a rotary embedding); {family} takes 'separate'")
-            for j in config.attention_layers:
-                a = getattr(layers[j], attn_name)
-                check(all(isinstance(getattr(a, n, None), nn.Module) for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj')),
-                      f"cache_attention='joint' needs q_proj, k_proj, v_proj and o_proj "
-                      f"in layer {j}'s {type(a).__name__}")
+        if joint: _check_joint(config, family, layers, attn_name)          # refused before anything is changed
         self.family, self._requires_grad = family, {n: p.requires_grad for n, p in base_model.named_parameters()}
         self.train_base = train_base
         if not train_base:
@@ -174,25 +188,7 @@ class NeurocacheModel(PreTrainedModel):
         emb = base_model.get_input_embeddings().weight
         self.base_model = base_model
         self.neurocache = Neurocache(config, h, nh, nkv, hs).to(device=emb.device, dtype=emb.dtype)
-        if joint:  # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
-            self.neurocache.projections.requires_grad_(False)
-            rotary = [m for m in base_model.modules() if type(m).__name__.endswith('RotaryEmbedding')]
-            check(len(rotary) == 1,
-                  f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
-            object.__setattr__(self.neurocache, 'rotary', rotary[0])   # a reference: it belongs to the base model
-        for j in ([] if joint else config.attention_layers):
-            a = self.neurocache.attentions[str(j)]
-            a.init_from(*attention_weights(getattr(layers[j], attn_name), h))
-            if config.zero_init_output: nn.init.zeros_(a.o_proj.weight)
-        self.layers = sorted(set(config.layer_map) | set(config.layer_map.values()) | set(config.attention_layers))
-        for i in self.layers:
-            setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
-        self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
-        # joint: see q, k, v as the attention makes them, mix before W_o
-        for j in (config.attention_layers if joint else []):
-            self._hooks += _joint_hooks(self.neurocache, j, getattr(layers[j], attn_name).base_layer)
-        if not train_base:
-            self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
+        self._install(layers, attn_name, train_base)
         check_frozen_4bit_stats(base_model)
         _refuse_plain_save(base_model, "this model carries a Neurocache (cache wrappers and LoRA): save it with the "
                            "NeurocacheModel's save_pretrained (cache, LoRA and config), "
@@ -219,6 +215,33 @@ class NeurocacheModel(PreTrainedModel):
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
 @patch_to(NeurocacheModel)
+def _install(self, layers, attn_name:str, train_base:bool):
+    ("Set up the new `Neurocache` in the base model: joint, the model's rotary embedding (W_p stays random); separate, "
+     "each cache attention from its layer's projections; the wrappers and the hooks.")
+    config, base_model = self.neurocache.config, self.base_model
+    h, joint = self.neurocache.hidden_size, config.cache_attention == 'joint'
+    if joint:  # retrieval is not differentiable and nothing else reads W_p: it stays the random projection it is
+        self.neurocache.projections.requires_grad_(False)
+        rotary = [m for m in base_model.modules() if type(m).__name__.endswith('RotaryEmbedding')]
+        check(len(rotary) == 1,
+              f"cache_attention='joint' needs the model's one rotary embedding, found {len(rotary)}")
+        object.__setattr__(self.neurocache, 'rotary', rotary[0])   # a reference: it belongs to the base model
+    for j in ([] if joint else config.attention_layers):
+        a = self.neurocache.attentions[str(j)]
+        a.init_from(*attention_weights(getattr(layers[j], attn_name), h))
+        if config.zero_init_output: nn.init.zeros_(a.o_proj.weight)
+    self.layers = sorted(set(config.layer_map) | set(config.layer_map.values()) | set(config.attention_layers))
+    for i in self.layers:
+        setattr(layers[i], attn_name, NeurocacheAttention(getattr(layers[i], attn_name), i, self.neurocache))
+    self._hooks = [base_model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)]
+    # joint: see q, k, v as the attention makes them, mix before W_o
+    for j in (config.attention_layers if joint else []):
+        self._hooks += _joint_hooks(self.neurocache, j, getattr(layers[j], attn_name).base_layer)
+    if not train_base:
+        self._hooks.append(layers[self.layers[0]].register_forward_pre_hook(_stop_gradient, with_kwargs=True))
+
+# %% ../../nbs/neurocache/20_3_model.ipynb
+@patch_to(NeurocacheModel)
 def _begin_forward(self, module, args, kwargs):
     ("Pre-hook on the base model: record which positions are real tokens, and whether this call continues a KV "
      "cache.")
@@ -231,6 +254,7 @@ def _begin_forward(self, module, args, kwargs):
     continuing = pkv is not None and hasattr(pkv, 'get_seq_length') and pkv.get_seq_length() > 0
     self.neurocache.begin(mask, continuing)
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
 @patch_to(NeurocacheModel)
 def forward(self, input_ids=None, attention_mask=None, start_of_sequence=None, labels=None, **kwargs):
     ("The base model's forward (`labels` and the loss kwargs: its loss); rows flagged in `start_of_sequence` (B,) "
@@ -295,37 +319,18 @@ def add_neurocache(model:nn.Module, config:NeurocacheConfig=None, train_base:boo
      "(unless `train_base`) and changed in place.")
     return NeurocacheModel(model, config or NeurocacheConfig(), train_base)
 
-def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
-    ("The LoRA-only baseline: freeze `model` and add LoRA (PEFT) to the FFN linears of the layers a Neurocache would "
-     "attend in; no cache.")
-    family = _check_family(model)
-    check(config.lora_r > 0, "the LoRA-only baseline needs lora_r > 0")
-    layers = decoder_layers(model)
-    config = resolve_config(resolve_design(config, model), len(layers))     # the layers a Neurocache would take
-    for p in model.parameters(): p.requires_grad_(False)
-    _add_lora(model, layers, config, family)
-    check_frozen_4bit_stats(model)
-    _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: "
-                              "save them with save_neurocache(model, "
-                              "dir, config), or remove_lora(model) first")
-    return model.train(model.training)  # PEFT makes its new modules in training mode: keep the model's mode
-
 def unwrap_neurocache(model) -> NeurocacheModel:
     "The `NeurocacheModel` inside DDP / accelerate / torch.compile wrappers."
     model = unwrap(model)
     if isinstance(model, NeurocacheModel): return model
     raise MemlabError("this model has no Neurocache: call add_neurocache(model, config) first")
 
-def remove_lora(model) -> nn.Module:
-    "Undo `add_ffn_lora`: put the original FFN linears back (the base stays frozen); return the model."
-    from peft.tuners.lora import LoraLayer
-    model = unwrap(model)
-    _allow_plain_save(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, LoraLayer): setattr(parent, name, child.get_base_layer())
-    return model
+def has_neurocache(model) -> bool:
+    "Whether `model` (possibly inside DDP / accelerate / torch.compile wrappers) is a `NeurocacheModel`."
+    try: unwrap_neurocache(model); return True
+    except MemlabError: return False
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def remove_neurocache(model) -> nn.Module:
     ("Undo `add_neurocache`: restore the attention modules, remove the hooks and the LoRA layers, restore "
      "requires_grad; return the base model.")
@@ -343,10 +348,31 @@ def remove_neurocache(model) -> nn.Module:
     detach_method(nm, 'neurocache')                          # the base model's config no longer records it
     return base
 
-def has_neurocache(model) -> bool:
-    "Whether `model` (possibly inside DDP / accelerate / torch.compile wrappers) is a `NeurocacheModel`."
-    try: unwrap_neurocache(model); return True
-    except MemlabError: return False
+# %% ../../nbs/neurocache/20_3_model.ipynb
+def add_ffn_lora(model:nn.Module, config:NeurocacheConfig) -> nn.Module:
+    ("The LoRA-only baseline: freeze `model` and add LoRA (PEFT) to the FFN linears of the layers a Neurocache would "
+     "attend in; no cache.")
+    family = _check_family(model)
+    check(config.lora_r > 0, "the LoRA-only baseline needs lora_r > 0")
+    layers = decoder_layers(model)
+    config = resolve_config(resolve_design(config, model), len(layers))     # the layers a Neurocache would take
+    for p in model.parameters(): p.requires_grad_(False)
+    _add_lora(model, layers, config, family)
+    check_frozen_4bit_stats(model)
+    _refuse_plain_save(model, "this model carries the LoRA-only baseline's adapters: "
+                              "save them with save_neurocache(model, "
+                              "dir, config), or remove_lora(model) first")
+    return model.train(model.training)  # PEFT makes its new modules in training mode: keep the model's mode
+
+def remove_lora(model) -> nn.Module:
+    "Undo `add_ffn_lora`: put the original FFN linears back (the base stays frozen); return the model."
+    from peft.tuners.lora import LoraLayer
+    model = unwrap(model)
+    _allow_plain_save(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoraLayer): setattr(parent, name, child.get_base_layer())
+    return model
 
 # %% ../../nbs/neurocache/20_3_model.ipynb
 @torch.no_grad()
@@ -379,6 +405,7 @@ def reset_cache(model, rows=None):
      "(bool mask (B,) or list of row indices).")
     unwrap_neurocache(model).neurocache.reset(rows)
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
     ("Change the cache size (and other settings without weights, see `CACHE_FIELDS`) and empty the caches; returns the "
      "new config.")
@@ -391,6 +418,24 @@ def resize_cache(model, cache_size:int=None, **changes) -> NeurocacheConfig:
     nc.reset()
     return nc.config
 
+# %% ../../nbs/neurocache/20_3_model.ipynb
+@contextlib.contextmanager
+def disable_neurocache(model):
+    "Inside: the model is the base model (plus its LoRA); the cache is neither read nor written."
+    nc = unwrap_neurocache(model).neurocache
+    prev, nc.enabled = nc.enabled, False
+    try: yield model
+    finally: nc.enabled = prev
+
+@contextlib.contextmanager
+def freeze_neurocache(model):
+    "Inside: the cache is read but not written (generation mode)."
+    nc = unwrap_neurocache(model).neurocache
+    prev, nc.frozen = nc.frozen, True
+    try: yield model
+    finally: nc.frozen = prev
+
+# %% ../../nbs/neurocache/20_3_model.ipynb
 def cache_state_dict(model) -> dict:
     ("The contents of every cache of `model` ('train.<layer>.<tensor>' / 'eval.<layer>.<tensor>'), for an exactly "
      "resumable checkpoint.")
@@ -414,19 +459,3 @@ def load_cache_state_dict(model, state:dict):
         c = nc._new_cache(int(r), part['keys'].shape[0], mode == 'train', device)
         c.load_state_dict(part)
         nc.caches[mode == 'train'][int(r)] = c
-
-@contextlib.contextmanager
-def disable_neurocache(model):
-    "Inside: the model is the base model (plus its LoRA); the cache is neither read nor written."
-    nc = unwrap_neurocache(model).neurocache
-    prev, nc.enabled = nc.enabled, False
-    try: yield model
-    finally: nc.enabled = prev
-
-@contextlib.contextmanager
-def freeze_neurocache(model):
-    "Inside: the cache is read but not written (generation mode)."
-    nc = unwrap_neurocache(model).neurocache
-    prev, nc.frozen = nc.frozen, True
-    try: yield model
-    finally: nc.frozen = prev

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..core import Config
+from ..core import Config, patch_to
 from ..protocol import LossOutput
 from .config import NeurocacheConfig
 from .model import has_neurocache
@@ -49,16 +49,20 @@ class FactRecallTask(Config):
             ids += [self.QUERY, self.key0 + int(keys[i]), self.value0 + int(values[i])]
         return ids
 
-    def documents(self, n:int, seed:int=0) -> list:
-        "`n` documents as text (space-separated ids), the form `fact_recall_tokenizer` reads."
-        rng = np.random.default_rng(seed)
-        return [' '.join(map(str, self.document(rng))) for _ in range(n)]
+# %% ../../nbs/neurocache/20_5_recall.ipynb
+@patch_to(FactRecallTask)
+def documents(self, n:int, seed:int=0) -> list:
+    "`n` documents as text (space-separated ids), the form `fact_recall_tokenizer` reads."
+    rng = np.random.default_rng(seed)
+    return [' '.join(map(str, self.document(rng))) for _ in range(n)]
 
-    def answer_mask(self, input_ids:torch.Tensor) -> torch.Tensor:
-        "(B, T) True where the next token is an answer: the input is a key right after QUERY."
-        m = torch.zeros_like(input_ids, dtype=torch.bool)
-        m[:, 1:] = input_ids[:, :-1] == self.QUERY
-        return m
+
+@patch_to(FactRecallTask)
+def answer_mask(self, input_ids:torch.Tensor) -> torch.Tensor:
+    "(B, T) True where the next token is an answer: the input is a key right after QUERY."
+    m = torch.zeros_like(input_ids, dtype=torch.bool)
+    m[:, 1:] = input_ids[:, :-1] == self.QUERY
+    return m
 
 # %% ../../nbs/neurocache/20_5_recall.ipynb
 def fact_recall_tokenizer(vocab_size:int):
@@ -70,6 +74,7 @@ def fact_recall_tokenizer(vocab_size:int):
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token='<eos>', pad_token='<eos>', unk_token='<eos>')
 
+# %% ../../nbs/neurocache/20_5_recall.ipynb
 class RecallLoss:
     ("The causal-LM loss over every token, also logging answer-token sums (answer_loss, answer_correct, answers) for "
      "the task.")
@@ -86,6 +91,7 @@ class RecallLoss:
         return LossOutput(ce.sum(), (labels != -100).sum(), {'answer_loss': (ce * ans).sum().detach(),
                                                            'answer_correct': correct, 'answers': ans.sum().float()})
 
+# %% ../../nbs/neurocache/20_5_recall.ipynb
 def recall_metrics(logs:dict, prefix:str='') -> dict:
     "Answer accuracy and answer loss (nats) from a log or evaluation entry of `RecallLoss` sums."
     n = logs[f'{prefix}answers']
@@ -113,6 +119,24 @@ _LAST = ('Valtersen', 'Quillfeather', 'Abernathy', 'Moravcik', 'Adeyemi', 'Lindq
          'Vandermeer', 'Zielinski', 'Haverford')
 _TOPICS = ('parser', 'scheduler', 'archive', 'profiler', 'resolver', 'allocator', 'tracer', 'validator')
 
+def _with_fact(text:str, tokenizer, gap:int, rng) -> tuple:
+    ("`text` with a made-up fact after its first paragraph and restated at the first paragraph break at least `gap` "
+     "tokens later, and the character spans of the restated answers (the name, the number); None for a short text.")
+    first, last, topic = rng.choice(_FIRST), rng.choice(_LAST), rng.choice(_TOPICS)
+    number = int(rng.integers(1000, 10000))
+    fact = f"the maintainer of the {topic} notes is {first} {last}, reachable at extension {number}."
+    a = text.find('\n\n', 300)
+    if a < 0: return None
+    head, rest = text[:a + 2] + f"Note: {fact}\n\n", text[a + 2:]
+    offsets = tokenizer(rest, return_offsets_mapping=True, add_special_tokens=False)['offset_mapping']
+    if len(offsets) <= gap: return None
+    cut = rest.find('\n\n', offsets[gap][0])
+    if cut < 0: return None
+    text = head + rest[:cut + 2] + f"As noted above, {fact}\n\n" + rest[cut + 2:]
+    asked = len(head) + cut + 2                                       # the restatement starts here (characters)
+    return text, [(text.index(s, asked), text.index(s, asked) + len(s)) for s in (f"{first} {last}", str(number))]
+
+# %% ../../nbs/neurocache/20_5_recall.ipynb
 @dataclass
 class RecallProbe(Config):
     "A made-up fact inserted near the start of each real document and restated at least `gap` tokens later."
@@ -125,19 +149,9 @@ class RecallProbe(Config):
          "and number.")
         rng, out = np.random.default_rng(self.seed), []
         for text in texts:
-            first, last, topic = rng.choice(_FIRST), rng.choice(_LAST), rng.choice(_TOPICS)
-            number = int(rng.integers(1000, 10000))
-            fact = f"the maintainer of the {topic} notes is {first} {last}, reachable at extension {number}."
-            a = text.find('\n\n', 300)
-            if a < 0: continue
-            head, rest = text[:a + 2] + f"Note: {fact}\n\n", text[a + 2:]
-            offsets = tokenizer(rest, return_offsets_mapping=True, add_special_tokens=False)['offset_mapping']
-            if len(offsets) <= self.gap: continue
-            cut = rest.find('\n\n', offsets[self.gap][0])
-            if cut < 0: continue
-            text = head + rest[:cut + 2] + f"As noted above, {fact}\n\n" + rest[cut + 2:]
-            asked = len(head) + cut + 2                                       # the restatement starts here (characters)
-            spans = [(text.index(s, asked), text.index(s, asked) + len(s)) for s in (f"{first} {last}", str(number))]
+            made = _with_fact(text, tokenizer, self.gap, rng)
+            if made is None: continue
+            text, spans = made
             enc = tokenizer(text, return_offsets_mapping=True)
             pos = [i for i, (s, e) in enumerate(enc['offset_mapping'])
                    if e > s and any(s < c1 and e > c0 for c0, c1 in spans)]
@@ -145,6 +159,7 @@ class RecallProbe(Config):
             out.append((torch.tensor(enc['input_ids']), torch.tensor(pos)))
         return out
 
+# %% ../../nbs/neurocache/20_5_recall.ipynb
 @torch.no_grad()
 def answer_nll(model, docs:list, segment:int=256, full:bool=False) -> tuple:
     ("(mean NLL in nats, count) of the answer tokens of `RecallProbe.documents`, read in segments "

@@ -46,6 +46,19 @@ def _save_tensors(tensors:dict, path:Path, metadata:dict):
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     os.replace(tmp, path)
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
+def _own_tensors(model, state_dict:dict, lora_only:bool) -> dict:
+    ("The tensors a saved Neurocache holds (`neurocache_state_dict`), taken from `state_dict` when given (the HF "
+     "Trainer's full state, gathered under FSDP); refused if it lacks one.")
+    own = neurocache_state_dict(model)
+    if state_dict is not None:   # a LoRA-only model's own state names its tensors without 'base_model.'
+        name = lambda k: k[len('base_model.'):] if lora_only and k not in state_dict else k
+        missing = [k for k in own if name(k) not in state_dict]
+        check(not missing, f"the state dict to save lacks {len(missing)} Neurocache tensor(s), e.g. {missing[:1]}")
+        own = {k: state_dict[name(k)] for k in own}
+    return own
+
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_dict:dict=None, tokenizer=None,
                     plain:bool=None) -> Path:
     ("Write the Neurocache of `model` (config + weights + LoRA) to `save_directory`, and the whole model as plain "
@@ -57,12 +70,7 @@ def save_neurocache(model, save_directory, config:NeurocacheConfig=None, state_d
         config = resolve_config(config, len(decoder_layers(unwrap(model))))
     else: config = unwrap_neurocache(model).neurocache_config
     base = unwrap(model).base_model if not lora_only else unwrap(model)
-    own = neurocache_state_dict(model)
-    if state_dict is not None:   # a LoRA-only model's own state names its tensors without 'base_model.'
-        name = lambda k: k[len('base_model.'):] if lora_only and k not in state_dict else k
-        missing = [k for k in own if name(k) not in state_dict]
-        check(not missing, f"the state dict to save lacks {len(missing)} Neurocache tensor(s), e.g. {missing[:1]}")
-        own = {k: state_dict[name(k)] for k in own}
+    own = _own_tensors(model, state_dict, lora_only)
     meta = {'format': 'pt', 'family': str(getattr(base.config, 'model_type', '')), 'lora_only': str(lora_only).lower(),
             'base_model': str(getattr(base.config, '_name_or_path', '') or ''),
             'base_quantization': 'nf4' if any(quant_kind(m) == '4bit' for m in base.modules()) else ''}
@@ -93,6 +101,23 @@ def saved_neurocache_info(path) -> dict:
             'family': meta.get('family'), 'base_model': meta.get('base_model'),
             'base_quantization': meta.get('base_quantization') or None}
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
+def _check_fit(file:Path, state:dict, expected:dict, undo):
+    "Refuse in one line (after `undo()`) saved tensors `state` whose keys or shapes differ from the model's `expected`."
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        undo()
+        raise MemlabError(f"{file} does not fit this model: {len(missing)} missing key(s)"
+                          f"{' (e.g. ' + missing[0] + ')' if missing else ''}, {len(unexpected)} unexpected"
+                          f"{' (e.g. ' + unexpected[0] + ')' if unexpected else ''}")
+    wrong = [k for k in state if state[k].shape != expected[k].shape]
+    if wrong:
+        undo()
+        raise MemlabError(f"{file}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                          f"the model expects "
+                          f"{tuple(expected[wrong[0]].shape)}")
+
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
     """Add the Neurocache saved at `path` to `base_model` (a `NeurocacheModel`; a LoRA-only save gives `base_model` with
     its LoRA); `overrides` change settings such as cache_size. Fails on any key mismatch."""
@@ -109,18 +134,7 @@ def load_neurocache(base_model:nn.Module, path, **overrides) -> nn.Module:
         model = add_neurocache(base_model, config)
         undo = lambda: remove_neurocache(model)
     state, expected = load_file(str(path/NEUROCACHE_WEIGHTS_NAME)), neurocache_state_dict(model)
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        undo()
-        raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME} does not fit this model: {len(missing)} missing key(s)"
-                          f"{' (e.g. ' + missing[0] + ')' if missing else ''}, {len(unexpected)} unexpected"
-                          f"{' (e.g. ' + unexpected[0] + ')' if unexpected else ''}")
-    wrong = [k for k in state if state[k].shape != expected[k].shape]
-    if wrong:
-        undo()
-        raise MemlabError(f"{path/NEUROCACHE_WEIGHTS_NAME}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
-                          f"the model expects "
-                          f"{tuple(expected[wrong[0]].shape)}")
+    _check_fit(path/NEUROCACHE_WEIGHTS_NAME, state, expected, undo)
     if info['lora_only']: state = {k[len('base_model.'):]: v for k, v in state.items()}
     res = model.load_state_dict(state, strict=False)
     check(not res.unexpected_keys, f"unexpected keys while loading the Neurocache: {res.unexpected_keys[:3]}")
@@ -184,6 +198,7 @@ def plain_state_dict(model, state_dict:dict=None) -> dict:
     check(not left, f"cannot export {left[0] if left else ''} as a plain weight: save with plain=False")
     return {(f"model.{k}" if nc else k): v for k, v in state.items()}
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def save_plain(model, save_directory, config:NeurocacheConfig, state_dict:dict=None) -> PretrainedConfig:
     ("Write `model` as plain transformers loads it: model.safetensors (LoRA merged), generation_config.json and, for a "
      "Neurocache, its model code (`standalone_source`); returns the config to write last as config.json.")
@@ -259,6 +274,7 @@ def _definitions(module:str, names:tuple) -> str:
     check(not missing, f"memlab.{module} defines no {', '.join(missing)}: update _STANDALONE_DEFS")
     return '\n\n'.join(out)
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def _external(node) -> list:
     "The top-level packages an import statement names (none for a relative import)."
     import ast
@@ -266,38 +282,35 @@ def _external(node) -> list:
     return [a.name.split('.')[0] for a in node.names]
 
 # %% ../../nbs/neurocache/20_3a_save.ipynb
-def standalone_source() -> str:
-    ("memlab.neurocache as one file that imports no memlab, the remote code of an exported folder: its modules' source "
-     "with their memlab imports replaced by memlab's own definitions of those names (and stubs of what it never calls).")
+def _module_body(mod:str, allowed:set) -> tuple:
+    ("The source of memlab.neurocache's module `mod` with its imports rewritten for the standalone file, and the names "
+     "its memlab imports gave (defined above it there): memlab's and an earlier module's imports removed, a package "
+     "transformers does not bring imported when the function that needs it runs.")
     import ast
-    allowed = set(sys.stdlib_module_names) | _TRANSFORMERS_DEPS
-    body, wanted = [], set()
-    for mod in _STANDALONE_MODULES:
-        src = _module_source(f'neurocache.{mod}')
-        lines = src.splitlines()
-        for node in ast.walk(ast.parse(src)):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)): continue
-            pkgs, first, indent = _external(node), node.lineno - 1, ' ' * node.col_offset
-            if isinstance(node, ast.ImportFrom) and (node.level or pkgs[0] in ('memlab', '__future__')):
-                check(node.col_offset == 0, f"memlab.neurocache.{mod} imports memlab inside a function "
-                                            f"(line {node.lineno}): the standalone file cannot")
-                if node.level != 1 and pkgs[:1] != ['__future__']: wanted |= {a.asname or a.name for a in node.names}
-                new = None                   # defined above: memlab's definitions, or an earlier module's
-            elif all(p in allowed for p in pkgs): continue
-            else:   # a package transformers does not bring (PEFT: adding LoRA, never done by an exported model):
-                check(isinstance(node, ast.ImportFrom) and node.col_offset > 0,   # imported when called
-                      f"memlab.neurocache.{mod} imports {pkgs[0]} at line {node.lineno}: the standalone file cannot")
-                new = indent + '; '.join(f"{a.asname or a.name} = importlib.import_module({node.module!r}).{a.name}"
-                                         for a in node.names)
-            lines[first:node.end_lineno] = [new] + [None] * (node.end_lineno - first - 1)
-        body.append('\n'.join(l for l in lines if l is not None))
-    prelude = '\n\n'.join(_definitions(m, names) for m, names in _STANDALONE_DEFS.items()) + _STANDALONE_STUBS
-    src = '\n'.join([f"# {REMOTE_CODE_MODULE}.py: memlab.neurocache's modules in one file importing no memlab,",
-                     "# written by memlab's save_neurocache: transformers loads the model with trust_remote_code=True",
-                     "from __future__ import annotations",
-                     "import dataclasses, importlib, json, os, tempfile, types",
-                     "from pathlib import Path", "from typing import Callable, Optional",
-                     "import torch", "from torch import nn", "", prelude, *body])
+    wanted = set()
+    src = _module_source(f'neurocache.{mod}')
+    lines = src.splitlines()
+    for node in ast.walk(ast.parse(src)):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)): continue
+        pkgs, first, indent = _external(node), node.lineno - 1, ' ' * node.col_offset
+        if isinstance(node, ast.ImportFrom) and (node.level or pkgs[0] in ('memlab', '__future__')):
+            check(node.col_offset == 0, f"memlab.neurocache.{mod} imports memlab inside a function "
+                                        f"(line {node.lineno}): the standalone file cannot")
+            if node.level != 1 and pkgs[:1] != ['__future__']: wanted |= {a.asname or a.name for a in node.names}
+            new = None                   # defined above: memlab's definitions, or an earlier module's
+        elif all(p in allowed for p in pkgs): continue
+        else:   # a package transformers does not bring (PEFT: adding LoRA, never done by an exported model):
+            check(isinstance(node, ast.ImportFrom) and node.col_offset > 0,   # imported when called
+                  f"memlab.neurocache.{mod} imports {pkgs[0]} at line {node.lineno}: the standalone file cannot")
+            new = indent + '; '.join(f"{a.asname or a.name} = importlib.import_module({node.module!r}).{a.name}"
+                                     for a in node.names)
+        lines[first:node.end_lineno] = [new] + [None] * (node.end_lineno - first - 1)
+    return '\n'.join(l for l in lines if l is not None), wanted
+
+# %% ../../nbs/neurocache/20_3a_save.ipynb
+def _check_standalone(src:str, wanted:set, allowed:set):
+    "Refuse a standalone file that lacks a name its modules imported, or still imports memlab or another package."
+    import ast
     tree = ast.parse(src)
     defined = {n.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
                for n in ast.walk(t) if isinstance(n, ast.Name)}
@@ -306,6 +319,22 @@ def standalone_source() -> str:
     bad = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
            and (getattr(n, 'level', 0) or any(p not in allowed for p in _external(n)))]
     check(not bad, f"the standalone file still imports memlab or another package at line {bad[:1]}")
+
+# %% ../../nbs/neurocache/20_3a_save.ipynb
+def standalone_source() -> str:
+    ("memlab.neurocache as one file that imports no memlab, the remote code of an exported folder: its modules' source "
+     "with their memlab imports replaced by memlab's own definitions of those names (and stubs of what it never calls).")
+    allowed = set(sys.stdlib_module_names) | _TRANSFORMERS_DEPS
+    parts = [_module_body(mod, allowed) for mod in _STANDALONE_MODULES]
+    body, wanted = [p[0] for p in parts], set().union(*(p[1] for p in parts))
+    prelude = '\n\n'.join(_definitions(m, names) for m, names in _STANDALONE_DEFS.items()) + _STANDALONE_STUBS
+    src = '\n'.join([f"# {REMOTE_CODE_MODULE}.py: memlab.neurocache's modules in one file importing no memlab,",
+                     "# written by memlab's save_neurocache: transformers loads the model with trust_remote_code=True",
+                     "from __future__ import annotations",
+                     "import dataclasses, importlib, json, os, tempfile, types",
+                     "from pathlib import Path", "from typing import Callable, Optional",
+                     "import torch", "from torch import nn", "", prelude, *body])
+    _check_standalone(src, wanted, allowed)
     return src
 
 # %% ../../nbs/neurocache/20_3a_save.ipynb
@@ -324,6 +353,7 @@ def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:s
                               f"pass base_model=...") from None
     return load_neurocache(base_model, path, **overrides).eval()
 
+# %% ../../nbs/neurocache/20_3a_save.ipynb
 def _is_saved_neurocache(folder) -> bool:
     folder = Path(folder)
     return (folder/NEUROCACHE_CONFIG_NAME).is_file() and (folder/NEUROCACHE_WEIGHTS_NAME).is_file()

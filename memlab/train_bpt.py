@@ -115,14 +115,17 @@ def parse_load(spec) -> tuple:
 class LlamaBPTArgs(Config):
     ("The seed's --llama.* fields: BPT's chunk sizes, rematerialisation and precision, "
      "plus the JAX-only fields it accepts.")
-    q_chunk_size: int = 1024                 # query block length of blockwise attention (-1: the whole sequence)
-    k_chunk_size: int = 1024                 # key/value block length (-1: the whole sequence; q and k both -1: Hugging
-                                             # Face's SDPA attention)
-    ffn_chunk_size: int = 1024  # tokens per FFN chunk (-1: no chunking, i.e. a memory-efficient transformer)
-    head_chunk_size: int = -1                # tokens per chunk of the LM head fused with the loss (-1: off unless
-                                             # loss_chunk_size is set)
-    loss_chunk_size: int = -1                # tokens per chunk of the loss fused with the LM head (-1: off unless
-                                             # head_chunk_size is set)
+    # a chunk size left out is the device's measured best (memlab.bpt.BPT_DEFAULTS); one given, -1 included, is kept
+    q_chunk_size: int = None                 # query block length of blockwise attention (-1: the whole sequence)
+                                             # (default: the device's measured best)
+    k_chunk_size: int = None                 # key/value block length (-1: the whole sequence; q and k both -1: Hugging
+                                             # Face's SDPA attention) (default: the device's measured best)
+    ffn_chunk_size: int = None               # tokens per FFN chunk (-1: no chunking, i.e. a memory-efficient
+                                             # transformer) (default: the device's measured best)
+    head_chunk_size: int = None              # tokens per chunk of the LM head fused with the loss (-1: off unless
+                                             # loss_chunk_size is set) (default: the device's measured best)
+    loss_chunk_size: int = None              # tokens per chunk of the loss fused with the LM head (-1: off unless
+                                             # head_chunk_size is set) (default: the device's measured best)
     remat_policy: str = 'nothing_saveable'   # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable |
                                              # everything_saveable (no recomputation)
     float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32

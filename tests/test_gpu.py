@@ -79,6 +79,107 @@ def test_bpt_compiled_loss_chunk_on_cuda():
         outs.append((loss.detach(), *torch.autograd.grad(loss, (h, W))))
     for a, b in zip(*outs): assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
+@pytest.mark.parametrize('layout', ['left', 'right', 'holes'])
+def test_bpt_native_padding_is_exact_and_linear_on_cuda(layout):
+    """BPT's native path with a key-padding mask: exact against dense attention, and its peak device memory (forward and
+    backward) doubles from T to 2T: no (T, T) mask is made or kept for backward."""
+    from memlab.bpt import blockwise_attention
+    def case(T, seed=0):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        q, k, v = (torch.randn(2, h, T, 64, generator=g, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                   for h in (8, 2, 2))
+        pad = torch.ones(2, T, dtype=torch.bool, device=DEV)
+        if layout == 'left': pad[0, :T // 4] = False
+        elif layout == 'right': pad[1, T - T // 8:] = False
+        else: pad[0, T // 3:T // 2] = False; pad[1, ::7] = False
+        return q, k, v, pad
+    q, k, v, pad = case(300)
+    keep = torch.ones(300, 300, dtype=torch.bool, device=DEV).tril()[None, None] & pad[:, None, None, :]
+    out = blockwise_attention(q, k, v, 128, 128, attention_mask=pad, kernel='native')
+    ref = naive_attention(q, k, v, keep)
+    assert (out.double() - ref).abs().max() < 2e-2
+    do = torch.randn(out.shape, device=DEV, dtype=out.dtype)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.double())):
+        assert (a.double() - b).abs().max() <= 3e-2 * b.abs().max()
+    peaks = []
+    for T in (8192, 16384):
+        q, k, v, pad = case(T)
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+        blockwise_attention(q, k, v, 1024, 1024, attention_mask=pad, kernel='native').sum().backward()
+        torch.cuda.synchronize(); peaks.append(torch.cuda.max_memory_allocated() - base)
+        del q, k, v, pad
+    assert peaks[1] < 2.5 * peaks[0], peaks
+
+def test_bpt_defaults_are_the_fast_path_on_cuda():
+    """`add_bpt(model)` with no configuration on CUDA: the CUDA table (native attention, FFN whole, the fused loss), the
+    loss of the unconverted model, and peak memory within 1.5x of the README's configuration (no full logits; the
+    FFN whole, as the H200 runs found faster, keeps one layer's FFN intermediates in backward)."""
+    import transformers
+    from memlab.bpt import BPT_DEFAULTS, BPTConfig, add_bpt, bpt_config_of
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=8192, max_position_embeddings=16384)
+    ids = torch.randint(0, 8192, (1, 16384), generator=torch.Generator().manual_seed(0)).to(DEV)
+    res = {}
+    for name, bpt in (('dense', None), ('defaults', 'defaults'),
+                      ('README', BPTConfig(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024))):
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(cfg).to(DEV).train()
+        if bpt == 'defaults':
+            add_bpt(m)
+            assert {n: getattr(bpt_config_of(m), n) for n in BPT_DEFAULTS['cuda']} == BPT_DEFAULTS['cuda']
+        elif bpt is not None: add_bpt(m, bpt)
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+        with torch.autocast(DEV, dtype=torch.bfloat16): loss = m(input_ids=ids, labels=ids).loss
+        loss.backward(); torch.cuda.synchronize()
+        res[name] = (loss.item(), torch.cuda.max_memory_allocated() - base)
+        del m, loss
+    assert abs(res['defaults'][0] - res['dense'][0]) <= 1e-2 * res['dense'][0]
+    assert res["defaults"][1] <= 1.5 * res["README"][1], res
+
+def test_bpt_fused_head_casts_once_on_cuda():
+    """The fused LM-head loss under bf16 autocast with its compiled chunk (CUDA's default): one cast of the head per call
+    whatever the number of chunks, no (V, C) tensor per chunk, and the loss and gradients of the autocast logits."""
+    from memlab.bpt import fused_linear_cross_entropy
+    V, C, N = 5000, 64, 1024
+    g = torch.Generator(device=DEV).manual_seed(0)
+    h = torch.randn(N, C, generator=g, device=DEV, requires_grad=True)
+    W = torch.randn(V, C, generator=g, device=DEV, requires_grad=True)
+    t = torch.randint(0, V, (N,), generator=g, device=DEV)
+    class HeadWork(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self): super().__init__(); self.casts = self.made = 0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].numel() == V * C: self.casts += 1
+            if (isinstance(out, torch.Tensor) and out.numel() == V * C
+                    and not any(r.alias_info is not None for r in func._schema.returns)): self.made += 1
+            return out
+    seen = []
+    for size in (N, 128):
+        with torch.autocast(DEV, dtype=torch.bfloat16), HeadWork() as w: loss = fused_linear_cross_entropy(h, W, t, size)
+        seen.append((w.casts, w.made))
+        got = (loss, *torch.autograd.grad(loss, (h, W)))
+    assert seen[0] == seen[1] and seen[0][0] == 1 and seen[0][1] <= 3, seen
+    with torch.autocast(DEV, dtype=torch.bfloat16): ref = F.cross_entropy((h @ W.T).float(), t)
+    want = (ref, *torch.autograd.grad(ref, (h, W)))
+    for a, b in zip(got, want): assert (a - b).abs().max() <= 2e-2 * b.abs().max() + 1e-4
+
+def test_bpt_compiled_layers_compile_once_on_cuda():
+    """compile=True (inductor) with FFN chunks: the count of compiled graphs stays put over sequence lengths."""
+    from torch._dynamo.utils import counters
+    from memlab.bpt import BPTConfig, add_bpt
+    from memlab.models import tiny_model
+    from memlab.runtime import reset_compiled
+    reset_compiled(); counters.clear()
+    m = add_bpt(tiny_model('llama').to(DEV), BPTConfig(q_chunk_size=64, k_chunk_size=64, ffn_chunk_size=64,
+                                                       loss_chunk_size=64, compile=True))
+    graphs = []
+    for T in (96, 160, 224, 288, 352):
+        ids = torch.randint(0, 256, (1, T), device=DEV)
+        with torch.autocast(DEV, dtype=torch.bfloat16): m(input_ids=ids, labels=ids).loss.backward()
+        graphs.append(counters['stats']['unique_graphs'])
+    reset_compiled()
+    assert graphs[0] > 0 and graphs[-1] == graphs[1], graphs
+
 def test_neurocache_fused_attention_on_cuda():
     "Joint attention's kernels on CUDA: the once-per-device check (fp32 and bf16, both routes) passes, so they are used."
     from memlab.neurocache.attention import _fusable, check_fused_attention
@@ -204,7 +305,9 @@ def test_distill_fused_head_in_bf16_on_cuda():
     assert extra < naive_extra / 2, (extra, naive_extra)
 
 def test_bpt_offload_on_cuda():
-    """BPT with its checkpoints offloaded to pinned host memory: the same loss and gradients, less device memory at the peak."""
+    """BPT with its checkpoints offloaded to pinned host memory: the same loss and gradients, less device memory at the peak;
+    one offloader for all layers, each layer's input prefetched during backward, host buffers page-locked at their exact
+    size (no power-of-two rounding) and reused by the next step."""
     import transformers
     from memlab.bpt import BPTConfig, add_bpt
     cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
@@ -222,6 +325,18 @@ def test_bpt_offload_on_cuda():
         loss.backward(); torch.cuda.synchronize()
         res.append((loss.item(), {n: p.grad.float().clone() for n, p in m.named_parameters()},
                     torch.cuda.max_memory_allocated() - base))
+        if offload:
+            off = m.model.layers[0].offload
+            assert all(layer.offload is off for layer in m.model.layers)
+            n_layers = len(m.model.layers)
+            assert off.stats['prefetched'] >= n_layers - 1, off.stats      # every layer but the last found its input back
+            step_bytes, allocations = off.bytes, off.pool.allocations
+            assert off.pool._registered and all(b.is_pinned() for b in off.pool._registered.values())
+            assert step_bytes <= off.pool.bytes <= step_bytes + 4096 * allocations, (off.pool.bytes, step_bytes)
+            m.zero_grad(set_to_none=True)
+            with torch.autocast(DEV, dtype=torch.bfloat16): m(input_ids=ids, labels=ids).loss.backward()
+            torch.cuda.synchronize()
+            assert off.pool.allocations == allocations                        # the second step reuses the buffers
         del m
     (l0, g0, p0), (l1, g1, p1) = res
     # the same numbers (only where the checkpoints wait changed), up to CUDA's non-deterministic gradient reductions

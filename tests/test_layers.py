@@ -321,7 +321,7 @@ def code_sources():
                 yield f"{t.relative_to(ROOT).as_posix()} (script)", n.value
 
 # Known: notebooks other sessions are editing now; their one-line import fixes are listed in issue 42's report.
-NOTEBOOKS_IMPORTING_THROUGH = {'nbs/bpt/10_2_model.ipynb: model_methods from memlab.models'}
+NOTEBOOKS_IMPORTING_THROUGH = set()
 
 def test_notebooks_and_tests_import_names_from_their_homes():
     "As the package: a notebook or a test imports each memlab name from the module that defines it (issue 42)."

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/benchmarks/10_bpt.ipynb 2
 from __future__ import annotations
-import contextlib
+import contextlib, statistics, time
 
 import torch
 
@@ -12,16 +12,19 @@ from ..core import check
 from ..bpt import BPTConfig, add_bpt, bpt_causal_lm_loss, full_logits, set_mmap_threshold
 
 # %% auto 0
-__all__ = ['BENCH_BPT', 'BENCH_CONFIGS', 'STEP_CONFIGS', 'GPU_CONFIGS', 'ALLOCATORS', 'GPU_BPT', 'GPU_LLAMA', 'bench_model',
-           'step_measurement', 'step_measurements', 'benchmark']
+__all__ = ['BENCH_BPT', 'BENCH_CONFIGS', 'STEP_CONFIGS', 'GPU_CONFIGS', 'ALLOCATORS', 'GPU_BPT', 'GPU_LLAMA', 'SWEEP',
+           'bench_model', 'step_measurement', 'step_measurements', 'benchmark', 'bpt_candidate', 'sweep_defaults',
+           'pick_default']
 
 # %% ../../nbs/benchmarks/10_bpt.ipynb
 # BPT's setting in the benchmark
 BENCH_BPT = dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=2048, loss_chunk_size=1024)
 BENCH_CONFIGS = ('eager', 'sdpa', 'sdpa + ckpt', 'bpt', 'bpt natural')
-STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits', 'bpt compiled', 'bpt offload')  # what step_measurement measures
-# on a GPU: the natural call, its layers also compiled, its checkpoints offloaded to host memory
-GPU_CONFIGS = ('sdpa + ckpt', 'bpt natural', 'bpt compiled', 'bpt offload')
+# what step_measurement measures; 'bpt defaults': add_bpt(model) with no configuration, the natural call
+STEP_CONFIGS = BENCH_CONFIGS + ('bpt full logits', 'bpt compiled', 'bpt offload', 'bpt defaults')
+# on a GPU: the natural call (the README's sizes, and add_bpt(model)'s defaults), its layers also compiled, its
+# checkpoints offloaded to host memory
+GPU_CONFIGS = ('sdpa + ckpt', 'bpt natural', 'bpt defaults', 'bpt compiled', 'bpt offload')
 ALLOCATORS = {'glibc default': 0, 'mmap 1 MiB': 1 << 20}  # the benchmark's mmap thresholds (0: glibc's own)
 # on a GPU: the README's configuration (every chunk 1024), the GPU probe's Llama (886M parameters, vocabulary 128256)
 GPU_BPT = dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=1024, loss_chunk_size=1024)
@@ -50,18 +53,20 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
     fixed = set_mmap_threshold(mmap_threshold) if mmap_threshold else False   # before the model exists
     m = bench_model(model, 'eager' if config == 'eager' else 'sdpa').to(device).train()
     if config == 'sdpa + ckpt': enable_activation_checkpointing(m)
-    if config.startswith('bpt'):
+    if config == 'bpt defaults': add_bpt(m)
+    elif config.startswith('bpt'):
         add_bpt(m, BPTConfig(**(bpt or BENCH_BPT), compile=config == 'bpt compiled', offload=config == 'bpt offload'))
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (1, seq_len + 1), generator=g).to(device)
     labels = ids[:, 1:].clone(); labels[:, -1] = -100                   # the T - 1 targets Hugging Face's own loss uses
     batch = {'input_ids': ids[:, :-1], 'labels': labels}
-    losses = []
+    losses, cpu = [], []
     # a GPU trains in bf16 autocast over fp32 weights; the CPU figures are fp32
     dev = torch.device(device).type
     autocast = torch.autocast(dev, torch.bfloat16, enabled=dev == 'cuda')
     def step():
+        t0 = time.process_time()
         with autocast:
             if config == 'bpt':
                 out = bpt_causal_lm_loss(m, batch)
@@ -72,10 +77,12 @@ def step_measurement(model:str, seq_len:int, config:str, warmup:int=1, repeats:i
                     loss = m(input_ids=batch['input_ids'], labels=ids[:, :-1], use_cache=False).loss
         loss.backward()
         m.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.item()); cpu.append(time.process_time() - t0)
     r = measure_step(step, seq_len, warmup=warmup, repeats=repeats, device=device)
+    # CPU time of the process (one thread): the work, unaffected by other jobs on a shared machine
     return {'peak_mib': r['peak_mib'], 'tokens_per_s': r['tokens_per_s'], 'seconds': r['seconds'], 'loss': losses[-1],
-            'mmap_threshold': mmap_threshold if fixed else 0}
+            'mmap_threshold': mmap_threshold if fixed else 0,
+            'cpu_tokens_per_s': seq_len / statistics.median(cpu[warmup:])}
 
 def step_measurements(model:str, seq_lens, config:str, bpt:dict=None) -> list:
     ("`step_measurement` at each of `seq_lens` (ascending) in this process, without warm-up, with the step's loss: "
@@ -107,3 +114,45 @@ def benchmark(quick:bool=False, device:str='cpu'):
                                  mmap_threshold=nbytes)
                 rows.append({'config': c, 'allocator': alloc, 'seq_len': T, **{k: round(v, 1) for k, v in r.items()}})
     return rows, 'sdpa'
+
+# %% ../../nbs/benchmarks/10_bpt.ipynb
+def bpt_candidate(attention:int=1024, ffn:int=1024, loss:int=1024) -> dict:
+    "BPT's chunk sizes for a sweep: attention blocks (q = k), FFN chunks, the fused head and loss chunks (-1: off)."
+    return dict(q_chunk_size=attention, k_chunk_size=attention, ffn_chunk_size=ffn, head_chunk_size=-1,
+                loss_chunk_size=loss)
+
+# the README's configuration, one knob moved at a time, the defaults before they were measured, and the two moves that
+# helped on both models (larger attention blocks: faster; smaller loss chunks: less memory at a large vocabulary) together
+SWEEP = {'old defaults (loss unchunked)': bpt_candidate(loss=-1), 'README (every chunk 1024)': bpt_candidate(),
+         'loss 256': bpt_candidate(loss=256), 'loss 4096': bpt_candidate(loss=4096),
+         'ffn off': bpt_candidate(ffn=-1), 'ffn 4096': bpt_candidate(ffn=4096),
+         'attention 512': bpt_candidate(attention=512), 'attention 2048': bpt_candidate(attention=2048),
+         'attention 4096': bpt_candidate(attention=4096),
+         'attention 2048, loss 256': bpt_candidate(attention=2048, loss=256),
+         'attention 4096, loss 256': bpt_candidate(attention=4096, loss=256)}
+
+def sweep_defaults(model:str='reference', seq_len:int=8192, candidates:dict=None, repeats:int=1) -> list:
+    ("Peak memory growth (MiB) and tokens/s (wall and process CPU time) of a training step through the natural call, "
+     "one fresh process per candidate BPT configuration.")
+    from memlab.bench import run_isolated
+    rows = []
+    for name, cfg in (candidates or SWEEP).items():
+        r = run_isolated('memlab.benchmarks.bpt:step_measurement', model, seq_len, 'bpt natural', warmup=1,
+                         repeats=repeats, bpt=cfg, mmap_threshold=1 << 20)
+        rows.append({'candidate': name, **cfg, **{k: round(v, 1) for k, v in r.items()}})
+        print(f"{name:32s} {rows[-1]['peak_mib']:8.1f} MiB {rows[-1]['cpu_tokens_per_s']:8.1f} tok/s (CPU time) "
+              f"{rows[-1]['tokens_per_s']:8.1f} tok/s (wall)", flush=True)
+    return rows
+
+def pick_default(records:dict, speed:float=0.9, memory:float=1.05) -> str:
+    ("The candidate the defaults take from sweeps of several models ({model: rows}): among those within `speed` of "
+     "each model's fastest (tokens/s of CPU time), the fastest of those within `memory` of each model's least peak "
+     "memory (the worst model deciding each ratio).")
+    names = set.intersection(*({r['candidate'] for r in rows} for rows in records.values()))
+    by = {m: {r['candidate']: r for r in rows if r['candidate'] in names} for m, rows in records.items()}
+    def worst(name, key, among, pick):   # the worst ratio over the models of a candidate's `key` to the best of `among`
+        return pick(b[name][key] / (max if key == 'cpu_tokens_per_s' else min)(b[n][key] for n in among)
+                    for b in by.values())
+    quick = [n for n in names if worst(n, 'cpu_tokens_per_s', names, min) >= speed]
+    close = [n for n in quick if worst(n, 'peak_mib', quick, max) <= memory]
+    return max(close, key=lambda n: worst(n, 'cpu_tokens_per_s', names, min))

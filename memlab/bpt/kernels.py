@@ -13,9 +13,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..core import check
 
 # %% auto 0
-__all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'check_remat_policy', 'remat', 'stat_dtype', 'torch_block',
-           'sdpa_block', 'flash_block', 'resolve_kernel', 'key_blocks', 'chunk_length', 'blockwise_attention',
-           'native_attention', 'set_mmap_threshold']
+__all__ = ['REMAT_POLICIES', 'KERNELS', 'DEVICE_KERNELS', 'check_remat_policy', 'remat', 'stat_dtype', 'compute_dtype',
+           'autocast_off', 'torch_block', 'sdpa_block', 'flash_block', 'resolve_kernel', 'key_blocks', 'chunk_length',
+           'blockwise_attention', 'native_attention', 'set_mmap_threshold']
 
 # %% ../../nbs/bpt/10_0_kernels.ipynb
 REMAT_POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'everything_saveable')
@@ -58,15 +58,16 @@ def stat_dtype(dtype) -> torch.dtype:
     "Precision of the softmax statistics: fp32, or fp64 for fp64 inputs."
     return torch.promote_types(dtype, torch.float32)
 
-def _attention_dtype(q, k, v) -> torch.dtype:
-    "The one dtype attention computes q, k, v in: autocast's when it is on (as for SDPA), else their common promotion."
-    dev = q.device.type
-    low = all(t.is_floating_point() and t.dtype != torch.float64 for t in (q, k, v))     # autocast leaves fp64 alone
+def compute_dtype(*tensors) -> torch.dtype:
+    ("The one dtype products of `tensors` (attention's q, k, v; a head and its input) run in: autocast's when it is on "
+     "(as for SDPA), else their common promotion.")
+    dev = tensors[0].device.type
+    low = all(t.is_floating_point() and t.dtype != torch.float64 for t in tensors)     # autocast leaves fp64 alone
     if low and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
-    return functools.reduce(torch.promote_types, (q.dtype, k.dtype, v.dtype))
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
 
-def _autocast_off(device_type:str):
+def autocast_off(device_type:str):
     "Context manager turning autocast off on `device_type`: inside, every product runs in the dtype its inputs have."
     if not torch.amp.is_autocast_available(device_type): return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
@@ -275,7 +276,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        with _autocast_off(q.device.type):      # a backward called under autocast computes as the forward did
+        with autocast_off(q.device.type):      # a backward called under autocast computes as the forward did
             grads = _blockwise_backward(q, k, v, out, lse, rest[0] if ctx.has_mask else None, ctx.plan, dout)
         return (*grads, None, None)
 
@@ -353,14 +354,21 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
         return native_attention(q, k, v, q_chunk_size, causal, mask, scale=scale, float32_logits=float32_logits)
     plan = _Plan(chunk_length('q_chunk_size', q_chunk_size, Tq), chunk_length('k_chunk_size', k_chunk_size, Tk), causal,
                  hs ** -0.5 if scale is None else scale, kernel_fn, float32_logits, Tk - Tq)
+    return _blockwise(q, k, v, mask, plan, remat_policy)
+
+@torch.compiler.disable
+def _blockwise(q, k, v, mask, plan:_Plan, remat_policy:str):
+    ("The block loops of `blockwise_attention`, left out of any compiled caller's graph (traced, they would unroll into "
+     "a graph per sequence length).")
+    Tq = q.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if kernel_fn is flash_block and (_FLASH is None or q.device.type != 'cpu'
+    if plan.kernel is flash_block and (_FLASH is None or q.device.type != 'cpu'
                                      or (needs_grad and remat_policy != 'nothing_saveable')):
         # the fused operator is CPU-only and has no autograd formula for the merge
         plan = plan._replace(kernel=torch_block)
-    dtype = _attention_dtype(q, k, v)
+    dtype = compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)   # differentiable casts: gradients return in each input's dtype
-    with _autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
+    with autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
         if not needs_grad: return _forward(q, k, v, mask, plan)[0]
         if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
         step = remat(_attend, remat_policy)
@@ -368,41 +376,101 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
         return torch.cat(outs, dim=2).to(dtype)       # (B, nh, Tq, hs)
 
 # %% ../../nbs/bpt/10_0_kernels.ipynb
+def native_attention(q, k, v, q_chunk_size:int=-1, causal:bool=True, attention_mask=None, *, scale:float=None,
+                     float32_logits:bool=False):
+    ("Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs) by the device's own fused "
+     "`F.scaled_dot_product_attention`, never with a (T, T) mask for a key-padding one.")
+    Tq, Tk, gqa = q.shape[2], k.shape[2], q.shape[1] != k.shape[1]
+    offset = Tk - Tq
+    dtype = stat_dtype(q.dtype) if float32_logits else compute_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=gqa)
+    if attention_mask is None and offset >= 0:          # the kernels' own causal modes: no mask is ever made
+        if not causal: return sdpa(q, k, v)
+        if offset == 0: return sdpa(q, k, v, is_causal=True)
+        return sdpa(q, k, v, attn_mask=causal_lower_right(Tq, Tk))   # a KV cache's earlier keys
+    if attention_mask is not None and attention_mask.dim() == 2 and offset == 0:
+        return _unpadded(q, k, v, attention_mask.bool(), causal, sdpa)   # padding: mask-free calls per row
+    return _masked_blocks(q, k, v, attention_mask, causal, q_chunk_size, scale)
+
+def _runs(x) -> list:
+    "(start, end, value) of each run of equal values in the 1-D CPU tensor x."
+    vals, counts = torch.unique_consecutive(x, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends, vals.tolist()))
+
+def _unpadded_row(q, k, v, keep, causal:bool, sdpa):
+    ("One sequence (1, heads, T, hs) with key mask `keep` (T,) (CPU bool): SDPA without a mask on its real tokens, "
+     "each run of padded queries on the real keys before it, zeros where no key is visible.")
+    T, dev = q.shape[2], q.device
+    idx = keep.nonzero()[:, 0]
+    n = len(idx)
+    if n == 0: return q.new_zeros(*q.shape[:3], v.shape[-1])            # no real token: every row sees nothing
+    s, e = idx[0].item(), idx[-1].item() + 1
+    contiguous = e - s == n                                             # left or right padding: slices, no copies
+    kr, vr = (k[:, :, s:e], v[:, :, s:e]) if contiguous else (k[:, :, idx.to(dev)], v[:, :, idx.to(dev)])
+    if not causal: return sdpa(q, kr, vr)                               # every query sees every real key
+    real = sdpa(q[:, :, s:e] if contiguous else q[:, :, idx.to(dev)], kr, vr, is_causal=True)   # (1, nh, n, hs)
+    seen = keep.cumsum(0)                                               # real keys at or before each position
+    parts, ins = [], []
+    for a, b, c in _runs(torch.where(keep, -1, seen)):                  # padded runs: c real keys before them (-1: real)
+        if c < 0: continue
+        parts.append(q.new_zeros(1, q.shape[1], b - a, v.shape[-1]) if c == 0 else sdpa(q[:, :, a:b], kr[:, :, :c],
+                                                                                            vr[:, :, :c]))
+        ins.append((a, b))
+    if contiguous:   # in order: padding before s, the real tokens, padding after e
+        pieces = sorted([(s, real)] + [(a, p) for (a, _), p in zip(ins, parts)], key=lambda t: t[0])
+        return torch.cat([p for _, p in pieces], 2) if len(pieces) > 1 else real
+    out = q.new_zeros(*q.shape[:3], v.shape[-1]).index_copy(2, idx.to(dev), real)
+    for (a, b), p in zip(ins, parts): out = out.index_copy(2, torch.arange(a, b, device=dev), p)
+    return out
+
+@torch.compiler.disable
+def _unpadded(q, k, v, keep, causal:bool, sdpa):
+    ("Attention under a (B, T) key-padding mask as mask-free SDPA calls on each sequence's real tokens: nothing "
+     "quadratic is made or kept for backward, and no masked pair is computed.")
+    rows = keep.cpu()                                  # one host sync: the layout of the padding decides the calls
+    full = rows.all(-1).tolist()
+    outs, b = [], 0
+    while b < len(full):                               # consecutive unpadded sequences: one call
+        e = b + 1
+        while full[b] and e < len(full) and full[e]: e += 1
+        outs.append(sdpa(q[b:e], k[b:e], v[b:e], is_causal=causal) if full[b]
+                    else _unpadded_row(q[b:e], k[b:e], v[b:e], rows[b], causal, sdpa))
+        b = e
+    return outs[0] if len(outs) == 1 else torch.cat(outs)                                  # (B, nh, T, hs)
+
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _native_keep(mask, causal:bool, qs:int, qe:int, Tk:int, offset:int):
-    ("Which keys the queries qs:qe may see, as SDPA takes a mask: bool (B|1, 1|nh, qc, Tk) (True = attend) or "
-     "additive float (−∞ = masked), with the causal rule folded in.")
+    ("Which of the first Tk keys the queries qs:qe may see, as SDPA takes a mask: bool (B|1, 1|nh, qc, Tk) (True = "
+     "attend) or additive float (−∞ = masked), with the causal rule folded in.")
     keep = None
     if causal:
         qpos = torch.arange(qs, qe, device=mask.device) + offset
         keep = (torch.arange(Tk, device=mask.device)[None, :] <= qpos[:, None])[None, None]    # (1, 1, qc, Tk)
-    m = mask[:, None, None, :] if mask.dim() == 2 else mask[..., qs:qe, :]
+    m = mask[:, None, None, :Tk] if mask.dim() == 2 else mask[..., qs:qe, :Tk]
     if m.dtype == torch.bool: return m if keep is None else m & keep
     return m if keep is None else m.masked_fill(~keep, float('-inf'))
 
-def native_attention(q, k, v, q_chunk_size:int=-1, causal:bool=True, attention_mask=None, *, scale:float=None,
-                     float32_logits:bool=False):
-    ("Exact attention of q (B, nh, Tq, hs) on k, v (B, nkv, Tk, hs) by the device's own fused "
-     "`F.scaled_dot_product_attention`: one call, or one per query block of `q_chunk_size` when a mask must be made.")
-    B, nh, Tq, hs = q.shape
-    Tk, gqa, offset = k.shape[2], q.shape[1] != k.shape[1], k.shape[2] - q.shape[2]
-    dtype = stat_dtype(q.dtype) if float32_logits else _attention_dtype(q, k, v)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale)
-    if attention_mask is None and offset >= 0:          # the kernels' own causal modes: no mask is ever made
-        if not causal: return sdpa(q, k, v, enable_gqa=gqa)
-        if offset == 0: return sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
-        return sdpa(q, k, v, attn_mask=causal_lower_right(Tq, Tk), enable_gqa=gqa)   # a KV cache's earlier keys
-    # a mask of (qc, Tk) per query block; fused kernels that take masks have no GQA: repeat k, v once
-    if gqa: k, v = k.repeat_interleave(nh // k.shape[1], 1), v.repeat_interleave(nh // k.shape[1], 1)
+@torch.compiler.disable
+def _masked_blocks(q, k, v, attention_mask, causal:bool, q_chunk_size:int, scale):
+    ("A full (B, heads, Tq, Tk) mask, or padding with a KV cache's offset: SDPA per query block with its mask, on the "
+     "keys up to the block's causal frontier.")
+    B, nh, Tq, _ = q.shape
+    Tk, offset = k.shape[2], k.shape[2] - q.shape[2]
+    # fused kernels that take masks have no GQA: repeat k, v once
+    if nh != k.shape[1]: k, v = k.repeat_interleave(nh // k.shape[1], 1), v.repeat_interleave(nh // k.shape[1], 1)
     mask = attention_mask if attention_mask is not None else torch.ones(B, Tk, dtype=torch.bool, device=q.device)
-    outs = []
-    for qs in range(0, Tq, chunk_length('q_chunk_size', q_chunk_size, Tq)):
-        qe = min(qs + chunk_length('q_chunk_size', q_chunk_size, Tq), Tq)
-        keep = _native_keep(mask, causal, qs, qe, Tk, offset)
+    outs, qc = [], chunk_length('q_chunk_size', q_chunk_size, Tq)
+    for qs in range(0, Tq, qc):
+        qe = min(qs + qc, Tq)
+        kend = max(1, min(Tk, qe + offset)) if causal else Tk           # later keys are masked for every query here
+        keep = _native_keep(mask, causal, qs, qe, kend, offset)
         seen = keep.any(-1) if keep.dtype == torch.bool else (keep > float('-inf')).any(-1)      # (B|1, 1|nh, qc)
         # a row that sees no key: let it see every key (no NaN in forward or backward), then give it zeros
         keep = (keep | ~seen[..., None]) if keep.dtype == torch.bool else keep.masked_fill(~seen[..., None], 0)
-        o = sdpa(q[:, :, qs:qe], k, v, attn_mask=keep if keep.dtype == torch.bool else keep.to(dtype))
+        o = F.scaled_dot_product_attention(q[:, :, qs:qe], k[:, :, :kend], v[:, :, :kend], scale=scale,
+                                           attn_mask=keep if keep.dtype == torch.bool else keep.to(q.dtype))
         outs.append(o.masked_fill(~seen[..., None], 0))                                         # (B, nh, qc, hs)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -4,34 +4,93 @@
 
 # %% ../../nbs/bpt/10_1_layers.ipynb 2
 from __future__ import annotations
+import contextlib
 from typing import Callable
 import torch
 from torch import nn
 from ..core import check
 from ..runtime import compiled_fn
 from ..wrappers import TransparentWrapper
-from .kernels import chunk_length, remat, stat_dtype
+from .kernels import autocast_off, chunk_length, compute_dtype, remat, stat_dtype
 
 # %% auto 0
 __all__ = ['REDUCTIONS', 'chunked_ffn', 'BPTFeedForward', 'fused_linear_cross_entropy']
 
 # %% ../../nbs/bpt/10_1_layers.ipynb
-def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable') -> torch.Tensor:
-    ("Apply the position-wise `ffn` to x (B, T, C) `chunk_size` tokens at a time along T, "
-     "each chunk rematerialised per `remat_policy`.")
+class _SaveInput(torch.autograd.Function):
+    ("Identity saving x for `_ChunkedFFN`'s backward. It is the layer's last saved tensor, so a checkpoint recomputing "
+     "the layer stops there (early stop) and never runs the FFN again.")
+    @staticmethod
+    def forward(ctx, x): ctx.save_for_backward(x); return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad): return grad
+
+class _ChunkedFFN(torch.autograd.Function):
+    "The FFN chunk by chunk, keeping nothing; backward recomputes and differentiates one chunk at a time."
+    @staticmethod
+    def forward(ctx, ffn, size, saver, x, *params):
+        ctx.ffn, ctx.size, ctx.saver, ctx.params = ffn, size, saver, params   # params: no save (it would come last)
+        if saver is None: ctx.save_for_backward(x)
+        dev = x.device.type
+        ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in dict.fromkeys((dev, 'cpu'))
+                        if torch.amp.is_autocast_available(d)]
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)   # for dropout
+        return torch.cat([ffn(c) for c in x.split(size, dim=1)], dim=1)   # (B, T, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = (ctx.saved_tensors if ctx.saver is None else ctx.saver.saved_tensors)   # unpacked once
+        want_x = ctx.needs_input_grad[3]
+        gx, gp = torch.empty_like(x) if want_x else None, [None] * len(ctx.params)
+        with contextlib.ExitStack() as stack:          # the forward's autocast and random state, with autograd on
+            stack.enter_context(torch.random.fork_rng(devices=[x.device] if x.is_cuda else []))
+            torch.set_rng_state(ctx.rng[0])
+            if ctx.rng[1] is not None: torch.cuda.set_rng_state(ctx.rng[1], x.device)
+            for d, on, dtype in ctx.autocast: stack.enter_context(torch.autocast(d, dtype=dtype, enabled=on))
+            stack.enter_context(torch.enable_grad())
+            for s in range(0, x.shape[1], ctx.size):
+                xc = x[:, s:s + ctx.size].detach().requires_grad_(want_x)
+                gs = torch.autograd.grad(ctx.ffn(xc), (xc,) * want_x + ctx.params, grad[:, s:s + ctx.size],
+                                         allow_unused=True)
+                if want_x: gx[:, s:s + ctx.size] = gs[0]
+                gp = [a if b is None else b if a is None else a.add_(b) for a, b in zip(gp, gs[want_x:])]
+        return (None, None, None, gx, *gp)
+
+def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable',
+                params=None) -> torch.Tensor:
+    ("Apply the position-wise `ffn` to x (B, T, C) `chunk_size` tokens at a time along T, each chunk recomputed in "
+     "backward per `remat_policy`; `params`: ffn's weights (default: a module's parameters).")
     size = chunk_length('ffn_chunk_size', chunk_size, x.shape[1])
-    f = remat(ffn, remat_policy)
+    if params is None and isinstance(ffn, nn.Module): params = list(ffn.parameters())
+    if remat_policy == 'nothing_saveable' and params is not None and torch.is_grad_enabled():
+        params = tuple(p for p in params if p.requires_grad)
+        if x.requires_grad:
+            saved = _SaveInput.apply(x)
+            return _ChunkedFFN.apply(ffn, size, saved.grad_fn, saved, *params)
+        if params: return _ChunkedFFN.apply(ffn, size, None, x, *params)
+    f = remat(ffn, remat_policy)        # selective policies (and a callable whose weights are unknown): checkpoints
     outs = [f(c) for c in x.split(size, dim=1)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)   # (B, T, C)
 
 class BPTFeedForward(TransparentWrapper):
     ("Wrapper running its `base_layer` (a position-wise FFN) `chunk_size` tokens at a time, "
-     "each chunk recomputed in backward.")
-    def __init__(self, base_layer:nn.Module, chunk_size:int, remat_policy:str='nothing_saveable'):
+     "each chunk recomputed in backward; `compile`: each chunk through `torch.compile` (a backend's name, or True).")
+    def __init__(self, base_layer:nn.Module, chunk_size:int, remat_policy:str='nothing_saveable', compile=False):
         super().__init__(base_layer)
-        self.chunk_size, self.remat_policy = chunk_size, remat_policy
-    def forward(self, x): return chunked_ffn(self.base_layer, x, self.chunk_size, self.remat_policy)
-    def extra_repr(self): return f"chunk_size={self.chunk_size}, remat_policy={self.remat_policy!r}"
+        self.chunk_size, self.remat_policy, self.compile = chunk_size, remat_policy, compile
+        # a function, not a module: one graph for every layer's FFN, its length dynamic (the last chunk is shorter)
+        def call(x): return base_layer(x)
+        backend = 'inductor' if compile is True else compile
+        self._compiled = torch.compile(call, backend=backend, dynamic=True) if compile else None
+
+    @torch.compiler.disable   # a compiled layer calls this eagerly: its loop's length depends on T
+    def forward(self, x):
+        return chunked_ffn(self._compiled or self.base_layer, x, self.chunk_size, self.remat_policy,
+                           list(self.base_layer.parameters()))
+
+    def extra_repr(self):
+        return (f"chunk_size={self.chunk_size}, remat_policy={self.remat_policy!r}"
+                + (f", compile={self.compile!r}" if self.compile else ''))
 
 # %% ../../nbs/bpt/10_1_layers.ipynb
 REDUCTIONS = ('mean', 'sum', 'chunk_mean')
@@ -45,46 +104,59 @@ def _ce_chunk(z, t, r):
     g = torch.exp(zf - lse[:, None]).scatter_add(1, t[:, None], -torch.ones_like(zf[:, :1])) * r[:, None]
     return loss, g.to(z.dtype)
 
+def _row_weights(valid, reduction:str, chunk_size:int, dtype):
+    "(N,) weight of each row's loss in the reduction: 1 (sum), 1/n (token mean), per-chunk means; 0 for ignored rows."
+    w = valid.to(dtype)
+    if reduction == 'mean': return w / valid.sum().clamp(min=1)
+    if reduction == 'chunk_mean':
+        n_chunks = -(-len(w) // chunk_size)
+        for s in range(0, len(w), chunk_size):
+            w[s:s + chunk_size] /= valid[s:s + chunk_size].sum().clamp(min=1) * n_chunks
+    return w
+
+_DTYPE_OUT = {}   # device type -> whether addmm accumulates low-precision products into fp32 in place (CUDA's out_dtype)
+
+def _accumulate_head_grad(grad_w, g, h, spare:list):
+    ("grad_w (V, C) += gᵀ (V, c) @ h (c, C) in place: one addmm_, or on CUDA bf16 products accumulated into fp32 by "
+     "cuBLAS (`out_dtype`); where neither runs, through one (V, C) buffer reused by every chunk (`spare`).")
+    if g.dtype == grad_w.dtype: return grad_w.addmm_(g.T, h.to(g.dtype))
+    dev = g.device.type
+    if _DTYPE_OUT.get(dev, dev == 'cuda'):
+        try: return torch.addmm(grad_w, g.T, h, out_dtype=grad_w.dtype, out=grad_w)
+        except (RuntimeError, TypeError, NotImplementedError): _DTYPE_OUT[dev] = False   # an older torch: no such op
+    if not spare: spare.append(torch.empty(grad_w.shape, dtype=g.dtype, device=g.device))
+    return grad_w.add_(torch.mm(g.T, h, out=spare[0]))
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     "LM head + cross-entropy by chunks of rows; gradients computed chunk by chunk during forward."
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, reduction, need_grad, compiled):
-        N = hidden.shape[0]
-        acc = stat_dtype(hidden.dtype)
+        acc, dt = stat_dtype(hidden.dtype), compute_dtype(hidden, weight)   # dt: autocast's, read once
         valid = targets != ignore_index                                        # (N,)
         safe_t = torch.where(valid, targets, torch.zeros_like(targets))        # (N,) any index for ignored rows
-        row_w = valid.to(acc)  # (N,) weight of each row's loss in the reduction
-        if reduction == 'mean': row_w = row_w / valid.sum().clamp(min=1)
-        elif reduction == 'chunk_mean':
-            n_chunks = -(-N // chunk_size)
-            for s in range(0, N, chunk_size):
-                row_w[s:s + chunk_size] /= valid[s:s + chunk_size].sum().clamp(min=1) * n_chunks
+        row_w = _row_weights(valid, reduction, chunk_size, acc)                # (N,)
         want_h, want_w = need_grad and ctx.needs_input_grad[0], need_grad and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
-        for s in range(0, N, chunk_size):
-            h, t, r = hidden[s:s + chunk_size], safe_t[s:s + chunk_size], row_w[s:s + chunk_size]
-            if compiled:                                   # a GPU: one fused pass instead of six
-                lc, g = compiled_fn(_ce_chunk, compiled)(h @ weight.T, t, r)   # g (c, V) ∂L/∂z, the product's dtype
-                loss += lc
-                # under autocast g is already what the products take; else the head's dtype
-                if not torch.is_autocast_enabled(g.device.type): g = g.to(weight.dtype)
-                if want_h: grad_h[s:s + chunk_size] = g @ weight
-                if want_w: grad_w += g.T @ h.to(g.dtype)
-                continue
-            z = (h @ weight.T).to(acc)                                         # (c, V) this chunk's logits only
-            lse = torch.logsumexp(z, -1)                                       # (c,)
-            loss += ((lse - z.gather(1, t[:, None])[:, 0]) * r).sum()
-            if want_h or want_w:
-                g = z.sub_(lse[:, None]).exp_()                                # (c, V) softmax, in place of the logits
-                g[torch.arange(len(t), device=g.device), t] -= 1
-                g.mul_(r[:, None])                                             # ∂L/∂z for this chunk
-                # (c, C) a bf16 head multiplies in bf16
-                if want_h: grad_h[s:s + chunk_size] = g.to(weight.dtype) @ weight
-                if want_w: grad_w += g.T @ h.to(acc)                           # (V, C) fp32 accumulation
-            del z
+        loss, spare = torch.zeros((), dtype=acc, device=hidden.device), []
+        with autocast_off(hidden.device.type):       # every product below runs in the dtype chosen here
+            w = weight.to(dt)  # (V, C) the head cast once per step (autocast would cast the view w.T in every chunk)
+            for s in range(0, hidden.shape[0], chunk_size):
+                h, t, r = hidden[s:s + chunk_size].to(dt), safe_t[s:s + chunk_size], row_w[s:s + chunk_size]
+                if compiled:                               # a GPU: one fused pass instead of six
+                    lc, g = compiled_fn(_ce_chunk, compiled)(h @ w.T, t, r)   # g (c, V) ∂L/∂z in dt
+                    loss += lc
+                else:
+                    z = (h @ w.T).to(acc)                                      # (c, V) this chunk's logits only
+                    lse = torch.logsumexp(z, -1)                               # (c,)
+                    loss += ((lse - z.gather(1, t[:, None])[:, 0]) * r).sum()
+                    if not (want_h or want_w): continue
+                    g = z.sub_(lse[:, None]).exp_()                            # (c, V) softmax, in place of the logits
+                    g[torch.arange(len(t), device=g.device), t] -= 1
+                    g.mul_(r[:, None])                                         # ∂L/∂z for this chunk, in acc
+                if want_h: grad_h[s:s + chunk_size] = g.to(dt) @ w             # (c, C)
+                if want_w: _accumulate_head_grad(grad_w, g, h, spare)          # (V, C) in acc, in place
+                del g
         if reduction == 'mean' and not valid.any(): loss = loss / 0.          # NaN, as F.cross_entropy
         ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
         ctx.want, ctx.weight_dtype = (want_h, want_w), weight.dtype

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/bpt/10_2_model.ipynb 2
 from __future__ import annotations
-import contextlib, functools, hashlib, inspect, sys
+import contextlib, dataclasses, functools, hashlib, inspect, sys, weakref
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -23,22 +23,26 @@ from .kernels import DEVICE_KERNELS, KERNELS, blockwise_attention, check_remat_p
 from .layers import BPTFeedForward, fused_linear_cross_entropy
 
 # %% auto 0
-__all__ = ['FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'BPTConfig', 'bpt_attention', 'bpt_attention_mask',
-           'BPTDecoderLayer', 'BPTRematLayer', 'OffloadActivations', 'fused_causal_lm_loss', 'BPTLossHooks',
-           'BPTHandle', 'add_bpt', 'remove_bpt', 'bpt_config_of', 'full_logits', 'bpt_causal_lm_loss']
+__all__ = ['CHUNK_FIELDS', 'BPT_DEFAULTS', 'FUSABLE_ATTENTION', 'BPT_FAMILIES', 'apply_bpt', 'BPTConfig', 'bpt_attention',
+           'bpt_attention_mask', 'BPTDecoderLayer', 'PinnedPool', 'OffloadActivations', 'BPTRematLayer',
+           'fused_causal_lm_loss', 'BPTLossHooks', 'BPTHandle', 'bpt_device', 'add_bpt', 'remove_bpt', 'bpt_config_of',
+           'full_logits', 'bpt_causal_lm_loss']
 
 # %% ../../nbs/bpt/10_2_model.ipynb
+CHUNK_FIELDS = ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size')
+
 @dataclass
 class BPTConfig(Config):
-    "Blockwise Parallel Transformer settings (the seed's `--llama.*` fields); a chunk size of -1 disables that stage."
-    q_chunk_size: int = 1024                 # query block length of blockwise attention (-1: the whole sequence)
-    k_chunk_size: int = 1024                 # key/value block length of blockwise attention (-1: the whole sequence; q
+    ("Blockwise Parallel Transformer settings (the seed's `--llama.*` fields); a chunk size of -1 disables that stage, "
+     "None (the default) is the device's measured best, `BPT_DEFAULTS`, filled in when `add_bpt` applies it.")
+    q_chunk_size: int = None                 # query block length of blockwise attention (-1: the whole sequence)
+    k_chunk_size: int = None                 # key/value block length of blockwise attention (-1: the whole sequence; q
                                              # and k both -1: Hugging Face's attention)
-    ffn_chunk_size: int = 1024               # tokens per chunk of the feed-forward network (-1: no chunking, i.e. a
+    ffn_chunk_size: int = None               # tokens per chunk of the feed-forward network (-1: no chunking, i.e. a
                                              # memory-efficient transformer)
-    head_chunk_size: int = -1                # tokens per chunk of the LM head, fused with the loss (-1: off unless
+    head_chunk_size: int = None              # tokens per chunk of the LM head, fused with the loss (-1: off unless
                                              # loss_chunk_size is set)
-    loss_chunk_size: int = -1                # tokens per chunk of the loss, fused with the LM head (-1: off unless
+    loss_chunk_size: int = None              # tokens per chunk of the loss, fused with the LM head (-1: off unless
                                              # head_chunk_size is set)
     remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable,
                                              # dots_with_no_batch_dims_saveable or everything_saveable
@@ -59,25 +63,44 @@ class BPTConfig(Config):
                                              # host memory until backward (CUDA: pinned copies on a side stream)
 
     def __post_init__(self):
-        for name in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size', 'loss_chunk_size'):
+        for name in CHUNK_FIELDS:
             v = getattr(self, name)
-            check(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v > 0),
-                  f"BPTConfig.{name} must be a positive block length or -1 (disabled); got {v!r}")
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v > 0)),
+                  f"BPTConfig.{name} must be a positive block length or -1 (disabled), or None (the device's "
+                  f"default); got {v!r}")
         check_remat_policy(self.remat_policy)
         check(self.attention_kernel in (*DEVICE_KERNELS, *KERNELS),
               f"unknown attention kernel {self.attention_kernel!r}; use one of {', '.join((*DEVICE_KERNELS, *KERNELS))}")
         check(isinstance(self.compile, (bool, str)), f"BPTConfig.compile must be True, False or a torch.compile "
               f"backend's name; got {self.compile!r}")
-        check(not self.fused or self.q_chunk_size > 0,
+        check(not self.fused or self.q_chunk_size is None or self.q_chunk_size > 0,
               "fused=True runs each layer one query block at a time: set q_chunk_size > 0")
+
+    @property
+    def auto_fields(self) -> tuple:
+        "The chunk sizes left to the device (None)."
+        return tuple(n for n in CHUNK_FIELDS if getattr(self, n) is None)
+
+    def resolve(self, device) -> BPTConfig:
+        "This config with every chunk size left to the device taken from `BPT_DEFAULTS` for `device`'s type."
+        table = BPT_DEFAULTS.get(torch.device(device).type, BPT_DEFAULTS['cpu'])
+        return dataclasses.replace(self, **{n: table[n] for n in self.auto_fields})
 
     @property
     def attention_enabled(self) -> bool: return self.q_chunk_size != -1 or self.k_chunk_size != -1
     @property
     def lm_chunk_size(self) -> int:
-        "Chunk length of the fused LM head + loss, or -1 when both are off."
+        "Chunk length of the fused LM head + loss, or -1 when both are off (of a resolved config)."
+        auto = [n for n in ('head_chunk_size', 'loss_chunk_size') if getattr(self, n) is None]
+        check(not auto, f"BPTConfig.{auto[0] if auto else ''} is the device's default until resolved")
         sizes = [s for s in (self.head_chunk_size, self.loss_chunk_size) if s > 0]
         return min(sizes) if sizes else -1
+
+# %% ../../nbs/bpt/10_2_model.ipynb
+# chunk sizes for the fields a config leaves to the device, by device type (any other type: 'cpu'); why: the prose above
+BPT_DEFAULTS = {
+    'cpu': dict(q_chunk_size=4096, k_chunk_size=4096, ffn_chunk_size=1024, head_chunk_size=-1, loss_chunk_size=256),
+    'cuda': dict(q_chunk_size=1024, k_chunk_size=1024, ffn_chunk_size=-1, head_chunk_size=-1, loss_chunk_size=1024)}
 
 # %% ../../nbs/bpt/10_2_model.ipynb
 def _settings_name(config:BPTConfig) -> str:
@@ -170,6 +193,12 @@ class BPTDecoderLayer(TransparentWrapper):
         v = attn.v_proj(n).view(B, T, -1, hs).transpose(1, 2)                 # (B, nkv, T, hs)
         q, k = self._rope(q, k, *position_embeddings)
         if past_key_values is not None: k, v = past_key_values.update(k, v, attn.layer_idx)
+        return self._blocks(hidden_states, q, k, v, attention_mask)
+
+    @torch.compiler.disable   # a compiled layer runs the loop eagerly: its length depends on T
+    def _blocks(self, hidden_states, q, k, v, attention_mask):
+        "Every query block through `_block`, each rematerialised: (B, T, C)."
+        cfg, T = self.bpt_config, hidden_states.shape[1]
         block = remat(self._block, cfg.remat_policy)
         outs = []
         for s in range(0, T, cfg.q_chunk_size):
@@ -191,13 +220,127 @@ class BPTDecoderLayer(TransparentWrapper):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 # %% ../../nbs/bpt/10_2_model.ipynb
+_PAGE = 4096
+
+def _unpin(buffers:dict):
+    "Unregister page-locked host buffers ({data_ptr: tensor}) before their memory is freed."
+    for ptr in list(buffers):
+        try: torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception: pass                     # CUDA already shut down at exit: the process frees everything
+        del buffers[ptr]
+
+class PinnedPool:
+    ("Host buffers for offloaded tensors, each exactly its size (CUDA: its own pages locked by cudaHostRegister, where "
+     "torch's pinned allocator rounds up to a power of two), reused across steps; `pin=False`: plain host memory.")
+    def __init__(self, pin:bool=True):
+        self.pin, self.free, self.bytes, self.allocations = pin, {}, 0, 0   # free: {nbytes: [buffer]}
+        self._registered = {}                                               # {data_ptr: buffer} locked by this pool
+        weakref.finalize(self, _unpin, self._registered)
+
+    def take(self, nbytes:int) -> torch.Tensor:
+        "A uint8 host buffer of `nbytes`: a free one of that size, else a new one (after freeing the others)."
+        if self.free.get(nbytes): return self.free[nbytes].pop()
+        self.release()         # a new size: what is free now is of another size; give it back before adding more
+        self.allocations += 1
+        if not self.pin: self.bytes += nbytes; return torch.empty(nbytes, dtype=torch.uint8)
+        size = -(-nbytes // _PAGE) * _PAGE
+        raw = torch.empty(size + _PAGE, dtype=torch.uint8)                  # page-aligned inside, as cudaHostRegister
+        buf = raw[(-raw.data_ptr()) % _PAGE:][:size]                        # wants; the slice keeps raw alive
+        try: torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0))
+        except Exception:      # no CUDA runtime binding: torch's own pinned memory
+            buf, size = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes
+        else: self._registered[buf.data_ptr()] = buf
+        self.bytes += size
+        return buf[:nbytes]
+
+    def give(self, buf:torch.Tensor):
+        "Return a buffer from `take` for reuse."
+        self.free.setdefault(buf.numel(), []).append(buf)
+
+    def release(self):
+        "Free every buffer not in use (unregistering what this pool locked)."
+        for bufs in self.free.values():
+            for b in bufs:
+                ptr = b.data_ptr()
+                self.bytes -= b.numel() if ptr not in self._registered else self._registered[ptr].numel()
+                if ptr in self._registered: _unpin({ptr: self._registered.pop(ptr)})
+        self.free = {}
+
+# %% ../../nbs/bpt/10_2_model.ipynb
+_OFFLOAD_STREAMS = {}   # one side stream per device for the copies to and from host
+
+def _side_stream(device):
+    return _OFFLOAD_STREAMS.get(device) or _OFFLOAD_STREAMS.setdefault(device, torch.cuda.Stream(device))
+
+class _Offloaded:
+    "A saved tensor waiting in host memory: its host copy, and once brought back (or prefetched) its device copy."
+    def __init__(self, t, host, prev):
+        self.device, self.host, self.prev = t.device, host, prev    # prev: weak reference to the one packed before
+        self.dev = self.h2d = None
+        self.used = False
+
+    def fetch(self):
+        "Start the copy back to the device (CUDA: on the side stream, after the copy to host)."
+        if self.dev is not None: return
+        if self.device.type != 'cuda': self.dev = self.host.clone(); return      # the CPU's round trip (copy=True)
+        s = _side_stream(self.device)
+        with torch.cuda.stream(s):                      # after the copy to host, queued on the same stream
+            self.dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+            self.dev.copy_(self.host, non_blocking=True)
+            self.h2d = torch.cuda.Event(); self.h2d.record(s)
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    ("Within it, tensors autograd saves for backward (parameters and tensors under `min_bytes` excepted) wait in host "
+     "memory until backward needs them, the one saved before each prefetched as it is reached: on CUDA copies to "
+     "exactly-sized pinned buffers on a side stream; elsewhere they stay (`copy=True`: copied, to test the round trip).")
+    def __init__(self, min_bytes:int=1 << 20, copy:bool=False, prefetch:bool=True):
+        self.min_bytes, self.copy, self.prefetch, self.bytes = min_bytes, copy, prefetch, 0
+        self.pool = PinnedPool(pin=torch.cuda.is_available())
+        self.stats = {'offloaded': 0, 'prefetched': 0, 'on_demand': 0}
+        self._last = None                   # weak reference to the last tensor offloaded, while backward has not used it
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t:torch.Tensor):
+        size = t.numel() * t.element_size()
+        if isinstance(t, nn.Parameter) or t.layout != torch.strided or size < max(self.min_bytes, 1): return t
+        self.bytes += size
+        if t.device.type != 'cuda' and not self.copy: return t       # no device memory to free
+        buf = self.pool.take(size)
+        host = buf.view(t.dtype).view(t.shape)
+        last = self._last() if self._last is not None else None
+        e = _Offloaded(t, host, self._last if last is not None and not last.used else None)
+        weakref.finalize(e, self.pool.give, buf)      # the buffer is reused once autograd drops the saved tensor
+        self._last = weakref.ref(e)
+        self.stats['offloaded'] += 1
+        if t.device.type != 'cuda': host.copy_(t); return e
+        s = _side_stream(t.device)
+        s.wait_stream(torch.cuda.current_stream(t.device))          # t is complete before the copy starts
+        with torch.cuda.stream(s): host.copy_(t, non_blocking=True)   # the copy back is queued after it, on s
+        t.record_stream(s)                  # its device block is not reused before the copy ends
+        return e
+
+    def _unpack(self, e):
+        if not isinstance(e, _Offloaded): return e
+        self.stats['prefetched' if e.dev is not None else 'on_demand'] += 1
+        e.fetch()
+        dev, e.dev, e.used = e.dev, None, True
+        if e.h2d is not None:
+            cur = torch.cuda.current_stream(e.device)
+            cur.wait_event(e.h2d)           # the copy back has finished
+            dev.record_stream(cur)          # made on the side stream, used on this one
+        prev = e.prev() if self.prefetch and e.prev is not None else None
+        if prev is not None and not prev.used: prev.fetch()    # backward needs it next: its copy overlaps this layer's
+        return dev
+
+# %% ../../nbs/bpt/10_2_model.ipynb
 class BPTRematLayer(TransparentWrapper):
     ("Wrapper rematerialising its `base_layer` (a whole decoder layer) in backward under `remat_policy`, its training "
      "forward `torch.compile`d when `compile` names a backend (True: inductor); a KV cache bypasses both.")
-    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False, offload:bool=False):
+    def __init__(self, base_layer:nn.Module, remat_policy:str='nothing_saveable', compile=False, offload=False):
         super().__init__(base_layer)
         self.remat_policy, self.compile = remat_policy, compile
-        self.offload = OffloadActivations() if offload else None   # what the checkpoint saves waits in host memory
+        # what the checkpoint saves waits in host memory (`offload`: True, or one OffloadActivations for every layer)
+        self.offload = offload if isinstance(offload, OffloadActivations) else OffloadActivations() if offload else None
         # through the module's own call, so its hooks run (FSDP's unshard); compiled as a function, not a module (a
         # compiled module would register as a submodule, and its state twice)
         def call(*args, **kwargs): return base_layer(*args, **kwargs)
@@ -215,39 +358,6 @@ class BPTRematLayer(TransparentWrapper):
     def extra_repr(self):
         return (f"remat_policy={self.remat_policy!r}" + (f", compile={self.compile!r}" if self.compile else '')
                 + (", offload=True" if self.offload is not None else ''))
-
-# %% ../../nbs/bpt/10_2_model.ipynb
-_OFFLOAD_STREAMS = {}   # one side stream per device for the copies to host
-
-class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    ("Within it, tensors autograd saves for backward (parameters and tensors under `min_bytes` excepted) wait in host "
-     "memory until backward needs them: on CUDA pinned copies made on a side stream; elsewhere they stay (`copy=True`: "
-     "copied, to test the round trip). `bytes` counts what it took.")
-    def __init__(self, min_bytes:int=1 << 20, copy:bool=False):
-        self.min_bytes, self.copy, self.bytes = min_bytes, copy, 0
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, t:torch.Tensor):
-        size = t.numel() * t.element_size()
-        if isinstance(t, nn.Parameter) or t.layout != torch.strided or size < self.min_bytes: return t
-        self.bytes += size
-        if t.device.type == 'cuda':
-            s = _OFFLOAD_STREAMS.get(t.device) or _OFFLOAD_STREAMS.setdefault(t.device, torch.cuda.Stream(t.device))
-            s.wait_stream(torch.cuda.current_stream(t.device))      # t is complete before the copy starts
-            with torch.cuda.stream(s):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                done = torch.cuda.Event(); done.record(s)
-            t.record_stream(s)              # its device block is not reused before the copy ends
-            return ('host', t.device, host, done)
-        return ('copy', t.clone()) if self.copy else t
-
-    def _unpack(self, packed):
-        if not isinstance(packed, tuple): return packed
-        if packed[0] == 'copy': return packed[1]
-        _, device, host, done = packed
-        torch.cuda.current_stream(device).wait_event(done)       # the copy to host has finished
-        return host.to(device, non_blocking=True)
 
 # %% ../../nbs/bpt/10_2_model.ipynb
 def fused_causal_lm_loss(hidden:torch.Tensor, weight:torch.Tensor, labels:torch.Tensor, chunk_size:int,
@@ -283,11 +393,13 @@ _LOSS_KWARGS = ('shift_labels', 'num_items_in_batch', 'ignore_index')
 class BPTLossHooks:
     ("Hooks making a causal LM's `model(..., labels=...)` compute its loss by the fused chunked head: "
      "no (B, T, V) logits.")
-    def __init__(self, model:nn.Module, chunk_size:int, offload:bool=False):
+    def __init__(self, model:nn.Module, chunk_size:int, offload=False):
         _fused_head(model)
         self.model, self.chunk_size, self.dense = model, chunk_size, 0   # dense > 0: inside `full_logits`
-        # the loss's gradient of the hidden states (B·T, C), kept for backward, waits in host memory
-        self.offload = OffloadActivations() if offload else contextlib.nullcontext()
+        # the loss's gradient of the hidden states (B·T, C), kept for backward, waits in host memory (`offload`: True,
+        # or the layers' OffloadActivations)
+        self.offload = (offload if isinstance(offload, OffloadActivations) else OffloadActivations() if offload
+                        else contextlib.nullcontext())
         self._calls = []                          # one entry per call in flight: None (not ours) or what its loss needs
         self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                          model.base_model.register_forward_hook(self._capture),
@@ -352,10 +464,11 @@ def _handle(model):
 
 class BPTHandle:
     "What `add_bpt` changed in a model (kept on the model); `remove_bpt(model)` undoes it."
-    def __init__(self, model, config, attn_name, original_attn, replaced, loss_hooks=None):
+    def __init__(self, model, config, attn_name, original_attn, replaced, loss_hooks=None, auto=(), device=None):
         (self.model, self.config, self.attn_name,
          self.original_attn, self.replaced) = model, config, attn_name, original_attn, replaced
         self.loss_hooks = loss_hooks             # BPTLossHooks when the head and loss are chunked
+        self.auto, self.device = auto, device    # the chunk sizes taken from BPT_DEFAULTS, for this device type
     def remove(self):
         "Put back every replaced module and the original attention implementation; remove the loss hooks."
         if self.loss_hooks is not None: self.loss_hooks.remove(); self.loss_hooks = None
@@ -364,17 +477,32 @@ class BPTHandle:
         vars(self.model).pop(_STATE, None)
         self.replaced = []
     def __repr__(self):
+        c = self.config
+        chunks = ', '.join(f"{n.replace('_chunk_size', '')}={getattr(c, n)}" for n in CHUNK_FIELDS)
         return (f"BPTHandle({type(self.model).__name__}, {len(self.replaced)} modules replaced, "
-                f"attention={self.attn_name}, fused loss in model(labels=...): {self.loss_hooks is not None})")
+                f"attention={self.attn_name}, fused loss in model(labels=...): {self.loss_hooks is not None}, "
+                f"chunks {chunks}" + (f" ({', '.join(self.auto)} from BPT_DEFAULTS[{self.device!r}])" if self.auto else '')
+                + ")")
 
-def add_bpt(model, config:BPTConfig=None):
-    ("Convert a Hugging Face Llama-family causal LM to BPT in place "
-     "(blockwise attention, chunked FFN or fused layers); return it.")
-    config = BPTConfig() if config is None else config
+def bpt_device(model, device=None) -> str:
+    ("The device type whose defaults a conversion takes: `device`, else the model's when it is not on the CPU, else "
+     "'cuda' where there is one (a model is often converted before it moves), else 'cpu'.")
+    if device is not None: return torch.device(device).type
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type not in ('cpu', 'meta'): return p.device.type
+    return 'cuda' if torch.cuda.is_available() else 'cpu'
+
+# %% ../../nbs/bpt/10_2_model.ipynb
+def add_bpt(model, config:BPTConfig=None, device=None):
+    ("Convert a Hugging Face Llama-family causal LM to BPT in place (blockwise attention, chunked FFN or fused "
+     "layers), chunk sizes the config leaves out taken for `device` (see `bpt_device`); return it.")
     hf = unwrap(model, peft=True)
     family = getattr(getattr(hf, 'config', None), 'model_type', None)
     check(family in BPT_FAMILIES, f"BPT converts Llama-family causal LMs ({', '.join(BPT_FAMILIES)}, e.g. SmolLM2); "
           f"{type(hf).__name__} (model_type={family!r}) is not one")
+    given = BPTConfig() if config is None else config
+    device = bpt_device(hf, device)
+    config = given.resolve(device)                    # the chunk sizes left out: the device's measured best
     check(_handle(hf) is None, "this model is already converted by add_bpt; call remove_bpt(model) first")
     check(not getattr(hf.config, 'attention_dropout', 0.0),
           f"BPT attention has no dropout; set attention_dropout=0 (the model has {hf.config.attention_dropout})")
@@ -397,18 +525,24 @@ def add_bpt(model, config:BPTConfig=None):
     if config.fused:
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer)); layers[i] = BPTDecoderLayer(layer, config)
-    elif config.ffn_chunk_size != -1:
+    remat_layers = config.layer_remat and config.remat_policy != 'everything_saveable'
+    if not config.fused and config.ffn_chunk_size != -1:
+        # inside a rematerialised layer the chunks recompute once: nothing_saveable's autograd function stops the layer's
+        # recomputation before the FFN; under a selective policy the layer's own checkpoint governs them
+        policy = ('everything_saveable' if remat_layers and config.remat_policy != 'nothing_saveable'
+                  else config.remat_policy)
         for layer in layers:
             replaced.append((layer, 'mlp', layer.mlp))
-            layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, config.remat_policy)
-    remat_layers = config.layer_remat and config.remat_policy != 'everything_saveable'
+            layer.mlp = BPTFeedForward(layer.mlp, config.ffn_chunk_size, policy, config.compile)
+    # one offloader for every layer and the loss: backward prefetches, across layers, the checkpoint it needs next
+    offload = OffloadActivations() if config.offload else False
     if remat_layers or config.compile or config.offload:
         policy = config.remat_policy if remat_layers else 'everything_saveable'    # compiled without remat
         for i, layer in enumerate(layers):
             replaced.append((layers, str(i), layer))
-            layers[i] = BPTRematLayer(layer, policy, config.compile, config.offload)
-    loss_hooks = (BPTLossHooks(hf, config.lm_chunk_size, config.offload) if config.lm_chunk_size != -1 else None)
-    setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks))
+            layers[i] = BPTRematLayer(layer, policy, config.compile, offload)
+    loss_hooks = BPTLossHooks(hf, config.lm_chunk_size, offload) if config.lm_chunk_size != -1 else None
+    setattr(hf, _STATE, BPTHandle(hf, config, attn_name, original_attn, replaced, loss_hooks, given.auto_fields, device))
     attach_method(hf, 'bpt', config.to_dict())
     return model
 

@@ -71,16 +71,6 @@ class TokenBatches:
         "Global batches in one epoch (the last one partial unless drop_last)."
         return self.n_rows // self.global_batch if self.drop_last else math.ceil(self.n_rows / self.global_batch)
 
-    def __iter__(self):
-        if self.loop:
-            while True: yield self._batch(self._take_global())
-        else:  # one pass, from the start
-            self.position, G, order = 0, self.global_batch, self._order(0).tolist()
-            for s in range(self.steps_per_epoch):
-                rows = order[s * G:(s + 1) * G]
-                self.position = min((s + 1) * G, self.n_rows)
-                yield self._batch(rows + [None] * (G - len(rows)))
-
     def __repr__(self):
         return (f"TokenBatches({self.n_rows} rows x {self.seq_len} tokens, batch {self.batch_size} x "
                 f"{self.world_size} processes, {'loop' if self.loop else 'one pass'}, epoch {self.epoch}, "
@@ -160,6 +150,18 @@ def _batch(self, rows:list) -> dict:
         at = [j for j, r in enumerate(mine) if r is not None]
         ids[at], mask[at] = self._rows(real)
     return {'input_ids': ids, 'labels': shift_labels(ids, mask), 'attention_mask': mask}
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(TokenBatches)
+def __iter__(self):
+    if self.loop:
+        while True: yield self._batch(self._take_global())
+    else:  # one pass, from the start
+        self.position, G, order = 0, self.global_batch, self._order(0).tolist()
+        for s in range(self.steps_per_epoch):
+            rows = order[s * G:(s + 1) * G]
+            self.position = min((s + 1) * G, self.n_rows)
+            yield self._batch(rows + [None] * (G - len(rows)))
 
 # %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)

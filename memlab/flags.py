@@ -31,6 +31,7 @@ def parse_literal(s):
         except Exception: pass
     raise argparse.ArgumentTypeError(f"cannot parse {s!r} as JSON or a Python literal")
 
+# %% ../nbs/00d_flags.ipynb
 def _list_of(t):
     def _parse(s):
         if isinstance(s, (list, tuple)): return [t(x) for x in s]
@@ -122,6 +123,7 @@ VALUE_RULES = {**{k: ('positive', lambda v: v > 0) for k in _POSITIVE},
                **{k: ('zero or more', lambda v: v >= 0) for k in _NON_NEGATIVE},
                **{k: ('in [0, 1)', lambda v: 0 <= v < 1) for k in ('adam_beta1', 'adam_beta2', 'warmup_ratio')}}
 
+# %% ../nbs/00d_flags.ipynb
 def check_ranges(cfg, prefix:str=''):
     ("Refuse a numeric flag outside its range (`VALUE_RULES`, by field name), naming the flag: "
      "before any model or data loads.")
@@ -160,6 +162,7 @@ def _file_value(action, value, path):
                           f"{', '.join(map(str, action.choices))}, got {v!r}")
     return v
 
+# %% ../nbs/00d_flags.ipynb
 def _apply_config_file(parser, argv:list, config_file_flag:str):
     "The values of the config file `argv` names (`--<config_file_flag>`) become the parser's defaults, each checked."
     first = argparse.ArgumentParser(add_help=False)   # only the file flag: required flags may come from the file

@@ -33,6 +33,7 @@ def canonical_split(name:str) -> str:
     s = str(name).strip().lower()
     return SPLIT_ALIASES.get(s, s)
 
+# %% ../nbs/01_data.ipynb
 def _thresholds(ratios) -> tuple:
     check(len(ratios) == 3 and all(r >= 0 for r in ratios) and abs(sum(ratios) - 1) < 1e-6,
           "split_ratios must be three non-negative fractions (train, validation, test) "
@@ -135,6 +136,7 @@ def check_text(text:str, where:str):
     check(bad <= max(16, 0.1 * len(sample)), f"{where} is not text: {bad / len(sample):.0%} of its characters are not UTF-8 or "
           "are control characters (binary data?): pass a UTF-8 text file")
 
+# %% ../nbs/01_data.ipynb
 def text_of(value, where:str) -> str:
     "`value` as a document's text ('' for None); a number, list or other non-string is refused, as is binary data."
     if value is None: return ''
@@ -224,6 +226,7 @@ def _paragraph_pieces(text:str, target:int) -> list:
     if cur: pieces.append('\n\n'.join(cur))
     return pieces
 
+# %% ../nbs/01_data.ipynb
 def _positional_splits(n:int, split_ratios) -> list:
     ("Split names for `n` consecutive pieces of one text: train first, then validation, then test "
      "(each non-empty when n >= 3).")

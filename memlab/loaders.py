@@ -30,6 +30,7 @@ def dist_rank_world(rank:int=None, world_size:int=None) -> tuple:
           f"rank must be in 0..world_size-1, got rank {rank} of world_size {world_size}")
     return rank, world_size
 
+# %% ../nbs/03_loaders.ipynb
 def shift_labels(input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> torch.Tensor:
     ("Pre-shifted labels: `labels[:, t] = input_ids[:, t+1]`, −100 at the last position and wherever position "
      "t or t+1 is padding.")
@@ -125,6 +126,7 @@ def _order(self, epoch:int) -> np.ndarray:
         self._order_cache = (epoch, o)
     return self._order_cache[1]
 
+# %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
 def _take_global(self) -> list:
     "Row numbers of the next global batch (training), advancing the state."
@@ -170,6 +172,7 @@ def state_dict(self) -> dict:
     return {'epoch': self.epoch, 'position': self.position, 'seed': self.seed, 'n_rows': self.n_rows,
             'shuffle': self.shuffle, 'seq_len': self.seq_len}
 
+# %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
 def load_state_dict(self, state:dict):
     "Continue from a `state_dict()`: the next batch is the one that followed it."

@@ -137,6 +137,7 @@ def check_output_file(path, flag:str='out') -> Path:
     if p.parent.is_dir() and lock_folder(p.parent, flag): release_folder(p.parent)   # held by a live run: refused now
     return p
 
+# %% ../nbs/00e_folders.ipynb
 def write_output_file(path, text:str, flag:str='out') -> Path:
     "Write `text` to file `path` atomically, holding its folder meanwhile (`lock_folder`)."
     p = Path(path).expanduser()

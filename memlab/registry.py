@@ -157,6 +157,7 @@ def attach_method(model, name:str, config:dict):
         model.save_pretrained = _SavePretrained(model)                 # on the instance: no class is patched
     return model
 
+# %% ../nbs/04b_registry.ipynb
 def detach_method(model, name:str):
     "Forget method `name` on `model`; with no method left, `model.save_pretrained` is the class's again."
     cfg = getattr(model, 'config', None)

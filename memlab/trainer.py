@@ -47,6 +47,7 @@ def count_targets(batch:dict) -> torch.Tensor:
 def _to_device(batch:dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
+# %% ../nbs/05g_trainer.ipynb
 def _decay_groups(model, weight_decay:float) -> list:
     "AdamW parameter groups: no weight decay on biases, norms and 1-D parameters."
     decay, no_decay = [], []
@@ -183,6 +184,7 @@ def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
     for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
     return opt
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _build_optimizer(self, keep_step:int=None):
     opt = self._new_optimizer(self.model, keep_step)
@@ -293,6 +295,7 @@ def reconfigure(self, modify):
     self.unwrapped_model = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
     self._build_optimizer(keep_step=self.step)
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
     """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured
@@ -323,6 +326,7 @@ def _sync_context(self, last:bool):
         return _fsdp_no_sync()
     return self.accelerator.no_sync(self.model)
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _reduce(self, t:torch.Tensor) -> torch.Tensor:
     t = t.detach().float().to(self.accelerator.device)
@@ -339,6 +343,7 @@ def _engine_backward(self, loss, last:bool):
     self.model.backward(loss, scale_wrt_gas=False)
     if not last: self.model.step()
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _clip(self):
     c = self.config
@@ -501,6 +506,7 @@ def _stop_requested(self, signals:StopSignals) -> bool:
     if signum and signals.signum is None: signals.received, signals.signum = signal.Signals(signum).name, signum
     return bool(signum)
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _stop(self, signals:StopSignals, saved:Path=None):
     "Save a checkpoint (unless this update was just saved) and raise `Interrupted`."
@@ -520,6 +526,7 @@ def _take(it, n:int) -> list:
         except StopIteration: break
     return out
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _log_window(self, window:list, tokens:int, seconds:float, peak:int):
     "Log the updates since the last log: token-weighted means, the last gradient norm, lr, tokens/s, peak memory."

@@ -172,6 +172,7 @@ def read_json(path, what:str='checkpoint file'):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MemlabError(f"{path} is damaged (not valid JSON: {str(e).splitlines()[0]}); {DAMAGED}") from None
 
+# %% ../nbs/05d_checkpoints.ipynb
 def read_safetensors(path) -> dict:
     "The tensors of safetensors file `path`; a missing, truncated or corrupt file is one line naming it."
     from safetensors.torch import load_file
@@ -190,6 +191,7 @@ def write_state(obj, stem):
     if tensors: save_file(tensors, str(stem.with_name(stem.name + '.safetensors')), metadata={'format': 'pt'})
     stem.with_name(stem.name + '.json').write_text(json.dumps(data))
 
+# %% ../nbs/05d_checkpoints.ipynb
 def read_state(stem):
     "Read what `write_state` wrote; an older memlab's `stem`.pt loads only if it holds nothing but data (no code runs)."
     stem = Path(stem)
@@ -241,6 +243,7 @@ def _digest(path, hash:str) -> str:
         while (block := f.read(1 << 24)): h.update(block)
     return h.hexdigest()
 
+# %% ../nbs/05d_checkpoints.ipynb
 def _checkpoint_files(folder:Path) -> list:
     "Every entry of `folder` but the manifest and folders, as relative POSIX paths (links included: they are refused)."
     out = []
@@ -258,6 +261,7 @@ def write_manifest(folder, step:int, hash:str='xxh3_128', **facts) -> dict:
     atomic_write_text(folder/MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
+# %% ../nbs/05d_checkpoints.ipynb
 def _identity(folder:Path) -> tuple:
     "What a file system says of every file of `folder` (device, inode, size, time): a changed file changes it."
     sts = [(f, os.lstat(folder/f)) for f in [MANIFEST, *_checkpoint_files(folder)]]

@@ -201,12 +201,14 @@ def data_rank(shape:MeshShape, rank:int) -> tuple:
     c = mesh_coordinates(shape, rank)
     return c['dp'] * shape.fsdp + c['fsdp'], shape.data
 
+# %% ../nbs/05c_distributed.ipynb
 def launch_data_rank(mesh_dim, flag:str='--mesh_dim') -> tuple:
     ("(rank, world_size) for this launched process's loaders under `mesh_dim`, before any process group exists; "
      "(None, None) without a mesh: the loaders' own (every process its own rows).")
     if not mesh_dim: return None, None
     return data_rank(resolve_mesh(mesh_dim, launched_processes(), flag), int(os.environ.get('RANK', '0')))
 
+# %% ../nbs/05c_distributed.ipynb
 def resume_process(saved:MeshShape, now:MeshShape, rank:int) -> int:
     ("The process of a checkpoint written under mesh `saved` whose data position and RNG process `rank` of mesh "
      "`now` continues from: the first one that read the same rows.")
@@ -314,6 +316,7 @@ def clip_grad_norm(parameters, max_norm:float) -> float:
     for ps in groups.values(): torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device))
     return float(total)
 
+# %% ../nbs/05c_distributed.ipynb
 def mesh_step_context(shape:MeshShape=None):
     ("Context for a training step's forward on mesh `shape`: under tensor parallelism, a layer recomputed in backward "
      "(BPT's remat, activation checkpointing) is recomputed whole.")
@@ -334,6 +337,7 @@ def fingerprint(weights, trainable_only:bool=False) -> list:
         if v.is_floating_point(): v = v.detach().double().cpu(); s += torch.stack([v.sum(), (v * v).sum()])
     return s.tolist()
 
+# %% ../nbs/05c_distributed.ipynb
 def check_replicas(fp:list, world:int, what:str='weights') -> list:
     "Every process's fingerprint `fp` (all-gathered when `world` > 1); one line, on every process, if they differ."
     fps = [fp] * world
@@ -341,4 +345,3 @@ def check_replicas(fp:list, world:int, what:str='weights') -> list:
     check(all(f == fps[0] for f in fps),
           f"the {world} processes ended with different {what} (fingerprints {fps}): a replica diverged")
     return fps
-

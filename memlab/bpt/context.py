@@ -78,6 +78,7 @@ def _finish(a, m, l):
     safe = torch.where(seen, l, torch.ones_like(l))
     return a / safe[..., None], torch.where(seen, torch.where(torch.isfinite(m), m, 0) + torch.log(safe), float('-inf'))
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _pair_mask(kmask, qs:int, qe:int, ks:int, ke:int, diag:bool):
     "The bool mask (True = attend) of queries qs:qe against keys ks:ke of one chunk pair, or None when all attend."
     m = None
@@ -87,6 +88,7 @@ def _pair_mask(kmask, qs:int, qe:int, ks:int, ke:int, diag:bool):
     pad = pad[:, None, None, :]                                  # (B, 1, 1, kc)
     return pad if m is None else m & pad
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _pair_forward(q, k, v, kmask, causal:bool, plan:RingPlan):
     "The online-softmax triple of query chunk q (B, nh, c, hs) over key chunk k, v (B, nkv, c, hs) of one pair."
     B, nh, c, _ = q.shape
@@ -109,6 +111,7 @@ def _halves(t, dim:int=2):
     "The two chunks of a process's share along `dim`."
     return t.chunk(2, dim=dim)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _ring_forward(q, k, v, kmask, ring:RingExchange, plan:RingPlan):
     "Attention of this rank's queries over every rank's keys, the blocks passed around the ring: (out, lse)."
     state, blk = [None, None], (k, v, kmask)
@@ -232,6 +235,7 @@ def context_attention(module, query, key, value, attention_mask, dropout:float=0
                          kernel=kernel, scale=scaling, float32_logits=float32_logits)        # (B, nh, 2c, hs)
     return out.transpose(1, 2), None                                                       # (B, 2c, nh, hs)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def context_key_mask(batch_size:int, q_length:int, kv_length:int, q_offset=0, kv_offset=0, mask_function=None,
                      attention_mask=None, **kwargs):
     "Hugging Face mask function: this process's (B, 2c) key-padding mask as it is (None without padding)."

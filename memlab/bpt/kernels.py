@@ -46,6 +46,7 @@ def remat(fn:Callable, policy:str='nothing_saveable') -> Callable:
         with _autocast_cache_off(): return checkpoint(fn, *args, use_reentrant=False, **kw, **kwargs)
     return _remat
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 @contextlib.contextmanager
 def _autocast_cache_off():
     "Autocast without its weight-cast cache: a selectively checkpointed block casts alike in forward and recompute."
@@ -157,6 +158,7 @@ def flash_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     seen = seen.expand_as(lse)  # the operator reports lse = 0 for rows that see nothing
     return o.masked_fill(~seen[..., None], 0), lse.masked_fill(~seen, float('-inf')), seen.to(stat)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
     "dq, dk, dv of one block pair from the rows' final output and log-sum-exp, by the fused CPU backward operator."
     g = q_i.shape[1] // k_j.shape[1]

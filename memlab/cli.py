@@ -76,6 +76,7 @@ def requested_processes() -> Optional[int]:
         except Exception: return None
     return None
 
+# %% ../nbs/00c_cli.ipynb
 def check_launch():
     ("Refuse a launch that started fewer processes than it was asked for "
      "(`accelerate launch --num_processes N` on CPUs without --multi_gpu).")
@@ -86,6 +87,7 @@ def check_launch():
           f"or use torchrun --nproc_per_node {asked}; one process "
           f"would silently train with 1/{asked} of the global batch")
 
+# %% ../nbs/00c_cli.ipynb
 AT_COMMAND_END = []      # what a command lets go of when it ends, however it ends (`folders` adds `release_folders`)
 
 def cli_main(fn):

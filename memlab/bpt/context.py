@@ -134,6 +134,7 @@ def _ungqa(t, g:int):
     "A (B, nh, ...) gradient summed back to the key/value heads."
     return t if g == 1 else t.unflatten(1, (-1, g)).sum(2)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _pair_backward(q, k, v, kmask, causal:bool, lse, dout, D, plan:RingPlan, dq, dk, dv):
     ("Add one chunk pair's gradients into dq, dk, dv (statistics dtype), from the rows' final log-sum-exp `lse` and "
      "D = rowsum(dO ⊙ O); two score-sized temporaries at a time.")
@@ -153,6 +154,7 @@ def _pair_backward(q, k, v, kmask, causal:bool, lse, dout, D, plan:RingPlan, dq,
             dq[:, :, qs:qe] += (ds @ k_j).mul_(plan.scale)
             dk[:, :, ks:ke] += _ungqa(ds.transpose(-1, -2) @ q_i, g).mul_(plan.scale)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _ring_backward(dout, q, k, v, kmask, out, lse, ring:RingExchange, plan:RingPlan):
     "dq, dk, dv of `_ring_forward`: key/value blocks around the ring, their gradients travelling with them."
     stat = lse.dtype
@@ -192,6 +194,7 @@ class _RingAttention(torch.autograd.Function):
             dq, dk, dv = _ring_backward(dout, q, k, v, kmask, out, lse, ctx.ring, ctx.plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def ring_plan(q, q_chunk_size:int=1024, k_chunk_size:int=1024, kernel='auto', scale:float=None,
               float32_logits:bool=False) -> RingPlan:
     ("The block lengths, scale and block kernel for queries `q` (B, nh, 2c, hs): BPT's (`native` has no per-block "
@@ -203,6 +206,7 @@ def ring_plan(q, q_chunk_size:int=1024, k_chunk_size:int=1024, kernel='auto', sc
     return RingPlan(chunk_length('q_chunk_size', q_chunk_size, c), chunk_length('k_chunk_size', k_chunk_size, c),
                     q.shape[-1] ** -0.5 if scale is None else scale, fn, float32_logits)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def ring_attention(q, k, v, group=None, key_mask=None, *, q_chunk_size:int=1024, k_chunk_size:int=1024,
                    kernel='auto', scale:float=None, float32_logits:bool=False) -> torch.Tensor:
     ("Exact causal attention of this process's zig-zag share q (B, nh, 2c, hs), k, v (B, nkv, 2c, hs) of rows split "

@@ -398,6 +398,22 @@ def train_step(self, micro_batches:list) -> dict:
 class EvaluationStopped(Exception):
     "A stop signal came during an evaluation inside `fit`: the loop saves the update and stops."
 
+def _eval_total(data, max_steps:int):
+    "How many batches an evaluation reads: the data's length, capped at `max_steps` (None where neither is known)."
+    return min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
+        len(data) if hasattr(data, '__len__') else max_steps)
+
+@patch_to(Trainer)
+def _eval_metrics(self, loss_sum, n, logs:dict, prefix:str) -> dict:
+    "Loss, perplexity, bits per token and the logged components, token-weighted over every process's `n` tokens."
+    check(n.item() > 0, "evaluation saw no target tokens")
+    loss = (loss_sum / n).item()
+    metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)),
+               f'{prefix}_bits_per_token': loss / math.log(2), f'{prefix}_tokens': int(n.item())}
+    for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
+    return metrics
+
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 @torch.no_grad()
 def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
@@ -412,10 +428,8 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
     loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
     logs = {}
     from tqdm.auto import tqdm
-    total = min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
-        len(data) if hasattr(data, '__len__') else max_steps)
-    bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main),
-               dynamic_ncols=True)
+    bar = tqdm(total=_eval_total(data, max_steps), desc=prefix, leave=False,
+               disable=not (self.config.progress and self.is_main), dynamic_ncols=True)
     signals = getattr(self, '_signals', None)
     for i, batch in enumerate(data):
         if max_steps is not None and i >= max_steps: break
@@ -431,11 +445,7 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
     bar.close()
     loss_sum, n = self._reduce(loss_sum), self._reduce(n)
     model.train(was_training)
-    check(n.item() > 0, "evaluation saw no target tokens")
-    loss = (loss_sum / n).item()
-    metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)),
-               f'{prefix}_bits_per_token': loss / math.log(2), f'{prefix}_tokens': int(n.item())}
-    for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
+    metrics = self._eval_metrics(loss_sum, n, logs, prefix)
     self._event('on_evaluate_end', metrics)
     return metrics
 

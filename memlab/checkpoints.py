@@ -385,6 +385,7 @@ def _safe_planner():
             else: self.state_dict[fqn] = v
     return SafePlanner()
 
+# %% ../nbs/05d_checkpoints.ipynb
 def load_sharded(state_dict:dict, path):
     "`torch.distributed.checkpoint.load(state_dict, path)`, unpickling nothing but checkpoint metadata and plain data."
     import torch.distributed.checkpoint as dcp

@@ -278,6 +278,19 @@ def _tokenizer_ref(tokenizer) -> str:
     return str(p.resolve()) if p.exists() else str(tokenizer)
 
 # %% ../nbs/02_tokenizers.ipynb
+def _tokenized_splits(corpus, tok, splits, sequence_length:int, mode:str, padding_side:str, num_cpu:int,
+                      add_special_tokens:bool, show_progress:bool) -> tuple:
+    "({split: a `datasets.Dataset` of rows}, {split: its counts}) of the corpus's `splits`, tokenized in order."
+    import datasets
+    dd, counts = {}, {}
+    for s in splits:
+        ids, mask, counts[s] = tokenize_split(corpus.split(s), tok, sequence_length, mode, padding_side, num_cpu,
+                                               add_special_tokens, f"tokenizing {s}", show_progress)
+        dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask},
+                                                            features=ROW_FEATURES())
+    return dd, counts
+
+# %% ../nbs/02_tokenizers.ipynb
 def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode:str='packed', padding_side:str='right',
                 dataset_config:str=None, text_field:str='text', take:int=None, num_cpu:int=1, output_name:str=None,
                 splits=('train', 'validation'), add_special_tokens:bool=False, show_progress:bool=True) -> Path:
@@ -296,12 +309,8 @@ def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        dd, counts = {}, {}
-        for s in splits:
-            ids, mask, counts[s] = tokenize_split(corpus.split(s), tok, sequence_length, mode, padding_side, num_cpu,
-                                                   add_special_tokens, f"tokenizing {s}", show_progress)
-            dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask},
-                                                                features=ROW_FEATURES())
+        dd, counts = _tokenized_splits(corpus, tok, splits, sequence_length, mode, padding_side, num_cpu,
+                                       add_special_tokens, show_progress)
         check(counts[splits[0]]['rows'] > 0, f"the {splits[0]} split of {corpus.name} is empty: nothing to pretokenize")
         datasets.DatasetDict(dd).save_to_disk(str(tmp))
         args = dict(tokenizer=_tokenizer_ref(tokenizer) if isinstance(tokenizer, (str, os.PathLike))

@@ -441,6 +441,7 @@ def _unpadded_row(q, k, v, keep, causal:bool, sdpa):
     for (a, b), p in zip(ins, parts): out = out.index_copy(2, torch.arange(a, b, device=dev), p)
     return out
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 @torch.compiler.disable
 def _unpadded(q, k, v, keep, causal:bool, sdpa):
     ("Attention under a (B, T) key-padding mask as mask-free SDPA calls on each sequence's real tokens: nothing "

@@ -103,6 +103,7 @@ def reference_llama_config(vocab_size:int=8192):
     return transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                                     num_key_value_heads=4, vocab_size=vocab_size, max_position_embeddings=1 << 17)
 
+# %% ../nbs/06_bench.ipynb
 def hf_step_measurement(seq_len:int, attn:str='sdpa', checkpointing:bool=False, repeats:int=1) -> dict:
     ("Measure one training step of the reference Llama with Hugging Face attention `attn` "
      "(run it through `run_isolated`).")

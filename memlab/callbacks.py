@@ -37,6 +37,7 @@ class CheckpointSchedule(Callback):
     def on_step_begin(self, trainer): self._prune(trainer)
     def on_train_end(self, trainer): self._prune(trainer)
 
+# %% ../nbs/05f_callbacks.ipynb
 class OptimizerStateSwitch(Callback):
     ("With `save=False`, checkpoints hold an empty AdamW state (its hyper-parameters only): "
      "a resume restarts the moments.")
@@ -47,12 +48,14 @@ class OptimizerStateSwitch(Callback):
         for f in ('optimizer.safetensors', 'optimizer.pt'): (stem.parent/f).unlink(missing_ok=True)   # the moments go
         write_state({'state': {}, 'param_groups': trainer.optimizer.state_dict()['param_groups']}, stem)
 
+# %% ../nbs/05f_callbacks.ipynb
 class DatasetStateFile(Callback):
     "Write the data reader's position as `dataset_state.json` into every checkpoint."
     def on_save(self, trainer, checkpoint_dir):
         if trainer.is_main and hasattr(trainer.train_data, 'state_dict'):
             atomic_write_text(Path(checkpoint_dir)/'dataset_state.json', json.dumps(trainer.train_data.state_dict()))
 
+# %% ../nbs/05f_callbacks.ipynb
 class GradientStats(Callback):
     "Mean and variance of the gradient norm over each logging window (Distily's extra_grad_stats)."
     def __init__(self): self.norms = []
@@ -64,6 +67,7 @@ class GradientStats(Callback):
             x = np.asarray(self.norms); logs['grad_norm_mean'], logs['grad_norm_var'] = float(x.mean()), float(x.var())
             self.norms = []
 
+# %% ../nbs/05f_callbacks.ipynb
 class ConsolidateZeroState(Callback):
     ("Gathers a ZeroRedundancyOptimizer's state on the main process before each update the loop checkpoints "
      "(every process joins).")
@@ -74,6 +78,7 @@ class ConsolidateZeroState(Callback):
         if (c.save_every and trainer.step % c.save_every == 0) or (trainer.step >= c.max_steps and c.save_final):
             trainer.optimizer.consolidate_state_dict(to=0)
 
+# %% ../nbs/05f_callbacks.ipynb
 class ProfileCallback(Callback):
     "torch.profiler over a few updates (wait 1, warm-up 1, active 3, twice), TensorBoard traces in `folder`."
     def __init__(self, folder): self.folder, self.prof = Path(folder), None

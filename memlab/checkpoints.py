@@ -40,6 +40,7 @@ def list_checkpoints(output_dir) -> list:
     return sorted(p for p in root.iterdir()
                   if p.is_dir() and p.name.startswith('step-') and (p/'trainer_state.json').exists())
 
+# %% ../nbs/05d_checkpoints.ipynb
 def find_checkpoint(resume_from, output_dir=None) -> Path:
     "The checkpoint folder that `resume_from` names: a folder, or 'latest' in `output_dir`."
     if str(resume_from) == 'latest':
@@ -57,6 +58,7 @@ def find_checkpoint(resume_from, output_dir=None) -> Path:
           f"{p} is not a memlab checkpoint (no trainer_state.json): pass a checkpoints/step-* folder or 'latest'")
     return p
 
+# %% ../nbs/05d_checkpoints.ipynb
 # what a run writes before its first checkpoint
 UNFINISHED_RUN_FILES = ('run_config.json', 'log.jsonl', 'loss.png', 'tensorboard')
 
@@ -100,6 +102,7 @@ def resume_plan(output_dir, resume_from=None, resume_hint:str="resume_from='late
     check(refusal is None, refusal)
     return resume
 
+# %% ../nbs/05d_checkpoints.ipynb
 def clear_unfinished_run(out) -> list:
     ("Remove what a run that stopped before its first checkpoint left in `out` "
      "(log, config, plot, half-written checkpoints).")
@@ -112,6 +115,7 @@ def clear_unfinished_run(out) -> list:
         shutil.rmtree(p, ignore_errors=True); gone.append(f"{CHECKPOINTS}/{p.name}")
     return gone
 
+# %% ../nbs/05d_checkpoints.ipynb
 def load_strict(module:nn.Module, state:dict, what:str='model'):
     "`module.load_state_dict(state, strict=True)`, turning a key mismatch into one clear MemlabError."
     missing, unexpected = [], []
@@ -157,6 +161,7 @@ def _decode(obj, tensors:dict):
     if '__items__' in obj: return {_decode(k, tensors): _decode(v, tensors) for k, v in obj['__items__']}
     return {k: _decode(v, tensors) for k, v in obj.items()}
 
+# %% ../nbs/05d_checkpoints.ipynb
 DAMAGED = "resume from an earlier checkpoint (or start over)"
 
 def read_json(path, what:str='checkpoint file'):
@@ -167,6 +172,7 @@ def read_json(path, what:str='checkpoint file'):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MemlabError(f"{path} is damaged (not valid JSON: {str(e).splitlines()[0]}); {DAMAGED}") from None
 
+# %% ../nbs/05d_checkpoints.ipynb
 def read_safetensors(path) -> dict:
     "The tensors of safetensors file `path`; a missing, truncated or corrupt file is one line naming it."
     from safetensors.torch import load_file
@@ -176,6 +182,7 @@ def read_safetensors(path) -> dict:
     except Exception as e:                          # safetensors' own error type, or OSError for a truncated file
         raise MemlabError(f"{path} is damaged or cut short ({' '.join(str(e).split())[:120]}); {DAMAGED}") from None
 
+# %% ../nbs/05d_checkpoints.ipynb
 def write_state(obj, stem):
     "Write state dict `obj` (tensors, arrays, numbers, strings, lists, tuples, dicts) as JSON + safetensors: no pickle."
     from safetensors.torch import save_file
@@ -184,6 +191,7 @@ def write_state(obj, stem):
     if tensors: save_file(tensors, str(stem.with_name(stem.name + '.safetensors')), metadata={'format': 'pt'})
     stem.with_name(stem.name + '.json').write_text(json.dumps(data))
 
+# %% ../nbs/05d_checkpoints.ipynb
 def read_state(stem):
     "Read what `write_state` wrote; an older memlab's `stem`.pt loads only if it holds nothing but data (no code runs)."
     stem = Path(stem)
@@ -194,6 +202,7 @@ def read_state(stem):
     check(pt.exists(), f"{stem.parent} is an incomplete checkpoint: it has no {js.name}")
     return load_pickled_data(pt)
 
+# %% ../nbs/05d_checkpoints.ipynb
 # the non-tensor globals older memlab checkpoints hold (NumPy's RNG state); anything else in a pickle is refused
 _LEGACY_GLOBALS = ['numpy.dtype', 'numpy.ndarray', 'numpy.dtypes.UInt32DType', 'numpy._core.multiarray._reconstruct',
                    'numpy.core.multiarray._reconstruct']
@@ -234,6 +243,7 @@ def _digest(path, hash:str) -> str:
         while (block := f.read(1 << 24)): h.update(block)
     return h.hexdigest()
 
+# %% ../nbs/05d_checkpoints.ipynb
 def _checkpoint_files(folder:Path) -> list:
     "Every entry of `folder` but the manifest and folders, as relative POSIX paths (links included: they are refused)."
     out = []
@@ -242,6 +252,7 @@ def _checkpoint_files(folder:Path) -> list:
         out += [Path(root, d).relative_to(folder).as_posix() for d in dirs if Path(root, d).is_symlink()]
     return sorted(f for f in out if f != MANIFEST)
 
+# %% ../nbs/05d_checkpoints.ipynb
 def write_manifest(folder, step:int, hash:str='xxh3_128', **facts) -> dict:
     "Write `folder`'s manifest.json, last: each file's size and `hash`, the update `step` and `facts`; return it."
     folder = Path(folder)
@@ -250,6 +261,7 @@ def write_manifest(folder, step:int, hash:str='xxh3_128', **facts) -> dict:
     atomic_write_text(folder/MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
+# %% ../nbs/05d_checkpoints.ipynb
 def _identity(folder:Path) -> tuple:
     "What a file system says of every file of `folder` (device, inode, size, time): a changed file changes it."
     sts = [(f, os.lstat(folder/f)) for f in [MANIFEST, *_checkpoint_files(folder)]]
@@ -258,6 +270,7 @@ def _identity(folder:Path) -> tuple:
 def _changed(path, why:str) -> MemlabError:
     return MemlabError(f"{path} {why}: the checkpoint changed after it was written; {DAMAGED}")
 
+# %% ../nbs/05d_checkpoints.ipynb
 def verify_checkpoint(folder) -> dict:
     ("The manifest of checkpoint `folder` once every file matches it and the steps agree (the manifest's, the folder "
      "name's, trainer_state.json's); else one line naming the file.")
@@ -287,6 +300,7 @@ def verify_checkpoint(folder) -> dict:
     _VERIFIED[folder] = _identity(folder)
     return manifest
 
+# %% ../nbs/05d_checkpoints.ipynb
 def optimizer_steps(state:dict):
     "The largest per-parameter step count of optimizer state dict `state` (AdamW's 'step'), or None where it keeps none."
     steps = [float(s['step'].full_tensor() if hasattr(s['step'], 'full_tensor') else s['step'])
@@ -300,6 +314,7 @@ def check_optimizer_steps(state:dict, trained:dict, where):
     check(saved is None or n == saved, f"{where}: the optimizer's state has taken {n} steps but its checkpoint says {saved} "
           f"(at update {trained['step']}): the checkpoint does not agree with itself; {DAMAGED}")
 
+# %% ../nbs/05d_checkpoints.ipynb
 def schedule_digest(scheduler, steps:int) -> str:
     ("SHA-256 of the learning-rate multipliers a `LambdaLR` gives updates 1 .. `steps` (None for another kind of "
      "scheduler): a resume checks that the updates already trained keep their learning rates.")
@@ -339,6 +354,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if not ok: raise pickle.UnpicklingError(f"Unsupported global {module}.{name}")
         return super().find_class(module, name)
 
+# %% ../nbs/05d_checkpoints.ipynb
 def _safe_reader(path):
     "A `torch.distributed.checkpoint` reader of `path` whose metadata unpickles only checkpoint metadata classes."
     from torch.distributed.checkpoint import FileSystemReader
@@ -369,6 +385,7 @@ def _safe_planner():
             else: self.state_dict[fqn] = v
     return SafePlanner()
 
+# %% ../nbs/05d_checkpoints.ipynb
 def load_sharded(state_dict:dict, path):
     "`torch.distributed.checkpoint.load(state_dict, path)`, unpickling nothing but checkpoint metadata and plain data."
     import torch.distributed.checkpoint as dcp

@@ -20,6 +20,7 @@ def _close_process_group():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
 
+# %% ../nbs/00c_cli.ipynb
 def _process_entry(fn) -> bool:
     ("Whether entry point `fn` is what this process was started to run: `python -m` its module "
      "(as torchrun -m and accelerate launch -m do) or its console script.")
@@ -31,6 +32,7 @@ def _process_entry(fn) -> bool:
     return any(ep.name == Path(script).name and ep.value == f'{fn.__module__}:{fn.__name__}'
                for ep in entry_points(group='console_scripts'))
 
+# %% ../nbs/00c_cli.ipynb
 def _exit_launched_process(code:int=0):
     "End a finished launched process now, without the interpreter's teardown (see 'A launched process ends' below)."
     wandb = sys.modules.get('wandb')
@@ -43,6 +45,7 @@ def _fail(message:str, code:int):
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)   # always exactly one line
     sys.exit(code)
 
+# %% ../nbs/00c_cli.ipynb
 def _launcher_args(pid:int) -> Optional[list]:
     ("The arguments after `accelerate launch` in process `pid`'s command line, if that process is one "
      "(Linux /proc), else None.")
@@ -73,6 +76,7 @@ def requested_processes() -> Optional[int]:
         except Exception: return None
     return None
 
+# %% ../nbs/00c_cli.ipynb
 def check_launch():
     ("Refuse a launch that started fewer processes than it was asked for "
      "(`accelerate launch --num_processes N` on CPUs without --multi_gpu).")
@@ -83,6 +87,7 @@ def check_launch():
           f"or use torchrun --nproc_per_node {asked}; one process "
           f"would silently train with 1/{asked} of the global batch")
 
+# %% ../nbs/00c_cli.ipynb
 AT_COMMAND_END = []      # what a command lets go of when it ends, however it ends (`folders` adds `release_folders`)
 
 def cli_main(fn):

@@ -39,6 +39,7 @@ def unpack_4bit(layer) -> None:
     w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
     if getattr(layer, 'quant_state', None) is not None: layer.quant_state = w.quant_state
 
+# %% ../nbs/09_compat.ipynb
 def keep_4bit_trainable(model:nn.Module) -> int:
     ("Keep every bitsandbytes 4-bit layer of `model` on its trainable (dequantizing) path on CPU; "
      "returns how many it touched.")

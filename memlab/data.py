@@ -33,6 +33,7 @@ def canonical_split(name:str) -> str:
     s = str(name).strip().lower()
     return SPLIT_ALIASES.get(s, s)
 
+# %% ../nbs/01_data.ipynb
 def _thresholds(ratios) -> tuple:
     check(len(ratios) == 3 and all(r >= 0 for r in ratios) and abs(sum(ratios) - 1) < 1e-6,
           "split_ratios must be three non-negative fractions (train, validation, test) "
@@ -86,6 +87,7 @@ def _fmt_count(n:int) -> str:
         if n >= div: return f"{n/div:.1f}{unit}"
     return str(n)
 
+# %% ../nbs/01_data.ipynb
 class Corpus:
     "Documents with a fixed document-level split: `corpus.split('train')`, `corpus.splits`, `len(corpus)`."
     def __init__(self, name:str, splits:dict):
@@ -134,6 +136,7 @@ def check_text(text:str, where:str):
     check(bad <= max(16, 0.1 * len(sample)), f"{where} is not text: {bad / len(sample):.0%} of its characters are not UTF-8 or "
           "are control characters (binary data?): pass a UTF-8 text file")
 
+# %% ../nbs/01_data.ipynb
 def text_of(value, where:str) -> str:
     "`value` as a document's text ('' for None); a number, list or other non-string is refused, as is binary data."
     if value is None: return ''
@@ -142,6 +145,7 @@ def text_of(value, where:str) -> str:
     check_text(value, where)
     return value
 
+# %% ../nbs/01_data.ipynb
 def corpus_from_records(records, name:str, text_field:str='text', id_field:str='id', split_field:str='split',
                         split_ratios=(0.9, 0.05, 0.05), source:str=None) -> Corpus:
     "A `Corpus` from dicts holding `text_field` (and optionally `id_field` and `split_field`)."
@@ -208,6 +212,7 @@ def iter_json_records(path:Path):
             check(isinstance(r, dict), f"{path}: line {n} is not a JSON object (each line must be one record)")
             yield r
 
+# %% ../nbs/01_data.ipynb
 # a single text file is cut into documents of about this many characters (~5K tokens), at paragraph breaks
 TEXT_PIECE_CHARS = 20_000
 
@@ -221,6 +226,7 @@ def _paragraph_pieces(text:str, target:int) -> list:
     if cur: pieces.append('\n\n'.join(cur))
     return pieces
 
+# %% ../nbs/01_data.ipynb
 def _positional_splits(n:int, split_ratios) -> list:
     ("Split names for `n` consecutive pieces of one text: train first, then validation, then test "
      "(each non-empty when n >= 3).")
@@ -230,6 +236,7 @@ def _positional_splits(n:int, split_ratios) -> list:
     counts[0] = n - counts[1] - counts[2]
     return [name for name, c in zip(SPLITS, counts) for _ in range(c)]
 
+# %% ../nbs/01_data.ipynb
 def _text_records(path:Path, separator:str=None, split_ratios=(0.9, 0.05, 0.05)):
     """Documents of one text file: cut at `separator` (split by the hash rule, like any documents), else one text cut at
     paragraph breaks into >= 20 consecutive pieces of up to ~TEXT_PIECE_CHARS characters, split by position (the end is
@@ -267,6 +274,7 @@ def _kept_rows(ds, text_field:str, where:str):
         keep.extend((np.flatnonzero(mask) + n).tolist()); n += len(tbl)
     return None if len(keep) == n else keep
 
+# %% ../nbs/01_data.ipynb
 def _hash_groups(ds, id_field, split_ratios, id_prefix='') -> dict:
     "Row numbers of a `datasets.Dataset` per split: its `split` field where set, else the hash rule on the id."
     labels = ([canonical_split(s) if s else None for s in ds['split']] if 'split' in ds.column_names
@@ -280,6 +288,7 @@ def _hash_groups(ds, id_field, split_ratios, id_prefix='') -> dict:
 def _select(ds, rows, text_field, id_field, id_prefix=''):
     return ArrowDocuments(ds.select(rows), text_field, id_field, ids=rows, id_prefix=id_prefix)
 
+# %% ../nbs/01_data.ipynb
 def corpus_from_hf(ds, name:str, text_field:str='text', id_field:str='id', split_ratios=(0.9, 0.05, 0.05)) -> Corpus:
     "A `Corpus` over a `datasets.Dataset` or `DatasetDict` (kept memory-mapped)."
     import datasets
@@ -332,6 +341,7 @@ def _offline_env() -> bool:
     return any(os.environ.get(k, '').strip().lower() in ('1', 'true', 'yes', 'on')
                for k in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'))
 
+# %% ../nbs/01_data.ipynb
 @contextlib.contextmanager
 def hub_offline_unless_reachable():
     ("Within the block, `datasets` and `huggingface_hub` run offline (local cache only) if the Hub is unreachable; "
@@ -370,30 +380,7 @@ def _looks_like_path(s:str) -> bool:
     return (s.startswith(('.', '/', '~'))
             or s.lower().endswith(TEXT_SUFFIXES + JSON_SUFFIXES + ('.parquet', '.gz', '.arrow')))
 
-def load_corpus(name_or_path, text_field:str='text', split_ratios=(0.9, 0.05, 0.05), config:str=None,
-                separator:str=None, pattern:str='*.txt', id_field:str='id', take:int=None, **hf_kwargs) -> Corpus:
-    ("Load a corpus of documents with a fixed train/validation/test split from a name, "
-     "a local path or a Hugging Face dataset.")
-    if isinstance(name_or_path, Corpus): return name_or_path.take(take)
-    s = str(name_or_path).strip()
-    check(s, "no dataset given: pass a path, 'pydocs', or a Hugging Face dataset name")
-    _thresholds(split_ratios)
-    p = Path(s).expanduser()
-    if s in EMBEDDED_CORPORA:
-        f = embedded_path(s)
-        corpus = corpus_from_records(_read_jsonl_cached(str(f), f.stat().st_mtime), s, text_field=text_field,
-                                     id_field=id_field, split_ratios=split_ratios, source=str(f))
-    elif p.exists(): corpus = _load_local(p, text_field, split_ratios, separator, pattern, id_field)
-    elif _looks_like_path(s):
-        raise MemlabError(f"no such file or directory: {s} (pass an existing .txt/.jsonl/.parquet file, a folder, "
-                          f"a save_to_disk folder, 'pydocs', or a Hugging Face dataset name)")
-    else:
-        name, _, cfg = s.partition(':')
-        cfg = config or cfg or None
-        corpus = corpus_from_hf(load_hf_dataset(name, cfg, **hf_kwargs), f"{name}:{cfg}" if cfg else name,
-                                text_field=text_field, id_field=id_field, split_ratios=split_ratios)
-    return corpus.take(take)
-
+# %% ../nbs/01_data.ipynb
 def _load_local(p:Path, text_field, split_ratios, separator, pattern, id_field) -> Corpus:
     kw = dict(text_field=text_field, id_field=id_field, split_ratios=split_ratios, source=str(p))
     if _is_saved_dataset(p):
@@ -418,3 +405,28 @@ def _load_local(p:Path, text_field, split_ratios, separator, pattern, id_field) 
         return corpus_from_records(_text_records(p, separator, split_ratios), p.name, **kw)
     raise MemlabError(f"{p}: unknown file type {suf!r}; use .txt, .jsonl, .json(l).gz, .parquet, a folder, "
                       "or a save_to_disk folder")
+
+# %% ../nbs/01_data.ipynb
+def load_corpus(name_or_path, text_field:str='text', split_ratios=(0.9, 0.05, 0.05), config:str=None,
+                separator:str=None, pattern:str='*.txt', id_field:str='id', take:int=None, **hf_kwargs) -> Corpus:
+    ("Load a corpus of documents with a fixed train/validation/test split from a name, "
+     "a local path or a Hugging Face dataset.")
+    if isinstance(name_or_path, Corpus): return name_or_path.take(take)
+    s = str(name_or_path).strip()
+    check(s, "no dataset given: pass a path, 'pydocs', or a Hugging Face dataset name")
+    _thresholds(split_ratios)
+    p = Path(s).expanduser()
+    if s in EMBEDDED_CORPORA:
+        f = embedded_path(s)
+        corpus = corpus_from_records(_read_jsonl_cached(str(f), f.stat().st_mtime), s, text_field=text_field,
+                                     id_field=id_field, split_ratios=split_ratios, source=str(f))
+    elif p.exists(): corpus = _load_local(p, text_field, split_ratios, separator, pattern, id_field)
+    elif _looks_like_path(s):
+        raise MemlabError(f"no such file or directory: {s} (pass an existing .txt/.jsonl/.parquet file, a folder, "
+                          f"a save_to_disk folder, 'pydocs', or a Hugging Face dataset name)")
+    else:
+        name, _, cfg = s.partition(':')
+        cfg = config or cfg or None
+        corpus = corpus_from_hf(load_hf_dataset(name, cfg, **hf_kwargs), f"{name}:{cfg}" if cfg else name,
+                                text_field=text_field, id_field=id_field, split_ratios=split_ratios)
+    return corpus.take(take)

@@ -33,30 +33,23 @@ def deepspeed_launched() -> bool:
     from memlab.flags import str2bool
     return str2bool(os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false'))
 
-def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
-    ("An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms; "
-     "`deepspeed`: the caller drives a DeepSpeed engine (others refuse a DeepSpeed launch in one line).")
-    from accelerate import Accelerator, PartialState
+# %% ../nbs/05c_distributed.ipynb
+def _form_cpu_group(use_ds:bool):
+    "Where several processes run without a GPU, make accelerate form their group (else each reports one process)."
+    from accelerate import PartialState
     from memlab.flags import str2bool
-    mixed_precision = resolve_precision(mixed_precision)
-    use_ds = deepspeed_launched()
-    check(deepspeed or not use_ds, "this command does not run under DeepSpeed (memlab drives a DeepSpeed engine for "
-          "memlab_mixer; the other methods read weights that ZeRO-3 partitions): launch with --config_file "
-          "data/configs/fsdp_config.yaml (FSDP full sharding partitions parameters, gradients and optimizer state as "
-          "ZeRO-3 does)")
     if launched_processes() > 1 and not torch.cuda.is_available():
         check(not (use_ds and str2bool(os.environ.get('ACCELERATE_USE_CPU', 'false'))),
               "ACCELERATE_USE_CPU=1 turns accelerate's DeepSpeed off: unset it to run DeepSpeed on CPUs")
         # accelerate counts DeepSpeed's CPU processes only when the backend is named (else it reports 1 process)
         if use_ds: PartialState(backend='gloo')
         else: os.environ.setdefault('ACCELERATE_USE_CPU', '1')
-    held = accelerator_precision()
-    if held is not None and held != mixed_precision:
-        # accelerate keeps one precision per process; runs in sequence (a notebook, the demo) may each choose their own.
-        # Only the precision settings are reset: the process group (PartialState) stays.
-        reset_accelerator_precision()
-    check_launch()
-    try: acc = Accelerator(mixed_precision=mixed_precision)
+
+# %% ../nbs/05c_distributed.ipynb
+def _new_accelerator(mixed_precision:str, use_ds:bool):
+    "accelerate's `Accelerator`, or one line naming a launch config's DeepSpeed JSON that is missing or not valid JSON."
+    from accelerate import Accelerator
+    try: return Accelerator(mixed_precision=mixed_precision)
     except ValueError as e:   # the launch config's DeepSpeed JSON is read here (JSONDecodeError is a ValueError)
         import json; from memlab.core import MemlabError
         ds, bad = os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE'), isinstance(e, json.JSONDecodeError)
@@ -64,6 +57,25 @@ def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
         raise MemlabError(f"the DeepSpeed config {ds} (deepspeed_config_file in the accelerate config) "
                           + (f"is not valid JSON ({e.msg} at line {e.lineno})" if bad else "does not exist")
                           + ": fix it, or launch with an accelerate config that does not name it") from None
+
+# %% ../nbs/05c_distributed.ipynb
+def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
+    ("An `Accelerator` that forms a process group on CPU machines too, or a one-line error when none forms; "
+     "`deepspeed`: the caller drives a DeepSpeed engine (others refuse a DeepSpeed launch in one line).")
+    mixed_precision = resolve_precision(mixed_precision)
+    use_ds = deepspeed_launched()
+    check(deepspeed or not use_ds, "this command does not run under DeepSpeed (memlab drives a DeepSpeed engine for "
+          "memlab_mixer; the other methods read weights that ZeRO-3 partitions): launch with --config_file "
+          "data/configs/fsdp_config.yaml (FSDP full sharding partitions parameters, gradients and optimizer state as "
+          "ZeRO-3 does)")
+    _form_cpu_group(use_ds)
+    held = accelerator_precision()
+    if held is not None and held != mixed_precision:
+        # accelerate keeps one precision per process; runs in sequence (a notebook, the demo) may each choose their own.
+        # Only the precision settings are reset: the process group (PartialState) stays.
+        reset_accelerator_precision()
+    check_launch()
+    acc = _new_accelerator(mixed_precision, use_ds)
     check(acc.num_processes == launched_processes(),
           f"launched as {launched_processes()} processes but accelerate formed a group of {acc.num_processes}: "
           f"each process would train alone; on CPU set ACCELERATE_USE_CPU=1, on GPU check the launcher")
@@ -72,6 +84,7 @@ def make_accelerator(mixed_precision:str='auto', deepspeed:bool=False):
           f"launched with a DeepSpeed config but accelerate chose {acc.distributed_type.value}: check the launch")
     return acc
 
+# %% ../nbs/05c_distributed.ipynb
 def resolve_distributed_type(kind:str='auto') -> str:
     ("`auto` becomes fsdp or deepspeed when `accelerate launch` was given such a config (it sets ACCELERATE_USE_FSDP "
      "or ACCELERATE_USE_DEEPSPEED), else ddp.")
@@ -80,6 +93,7 @@ def resolve_distributed_type(kind:str='auto') -> str:
     from memlab.flags import str2bool
     return 'fsdp' if str2bool(os.environ.get('ACCELERATE_USE_FSDP', 'false')) else 'ddp'
 
+# %% ../nbs/05c_distributed.ipynb
 def shard_layer_classes(model, names=None) -> set:
     ("Module classes FSDP shards separately: `names`, the accelerate config's, Hugging Face's `_no_split_modules`, "
      "else ModuleList children.")
@@ -101,6 +115,7 @@ def shard_layer_classes(model, names=None) -> set:
 def _layer_names(model) -> set:
     return {type(c).__name__ for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
 
+# %% ../nbs/05c_distributed.ipynb
 def apply_fsdp(model, device, mixed_precision:str='no', layer_cls=None, mesh=None):
     ("Shard `model` with FSDP2 (`fully_shard` per decoder layer, then the root) on the current process group, or on "
      "`mesh` (a 2-D one: HSDP).")
@@ -116,6 +131,7 @@ def apply_fsdp(model, device, mixed_precision:str='no', layer_cls=None, mesh=Non
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
+# %% ../nbs/05c_distributed.ipynb
 def main_process_value(value, accelerator):
     ("`value` as the main process has it, on every process (a decision made once, e.g. whether an output "
      "folder may be used).")
@@ -145,6 +161,7 @@ class MeshShape(NamedTuple):
         return 'mesh'
     def __str__(self): return ','.join(f"{n}={s}" for n, s in zip(self._fields, self))
 
+# %% ../nbs/05c_distributed.ipynb
 def parse_mesh(spec, flag:str='--mesh_dim') -> tuple:
     "Sizes (dp, fsdp, tp, cp) from a `dp,fsdp,tp[,cp]` string (cp: 1 when left out); one -1 takes the other processes."
     usage = f"{flag} must be three or four integers dp,fsdp,tp[,cp] such as '1,-1,1' or '1,-1,1,2'"
@@ -155,6 +172,7 @@ def parse_mesh(spec, flag:str='--mesh_dim') -> tuple:
           f"{flag} sizes must be positive, with at most one -1 (the remaining processes); got {spec!r}")
     return dims + (1,) * (4 - len(dims))
 
+# %% ../nbs/05c_distributed.ipynb
 def resolve_mesh(spec, world:int, flag:str='--mesh_dim') -> MeshShape:
     "The `MeshShape` of `spec` (a string or `parse_mesh`'s sizes) for `world` processes, its -1 filled in."
     dims = parse_mesh(spec, flag) if isinstance(spec, str) else tuple(spec)
@@ -183,12 +201,14 @@ def data_rank(shape:MeshShape, rank:int) -> tuple:
     c = mesh_coordinates(shape, rank)
     return c['dp'] * shape.fsdp + c['fsdp'], shape.data
 
+# %% ../nbs/05c_distributed.ipynb
 def launch_data_rank(mesh_dim, flag:str='--mesh_dim') -> tuple:
     ("(rank, world_size) for this launched process's loaders under `mesh_dim`, before any process group exists; "
      "(None, None) without a mesh: the loaders' own (every process its own rows).")
     if not mesh_dim: return None, None
     return data_rank(resolve_mesh(mesh_dim, launched_processes(), flag), int(os.environ.get('RANK', '0')))
 
+# %% ../nbs/05c_distributed.ipynb
 def resume_process(saved:MeshShape, now:MeshShape, rank:int) -> int:
     ("The process of a checkpoint written under mesh `saved` whose data position and RNG process `rank` of mesh "
      "`now` continues from: the first one that read the same rows.")
@@ -296,6 +316,7 @@ def clip_grad_norm(parameters, max_norm:float) -> float:
     for ps in groups.values(): torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device))
     return float(total)
 
+# %% ../nbs/05c_distributed.ipynb
 def mesh_step_context(shape:MeshShape=None):
     ("Context for a training step's forward on mesh `shape`: under tensor parallelism, a layer recomputed in backward "
      "(BPT's remat, activation checkpointing) is recomputed whole.")
@@ -316,6 +337,7 @@ def fingerprint(weights, trainable_only:bool=False) -> list:
         if v.is_floating_point(): v = v.detach().double().cpu(); s += torch.stack([v.sum(), (v * v).sum()])
     return s.tolist()
 
+# %% ../nbs/05c_distributed.ipynb
 def check_replicas(fp:list, world:int, what:str='weights') -> list:
     "Every process's fingerprint `fp` (all-gathered when `world` > 1); one line, on every process, if they differ."
     fps = [fp] * world
@@ -323,4 +345,3 @@ def check_replicas(fp:list, world:int, what:str='weights') -> list:
     check(all(f == fps[0] for f in fps),
           f"the {world} processes ended with different {what} (fingerprints {fps}): a replica diverged")
     return fps
-

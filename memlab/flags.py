@@ -31,6 +31,7 @@ def parse_literal(s):
         except Exception: pass
     raise argparse.ArgumentTypeError(f"cannot parse {s!r} as JSON or a Python literal")
 
+# %% ../nbs/00d_flags.ipynb
 def _list_of(t):
     def _parse(s):
         if isinstance(s, (list, tuple)): return [t(x) for x in s]
@@ -54,6 +55,7 @@ class ArgumentParser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
+# %% ../nbs/00d_flags.ipynb
 def _argparse_kw(tp, default):
     "argparse keyword arguments for a field annotated `tp` with `default`."
     origin, targs = typing.get_origin(tp), typing.get_args(tp)
@@ -74,6 +76,7 @@ def _resolve_hints(cls):
     try: return typing.get_type_hints(cls)
     except Exception: return {f.name: f.type for f in dataclasses.fields(cls)}
 
+# %% ../nbs/00d_flags.ipynb
 def add_config_args(parser, cls, prefix:str='', title:str=None, defaults:dict=None, skip=()):
     ("Add one flag per field of config dataclass `cls` to `parser` (as `--prefix.field` when `prefix` is given); "
      "`defaults` overrides field defaults.")
@@ -108,6 +111,7 @@ def load_config_file(path) -> dict:
     check(isinstance(d, dict), f"config file {path} must hold a mapping of flag names to values")
     return d
 
+# %% ../nbs/00d_flags.ipynb
 _POSITIVE = ('lr', 'learning_rate', 'adam_eps', 'adam_epsilon', 'max_train_steps', 'num_training_steps', 'total_steps',
              'total_batch_size', 'per_device_batch_size', 'per_device_train_batch_size', 'per_device_eval_batch_size',
              'batch_size', 'gradient_accumulation_steps', 'sequence_length', 'keep_checkpoints', 'keep_n_checkpoints',
@@ -119,6 +123,7 @@ VALUE_RULES = {**{k: ('positive', lambda v: v > 0) for k in _POSITIVE},
                **{k: ('zero or more', lambda v: v >= 0) for k in _NON_NEGATIVE},
                **{k: ('in [0, 1)', lambda v: 0 <= v < 1) for k in ('adam_beta1', 'adam_beta2', 'warmup_ratio')}}
 
+# %% ../nbs/00d_flags.ipynb
 def check_ranges(cfg, prefix:str=''):
     ("Refuse a numeric flag outside its range (`VALUE_RULES`, by field name), naming the flag: "
      "before any model or data loads.")
@@ -131,6 +136,47 @@ def check_ranges(cfg, prefix:str=''):
         if rule and isinstance(v, (int, float)) and not isinstance(v, bool) and not rule[1](v):
             raise MemlabError(f"--{prefix}{f.name} must be {rule[0]}, got {v}")
 
+# %% ../nbs/00d_flags.ipynb
+def _config_parser(items:dict, prefixed:bool, prog:str, description:str, config_file_flag:str, defaults:dict,
+                   skip:dict) -> ArgumentParser:
+    "The parser of every field of the config classes `items` ({prefix: class}), and the config-file flag if asked."
+    parser = ArgumentParser(prog=prog, description=description)
+    if config_file_flag:
+        parser.add_argument(f"--{config_file_flag}", default=None,
+                            help="YAML/JSON file of flag values; flags given on the command line override it")
+    for key, cls in items.items():
+        add_config_args(parser, cls, prefix=key if prefixed and key else '', defaults=defaults.get(cls),
+                        skip=skip.get(cls, ()))
+    return parser
+
+# %% ../nbs/00d_flags.ipynb
+def _file_value(action, value, path):
+    "Config-file `value` of the flag `action`, converted and checked as the flag's own value would be."
+    v = value
+    try:
+        if action.type is not None and v is not None: v = action.type(v)
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+        raise MemlabError(f"{path}: bad value {value!r} for {action.option_strings[0]}: {e}") from None
+    if action.choices and v not in action.choices:
+        raise MemlabError(f"{path}: {action.option_strings[0]} must be one of "
+                          f"{', '.join(map(str, action.choices))}, got {v!r}")
+    return v
+
+# %% ../nbs/00d_flags.ipynb
+def _apply_config_file(parser, argv:list, config_file_flag:str):
+    "The values of the config file `argv` names (`--<config_file_flag>`) become the parser's defaults, each checked."
+    first = argparse.ArgumentParser(add_help=False)   # only the file flag: required flags may come from the file
+    first.add_argument(f"--{config_file_flag}", default=None)
+    path = getattr(first.parse_known_args(argv)[0], config_file_flag)
+    if not path: return
+    d = load_config_file(path)
+    known = {a.dest for a in parser._actions}
+    unknown = sorted(k for k in d if k not in known)
+    check(not unknown, f"{path}: unknown option(s) {', '.join(unknown)}")
+    for a in parser._actions:
+        if a.dest in d: a.default, a.required = _file_value(a, d[a.dest], path), False
+
+# %% ../nbs/00d_flags.ipynb
 def parse_configs(configs, argv=None, prog:str=None, description:str=None, config_file_flag:str=None, extra=None,
                   defaults:dict=None, skip:dict=None):
     """Parse `argv` into instances of the config dataclasses in `configs` (a class, a list of classes, or {prefix:
@@ -141,36 +187,11 @@ def parse_configs(configs, argv=None, prog:str=None, description:str=None, confi
     items = {'': configs} if single else (dict(configs) if isinstance(configs, dict)
                                           else {str(i): c for i, c in enumerate(configs)})
     prefixed = isinstance(configs, dict)
-    parser = ArgumentParser(prog=prog, description=description)
-    if config_file_flag:
-        parser.add_argument(f"--{config_file_flag}", default=None,
-                            help="YAML/JSON file of flag values; flags given on the command line override it")
     defaults, skip = defaults or {}, skip or {}
-    for key, cls in items.items():
-        add_config_args(parser, cls, prefix=key if prefixed and key else '', defaults=defaults.get(cls),
-                        skip=skip.get(cls, ()))
+    parser = _config_parser(items, prefixed, prog, description, config_file_flag, defaults, skip)
     if extra: extra(parser)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    if config_file_flag:
-        first = argparse.ArgumentParser(add_help=False)   # only the file flag: required flags may come from the file
-        first.add_argument(f"--{config_file_flag}", default=None)
-        path = getattr(first.parse_known_args(argv)[0], config_file_flag)
-        if path:
-            d = load_config_file(path)
-            known = {a.dest for a in parser._actions}
-            unknown = sorted(k for k in d if k not in known)
-            check(not unknown, f"{path}: unknown option(s) {', '.join(unknown)}")
-            for a in parser._actions:
-                if a.dest in d:
-                    v = d[a.dest]
-                    try:
-                        if a.type is not None and v is not None: v = a.type(v)
-                    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
-                        raise MemlabError(f"{path}: bad value {d[a.dest]!r} for {a.option_strings[0]}: {e}") from None
-                    if a.choices and v not in a.choices:
-                        raise MemlabError(f"{path}: {a.option_strings[0]} must be one of "
-                                          f"{', '.join(map(str, a.choices))}, got {v!r}")
-                    a.default, a.required = v, False
+    if config_file_flag: _apply_config_file(parser, argv, config_file_flag)
     ns = vars(parser.parse_args(argv))
     out = {}
     for key, cls in items.items():

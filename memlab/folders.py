@@ -40,6 +40,7 @@ def _not_a_lock(lock:Path, flag:str, path, why:str):
     raise MemlabError(f"--{flag} {path}: {lock} {why}, not memlab's lock file: remove it (memlab never writes "
                       "through it), or choose another folder")
 
+# %% ../nbs/00e_folders.ipynb
 def _open_lock(lock:Path, flag:str, path) -> Optional[int]:
     ("The lock file's descriptor, opened without following a link: made new (create-exclusive), or an existing "
      "regular file with one name; anything else is refused. None: it vanished meanwhile (try again).")
@@ -62,6 +63,7 @@ def _open_lock(lock:Path, flag:str, path) -> Optional[int]:
                                   else "is not a regular file")
     return fd
 
+# %% ../nbs/00e_folders.ipynb
 def _lock_text(fd:int) -> str:
     os.lseek(fd, 0, os.SEEK_SET)
     return os.read(fd, 4097).decode(errors='replace')
@@ -72,19 +74,9 @@ def _command_name() -> str:
     return re.sub(r'\s', '_', name) if name not in ('', '-c', '-m') else 'python'
 
 # %% ../nbs/00e_folders.ipynb
-def lock_folder(path, flag:str='output_dir') -> bool:
-    ("Hold folder `path` (made if absent) for this process until it ends or `release_folder`: another process's "
-     "`lock_folder` on it is refused in one line. True if this call took the lock, False if this process held it.")
-    import fcntl, socket
-    path = Path(path); key, lock = os.path.abspath(path), Path(path)/LOCK_FILE
-    held = _FOLDER_LOCKS.get(key)
-    if held is not None:
-        if _same_file(lock, held[0]): return False
-        os.close(held[0]); del _FOLDER_LOCKS[key]          # the folder was removed (and maybe made again) meanwhile
-    check(not path.exists() or path.is_dir(), f"--{flag} {path} is a file: pass a folder")
-    check_writable(path, f"--{flag}")
-    made = next((q for q in [path, *path.parents][::-1] if not q.exists()), None)   # the highest folder made for it
-    path.mkdir(parents=True, exist_ok=True)
+def _take_lock(lock:Path, flag:str, path:Path) -> int:
+    "A descriptor of folder `path`'s lock file `lock`, locked by this process; a folder a live process holds is refused."
+    import fcntl
     while True:
         fd = _open_lock(lock, flag, path)
         if fd is None: continue                           # removed between two looks: make it again
@@ -100,12 +92,29 @@ def lock_folder(path, flag:str='output_dir') -> bool:
             os.close(fd); continue                # its last holder removed the file as it ended: lock the one there now
         if not _LOCK_TEXT.match(_lock_text(fd)):              # something else's data: never truncated
             os.close(fd); _not_a_lock(lock, flag, path, "holds other data")
-        break
+        return fd
+
+# %% ../nbs/00e_folders.ipynb
+def lock_folder(path, flag:str='output_dir') -> bool:
+    ("Hold folder `path` (made if absent) for this process until it ends or `release_folder`: another process's "
+     "`lock_folder` on it is refused in one line. True if this call took the lock, False if this process held it.")
+    import socket
+    path = Path(path); key, lock = os.path.abspath(path), Path(path)/LOCK_FILE
+    held = _FOLDER_LOCKS.get(key)
+    if held is not None:
+        if _same_file(lock, held[0]): return False
+        os.close(held[0]); del _FOLDER_LOCKS[key]          # the folder was removed (and maybe made again) meanwhile
+    check(not path.exists() or path.is_dir(), f"--{flag} {path} is a file: pass a folder")
+    check_writable(path, f"--{flag}")
+    made = next((q for q in [path, *path.parents][::-1] if not q.exists()), None)   # the highest folder made for it
+    path.mkdir(parents=True, exist_ok=True)
+    fd = _take_lock(lock, flag, path)
     os.ftruncate(fd, 0); os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, f"{os.getpid()} {socket.gethostname()} {_command_name()}\n".encode())
     _FOLDER_LOCKS[key] = (fd, made)
     return True
 
+# %% ../nbs/00e_folders.ipynb
 def release_folder(path):
     "Let go of folder `path` if this process holds it; the folders `lock_folder` made that stayed empty are removed."
     held = _FOLDER_LOCKS.pop(os.path.abspath(path), None)
@@ -137,6 +146,7 @@ def check_output_file(path, flag:str='out') -> Path:
     if p.parent.is_dir() and lock_folder(p.parent, flag): release_folder(p.parent)   # held by a live run: refused now
     return p
 
+# %% ../nbs/00e_folders.ipynb
 def write_output_file(path, text:str, flag:str='out') -> Path:
     "Write `text` to file `path` atomically, holding its folder meanwhile (`lock_folder`)."
     p = Path(path).expanduser()

@@ -30,6 +30,7 @@ def dist_rank_world(rank:int=None, world_size:int=None) -> tuple:
           f"rank must be in 0..world_size-1, got rank {rank} of world_size {world_size}")
     return rank, world_size
 
+# %% ../nbs/03_loaders.ipynb
 def shift_labels(input_ids:torch.Tensor, attention_mask:torch.Tensor=None) -> torch.Tensor:
     ("Pre-shifted labels: `labels[:, t] = input_ids[:, t+1]`, −100 at the last position and wherever position "
      "t or t+1 is padding.")
@@ -58,43 +59,8 @@ class TokenBatches:
               "and drop_last=True would yield nothing")
         self.epoch, self.position, self._order_cache = 0, 0, (None, None)
 
-    def _source(self, data):
-        import datasets
-        check(not isinstance(data, datasets.DatasetDict),
-              "pass one split of the DatasetDict (e.g. data['train']), not the whole dict")
-        if isinstance(data, datasets.Dataset):
-            check('input_ids' in data.column_names,
-                  f"the dataset has no input_ids column (columns: {', '.join(data.column_names)})")
-            cols = [c for c in ('input_ids', 'attention_mask') if c in data.column_names]
-            self._ds, self._ids, self._mask = data.with_format('numpy', columns=cols), None, None
-            self.n_rows = len(data)
-            self.seq_len = len(data[0]['input_ids']) if len(data) else 0
-        else:
-            d = data if isinstance(data, dict) else {'input_ids': data}
-            self._ds = None
-            self._ids = torch.as_tensor(np.asarray(d['input_ids'])).long()                       # (N, T)
-            check(self._ids.ndim == 2,
-                  f"input_ids must be a 2-D (rows, length) array, got shape {tuple(self._ids.shape)}")
-            self._mask = (torch.as_tensor(np.asarray(d['attention_mask'])).long()
-                          if d.get('attention_mask') is not None else None)
-            self.n_rows, self.seq_len = self._ids.shape
-
     @property
     def global_batch(self) -> int: return self.batch_size * self.world_size
-
-    def _rows(self, idx) -> tuple:
-        "input_ids and attention_mask (k, T) of the rows `idx` (a list of row numbers)."
-        if self._ds is None:
-            i = torch.as_tensor(idx, dtype=torch.long)
-            return self._ids[i], (self._mask[i] if self._mask is not None
-                                  else torch.ones(len(idx), self.seq_len, dtype=torch.long))
-        b = self._ds[list(idx)]
-        ids = b['input_ids']
-        check(ids.ndim == 2 and ids.shape[1] == self.seq_len, "rows of different lengths: "
-              "TokenBatches needs fixed-length rows (pretokenize with memlab_pretokenize, packed or padded)")
-        ids = torch.from_numpy(ids.astype(np.int64))
-        mask = torch.from_numpy(b['attention_mask'].astype(np.int64)) if 'attention_mask' in b else torch.ones_like(ids)
-        return ids, mask
 
     def __len__(self) -> int:
         "Batches per rank in one pass (evaluation); an endless training stream has no length."
@@ -106,20 +72,49 @@ class TokenBatches:
         "Global batches in one epoch (the last one partial unless drop_last)."
         return self.n_rows // self.global_batch if self.drop_last else math.ceil(self.n_rows / self.global_batch)
 
-    def __iter__(self):
-        if self.loop:
-            while True: yield self._batch(self._take_global())
-        else:  # one pass, from the start
-            self.position, G, order = 0, self.global_batch, self._order(0).tolist()
-            for s in range(self.steps_per_epoch):
-                rows = order[s * G:(s + 1) * G]
-                self.position = min((s + 1) * G, self.n_rows)
-                yield self._batch(rows + [None] * (G - len(rows)))
-
     def __repr__(self):
         return (f"TokenBatches({self.n_rows} rows x {self.seq_len} tokens, batch {self.batch_size} x "
                 f"{self.world_size} processes, {'loop' if self.loop else 'one pass'}, epoch {self.epoch}, "
                 f"position {self.position})")
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(TokenBatches)
+def _source(self, data):
+    import datasets
+    check(not isinstance(data, datasets.DatasetDict),
+          "pass one split of the DatasetDict (e.g. data['train']), not the whole dict")
+    if isinstance(data, datasets.Dataset):
+        check('input_ids' in data.column_names,
+              f"the dataset has no input_ids column (columns: {', '.join(data.column_names)})")
+        cols = [c for c in ('input_ids', 'attention_mask') if c in data.column_names]
+        self._ds, self._ids, self._mask = data.with_format('numpy', columns=cols), None, None
+        self.n_rows = len(data)
+        self.seq_len = len(data[0]['input_ids']) if len(data) else 0
+    else:
+        d = data if isinstance(data, dict) else {'input_ids': data}
+        self._ds = None
+        self._ids = torch.as_tensor(np.asarray(d['input_ids'])).long()                       # (N, T)
+        check(self._ids.ndim == 2,
+              f"input_ids must be a 2-D (rows, length) array, got shape {tuple(self._ids.shape)}")
+        self._mask = (torch.as_tensor(np.asarray(d['attention_mask'])).long()
+                      if d.get('attention_mask') is not None else None)
+        self.n_rows, self.seq_len = self._ids.shape
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(TokenBatches)
+def _rows(self, idx) -> tuple:
+    "input_ids and attention_mask (k, T) of the rows `idx` (a list of row numbers)."
+    if self._ds is None:
+        i = torch.as_tensor(idx, dtype=torch.long)
+        return self._ids[i], (self._mask[i] if self._mask is not None
+                              else torch.ones(len(idx), self.seq_len, dtype=torch.long))
+    b = self._ds[list(idx)]
+    ids = b['input_ids']
+    check(ids.ndim == 2 and ids.shape[1] == self.seq_len, "rows of different lengths: "
+          "TokenBatches needs fixed-length rows (pretokenize with memlab_pretokenize, packed or padded)")
+    ids = torch.from_numpy(ids.astype(np.int64))
+    mask = torch.from_numpy(b['attention_mask'].astype(np.int64)) if 'attention_mask' in b else torch.ones_like(ids)
+    return ids, mask
 
 # %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
@@ -131,6 +126,7 @@ def _order(self, epoch:int) -> np.ndarray:
         self._order_cache = (epoch, o)
     return self._order_cache[1]
 
+# %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
 def _take_global(self) -> list:
     "Row numbers of the next global batch (training), advancing the state."
@@ -144,6 +140,7 @@ def _take_global(self) -> list:
         if self.position == N: self.epoch, self.position = self.epoch + 1, 0
     return rows
 
+# %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
 def _batch(self, rows:list) -> dict:
     "The batch of this rank from global rows (`None` = a padding row)."
@@ -158,11 +155,24 @@ def _batch(self, rows:list) -> dict:
 
 # %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
+def __iter__(self):
+    if self.loop:
+        while True: yield self._batch(self._take_global())
+    else:  # one pass, from the start
+        self.position, G, order = 0, self.global_batch, self._order(0).tolist()
+        for s in range(self.steps_per_epoch):
+            rows = order[s * G:(s + 1) * G]
+            self.position = min((s + 1) * G, self.n_rows)
+            yield self._batch(rows + [None] * (G - len(rows)))
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(TokenBatches)
 def state_dict(self) -> dict:
     "Where the stream is: epoch and position in global rows (the same on every rank)."
     return {'epoch': self.epoch, 'position': self.position, 'seed': self.seed, 'n_rows': self.n_rows,
             'shuffle': self.shuffle, 'seq_len': self.seq_len}
 
+# %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
 def load_state_dict(self, state:dict):
     "Continue from a `state_dict()`: the next batch is the one that followed it."
@@ -213,62 +223,6 @@ class DocumentStream:
         self._cache, self._lengths, self._n_batches = {}, None, None
         self._reset()
 
-    # -- documents and their order -------------------------------------------------------------------------------------
-    def _tokens(self, d:int) -> np.ndarray:
-        "Token ids of document `d` (kept for evaluation passes, recomputed in training)."
-        if d in self._cache: return self._cache[d]
-        doc = self.docs[d]
-        text = doc.text if isinstance(doc, Document) else str(doc)
-        t = np.asarray(encode_documents(self.tokenizer, [text], self.add_special_tokens, self.append_eos)[0],
-                       dtype=np.int64)
-        if not self.loop: self._cache[d] = t
-        return t
-
-    def _share(self, epoch:int, rank:int=None) -> np.ndarray:
-        "Document numbers of rank `rank`'s share of epoch `epoch`'s order."
-        order = (np.random.default_rng([self.seed, epoch]).permutation(self.n_docs) if self.shuffle and self.loop
-                 else np.arange(self.n_docs))
-        return order[self.rank if rank is None else rank::self.world_size]
-
-    def _reset(self):
-        self.epoch, self.queue_pos = 0, 0
-        self._rows = [[-1, 0] for _ in range(self.batch_size)]     # per row: [document number or -1, next offset]
-        self._row_tokens = [None] * self.batch_size
-
-    def _next_doc(self):
-        "The next document of this rank with at least one target, or None when a one-pass stream is used up."
-        skipped = 0
-        while True:
-            share = self._share(self.epoch)
-            if self.queue_pos >= len(share):
-                if not self.loop: return None
-                self.epoch, self.queue_pos = self.epoch + 1, 0
-                continue
-            d = int(share[self.queue_pos]); self.queue_pos += 1
-            t = self._tokens(d)
-            if len(t) >= 2: return d, t
-            skipped += 1
-            check(skipped <= 2 * self.n_docs,
-                  "no document of this process's share has two or more tokens: nothing to train on")
-
-    # -- batches -------------------------------------------------------------------------------------------------------
-    def _step(self) -> dict:
-        B, L = self.batch_size, self.L
-        ids, labels = torch.full((B, L), self.pad_id, dtype=torch.long), torch.full((B, L), -100, dtype=torch.long)
-        mask, sos = torch.zeros(B, L, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
-        for i, row in enumerate(self._rows):
-            d, off = row
-            if d >= 0 and self._row_tokens[i] is None: self._row_tokens[i] = self._tokens(d)   # after a resume
-            if d < 0 or off >= len(self._row_tokens[i]) - 1:  # row needs a new document
-                nxt = self._next_doc()
-                if nxt is None: row[0], self._row_tokens[i] = -1, None; continue  # nothing left: padding row
-                (row[0], self._row_tokens[i]), off, sos[i] = nxt, 0, True
-            chunk = torch.from_numpy(self._row_tokens[i][off:off + L + 1])                     # (<= L+1,)
-            m = len(chunk) - 1
-            ids[i, :m], labels[i, :m], mask[i, :m] = chunk[:-1], chunk[1:], 1
-            row[1] = off + L
-        return {'input_ids': ids, 'labels': labels, 'attention_mask': mask, 'start_of_sequence': sos}
-
     def __iter__(self):
         if self.loop:
             while True: yield self._step()
@@ -280,6 +234,68 @@ class DocumentStream:
     def __repr__(self):
         return (f"DocumentStream({self.n_docs} documents, {self.batch_size} rows x {self.L} tokens on "
                 f"rank {self.rank} of {self.world_size}, {'loop' if self.loop else 'one pass'}, epoch {self.epoch})")
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(DocumentStream)
+def _tokens(self, d:int) -> np.ndarray:
+    "Token ids of document `d` (kept for evaluation passes, recomputed in training)."
+    if d in self._cache: return self._cache[d]
+    doc = self.docs[d]
+    text = doc.text if isinstance(doc, Document) else str(doc)
+    t = np.asarray(encode_documents(self.tokenizer, [text], self.add_special_tokens, self.append_eos)[0],
+                   dtype=np.int64)
+    if not self.loop: self._cache[d] = t
+    return t
+
+@patch_to(DocumentStream)
+def _share(self, epoch:int, rank:int=None) -> np.ndarray:
+    "Document numbers of rank `rank`'s share of epoch `epoch`'s order."
+    order = (np.random.default_rng([self.seed, epoch]).permutation(self.n_docs) if self.shuffle and self.loop
+             else np.arange(self.n_docs))
+    return order[self.rank if rank is None else rank::self.world_size]
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(DocumentStream)
+def _reset(self):
+    self.epoch, self.queue_pos = 0, 0
+    self._rows = [[-1, 0] for _ in range(self.batch_size)]     # per row: [document number or -1, next offset]
+    self._row_tokens = [None] * self.batch_size
+
+@patch_to(DocumentStream)
+def _next_doc(self):
+    "The next document of this rank with at least one target, or None when a one-pass stream is used up."
+    skipped = 0
+    while True:
+        share = self._share(self.epoch)
+        if self.queue_pos >= len(share):
+            if not self.loop: return None
+            self.epoch, self.queue_pos = self.epoch + 1, 0
+            continue
+        d = int(share[self.queue_pos]); self.queue_pos += 1
+        t = self._tokens(d)
+        if len(t) >= 2: return d, t
+        skipped += 1
+        check(skipped <= 2 * self.n_docs,
+              "no document of this process's share has two or more tokens: nothing to train on")
+
+# %% ../nbs/03_loaders.ipynb
+@patch_to(DocumentStream)
+def _step(self) -> dict:
+    B, L = self.batch_size, self.L
+    ids, labels = torch.full((B, L), self.pad_id, dtype=torch.long), torch.full((B, L), -100, dtype=torch.long)
+    mask, sos = torch.zeros(B, L, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
+    for i, row in enumerate(self._rows):
+        d, off = row
+        if d >= 0 and self._row_tokens[i] is None: self._row_tokens[i] = self._tokens(d)   # after a resume
+        if d < 0 or off >= len(self._row_tokens[i]) - 1:  # row needs a new document
+            nxt = self._next_doc()
+            if nxt is None: row[0], self._row_tokens[i] = -1, None; continue  # nothing left: padding row
+            (row[0], self._row_tokens[i]), off, sos[i] = nxt, 0, True
+        chunk = torch.from_numpy(self._row_tokens[i][off:off + L + 1])                     # (<= L+1,)
+        m = len(chunk) - 1
+        ids[i, :m], labels[i, :m], mask[i, :m] = chunk[:-1], chunk[1:], 1
+        row[1] = off + L
+    return {'input_ids': ids, 'labels': labels, 'attention_mask': mask, 'start_of_sequence': sos}
 
 # %% ../nbs/03_loaders.ipynb
 @patch_to(DocumentStream)

@@ -26,6 +26,7 @@ def model_inputs(batch:dict) -> dict:
     "The keys of `batch` that go to the model's forward (everything but the labels)."
     return {k: v for k, v in batch.items() if k != 'labels'}
 
+# %% ../nbs/05a_protocol.ipynb
 def causal_lm_loss(model, batch:dict) -> LossOutput:
     "Summed next-token cross-entropy with pre-shifted `labels` (−100 ignored), computed in fp32 or wider."
     logits = model(**model_inputs(batch)).logits          # (B, T, V)

@@ -11,10 +11,11 @@ from typing import Callable, Optional
 from .core import check
 
 # %% auto 0
-__all__ = ['METHOD_MODULES', 'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS', 'declare_home',
-           'import_architecture', 'MethodSpec', 'register_method', 'method_spec', 'model_methods', 'remove_method',
-           'plain_config', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods', 'own_config',
-           'attach_method', 'detach_method', 'dedup_tensors', 'write_memlab_folder', 'save_pretrained']
+__all__ = ['METHOD_MODULES', 'FOLDER_MARKERS', 'MEMLAB_ARCHITECTURES', 'METHODS_KEY', 'MEMLAB_WEIGHTS', 'TRANSFORMERS_DEPS',
+           'declare_home', 'import_architecture', 'MethodSpec', 'register_method', 'method_spec', 'model_methods',
+           'remove_method', 'plain_config', 'register_folder', 'folder_loader', 'folder_base', 'folder_methods',
+           'own_config', 'attach_method', 'detach_method', 'dedup_tensors', 'write_memlab_folder', 'save_pretrained',
+           'standalone_file']
 
 # %% ../nbs/04b_registry.ipynb
 METHOD_MODULES = {}         # method name -> the module that registers it (memlab's: declared by memlab/__init__.py)
@@ -156,6 +157,7 @@ def attach_method(model, name:str, config:dict):
         model.save_pretrained = _SavePretrained(model)                 # on the instance: no class is patched
     return model
 
+# %% ../nbs/04b_registry.ipynb
 def detach_method(model, name:str):
     "Forget method `name` on `model`; with no method left, `model.save_pretrained` is the class's again."
     cfg = getattr(model, 'config', None)
@@ -225,3 +227,101 @@ def save_pretrained(model, save_directory, **kwargs) -> Path:
             if s.encode: sd = s.encode(model, sd)
         write_memlab_folder(model, path, sd)
     return path
+
+# %% ../nbs/04b_registry.ipynb
+# packages transformers brings: a standalone model file may import them (and the standard library)
+TRANSFORMERS_DEPS = {'torch', 'transformers', 'safetensors', 'huggingface_hub', 'tokenizers', 'numpy'}
+
+def _module_source(name:str) -> str:
+    "The source of memlab module `name` ('core', 'mixer.layers'): the file, read (not imported)."
+    import importlib.util
+    return Path(importlib.util.find_spec(f'memlab.{name}').origin).read_text()
+
+def _external(node) -> list:
+    "The top-level packages an import statement names (none for a relative import)."
+    import ast
+    if isinstance(node, ast.ImportFrom): return [] if node.level else [node.module.split('.')[0]]
+    return [a.name.split('.')[0] for a in node.names]
+
+# %% ../nbs/04b_registry.ipynb
+def _definitions(module:str, names:tuple) -> str:
+    "The source of memlab module `module`'s top-level definitions (functions, classes, assignments) of `names`."
+    import ast
+    src = _module_source(module)
+    lines, out, found = src.splitlines(), [], set()
+    for node in ast.parse(src).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)): defined = {node.name}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        else: continue
+        if defined & set(names):
+            start = min([node.lineno] + [d.lineno for d in getattr(node, 'decorator_list', [])])
+            out.append('\n'.join(lines[start - 1:node.end_lineno])); found |= defined
+    missing = sorted(set(names) - found)
+    check(not missing, f"memlab.{module} defines no {', '.join(missing)}: update _STANDALONE_DEFS")
+    return '\n\n'.join(out)
+
+def _module_imports(module:str, allowed:set) -> list:
+    "memlab module `module`'s top-level imports of `allowed` packages, as source lines (what its definitions may use)."
+    import ast
+    src = _module_source(module)
+    lines = src.splitlines()
+    return ['\n'.join(lines[n.lineno - 1:n.end_lineno]) for n in ast.parse(src).body
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and _external(n) and _external(n) != ['__future__']
+            and all(p in allowed for p in _external(n))]
+
+# %% ../nbs/04b_registry.ipynb
+def _module_body(module:str, allowed:set) -> tuple:
+    ("The source of memlab module `module` with its imports rewritten for the standalone file, and the names its memlab "
+     "imports gave (defined above it there): memlab's and a sibling module's imports removed, a package transformers "
+     "does not bring imported when the function that needs it runs.")
+    import ast
+    wanted, src = set(), _module_source(module)
+    lines = src.splitlines()
+    for node in ast.walk(ast.parse(src)):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)): continue
+        pkgs, first, indent = _external(node), node.lineno - 1, ' ' * node.col_offset
+        if isinstance(node, ast.ImportFrom) and (node.level or pkgs[0] in ('memlab', '__future__')):
+            check(node.col_offset == 0, f"memlab.{module} imports memlab inside a function "
+                                        f"(line {node.lineno}): the standalone file cannot")
+            if node.level != 1 and pkgs[:1] != ['__future__']: wanted |= {a.asname or a.name for a in node.names}
+            new = None                   # defined above: memlab's definitions, or an earlier module's
+        elif all(p in allowed for p in pkgs): continue
+        else:   # a package transformers does not bring (PEFT: adding LoRA, never done by a saved model):
+            check(isinstance(node, ast.ImportFrom) and node.col_offset > 0,   # imported when called
+                  f"memlab.{module} imports {pkgs[0]} at line {node.lineno}: the standalone file cannot")
+            new = indent + '; '.join(f"{a.asname or a.name} = importlib.import_module({node.module!r}).{a.name}"
+                                     for a in node.names)
+        lines[first:node.end_lineno] = [new] + [None] * (node.end_lineno - first - 1)
+    return '\n'.join(l for l in lines if l is not None), wanted
+
+# %% ../nbs/04b_registry.ipynb
+def _check_standalone(src:str, wanted:set, allowed:set):
+    "Refuse a standalone file that lacks a name its modules imported, or still imports memlab or another package."
+    import ast
+    tree = ast.parse(src)
+    defined = {n.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+               for n in ast.walk(t) if isinstance(n, ast.Name)}
+    defined |= {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    check(wanted <= defined, f"the standalone file lacks {', '.join(sorted(wanted - defined))}")
+    bad = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+           and (getattr(n, 'level', 0) or any(p not in allowed for p in _external(n)))]
+    check(not bad, f"the standalone file still imports memlab or another package at line {bad[:1]}")
+
+# %% ../nbs/04b_registry.ipynb
+def standalone_file(package:str,    # the memlab package: 'neurocache', 'mixer'
+                    modules:tuple,  # its modules in import order (each reads the names of those before it)
+                    defs:dict,      # {memlab module: names}: memlab's definitions the modules import, copied in by name
+                    stubs:str='',   # source defining the other names they import from memlab (what a saved model never calls)
+                    title:tuple=()  # comment lines that head the file
+                   ) -> str:
+    "memlab package `package` as one file importing no memlab: the model code a saved folder carries for transformers."
+    allowed = set(sys.stdlib_module_names) | TRANSFORMERS_DEPS
+    parts = [_module_body(f'{package}.{m}', allowed) for m in modules]
+    imports = list(dict.fromkeys(l for m in defs for l in _module_imports(m, allowed)))
+    prelude = '\n\n'.join(_definitions(m, names) for m, names in defs.items()) + stubs
+    src = '\n'.join([*title, 'from __future__ import annotations', 'import importlib', *imports, '', prelude,
+                     *(body for body, _ in parts), ''])   # ending in a newline, as a file does
+    _check_standalone(src, set().union(*(wanted for _, wanted in parts)), allowed)
+    return src

@@ -29,6 +29,7 @@ def flag_values(configs, prefix:str='') -> dict:
     return {f"{prefix}{f.name}": _comparable(getattr(configs, f.name)) for f in dataclasses.fields(configs)
             if f.init and not f.name.startswith('_')}
 
+# %% ../nbs/00f_resume_tables.ipynb
 def _shown(v) -> str:
     s = json.dumps(v) if isinstance(v, (dict, list)) else str(v)
     return s if len(s) <= 60 else s[:57] + '...'
@@ -57,6 +58,7 @@ class ResumeTable:
             if not (self.same[k](old, new) if k in self.same else old == new): out.append(f"--{k} {_shown(old)} -> {_shown(new)}")
         return out
 
+# %% ../nbs/00f_resume_tables.ipynb
 class RunFlags:
     "A command's flags as parsed (`values`, see `flag_values`) with the `ResumeTable` that classifies them."
     def __init__(self, table:ResumeTable, values:dict): self.table, self.values = table, dict(values)

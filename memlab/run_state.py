@@ -39,53 +39,75 @@ class RunState:
                               ignore_errors=True)
             raise
 
-    def _write_checkpoint(self) -> Path:
-        c, acc = self.config, self.accelerator
-        check(c.output_dir, "save_checkpoint needs an output_dir")
-        root = Path(c.output_dir)/CHECKPOINTS
-        final, tmp = root/step_dir(self.step), root/f".{step_dir(self.step)}.tmp"
-        if self.is_main:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        r, steps = acc.process_index, None
-        if self.fsdp:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            steps = optimizer_steps(osd)
-            dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
-        elif self.deepspeed:    # every process writes its partitions (DeepSpeed's own format)
-            self.model.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
-        elif self.is_main:
-            from safetensors.torch import save_model
-            save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
-            osd = self.optimizer.state_dict(); steps = optimizer_steps(osd)
-            write_state(osd, tmp/'optimizer')
-        data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
-        write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
-        if self.is_main:
-            callbacks = [cb.state_dict() for cb in self.callbacks]
-            write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
-        self._event('on_save', tmp)
-        acc.wait_for_everyone()
-        if self.is_main:
-            state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
-                     'distributed_type': self._checkpoint_kind, 'mesh': list(self.mesh), 'history': self.history,
-                     'config': c.to_dict(), 'flags': self.flags.record(), 'optimizer_steps': steps,
-                     'log_window': self._window,
-                     'scheduler_steps': getattr(self.scheduler, 'last_epoch', None),
-                     'schedule': schedule_digest(self.scheduler, self.step)}
-            atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1, default=str))
-            write_manifest(tmp, self.step)           # last: a folder without it was cut short
-            import shutil
-            if final.exists(): shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_text(root/'latest', final.name)
-            for old in list_checkpoints(c.output_dir)[:-max(1, c.keep_checkpoints)]:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-        return final
+# %% ../nbs/05h_run_state.ipynb
+@patch_to(RunState)
+def _write_weights(self, tmp:Path):
+    "Write the model and optimizer into `tmp` (each process its shards, or the main process all); the step count."
+    steps = None
+    if self.fsdp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        steps = optimizer_steps(osd)
+        dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=str(tmp/'sharded'))
+    elif self.deepspeed:    # every process writes its partitions (DeepSpeed's own format)
+        self.model.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
+    elif self.is_main:
+        from safetensors.torch import save_model
+        save_model(self.unwrapped_model, str(tmp/'model.safetensors'))
+        osd = self.optimizer.state_dict(); steps = optimizer_steps(osd)
+        write_state(osd, tmp/'optimizer')
+    return steps
+
+@patch_to(RunState)
+def _write_run_state(self, tmp:Path):
+    "Write this process's RNG state and data position, and (main process) the schedule and callbacks, into `tmp`."
+    r = self.accelerator.process_index
+    data = self.train_data.state_dict() if hasattr(self.train_data, 'state_dict') else None
+    write_state({'rng': rng_state(), 'data': data}, tmp/f'process_{r}')            # JSON + safetensors: no pickle
+    if self.is_main:
+        callbacks = [cb.state_dict() for cb in self.callbacks]
+        write_state({'scheduler': self.scheduler.state_dict(), 'callbacks': callbacks}, tmp/'scheduler_callbacks')
+
+# %% ../nbs/05h_run_state.ipynb
+@patch_to(RunState)
+def _commit_checkpoint(self, tmp:Path, final:Path, steps):
+    "The main process: trainer_state.json, the manifest last, then `tmp` renamed to `final`, the latest, old ones pruned."
+    c, root = self.config, final.parent
+    state = {'step': self.step, 'tokens_seen': self.tokens_seen, 'world_size': self.world_size,
+             'distributed_type': self._checkpoint_kind, 'mesh': list(self.mesh), 'history': self.history,
+             'config': c.to_dict(), 'flags': self.flags.record(), 'optimizer_steps': steps,
+             'log_window': self._window,
+             'scheduler_steps': getattr(self.scheduler, 'last_epoch', None),
+             'schedule': schedule_digest(self.scheduler, self.step)}
+    atomic_write_text(tmp/'trainer_state.json', json.dumps(state, indent=1, default=str))
+    write_manifest(tmp, self.step)           # last: a folder without it was cut short
+    import shutil
+    if final.exists(): shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(root/'latest', final.name)
+    for old in list_checkpoints(c.output_dir)[:-max(1, c.keep_checkpoints)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+# %% ../nbs/05h_run_state.ipynb
+@patch_to(RunState)
+def _write_checkpoint(self) -> Path:
+    "Write this update's checkpoint under a temporary name, then make it the latest (every process calls this)."
+    c, acc = self.config, self.accelerator
+    check(c.output_dir, "save_checkpoint needs an output_dir")
+    root = Path(c.output_dir)/CHECKPOINTS
+    final, tmp = root/step_dir(self.step), root/f".{step_dir(self.step)}.tmp"
+    if self.is_main:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    steps = self._write_weights(tmp)
+    self._write_run_state(tmp)
+    self._event('on_save', tmp)
+    acc.wait_for_everyone()
+    if self.is_main: self._commit_checkpoint(tmp, final, steps)
+    acc.wait_for_everyone()
+    return final
 
 # %% ../nbs/05h_run_state.ipynb
 @patch_to(RunState)
@@ -130,23 +152,8 @@ def _load_schedule(self, state:dict, trained:dict, path):
 
 # %% ../nbs/05h_run_state.ipynb
 @patch_to(RunState)
-def load_checkpoint(self, path):
-    "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
-    path, acc = Path(path), self.accelerator
-    state = self._check_checkpoint(path)
-    # FSDP's torch.distributed.checkpoint reshards: another mesh reading the same rows continues the run
-    source = resume_process(checkpoint_mesh(state), self.mesh, acc.process_index) if self.fsdp else acc.process_index
-    # Callbacks first: one may need to change the model (say, add
-    # adapters the run had switched to) before its state loads.
-    sc = read_state(path/'scheduler_callbacks')
-    at, saved = (sc.get('scheduler') or {}).get('last_epoch'), state.get('scheduler_steps')
-    check(saved is None or at == saved, f"{path/'scheduler_callbacks.json'}: the schedule's state is at update {at} but "
-          f"its checkpoint says {saved}: the checkpoint does not agree with itself; {DAMAGED}")
-    check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
-          f"this run has {len(self.callbacks)}: resume with the same method options")
-    for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
-    self.step = state['step']
-    self._event('on_load_begin', path)
+def _load_weights(self, path:Path, state:dict):
+    "Load the model and the optimizer of checkpoint `path` (its `state`: trainer_state.json), strictly."
     if self.fsdp:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         msd, osd = get_state_dict(self.model, self.optimizer)
@@ -175,7 +182,11 @@ def load_checkpoint(self, path):
             raise MemlabError(f"the optimizer state in {path} does not fit this run's trainable parameters "
                               f"({str(e).splitlines()[0]}): resume with the model and method options of "
                               "the run that wrote it") from None
-    self._load_schedule(sc['scheduler'], state, path)   # after on_load_begin: a callback may have rebuilt the schedule
+
+# %% ../nbs/05h_run_state.ipynb
+@patch_to(RunState)
+def _load_position(self, path:Path, state:dict, source:int):
+    "Continue where checkpoint `path` stopped: process `source`'s RNG and data position, the counts, history and log."
     proc = read_state(path/f'process_{source}')      # the data position and RNG of a process that read these rows
     set_rng_state(proc['rng'])
     if proc['data'] is not None:
@@ -187,4 +198,27 @@ def load_checkpoint(self, path):
     # the log restarts from the checkpoint: drop what a killed run logged after it
     if self.is_main and self.config.output_dir:
         atomic_write_text(Path(self.config.output_dir)/'log.jsonl', ''.join(json.dumps(h) + '\n' for h in self.history))
+
+# %% ../nbs/05h_run_state.ipynb
+@patch_to(RunState)
+def load_checkpoint(self, path):
+    "Restore model, optimizer, scheduler, RNG, data position and callbacks from checkpoint folder `path`."
+    path, acc = Path(path), self.accelerator
+    state = self._check_checkpoint(path)
+    # FSDP's torch.distributed.checkpoint reshards: another mesh reading the same rows continues the run
+    source = resume_process(checkpoint_mesh(state), self.mesh, acc.process_index) if self.fsdp else acc.process_index
+    # Callbacks first: one may need to change the model (say, add
+    # adapters the run had switched to) before its state loads.
+    sc = read_state(path/'scheduler_callbacks')
+    at, saved = (sc.get('scheduler') or {}).get('last_epoch'), state.get('scheduler_steps')
+    check(saved is None or at == saved, f"{path/'scheduler_callbacks.json'}: the schedule's state is at update {at} but "
+          f"its checkpoint says {saved}: the checkpoint does not agree with itself; {DAMAGED}")
+    check(len(sc['callbacks']) == len(self.callbacks), f"{path} holds the state of {len(sc['callbacks'])} callback(s), "
+          f"this run has {len(self.callbacks)}: resume with the same method options")
+    for cb, st in zip(self.callbacks, sc['callbacks']): cb.load_state_dict(st)
+    self.step = state['step']
+    self._event('on_load_begin', path)
+    self._load_weights(path, state)
+    self._load_schedule(sc['scheduler'], state, path)   # after on_load_begin: a callback may have rebuilt the schedule
+    self._load_position(path, state, source)
     self._event('on_load', path)

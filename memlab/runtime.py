@@ -23,6 +23,7 @@ def _proc_kib(field):
         return int(m.group(1)) if m else None
     except OSError: return None
 
+# %% ../nbs/00a_runtime.ipynb
 def _malloc_trim():
     ("Return the allocator's free pages to the OS, so that memory freed earlier is not silently reused unseen by "
      "the next measurement.")
@@ -81,6 +82,7 @@ def fmt_bytes(n) -> str:
         if abs(n) < 1024 or unit == 'TiB': return f"{n:.0f} {unit}" if unit == 'B' else f"{n:.1f} {unit}"
         n /= 1024
 
+# %% ../nbs/00a_runtime.ipynb
 def count_parameters(model, trainable_only:bool=False) -> int:
     "Number of (trainable) parameters, counting tied weights once and 4-bit weights at their logical size."
     seen, n = set(), 0
@@ -185,6 +187,7 @@ PRECISIONS = ('auto', 'no', 'bf16', 'fp16')
 PRECISION_NAMES = {'auto': 'auto', 'no': 'no', 'fp32': 'no', 'float32': 'no', 'bf16': 'bf16', 'bfloat16': 'bf16',
                    'fp16': 'fp16', 'float16': 'fp16'}
 
+# %% ../nbs/00a_runtime.ipynb
 def resolve_precision(precision:str='auto',  # 'auto' or None, 'no', 'bf16', 'fp16', or a seed's name (`PRECISION_NAMES`)
                       device=None,           # where the run computes (None: CUDA if there is a GPU)
                       fp16_from:str=None,    # the flags that asked for fp16, named in its refusal off a GPU

@@ -127,6 +127,7 @@ def continue_at(scheduler, step:int):
         scheduler.step()
     return scheduler
 
+# %% ../nbs/08_schedules.ipynb
 def lambda_scheduler(optimizer, multipliers, start_step:int=0) -> LambdaLR:
     "A `LambdaLR` over `optimizer` (one multiplier, or one per parameter group) at update `start_step`."
     # the peak rates, kept across rebuilt schedulers

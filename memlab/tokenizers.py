@@ -79,36 +79,45 @@ def _refuse_nonempty(path:Path, what:str):
           f"{path} already exists and is not empty: refusing to overwrite it; remove it or choose another {what}")
     check_writable(path, what)
 
+# %% ../nbs/02_tokenizers.ipynb
+def _new_bpe(texts, n:int, vocab_size:int, min_frequency:int, eos_token:str):
+    "A byte-level BPE of `vocab_size` entries trained from scratch on the `n` `texts`, `eos_token` its one special token."
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer, length=n)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos_token, bos_token=eos_token,
+                                   unk_token=eos_token, pad_token=eos_token)
+
+def _retrained(base_tokenizer, texts, n:int, vocab_size:int, min_frequency:int, eos_token:str) -> tuple:
+    "(`base_tokenizer`'s algorithm retrained on the `n` `texts`, the base's number of special tokens)."
+    base = get_tokenizer(base_tokenizer)
+    check(getattr(base, 'is_fast', False), f"base tokenizer {tokenizer_label(base_tokenizer)} is "
+          "not a fast tokenizer: train_new_from_iterator needs one")
+    n_special = len(base.all_special_ids)
+    check(vocab_size > 256 + n_special,
+          f"vocab_size must exceed 256 + the base's {n_special} special tokens, got {vocab_size}")
+    tok = base.train_new_from_iterator(texts, vocab_size, length=n, show_progress=False, min_frequency=min_frequency)
+    if tok.eos_token is None: tok.eos_token = eos_token
+    return tok, n_special
+
+# %% ../nbs/02_tokenizers.ipynb
 def train_tokenizer(corpus_or_texts, vocab_size:int=8000, base_tokenizer=None, save_dir=None, split:str='train',
                     take:int=None, min_frequency:int=0, eos_token:str='<|endoftext|>', text_field:str='text',
                     dataset_config:str=None, show_progress:bool=True):
     ("Train a byte-level BPE of `vocab_size` entries from scratch, or retrain `base_tokenizer`'s; "
      "save it to `save_dir` if given.")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
     if save_dir is not None: _refuse_nonempty(Path(save_dir), 'save_dir')
     check(vocab_size > 257, f"vocab_size must exceed 257 (256 byte symbols plus special tokens), got {vocab_size}")
     texts, n = _corpus_texts(corpus_or_texts, split, take, text_field, dataset_config)
     texts = tqdm(texts, total=n, desc='training tokenizer', unit='doc', disable=not show_progress)
-    if base_tokenizer is None:
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos_token],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        bpe.train_from_iterator(texts, trainer, length=n)
-        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos_token, bos_token=eos_token,
-                                      unk_token=eos_token, pad_token=eos_token)
-    else:
-        base = get_tokenizer(base_tokenizer)
-        check(getattr(base, 'is_fast', False), f"base tokenizer {tokenizer_label(base_tokenizer)} is "
-              "not a fast tokenizer: train_new_from_iterator needs one")
-        n_special = len(base.all_special_ids)
-        check(vocab_size > 256 + n_special,
-              f"vocab_size must exceed 256 + the base's {n_special} special tokens, got {vocab_size}")
-        tok = base.train_new_from_iterator(texts, vocab_size, length=n, show_progress=False,
-                                           min_frequency=min_frequency)
-        if tok.eos_token is None: tok.eos_token = eos_token
+    if base_tokenizer is None: tok, n_special = _new_bpe(texts, n, vocab_size, min_frequency, eos_token), 0
+    else: tok, n_special = _retrained(base_tokenizer, texts, n, vocab_size, min_frequency, eos_token)
     floor = 257 if base_tokenizer is None else 256 + n_special       # the bytes and the special tokens: no merge learned
     check(len(tok) > floor, f"the training text is too small to learn a tokenizer: not one merge was learned ({len(tok)} "
           f"entries, the bytes and special tokens, of the {vocab_size} asked for): train on more text")
@@ -212,6 +221,7 @@ def _batched(docs, n:int):
         if len(batch) == n: yield batch; batch = []
     if batch: yield batch
 
+# %% ../nbs/02_tokenizers.ipynb
 def _encoded(docs, tok, num_cpu:int, add_special_tokens:bool, desc:str, show_progress:bool, batch_docs:int=32):
     "Yield token lists of `docs` in order, batch by batch, with a progress bar over documents."
     bar = tqdm(total=len(docs), desc=desc, unit='doc', disable=not show_progress)
@@ -233,6 +243,7 @@ def _encoded(docs, tok, num_cpu:int, add_special_tokens:bool, desc:str, show_pro
             ids = encode_documents(tok, b, a); bar.update(len(ids)); yield ids
     bar.close()
 
+# %% ../nbs/02_tokenizers.ipynb
 def ROW_FEATURES():
     "The Arrow schema of pretokenized rows."
     import datasets
@@ -267,6 +278,19 @@ def _tokenizer_ref(tokenizer) -> str:
     return str(p.resolve()) if p.exists() else str(tokenizer)
 
 # %% ../nbs/02_tokenizers.ipynb
+def _tokenized_splits(corpus, tok, splits, sequence_length:int, mode:str, padding_side:str, num_cpu:int,
+                      add_special_tokens:bool, show_progress:bool) -> tuple:
+    "({split: a `datasets.Dataset` of rows}, {split: its counts}) of the corpus's `splits`, tokenized in order."
+    import datasets
+    dd, counts = {}, {}
+    for s in splits:
+        ids, mask, counts[s] = tokenize_split(corpus.split(s), tok, sequence_length, mode, padding_side, num_cpu,
+                                               add_special_tokens, f"tokenizing {s}", show_progress)
+        dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask},
+                                                            features=ROW_FEATURES())
+    return dd, counts
+
+# %% ../nbs/02_tokenizers.ipynb
 def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode:str='packed', padding_side:str='right',
                 dataset_config:str=None, text_field:str='text', take:int=None, num_cpu:int=1, output_name:str=None,
                 splits=('train', 'validation'), add_special_tokens:bool=False, show_progress:bool=True) -> Path:
@@ -285,12 +309,8 @@ def pretokenize(dataset, tokenizer, save_dir='.', sequence_length:int=2048, mode
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        dd, counts = {}, {}
-        for s in splits:
-            ids, mask, counts[s] = tokenize_split(corpus.split(s), tok, sequence_length, mode, padding_side, num_cpu,
-                                                   add_special_tokens, f"tokenizing {s}", show_progress)
-            dd[canonical_split(s)] = datasets.Dataset.from_dict({'input_ids': ids, 'attention_mask': mask},
-                                                                features=ROW_FEATURES())
+        dd, counts = _tokenized_splits(corpus, tok, splits, sequence_length, mode, padding_side, num_cpu,
+                                       add_special_tokens, show_progress)
         check(counts[splits[0]]['rows'] > 0, f"the {splits[0]} split of {corpus.name} is empty: nothing to pretokenize")
         datasets.DatasetDict(dd).save_to_disk(str(tmp))
         args = dict(tokenizer=_tokenizer_ref(tokenizer) if isinstance(tokenizer, (str, os.PathLike))

@@ -21,9 +21,7 @@ from .loaders import TokenBatches
 from .models import llama_config, load_model, pickle_refusal
 from .relora import (PRUNING_RULES, ReLoRACallback, ReLoRAConfig, add_relora, merged_model, relora_layers,
                            reset_mode_from_flags)
-# ReLoRA's --scheduler chooser, renamed in memlab.relora so that get_scheduler / SCHEDULERS mean the loop's
-# (memlab.train_config) only; the cells below still use the old names
-from .relora import RELORA_SCHEDULES as SCHEDULERS, make_relora_scheduler as get_scheduler
+from .relora import RELORA_SCHEDULES, make_relora_scheduler
 from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretokenize, pretokenized_args,
                                pretokenized_name)
 from .distributed import main_process_value
@@ -151,8 +149,8 @@ def check_relora_flags(cfg:ReLoRARunConfig):
                                        cfg.optimizer_magnitude_pruning)
     check(cfg.optimizer_pruning in PRUNING_RULES,
           f"--optimizer_pruning must be one of {', '.join(PRUNING_RULES)}; got {cfg.optimizer_pruning!r}")
-    check(cfg.scheduler in SCHEDULERS,
-          f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {cfg.scheduler!r}")
+    check(cfg.scheduler in RELORA_SCHEDULES,
+          f"--scheduler must be one of {', '.join(RELORA_SCHEDULES)}, got {cfg.scheduler!r}")
     if cfg.relora and cfg.cycle_length is None: cfg.cycle_length = cfg.relora
     if cfg.scheduler == 'cosine_restarts':
         check(cfg.cycle_length is not None, "--scheduler cosine_restarts needs --cycle_length (or --relora)")
@@ -419,8 +417,8 @@ def relora_schedule(cfg:ReLoRARunConfig, steps:int, start:int):
               f"--num_training_steps {steps}" + (f" minus the warm start's {start} updates ({steps - start})"
               if start else '')
               + f" is not a multiple of --cycle_length {cfg.cycle_length}: the schedule must end at the end of a cycle")
-    sched_fn = lambda o: get_scheduler(o, cfg.scheduler, steps - start, cfg.warmup_steps, cfg.min_lr_ratio,
-                                       cfg.cycle_length, cfg.restart_warmup_steps, cfg.adjust_step)
+    sched_fn = lambda o: make_relora_scheduler(o, cfg.scheduler, steps - start, cfg.warmup_steps, cfg.min_lr_ratio,
+                                               cfg.cycle_length, cfg.restart_warmup_steps, cfg.adjust_step)
     sched_fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))
     return sched_fn
 

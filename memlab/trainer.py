@@ -47,6 +47,7 @@ def count_targets(batch:dict) -> torch.Tensor:
 def _to_device(batch:dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
+# %% ../nbs/05g_trainer.ipynb
 def _decay_groups(model, weight_decay:float) -> list:
     "AdamW parameter groups: no weight decay on biases, norms and 1-D parameters."
     decay, no_decay = [], []
@@ -97,27 +98,11 @@ class Trainer(RunState):
         self.run_config = run_config or {}
         # what defines the run: the command's flags and its table, else the loop's own settings (`LOOP_RESUME`)
         self.flags = flags or RunFlags(LOOP_RESUME, flag_values(config))
-        self.accelerator = accelerator or make_accelerator(config.mixed_precision, deepspeed=True)
-        self.world_size = self.accelerator.num_processes
-        # the process mesh (None until _prepare: DDP or FSDP over every process), and how many processes read different
-        # rows (a tensor- or context-parallel group shares its rows)
-        self.mesh = resolve_mesh(config.mesh_dim, self.world_size) if config.mesh_dim else None
-        self.data_world = self.mesh.data if self.mesh else self.world_size
-        self._tp = self.mesh.tp if self.mesh else 1
-        check(self.mesh is None or self.mesh.cp == 1 or getattr(self.loss_fn, 'splits_sequences', False),
-              f"mesh_dim {config.mesh_dim}: context parallelism (cp = {self.mesh and self.mesh.cp}) needs a loss that "
-              "splits each sequence over the cp processes (memlab_bpt's, memlab.bpt.context); this run's does not: "
-              "use cp = 1")
-        self.accum = config.accumulation_steps(self.data_world)
+        self._setup_processes(config, accelerator)
         self._check_output_dir()
         self.accelerator.wait_for_everyone()   # no rank writes to output_dir before every rank has checked it
         self._clear_unfinished_run()
-        for name, data in (('train_data', train_data), ('eval_data', eval_data)):
-            w = getattr(data, 'world_size', None)
-            check(w is None or w == self.data_world, f"{name} was built for {w} process(es) "
-                  f"but {self.data_world} are running (reading different rows): build the loaders inside the launched "
-                  "processes (they read RANK/WORLD_SIZE) or pass rank= and world_size= (under a mesh: "
-                  "memlab.distributed.data_rank)")
+        self._check_loaders(train_data, eval_data)
         from memlab.rng import seed_everything
         seed_everything(config.seed)
         self.step, self.tokens_seen, self.history, self._window = 0, 0, [], []   # _window: updates not yet logged
@@ -130,23 +115,6 @@ class Trainer(RunState):
         if self.config.resume_from:
             self.load_checkpoint(find_checkpoint(self.config.resume_from, self.config.output_dir))
 
-    # ---- setup ---------------------------------------------------------------------------------------------
-    def _check_output_dir(self):
-        "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
-        c = self.config
-        # 'latest' with nothing to resume yet: a fresh start. The flags are compared once the mesh is known
-        # (`_check_checkpoint`): another data layout changes the flags it implies, and says so better.
-        resume = resume_plan(c.output_dir, c.resume_from, accelerator=self.accelerator)
-        if resume != c.resume_from: self.config = dataclasses.replace(c, resume_from=resume)
-
-    def _clear_unfinished_run(self):
-        "After every process has checked the folder: the main process removes what an unfinished run left there."
-        if self.is_main and self.config.output_dir and not self.config.resume_from:
-            gone = clear_unfinished_run(self.config.output_dir)
-            if gone:
-                print(f"memlab: starting over in {self.config.output_dir}: "
-                      f"it held a run that stopped before its first checkpoint (removed {', '.join(gone)})")
-
     # ---- events --------------------------------------------------------------------------------------------
     def _event(self, name, *args):
         for cb in self.callbacks: getattr(cb, name)(self, *args)
@@ -157,6 +125,80 @@ class Trainer(RunState):
     def print(self, *a):
         "Print on the main process only."
         if self.is_main: print(*a, flush=True)
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _setup_processes(self, config:TrainConfig, accelerator=None):
+    "The accelerator, the process mesh, how many processes read different rows, and the accumulation steps."
+    self.accelerator = accelerator or make_accelerator(config.mixed_precision, deepspeed=True)
+    self.world_size = self.accelerator.num_processes
+    # the process mesh (None until _prepare: DDP or FSDP over every process), and how many processes read different
+    # rows (a tensor- or context-parallel group shares its rows)
+    self.mesh = resolve_mesh(config.mesh_dim, self.world_size) if config.mesh_dim else None
+    self.data_world = self.mesh.data if self.mesh else self.world_size
+    self._tp = self.mesh.tp if self.mesh else 1
+    check(self.mesh is None or self.mesh.cp == 1 or getattr(self.loss_fn, 'splits_sequences', False),
+          f"mesh_dim {config.mesh_dim}: context parallelism (cp = {self.mesh and self.mesh.cp}) needs a loss that "
+          "splits each sequence over the cp processes (memlab_bpt's, memlab.bpt.context); this run's does not: "
+          "use cp = 1")
+    self.accum = config.accumulation_steps(self.data_world)
+
+@patch_to(Trainer)
+def _check_loaders(self, train_data, eval_data):
+    "Refuse loaders built for another number of processes reading different rows (they would skip or repeat rows)."
+    for name, data in (('train_data', train_data), ('eval_data', eval_data)):
+        w = getattr(data, 'world_size', None)
+        check(w is None or w == self.data_world, f"{name} was built for {w} process(es) "
+              f"but {self.data_world} are running (reading different rows): build the loaders inside the launched "
+              "processes (they read RANK/WORLD_SIZE) or pass rank= and world_size= (under a mesh: "
+              "memlab.distributed.data_rank)")
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _check_output_dir(self):
+    "Refuse an output folder that holds another run, before anything is written (`output_dir_refusal`'s rule)."
+    c = self.config
+    # 'latest' with nothing to resume yet: a fresh start. The flags are compared once the mesh is known
+    # (`_check_checkpoint`): another data layout changes the flags it implies, and says so better.
+    resume = resume_plan(c.output_dir, c.resume_from, accelerator=self.accelerator)
+    if resume != c.resume_from: self.config = dataclasses.replace(c, resume_from=resume)
+
+@patch_to(Trainer)
+def _clear_unfinished_run(self):
+    "After every process has checked the folder: the main process removes what an unfinished run left there."
+    if self.is_main and self.config.output_dir and not self.config.resume_from:
+        gone = clear_unfinished_run(self.config.output_dir)
+        if gone:
+            print(f"memlab: starting over in {self.config.output_dir}: "
+                  f"it held a run that stopped before its first checkpoint (removed {', '.join(gone)})")
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
+    c = self.config
+    if self._given_optimizer is not None and keep_step is None: opt = self._given_optimizer
+    elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(model, c.weight_decay))
+    else:
+        opt = torch.optim.AdamW(_decay_groups(model, c.weight_decay), lr=c.lr,
+                                betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+    for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
+    return opt
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _build_optimizer(self, keep_step:int=None):
+    opt = self._new_optimizer(self.model, keep_step)
+    self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
+    self._set_schedule(opt, keep_step)
+
+@patch_to(Trainer)
+def _set_schedule(self, opt, keep_step:int=None):
+    self.optimizer = opt
+    if self._scheduler_fn is None: sched = get_scheduler(opt, self.config, start_step=keep_step or 0)
+    else:
+        sched = self._scheduler_fn(opt)
+        if keep_step: continue_at(sched, keep_step)               # continue the schedule where it was
+    self.scheduler = sched
 
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
@@ -189,32 +231,6 @@ def _prepare(self, model):
         self.unwrapped_model = acc.unwrap_model(self.model, keep_fp32_wrapper=False)
     self._build_optimizer()
 
-@patch_to(Trainer)
-def _new_optimizer(self, model, keep_step:int=None) -> torch.optim.Optimizer:
-    c = self.config
-    if self._given_optimizer is not None and keep_step is None: opt = self._given_optimizer
-    elif self._optimizer_fn is not None: opt = self._optimizer_fn(_decay_groups(model, c.weight_decay))
-    else:
-        opt = torch.optim.AdamW(_decay_groups(model, c.weight_decay), lr=c.lr,
-                                betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
-    for g in opt.param_groups: g.setdefault('initial_lr', g['lr'])
-    return opt
-
-@patch_to(Trainer)
-def _build_optimizer(self, keep_step:int=None):
-    opt = self._new_optimizer(self.model, keep_step)
-    self._acc_optimizer = self.accelerator.prepare_optimizer(opt)
-    self._set_schedule(opt, keep_step)
-
-@patch_to(Trainer)
-def _set_schedule(self, opt, keep_step:int=None):
-    self.optimizer = opt
-    if self._scheduler_fn is None: sched = get_scheduler(opt, self.config, start_step=keep_step or 0)
-    else:
-        sched = self._scheduler_fn(opt)
-        if keep_step: continue_at(sched, keep_step)               # continue the schedule where it was
-    self.scheduler = sched
-
 # %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _prepare_deepspeed(self, model):
@@ -240,6 +256,7 @@ def _prepare_deepspeed(self, model):
     self.unwrapped_model = self.model.module
     self._set_schedule(opt)
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def full_state_dict(self, every_process:bool=False) -> dict:
     ("The trained model's full state dict on the main process (FSDP's shards and ZeRO-3's partitions gathered: a "
@@ -278,6 +295,7 @@ def reconfigure(self, modify):
     self.unwrapped_model = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
     self._build_optimizer(keep_step=self.step)
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def replace_optimizer(self, optimizer:torch.optim.Optimizer, scheduler=None):
     """Install `optimizer` (built over the current model's parameters) and `scheduler` (default: the configured
@@ -308,12 +326,34 @@ def _sync_context(self, last:bool):
         return _fsdp_no_sync()
     return self.accelerator.no_sync(self.model)
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _reduce(self, t:torch.Tensor) -> torch.Tensor:
     t = t.detach().float().to(self.accelerator.device)
     # a tensor-parallel group computes the same tokens' sums: they count once
     return self.accelerator.reduce(t, reduction='sum') / self._tp if self.world_size > 1 else t
 
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _engine_backward(self, loss, last:bool):
+    ("DeepSpeed's backward of one micro-batch: `loss` is already this micro-batch's share of the update's mean, so "
+     "the engine must not divide it by the accumulation steps again; a micro-batch that ends no update also "
+     "goes through `engine.step()`, which only counts it.")
+    self.model.set_gradient_accumulation_boundary(is_boundary=last)
+    self.model.backward(loss, scale_wrt_gas=False)
+    if not last: self.model.step()
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _clip(self):
+    c = self.config
+    params = [p for p in self.model.parameters() if p.grad is not None]
+    if not params: return None
+    self.accelerator.unscale_gradients()
+    # gradients on several meshes (tensor parallel's and FSDP's) are clipped by one global norm
+    return clip_grad_norm(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
+
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def train_step(self, micro_batches:list) -> dict:
     "One optimizer update over `micro_batches`; returns the update's token-mean loss and logged components."
@@ -354,28 +394,26 @@ def train_step(self, micro_batches:list) -> dict:
     if grad_norm is not None: res['grad_norm'] = grad_norm
     return res
 
-@patch_to(Trainer)
-def _engine_backward(self, loss, last:bool):
-    ("DeepSpeed's backward of one micro-batch: `loss` is already this micro-batch's share of the update's mean, so "
-     "the engine must not divide it by the accumulation steps again; a micro-batch that ends no update also "
-     "goes through `engine.step()`, which only counts it.")
-    self.model.set_gradient_accumulation_boundary(is_boundary=last)
-    self.model.backward(loss, scale_wrt_gas=False)
-    if not last: self.model.step()
-
-@patch_to(Trainer)
-def _clip(self):
-    c = self.config
-    params = [p for p in self.model.parameters() if p.grad is not None]
-    if not params: return None
-    self.accelerator.unscale_gradients()
-    # gradients on several meshes (tensor parallel's and FSDP's) are clipped by one global norm
-    return clip_grad_norm(params, c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else float('inf'))
-
 # %% ../nbs/05g_trainer.ipynb
 class EvaluationStopped(Exception):
     "A stop signal came during an evaluation inside `fit`: the loop saves the update and stops."
 
+def _eval_total(data, max_steps:int):
+    "How many batches an evaluation reads: the data's length, capped at `max_steps` (None where neither is known)."
+    return min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
+        len(data) if hasattr(data, '__len__') else max_steps)
+
+@patch_to(Trainer)
+def _eval_metrics(self, loss_sum, n, logs:dict, prefix:str) -> dict:
+    "Loss, perplexity, bits per token and the logged components, token-weighted over every process's `n` tokens."
+    check(n.item() > 0, "evaluation saw no target tokens")
+    loss = (loss_sum / n).item()
+    metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)),
+               f'{prefix}_bits_per_token': loss / math.log(2), f'{prefix}_tokens': int(n.item())}
+    for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
+    return metrics
+
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 @torch.no_grad()
 def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
@@ -390,10 +428,8 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
     loss_sum = torch.zeros((), device=self.accelerator.device); n = torch.zeros((), device=self.accelerator.device)
     logs = {}
     from tqdm.auto import tqdm
-    total = min(len(data), max_steps) if hasattr(data, '__len__') and max_steps is not None else (
-        len(data) if hasattr(data, '__len__') else max_steps)
-    bar = tqdm(total=total, desc=prefix, leave=False, disable=not (self.config.progress and self.is_main),
-               dynamic_ncols=True)
+    bar = tqdm(total=_eval_total(data, max_steps), desc=prefix, leave=False,
+               disable=not (self.config.progress and self.is_main), dynamic_ncols=True)
     signals = getattr(self, '_signals', None)
     for i, batch in enumerate(data):
         if max_steps is not None and i >= max_steps: break
@@ -409,11 +445,7 @@ def evaluate(self, data=None, max_steps:int=None, prefix:str='eval') -> dict:
     bar.close()
     loss_sum, n = self._reduce(loss_sum), self._reduce(n)
     model.train(was_training)
-    check(n.item() > 0, "evaluation saw no target tokens")
-    loss = (loss_sum / n).item()
-    metrics = {f'{prefix}_loss': loss, f'{prefix}_ppl': math.exp(min(loss, 700)),
-               f'{prefix}_bits_per_token': loss / math.log(2), f'{prefix}_tokens': int(n.item())}
-    for k, v in logs.items(): metrics[f'{prefix}_{k}'] = (self._reduce(v) / n).item()
+    metrics = self._eval_metrics(loss_sum, n, logs, prefix)
     self._event('on_evaluate_end', metrics)
     return metrics
 
@@ -474,6 +506,7 @@ def fit(self) -> list:
     self._event('on_train_end')
     return self.history
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _stop_requested(self, signals:StopSignals) -> bool:
     "Whether any process received a stop signal (all processes get the same answer, at the same update)."
@@ -483,6 +516,7 @@ def _stop_requested(self, signals:StopSignals) -> bool:
     if signum and signals.signum is None: signals.received, signals.signum = signal.Signals(signum).name, signum
     return bool(signum)
 
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _stop(self, signals:StopSignals, saved:Path=None):
     "Save a checkpoint (unless this update was just saved) and raise `Interrupted`."
@@ -493,6 +527,41 @@ def _stop(self, signals:StopSignals, saved:Path=None):
              if saved else "no output_dir, nothing saved")
     raise Interrupted(f"stopped by {signals.received} after update {self.step}; {where}", signals.signum)
 
+# %% ../nbs/05g_trainer.ipynb
+def _take(it, n:int) -> list:
+    "The next `n` items of iterator `it` (fewer where it runs out)."
+    out = []
+    for _ in range(n):
+        try: out.append(next(it))
+        except StopIteration: break
+    return out
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _log_window(self, window:list, tokens:int, seconds:float, peak:int):
+    "Log the updates since the last log: token-weighted means, the last gradient norm, lr, tokens/s, peak memory."
+    n = sum(r['tokens'] for r in window)
+    logs = {k: sum(r[k] * r['tokens'] for r in window) / n
+            for k in window[-1] if k not in ('tokens', 'grad_norm')}
+    if 'grad_norm' in window[-1]: logs['grad_norm'] = window[-1]['grad_norm']
+    logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tokens / seconds,
+                peak_memory_mib=peak / 2**20)
+    self.log(logs)
+
+# %% ../nbs/05g_trainer.ipynb
+@patch_to(Trainer)
+def _evaluation_failed(self, e:Exception):
+    "An evaluation failed after an update: save the trained state first (one process), then report the failure."
+    c = self.config
+    if not (c.output_dir and self.world_size == 1): raise e
+    saved = self.save_checkpoint()
+    from memlab.core import environment_error
+    why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
+    raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); "
+                      f"the trained state is saved in {saved}: fix the evaluation settings and continue with "
+                      "resume_from='latest'") from e
+
+# %% ../nbs/05g_trainer.ipynb
 @patch_to(Trainer)
 def _fit_loop(self, it, bar, signals:StopSignals):
     c = self.config
@@ -502,10 +571,7 @@ def _fit_loop(self, it, bar, signals:StopSignals):
     while self.step < c.max_steps and not self.should_stop:
         if c.max_train_tokens and self.tokens_seen >= c.max_train_tokens: break
         self._event('on_step_begin')
-        micro = []
-        for _ in range(self.accum):
-            try: micro.append(next(it))
-            except StopIteration: break
+        micro = _take(it, self.accum)
         if len(micro) < self.accum: break  # finite training data ran out
         res = self.train_step(micro)
         self.step += 1; self.tokens_seen += res['tokens']; tok0 += res['tokens']
@@ -515,14 +581,7 @@ def _fit_loop(self, it, bar, signals:StopSignals):
         last = self.step >= c.max_steps or bool(c.max_train_tokens and self.tokens_seen >= c.max_train_tokens)
         if self.step % max(1, c.log_every) == 0 or last:
             pm.__exit__(None, None, None)
-            dt = time.perf_counter() - t0
-            n = sum(r['tokens'] for r in window)
-            logs = {k: sum(r[k] * r['tokens'] for r in window) / n
-                    for k in window[-1] if k not in ('tokens', 'grad_norm')}
-            if 'grad_norm' in window[-1]: logs['grad_norm'] = window[-1]['grad_norm']
-            logs.update(lr=self.scheduler.get_last_lr()[0], tokens_seen=self.tokens_seen, tokens_per_s=tok0 / dt,
-                        peak_memory_mib=pm.absolute / 2**20)
-            self.log(logs)
+            self._log_window(window, tok0, time.perf_counter() - t0, pm.absolute)
             window[:], tok0 = [], 0
             pm = peak_memory(self.accelerator.device, collect=False).__enter__(); t0 = time.perf_counter()
         stopping = not last and self._stop_requested(signals)      # the last update finishes the run as usual
@@ -537,15 +596,3 @@ def _fit_loop(self, it, bar, signals:StopSignals):
             t0 = time.perf_counter()
         # the last update stops too when a signal came during its evaluation or save: it is saved, the exit says so
         if stopping or self._stop_requested(signals): self._stop(signals, saved)
-
-@patch_to(Trainer)
-def _evaluation_failed(self, e:Exception):
-    "An evaluation failed after an update: save the trained state first (one process), then report the failure."
-    c = self.config
-    if not (c.output_dir and self.world_size == 1): raise e
-    saved = self.save_checkpoint()
-    from memlab.core import environment_error
-    why = str(e) if isinstance(e, MemlabError) else environment_error(e) or f"{type(e).__name__}: {e}"
-    raise MemlabError(f"evaluation failed after update {self.step} ({' '.join(why.split())[:300]}); "
-                      f"the trained state is saved in {saved}: fix the evaluation settings and continue with "
-                      "resume_from='latest'") from e

@@ -21,6 +21,7 @@ def default_output_dir(prefix:str='train') -> str:
     "A fresh run folder under ./runs named by the time."
     return str(Path('runs')/f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
 
+# %% ../nbs/05_training.ipynb
 def plot_history(history:list, path, title:str=''):
     "Plot training loss (and evaluation loss) against updates to `path`."
     import matplotlib; matplotlib.use('Agg')

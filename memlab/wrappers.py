@@ -74,6 +74,7 @@ def state_names(model:nn.Module) -> dict:
             else: out[full] = f"{out[name]}.{child}" if out[name] else child
     return out
 
+# %% ../nbs/04a_wrappers.ipynb
 def to_state_names(model:nn.Module, state:dict) -> dict:
     "`state` with keys an older memlab wrote (a wrapper's `base_layer.` in them) renamed to `model`'s state-dict names."
     names = state_names(model)

@@ -186,6 +186,19 @@ def test_neurocache_fused_attention_on_cuda():
     assert check_fused_attention(DEV) == (True, '')
     assert _fusable(torch.zeros(1, device=DEV, dtype=torch.bfloat16))
 
+def test_neurocache_fused_attention_refused_on_cuda(monkeypatch):
+    """The refusing case of the check above: a kernel whose results differ from plain PyTorch on this GPU is refused, warned
+    about once, and remembered, so joint attention's plain route serves (the CPU half, and a kernel that raises:
+    20_2_attention's hidden tests)."""
+    from memlab.neurocache import attention as A
+    good = A.fused_attention
+    monkeypatch.setattr(A, 'fused_attention', lambda *a, **k: (lambda o, l: (o + 1e-2, l))(*good(*a, **k)))
+    assert A.check_fused_attention(DEV) == (False, 'its results differ from plain PyTorch in torch.float32')
+    monkeypatch.setattr(A, '_FUSED_OK', {})
+    q = torch.zeros(1, device=DEV, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match='is not usable'): assert not A._fusable(q)
+    assert not A._fusable(q)                                                   # remembered: not checked again
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize('padded', [False, True])
 def test_neurocache_joint_one_call_matches_reference_on_cuda(dtype, padded):

@@ -378,3 +378,36 @@ def test_experiments_run_commands_and_import_components():
                                 (inspect.isclass(obj) and issubclass(obj, Config))):
                             bad.append(f"{nb.name}: {a.name} from {n.module}")
     assert not bad, 'experiments importing command-line components:\n' + '\n'.join(bad)
+
+def exported_cell_lengths(nbs_dir:Path=None) -> dict:
+    "{notebook: [line count of each exported code cell, its `#| export` line included]}, every notebook under `nbs_dir`."
+    nbs_dir = nbs_dir or ROOT/'nbs'
+    out = {}
+    for nb in sorted(nbs_dir.rglob('*.ipynb')):
+        n = [len(''.join(c['source']).splitlines()) for c in json.loads(nb.read_text())['cells']
+             if c['cell_type'] == 'code' and ''.join(c['source']).lstrip().startswith('#| export')]
+        if n: out[nb.relative_to(nbs_dir).as_posix()] = n
+    return out
+
+def percentile(xs:list, p:float) -> int:
+    "The nearest-rank `p`-th percentile of `xs` (the smallest value with at least p% of `xs` at or below it)."
+    xs = sorted(xs)
+    return xs[max(0, -(-len(xs) * p // 100) - 1)]
+
+def test_the_cell_length_check_reads_exported_cells(tmp_path):
+    cell = lambda src, kind='code': {'cell_type': kind, 'source': [src]}
+    (tmp_path/'a.ipynb').write_text(json.dumps({'cells': [cell('#| export\ndef f(): pass'), cell('f()'),
+                                                          cell('#| export\nX = 1\nY = 2', 'markdown'), cell('#| hide\nx = 1')]}))
+    (tmp_path/'b.ipynb').write_text(json.dumps({'cells': [cell('test_eq(1, 1)')]}))
+    assert exported_cell_lengths(tmp_path) == {'a.ipynb': [2]}        # code cells that export; b exports none
+    assert [percentile(list(range(1, 11)), p) for p in (50, 90, 100)] == [5, 9, 10]
+
+def test_exported_cells_teach_in_small_steps():
+    """Issue 42, item 7: cells that teach in small steps, as fastcore's do (median 6 lines, 1.6% over 40): over every
+    notebook's exported cells, a median of at most 15 lines and a 90th percentile of at most 40, each cell followed by
+    its example (the test above). A long cell is split at its seams into named steps (`patch_to` for a class's)."""
+    import statistics
+    n = [k for lengths in exported_cell_lengths().values() for k in lengths]
+    median, p90 = statistics.median(n), percentile(n, 90)
+    assert median <= 15 and p90 <= 40, (f"exported cells: median {median} lines (at most 15), 90th percentile {p90} "
+                                        f"(at most 40), over {len(n)} cells")

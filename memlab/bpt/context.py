@@ -78,6 +78,7 @@ def _finish(a, m, l):
     safe = torch.where(seen, l, torch.ones_like(l))
     return a / safe[..., None], torch.where(seen, torch.where(torch.isfinite(m), m, 0) + torch.log(safe), float('-inf'))
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _pair_mask(kmask, qs:int, qe:int, ks:int, ke:int, diag:bool):
     "The bool mask (True = attend) of queries qs:qe against keys ks:ke of one chunk pair, or None when all attend."
     m = None
@@ -87,6 +88,7 @@ def _pair_mask(kmask, qs:int, qe:int, ks:int, ke:int, diag:bool):
     pad = pad[:, None, None, :]                                  # (B, 1, 1, kc)
     return pad if m is None else m & pad
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _pair_forward(q, k, v, kmask, causal:bool, plan:RingPlan):
     "The online-softmax triple of query chunk q (B, nh, c, hs) over key chunk k, v (B, nkv, c, hs) of one pair."
     B, nh, c, _ = q.shape
@@ -109,6 +111,7 @@ def _halves(t, dim:int=2):
     "The two chunks of a process's share along `dim`."
     return t.chunk(2, dim=dim)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _ring_forward(q, k, v, kmask, ring:RingExchange, plan:RingPlan):
     "Attention of this rank's queries over every rank's keys, the blocks passed around the ring: (out, lse)."
     state, blk = [None, None], (k, v, kmask)
@@ -131,6 +134,7 @@ def _ungqa(t, g:int):
     "A (B, nh, ...) gradient summed back to the key/value heads."
     return t if g == 1 else t.unflatten(1, (-1, g)).sum(2)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _pair_backward(q, k, v, kmask, causal:bool, lse, dout, D, plan:RingPlan, dq, dk, dv):
     ("Add one chunk pair's gradients into dq, dk, dv (statistics dtype), from the rows' final log-sum-exp `lse` and "
      "D = rowsum(dO ⊙ O); two score-sized temporaries at a time.")
@@ -150,6 +154,7 @@ def _pair_backward(q, k, v, kmask, causal:bool, lse, dout, D, plan:RingPlan, dq,
             dq[:, :, qs:qe] += (ds @ k_j).mul_(plan.scale)
             dk[:, :, ks:ke] += _ungqa(ds.transpose(-1, -2) @ q_i, g).mul_(plan.scale)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def _ring_backward(dout, q, k, v, kmask, out, lse, ring:RingExchange, plan:RingPlan):
     "dq, dk, dv of `_ring_forward`: key/value blocks around the ring, their gradients travelling with them."
     stat = lse.dtype
@@ -189,6 +194,7 @@ class _RingAttention(torch.autograd.Function):
             dq, dk, dv = _ring_backward(dout, q, k, v, kmask, out, lse, ctx.ring, ctx.plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def ring_plan(q, q_chunk_size:int=1024, k_chunk_size:int=1024, kernel='auto', scale:float=None,
               float32_logits:bool=False) -> RingPlan:
     ("The block lengths, scale and block kernel for queries `q` (B, nh, 2c, hs): BPT's (`native` has no per-block "
@@ -200,6 +206,7 @@ def ring_plan(q, q_chunk_size:int=1024, k_chunk_size:int=1024, kernel='auto', sc
     return RingPlan(chunk_length('q_chunk_size', q_chunk_size, c), chunk_length('k_chunk_size', k_chunk_size, c),
                     q.shape[-1] ** -0.5 if scale is None else scale, fn, float32_logits)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def ring_attention(q, k, v, group=None, key_mask=None, *, q_chunk_size:int=1024, k_chunk_size:int=1024,
                    kernel='auto', scale:float=None, float32_logits:bool=False) -> torch.Tensor:
     ("Exact causal attention of this process's zig-zag share q (B, nh, 2c, hs), k, v (B, nkv, 2c, hs) of rows split "
@@ -232,6 +239,7 @@ def context_attention(module, query, key, value, attention_mask, dropout:float=0
                          kernel=kernel, scale=scaling, float32_logits=float32_logits)        # (B, nh, 2c, hs)
     return out.transpose(1, 2), None                                                       # (B, 2c, nh, hs)
 
+# %% ../../nbs/bpt/10_3_context.ipynb
 def context_key_mask(batch_size:int, q_length:int, kv_length:int, q_offset=0, kv_offset=0, mask_function=None,
                      attention_mask=None, **kwargs):
     "Hugging Face mask function: this process's (B, 2c) key-padding mask as it is (None without padding)."

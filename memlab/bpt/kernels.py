@@ -32,6 +32,7 @@ def _save_only(ops):
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def remat(fn:Callable, policy:str='nothing_saveable') -> Callable:
     "Wrap `fn` so that backward recomputes what `policy` does not save (non-reentrant `torch.utils.checkpoint`)."
     check_remat_policy(policy)
@@ -45,6 +46,7 @@ def remat(fn:Callable, policy:str='nothing_saveable') -> Callable:
         with _autocast_cache_off(): return checkpoint(fn, *args, use_reentrant=False, **kw, **kwargs)
     return _remat
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 @contextlib.contextmanager
 def _autocast_cache_off():
     "Autocast without its weight-cast cache: a selectively checkpointed block casts alike in forward and recompute."
@@ -72,6 +74,7 @@ def autocast_off(device_type:str):
     if not torch.amp.is_autocast_available(device_type): return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _finite(m):
     "A finite stand-in for a running max (−∞ on rows that have seen no key yet)."
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -82,6 +85,7 @@ def _gqa_matmul(a, b):
     if nkv == a.shape[1]: return a @ b                         # no GQA: a plain batched product
     return (a.unflatten(1, (nkv, a.shape[1] // nkv)) @ b.unsqueeze(2)).flatten(1, 2)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _masked(s, mask):
     "Scores with a block mask applied: bool (True = attend) or additive float."
     if mask is None: return s
@@ -106,6 +110,7 @@ def torch_block(q, k, v, mask, scale:float, float32_logits:bool=False):
          else s.sub_(_finite(m)[..., None]).exp_())             # without autograd in place: one block-sized tensor
     return _gqa_matmul(p, v.to(p.dtype)), m, p.sum(-1)         # a (B, nh, qc, hs), m, ℓ (B, nh, qc)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     ("Kernel calling `F.scaled_dot_product_attention` on the block, "
      "with the block's log-sum-exp computed explicitly: (o, lse, 1).")
@@ -119,6 +124,7 @@ def sdpa_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     lse = torch.logsumexp(torch.where(seen[..., None], s, 0), -1).masked_fill(~seen, float('-inf'))
     return torch.where(seen[..., None], o.to(stat), 0), lse, seen.to(stat)     # ℓ = 1 (0 on rows that see nothing)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 @functools.lru_cache(maxsize=8)
 def _square_causal(n:int, device) -> torch.Tensor:
     "The (1, 1, n, n) lower-triangular mask of a block on the diagonal (cached: kernels recognise it by identity)."
@@ -138,6 +144,7 @@ def _flash_args(q, k, v, mask):
     bias = bias.expand(*bias.shape[:2], q.shape[2], k.shape[2])           # (B|1, 1|nh, qc, kc)
     return k, v, bias, torch.isfinite(bias).any(-1)                         # seen: (B|1, 1|nh, qc)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def flash_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     ("Kernel calling PyTorch's fused CPU flash-attention operator on the block: (o, lse, 1); "
      "differentiated by its own backward operator.")
@@ -151,6 +158,7 @@ def flash_block(q, k, v, mask, scale:float, float32_logits:bool=False):
     seen = seen.expand_as(lse)  # the operator reports lse = 0 for rows that see nothing
     return o.masked_fill(~seen[..., None], 0), lse.masked_fill(~seen, float('-inf')), seen.to(stat)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
     "dq, dk, dv of one block pair from the rows' final output and log-sum-exp, by the fused CPU backward operator."
     g = q_i.shape[1] // k_j.shape[1]
@@ -162,6 +170,7 @@ def _flash_block_grads(q_i, k_j, v_j, mask, scale, lse_i, do_i, out_i):
     if g > 1: dk, dv = (t.unflatten(1, (-1, g)).sum(2) for t in (dk, dv))  # back to the key/value heads
     return dq, dk, dv
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 KERNELS = {'torch': torch_block, 'sdpa': sdpa_block, 'flash': flash_block}
 
 DEVICE_KERNELS = ('auto', 'native')   # chosen per device, beside the block-pair kernels of KERNELS
@@ -172,6 +181,7 @@ def resolve_kernel(kernel, device):
     if not (isinstance(kernel, str) and kernel == 'auto'): return kernel
     return 'native' if torch.device(device).type == 'cuda' else 'flash'
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _merge(state, block):
     "Fold one block's (a, m, ℓ) into the running (a, m, ℓ); the running max is a constant for autograd."
     acc, m, l = state
@@ -218,6 +228,7 @@ def _block_mask(mask, qs, qe, ks, ke, causal_part, offset, device=None):
     if m is None: return pm
     return m & pm if pm.dtype == torch.bool else pm.masked_fill(~m, float('-inf'))
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _attend(q_i, k, v, mask, qs:int, plan:_Plan):
     "Online softmax of one query block over every key block it can see: (output, lse) in the statistics dtype."
     B, nh, qc, _ = q_i.shape
@@ -244,6 +255,7 @@ def _forward(q, k, v, mask, plan):
         out[:, :, qs:qs + plan.qc], lse[:, :, qs:qs + plan.qc] = o_i, lse_i
     return out, lse
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _gqa_matmul_t(a, b, nkv:int):
     ("aᵀ @ b for a (B, nh, x, y), b (B, nh, x, z), summed over each group of query heads sharing a key/value "
      "head: (B, nkv, y, z).")
@@ -322,6 +334,27 @@ def chunk_length(name, size, T) -> int:
           f"{name} must be a positive block length or -1 (one block); got {size!r}")
     return T if size == -1 else min(size, max(T, 1))
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
+@torch.compiler.disable
+def _blockwise(q, k, v, mask, plan:_Plan, remat_policy:str):
+    ("The block loops of `blockwise_attention`, left out of any compiled caller's graph (traced, they would unroll into "
+     "a graph per sequence length).")
+    Tq = q.shape[2]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if plan.kernel is flash_block and (_FLASH is None or q.device.type != 'cpu'
+                                     or (needs_grad and remat_policy != 'nothing_saveable')):
+        # the fused operator is CPU-only and has no autograd formula for the merge
+        plan = plan._replace(kernel=torch_block)
+    dtype = compute_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)   # differentiable casts: gradients return in each input's dtype
+    with autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
+        if not needs_grad: return _forward(q, k, v, mask, plan)[0]
+        if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
+        step = remat(_attend, remat_policy)
+        outs = [step(q[:, :, qs:qs + plan.qc], k, v, mask, qs, plan)[0] for qs in range(0, Tq, plan.qc)]
+        return torch.cat(outs, dim=2).to(dtype)       # (B, nh, Tq, hs)
+
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool=True, attention_mask=None, *,
                         scale:float=None, kernel='auto', remat_policy:str='nothing_saveable',
                         float32_logits:bool=False):
@@ -356,25 +389,6 @@ def blockwise_attention(q, k, v, q_chunk_size:int, k_chunk_size:int, causal:bool
                  hs ** -0.5 if scale is None else scale, kernel_fn, float32_logits, Tk - Tq)
     return _blockwise(q, k, v, mask, plan, remat_policy)
 
-@torch.compiler.disable
-def _blockwise(q, k, v, mask, plan:_Plan, remat_policy:str):
-    ("The block loops of `blockwise_attention`, left out of any compiled caller's graph (traced, they would unroll into "
-     "a graph per sequence length).")
-    Tq = q.shape[2]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if plan.kernel is flash_block and (_FLASH is None or q.device.type != 'cpu'
-                                     or (needs_grad and remat_policy != 'nothing_saveable')):
-        # the fused operator is CPU-only and has no autograd formula for the merge
-        plan = plan._replace(kernel=torch_block)
-    dtype = compute_dtype(q, k, v)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)   # differentiable casts: gradients return in each input's dtype
-    with autocast_off(q.device.type):                 # the kernels choose each product's precision themselves
-        if not needs_grad: return _forward(q, k, v, mask, plan)[0]
-        if remat_policy == 'nothing_saveable': return _BlockwiseAttention.apply(q, k, v, mask, plan)
-        step = remat(_attend, remat_policy)
-        outs = [step(q[:, :, qs:qs + plan.qc], k, v, mask, qs, plan)[0] for qs in range(0, Tq, plan.qc)]
-        return torch.cat(outs, dim=2).to(dtype)       # (B, nh, Tq, hs)
-
 # %% ../../nbs/bpt/10_0_kernels.ipynb
 def native_attention(q, k, v, q_chunk_size:int=-1, causal:bool=True, attention_mask=None, *, scale:float=None,
                      float32_logits:bool=False):
@@ -393,12 +407,14 @@ def native_attention(q, k, v, q_chunk_size:int=-1, causal:bool=True, attention_m
         return _unpadded(q, k, v, attention_mask.bool(), causal, sdpa)   # padding: mask-free calls per row
     return _masked_blocks(q, k, v, attention_mask, causal, q_chunk_size, scale)
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _runs(x) -> list:
     "(start, end, value) of each run of equal values in the 1-D CPU tensor x."
     vals, counts = torch.unique_consecutive(x, return_counts=True)
     ends = counts.cumsum(0).tolist()
     return list(zip([0] + ends[:-1], ends, vals.tolist()))
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 def _unpadded_row(q, k, v, keep, causal:bool, sdpa):
     ("One sequence (1, heads, T, hs) with key mask `keep` (T,) (CPU bool): SDPA without a mask on its real tokens, "
      "each run of padded queries on the real keys before it, zeros where no key is visible.")
@@ -425,6 +441,7 @@ def _unpadded_row(q, k, v, keep, causal:bool, sdpa):
     for (a, b), p in zip(ins, parts): out = out.index_copy(2, torch.arange(a, b, device=dev), p)
     return out
 
+# %% ../../nbs/bpt/10_0_kernels.ipynb
 @torch.compiler.disable
 def _unpadded(q, k, v, keep, causal:bool, sdpa):
     ("Attention under a (B, T) key-padding mask as mask-free SDPA calls on each sequence's real tokens: nothing "

@@ -56,6 +56,7 @@ class _ChunkedFFN(torch.autograd.Function):
                 gp = [a if b is None else b if a is None else a.add_(b) for a, b in zip(gp, gs[want_x:])]
         return (None, None, None, gx, *gp)
 
+# %% ../../nbs/bpt/10_1_layers.ipynb
 def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='nothing_saveable',
                 params=None) -> torch.Tensor:
     ("Apply the position-wise `ffn` to x (B, T, C) `chunk_size` tokens at a time along T, each chunk recomputed in "
@@ -72,6 +73,7 @@ def chunked_ffn(ffn:Callable, x:torch.Tensor, chunk_size:int, remat_policy:str='
     outs = [f(c) for c in x.split(size, dim=1)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)   # (B, T, C)
 
+# %% ../../nbs/bpt/10_1_layers.ipynb
 class BPTFeedForward(TransparentWrapper):
     ("Wrapper running its `base_layer` (a position-wise FFN) `chunk_size` tokens at a time, "
      "each chunk recomputed in backward; `compile`: each chunk through `torch.compile` (a backend's name, or True).")
@@ -104,6 +106,15 @@ def _ce_chunk(z, t, r):
     g = torch.exp(zf - lse[:, None]).scatter_add(1, t[:, None], -torch.ones_like(zf[:, :1])) * r[:, None]
     return loss, g.to(z.dtype)
 
+def _chunk_loss_grad(z, t, r, want_grad:bool):
+    "One chunk's weighted loss and (if `want_grad`) ∂L/∂z, computed in place of its logits z (c, V)."
+    lse = torch.logsumexp(z, -1)                                                   # (c,)
+    loss = ((lse - z.gather(1, t[:, None])[:, 0]) * r).sum()
+    if not want_grad: return loss, None
+    g = z.sub_(lse[:, None]).exp_()                                                # (c, V) softmax, in place of the logits
+    g[torch.arange(len(t), device=g.device), t] -= 1
+    return loss, g.mul_(r[:, None])                                                # ∂L/∂z for this chunk
+
 def _row_weights(valid, reduction:str, chunk_size:int, dtype):
     "(N,) weight of each row's loss in the reduction: 1 (sum), 1/n (token mean), per-chunk means; 0 for ignored rows."
     w = valid.to(dtype)
@@ -114,6 +125,7 @@ def _row_weights(valid, reduction:str, chunk_size:int, dtype):
             w[s:s + chunk_size] /= valid[s:s + chunk_size].sum().clamp(min=1) * n_chunks
     return w
 
+# %% ../../nbs/bpt/10_1_layers.ipynb
 _DTYPE_OUT = {}   # device type -> whether addmm accumulates low-precision products into fp32 in place (CUDA's out_dtype)
 
 def _accumulate_head_grad(grad_w, g, h, spare:list):
@@ -127,6 +139,7 @@ def _accumulate_head_grad(grad_w, g, h, spare:list):
     if not spare: spare.append(torch.empty(grad_w.shape, dtype=g.dtype, device=g.device))
     return grad_w.add_(torch.mm(g.T, h, out=spare[0]))
 
+# %% ../../nbs/bpt/10_1_layers.ipynb
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     "LM head + cross-entropy by chunks of rows; gradients computed chunk by chunk during forward."
     @staticmethod
@@ -146,14 +159,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 if compiled:                               # a GPU: one fused pass instead of six
                     lc, g = compiled_fn(_ce_chunk, compiled)(h @ w.T, t, r)   # g (c, V) ∂L/∂z in dt
                     loss += lc
-                else:
-                    z = (h @ w.T).to(acc)                                      # (c, V) this chunk's logits only
-                    lse = torch.logsumexp(z, -1)                               # (c,)
-                    loss += ((lse - z.gather(1, t[:, None])[:, 0]) * r).sum()
-                    if not (want_h or want_w): continue
-                    g = z.sub_(lse[:, None]).exp_()                            # (c, V) softmax, in place of the logits
-                    g[torch.arange(len(t), device=g.device), t] -= 1
-                    g.mul_(r[:, None])                                         # ∂L/∂z for this chunk, in acc
+                else:                                      # (c, V) this chunk's logits only
+                    lc, g = _chunk_loss_grad((h @ w.T).to(acc), t, r, want_h or want_w)
+                    loss += lc
+                    if g is None: continue
                 if want_h: grad_h[s:s + chunk_size] = g.to(dt) @ w             # (c, C)
                 if want_w: _accumulate_head_grad(grad_w, g, h, spare)          # (V, C) in acc, in place
                 del g
@@ -171,6 +180,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if want_w: gw = (saved.pop(0) * grad_loss).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None, None, None
 
+# %% ../../nbs/bpt/10_1_layers.ipynb
 def fused_linear_cross_entropy(hidden:torch.Tensor, weight:torch.Tensor, targets:torch.Tensor, chunk_size:int,
                                ignore_index:int=-100, reduction:str='mean', compiled=None) -> torch.Tensor:
     ("Cross-entropy of the logits `hidden` (N, C) @ `weight` (V, C)ᵀ against `targets` (N,), "

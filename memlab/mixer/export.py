@@ -4,12 +4,8 @@
 
 # %% ../../nbs/mixer/50_2_export.ipynb 2
 from __future__ import annotations
-from pathlib import Path
 
-import torch
-
-from ..core import check
-from .config import *
+from ..registry import standalone_file
 
 # %% auto 0
 __all__ = ['REMOTE_CODE_MODULE', 'STANDALONE_MODULES', 'standalone_source']
@@ -18,73 +14,21 @@ __all__ = ['REMOTE_CODE_MODULE', 'STANDALONE_MODULES', 'standalone_source']
 REMOTE_CODE_MODULE = 'modeling_memlab_mixer'   # the file `save_pretrained` writes for transformers' custom-code loading
 # the package's modules, in the order the standalone file holds them (each reads the names of those before it)
 STANDALONE_MODULES = ('config', 'layers', 'export', 'model', 'autoencoder', 'memory', 'objectives')
-
-# what the standalone file defines in place of memlab's imports (the few helpers the model code uses)
-_STANDALONE_PRELUDE = """
-# written by memlab.mixer's save_pretrained: memlab's mixer package as one file that imports no memlab, so that
-# transformers loads these models with trust_remote_code=True where memlab is not installed
-from typing import NamedTuple as _NamedTuple
-
-class MemlabError(ValueError):
-    "A one-line error about the caller's input."
-
-def check(cond, msg:str):
-    if not cond: raise MemlabError(msg)
-
-def atomic_write_text(path, text:str):
-    tmp = Path(str(path) + '.tmp'); tmp.write_text(text); tmp.replace(path)
-
-def count_parameters(model, trainable_only:bool=False) -> int:
-    seen = {}
-    for p in model.parameters():
-        if not trainable_only or p.requires_grad: seen[id(p)] = p.numel()
-    return sum(seen.values())
-
-def register_folder(*args, **kwargs): pass   # memlab's folder registry: not needed here
-
-class LossOutput(_NamedTuple):
-    loss_sum: torch.Tensor
-    n_tokens: torch.Tensor
-    logs: dict = {}
-
-def model_inputs(batch:dict) -> dict: return {k: v for k, v in batch.items() if k != 'labels'}
-"""
-# the memlab names the prelude stands in for, by the module they come from
-_PRELUDE_NAMES = {'core': {'MemlabError', 'atomic_write_text', 'check'}, 'runtime': {'count_parameters'},
-                  'registry': {'register_folder'}, 'protocol': {'LossOutput', 'model_inputs'}}
-
-# %% ../../nbs/mixer/50_2_export.ipynb
-def _strip_imports(src:str, first:bool) -> str:
-    "`src` without its memlab imports (the prelude in their place in the first module) and, after the first, its `__future__` line."
-    import ast
-    lines = src.split('\n')
-    drop, at = set(), None
-    for n in ast.parse(src).body:
-        if not isinstance(n, ast.ImportFrom): continue
-        mod, names = n.module or '', {a.name for a in n.names}
-        sibling = n.level == 1 and mod in STANDALONE_MODULES and names == {'*'}
-        stand_in = n.level == 2 and mod in _PRELUDE_NAMES and names <= _PRELUDE_NAMES[mod]
-        if sibling or stand_in:
-            at = n.lineno - 1 if at is None else at
-            drop.update(range(n.lineno - 1, n.end_lineno))
-        elif mod == '__future__' and not first: drop.update(range(n.lineno - 1, n.end_lineno))
-    return '\n'.join(_STANDALONE_PRELUDE if first and i == at else l for i, l in enumerate(lines)
-                     if i not in drop or (first and i == at))
+# memlab's definitions the modules import, copied by name from memlab's source into the standalone file
+_STANDALONE_DEFS = {'core': ('MemlabError', 'check', '_umask', 'atomic_write_text'), 'runtime': ('count_parameters',),
+                    'protocol': ('LossOutput', 'model_inputs')}
+# the other names they import from memlab: the folder registry, and the generator (in the file: its own source)
+_STANDALONE_STUBS = '''
+def register_folder(*args, **kwargs): pass     # memlab's folder registry: nothing to register without memlab
+standalone_file = None                         # memlab's generator: the standalone file is its own source
+'''
 
 # %% ../../nbs/mixer/50_2_export.ipynb
 def standalone_source() -> str:
-    ("The package's modules as one file importing no memlab (its memlab imports replaced by small stand-ins, the "
-     "imports between its modules dropped): the remote code `save_pretrained` writes beside the weights.")
-    import ast, importlib.util, inspect, sys
-    parts = []
-    for i, name in enumerate(STANDALONE_MODULES):
-        try: spec = importlib.util.find_spec(f'memlab.mixer.{name}')  # the package's files, read (not imported), also
-        except ImportError: spec = None                               # from a notebook; where memlab is absent, this
-        if not (spec and spec.origin): return inspect.getsource(sys.modules[__name__])  # file itself (already one)
-        parts.append(_strip_imports(Path(spec.origin).read_text(), first=i == 0))
-    src = '\n'.join(parts)
-    top = [n for n in ast.parse(src).body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    check(not any((isinstance(n, ast.ImportFrom) and (n.level or (n.module or '').startswith('memlab')))
-                  or (isinstance(n, ast.Import) and any(a.name.startswith('memlab') for a in n.names)) for n in top),
-          "memlab.mixer imports another memlab module at module level: the standalone file would need memlab")
-    return src
+    ("The package's modules as one file importing no memlab (`standalone_file`: their memlab imports replaced by "
+     "memlab's own definitions): the remote code `save_pretrained` writes beside the weights.")
+    import inspect, sys
+    if standalone_file is None: return inspect.getsource(sys.modules[__name__])   # the standalone file itself: already one
+    return standalone_file('mixer', STANDALONE_MODULES, _STANDALONE_DEFS, _STANDALONE_STUBS, title=(
+        f"# {REMOTE_CODE_MODULE}.py: memlab.mixer's modules in one file importing no memlab, written by memlab.mixer's",
+        "# save_pretrained: transformers loads these models with trust_remote_code=True where memlab is not installed"))

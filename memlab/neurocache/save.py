@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from ..compat import quant_kind
 from ..core import MemlabError, atomic_write_text, check, patch_to
 from ..models import load_model
-from ..registry import MethodSpec, dedup_tensors, plain_config, register_method
+from ..registry import MethodSpec, dedup_tensors, plain_config, register_method, standalone_file
 from ..wrappers import decoder_layers, state_names, unwrap
 from .config import NeurocacheConfig
 from .model import (NeurocacheModel, add_ffn_lora, add_neurocache, has_neurocache, remove_lora,
@@ -237,8 +237,8 @@ _STANDALONE_STUBS = '''
 def _needs_memlab(name):
     def stub(*args, **kwargs): raise MemlabError(f"{name} needs memlab")
     return stub
-load_model, atomic_write_text, dedup_tensors, dequantize_weight, plain_config = map(
-    _needs_memlab, ('load_model', 'atomic_write_text', 'dedup_tensors', 'dequantize_weight', 'plain_config'))
+load_model, atomic_write_text, dedup_tensors, dequantize_weight, plain_config, standalone_file = map(_needs_memlab, (
+    'load_model', 'atomic_write_text', 'dedup_tensors', 'dequantize_weight', 'plain_config', 'standalone_file'))
 def register_method(spec): return spec           # memlab's method registry: nothing to record without memlab
 class MethodSpec:
     def __init__(self, *args, **kwargs): pass
@@ -248,94 +248,15 @@ class Callback: "memlab's training-loop callback"
 def quant_kind(layer): return None              # an exported model has no 4-/8-bit layers
 def check_frozen_4bit_stats(model): return model
 '''
-# packages transformers brings: the standalone file may import them
-_TRANSFORMERS_DEPS = {'torch', 'transformers', 'safetensors', 'huggingface_hub', 'tokenizers', 'numpy'}
-
-# %% ../../nbs/neurocache/20_3a_save.ipynb
-def _module_source(name:str) -> str:
-    import importlib.util
-    return Path(importlib.util.find_spec(f'memlab.{name}').origin).read_text()   # the file, read (not imported)
-
-def _definitions(module:str, names:tuple) -> str:
-    "The source of memlab module `module`'s top-level definitions (functions, classes, assignments) of `names`."
-    import ast
-    src = _module_source(module)
-    lines, out, found = src.splitlines(), [], set()
-    for node in ast.parse(src).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)): defined = {node.name}
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        else: continue
-        if defined & set(names):
-            start = min([node.lineno] + [d.lineno for d in getattr(node, 'decorator_list', [])])
-            out.append('\n'.join(lines[start - 1:node.end_lineno])); found |= defined
-    missing = sorted(set(names) - found)
-    check(not missing, f"memlab.{module} defines no {', '.join(missing)}: update _STANDALONE_DEFS")
-    return '\n\n'.join(out)
-
-# %% ../../nbs/neurocache/20_3a_save.ipynb
-def _external(node) -> list:
-    "The top-level packages an import statement names (none for a relative import)."
-    import ast
-    if isinstance(node, ast.ImportFrom): return [] if node.level else [node.module.split('.')[0]]
-    return [a.name.split('.')[0] for a in node.names]
-
-# %% ../../nbs/neurocache/20_3a_save.ipynb
-def _module_body(mod:str, allowed:set) -> tuple:
-    ("The source of memlab.neurocache's module `mod` with its imports rewritten for the standalone file, and the names "
-     "its memlab imports gave (defined above it there): memlab's and an earlier module's imports removed, a package "
-     "transformers does not bring imported when the function that needs it runs.")
-    import ast
-    wanted = set()
-    src = _module_source(f'neurocache.{mod}')
-    lines = src.splitlines()
-    for node in ast.walk(ast.parse(src)):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)): continue
-        pkgs, first, indent = _external(node), node.lineno - 1, ' ' * node.col_offset
-        if isinstance(node, ast.ImportFrom) and (node.level or pkgs[0] in ('memlab', '__future__')):
-            check(node.col_offset == 0, f"memlab.neurocache.{mod} imports memlab inside a function "
-                                        f"(line {node.lineno}): the standalone file cannot")
-            if node.level != 1 and pkgs[:1] != ['__future__']: wanted |= {a.asname or a.name for a in node.names}
-            new = None                   # defined above: memlab's definitions, or an earlier module's
-        elif all(p in allowed for p in pkgs): continue
-        else:   # a package transformers does not bring (PEFT: adding LoRA, never done by an exported model):
-            check(isinstance(node, ast.ImportFrom) and node.col_offset > 0,   # imported when called
-                  f"memlab.neurocache.{mod} imports {pkgs[0]} at line {node.lineno}: the standalone file cannot")
-            new = indent + '; '.join(f"{a.asname or a.name} = importlib.import_module({node.module!r}).{a.name}"
-                                     for a in node.names)
-        lines[first:node.end_lineno] = [new] + [None] * (node.end_lineno - first - 1)
-    return '\n'.join(l for l in lines if l is not None), wanted
-
-# %% ../../nbs/neurocache/20_3a_save.ipynb
-def _check_standalone(src:str, wanted:set, allowed:set):
-    "Refuse a standalone file that lacks a name its modules imported, or still imports memlab or another package."
-    import ast
-    tree = ast.parse(src)
-    defined = {n.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
-               for n in ast.walk(t) if isinstance(n, ast.Name)}
-    defined |= {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    check(wanted <= defined, f"the standalone file lacks {', '.join(sorted(wanted - defined))}")
-    bad = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-           and (getattr(n, 'level', 0) or any(p not in allowed for p in _external(n)))]
-    check(not bad, f"the standalone file still imports memlab or another package at line {bad[:1]}")
 
 # %% ../../nbs/neurocache/20_3a_save.ipynb
 def standalone_source() -> str:
-    ("memlab.neurocache as one file that imports no memlab, the remote code of an exported folder: its modules' source "
-     "with their memlab imports replaced by memlab's own definitions of those names (and stubs of what it never calls).")
-    allowed = set(sys.stdlib_module_names) | _TRANSFORMERS_DEPS
-    parts = [_module_body(mod, allowed) for mod in _STANDALONE_MODULES]
-    body, wanted = [p[0] for p in parts], set().union(*(p[1] for p in parts))
-    prelude = '\n\n'.join(_definitions(m, names) for m, names in _STANDALONE_DEFS.items()) + _STANDALONE_STUBS
-    src = '\n'.join([f"# {REMOTE_CODE_MODULE}.py: memlab.neurocache's modules in one file importing no memlab,",
-                     "# written by memlab's save_neurocache: transformers loads the model with trust_remote_code=True",
-                     "from __future__ import annotations",
-                     "import dataclasses, importlib, json, os, tempfile, types",
-                     "from pathlib import Path", "from typing import Callable, Optional",
-                     "import torch", "from torch import nn", "", prelude, *body])
-    _check_standalone(src, wanted, allowed)
-    return src
+    ("memlab.neurocache as one file that imports no memlab, the remote code of an exported folder (`standalone_file`): "
+     "its modules' source with their memlab imports replaced by memlab's own definitions of those names (and stubs of "
+     "what it never calls).")
+    return standalone_file('neurocache', _STANDALONE_MODULES, _STANDALONE_DEFS, _STANDALONE_STUBS, title=(
+        f"# {REMOTE_CODE_MODULE}.py: memlab.neurocache's modules in one file importing no memlab,",
+        "# written by memlab's save_neurocache: transformers loads the model with trust_remote_code=True"))
 
 # %% ../../nbs/neurocache/20_3a_save.ipynb
 def load_saved_neurocache(path, base_model=None, dtype='float32', quantization:str=None, attn_implementation:str=None,

@@ -112,48 +112,23 @@ def parse_load(spec) -> tuple:
 
 # %% ../nbs/11_train_bpt.ipynb
 @dataclass
-class LlamaBPTArgs(Config):
-    ("The seed's --llama.* fields: BPT's chunk sizes, rematerialisation and precision, "
-     "plus the JAX-only fields it accepts.")
-    # a chunk size left out is the device's measured best (memlab.bpt.BPT_DEFAULTS); one given, -1 included, is kept
-    q_chunk_size: int = None                 # query block length of blockwise attention (-1: the whole sequence)
-                                             # (default: the device's measured best)
-    k_chunk_size: int = None                 # key/value block length (-1: the whole sequence; q and k both -1: Hugging
-                                             # Face's SDPA attention) (default: the device's measured best)
-    ffn_chunk_size: int = None               # tokens per FFN chunk (-1: no chunking, i.e. a memory-efficient
-                                             # transformer) (default: the device's measured best)
-    head_chunk_size: int = None              # tokens per chunk of the LM head fused with the loss (-1: off unless
-                                             # loss_chunk_size is set) (default: the device's measured best)
-    loss_chunk_size: int = None              # tokens per chunk of the loss fused with the LM head (-1: off unless
-                                             # head_chunk_size is set) (default: the device's measured best)
-    remat_policy: str = 'nothing_saveable'   # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable |
-                                             # everything_saveable (no recomputation)
-    float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
+class LlamaBPTArgs(BPTConfig):
+    ("The seed's --llama.* group: the fields of `BPTConfig` (chunk sizes, rematerialisation, precision, kernels) and "
+     "the seed's model fields that are not BPT's.")
     max_sequence_length: int = None          # positions the model supports (default: the config's, raised to
                                              # --train_dataset.json_dataset.seq_length)
     scan_layers: bool = True                 # accepted for the seed's command lines; does nothing here (JAX's scan over
                                              # layers; PyTorch runs layers in a loop)
     param_scan_axis: int = 0                 # accepted for the seed's command lines; does nothing here (the stacking
                                              # axis of JAX's scanned parameters)
-    attention_kernel: str = 'auto'           # memlab: attention kernel: auto (native on CUDA, flash elsewhere), native
-                                             # (the device's fused SDPA), or per block pair: flash (PyTorch's fused CPU
-                                             # operator), torch or sdpa
-    fused: bool = False                      # memlab: the paper's fused layer, one query block at a time through
-                                             # attention, o_proj, norm and FFN
-    layer_remat: bool = True                 # memlab: also rematerialise each decoder layer as a whole under
-                                             # remat_policy (as the reference remats each block)
-    compile: bool = False                    # memlab: torch.compile each decoder layer's training forward (inductor;
-                                             # fuses norm, rotary and SwiGLU work on a GPU; compiles on the first step)
-    offload: bool = False                    # memlab: keep each layer's checkpoint and the loss's saved gradient in host
-                                             # memory until backward (CUDA: pinned copies on a side stream)
 
-    def __post_init__(self):
+    def __post_init__(self):   # BPTConfig's checks run in `bpt_config`, naming the flags
         check(self.max_sequence_length is None or self.max_sequence_length >= 1,
               f"--llama.max_sequence_length must be positive, got {self.max_sequence_length}")
         self.bpt = self.bpt_config()
 
     def bpt_config(self) -> BPTConfig:
-        "The `BPTConfig` these flags describe (its checks give the one-line errors)."
+        "The `BPTConfig` these flags describe, without the seed's other fields (its checks give the one-line errors)."
         try: return BPTConfig(**{f.name: getattr(self, f.name) for f in fields(BPTConfig)})
         except MemlabError as e: raise MemlabError(str(e).replace('BPTConfig.', '--llama.')) from None
 
@@ -450,9 +425,7 @@ def bpt_train_config(args:dict, out, per_micro:int, resume) -> TrainConfig:
 # %% ../nbs/11_train_bpt.ipynb
 BPT_RESUME = ResumeTable('memlab_bpt', budget=('total_steps',),
     defines=('load_llama_config', 'update_llama_config', 'dtype', 'load_checkpoint', 'seed',
-             *(f"llama.{f}" for f in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size',
-                                      'loss_chunk_size', 'remat_policy', 'float32_logits', 'max_sequence_length',
-                                      'attention_kernel', 'fused', 'layer_remat', 'compile', 'offload')),
+             *(f"llama.{f.name}" for f in fields(BPTConfig)), 'llama.max_sequence_length',   # all of BPT
              'optimizer.type', 'optimizer.accumulate_gradient_steps',
              *(f"optimizer.adamw_optimizer.{f}" for f in ('init_lr', 'lr', 'end_lr', 'lr_warmup_steps', 'lr_decay_steps',
                                                          'b1', 'b2', 'clip_gradient', 'weight_decay')),

@@ -34,10 +34,10 @@ from .checkpoints import list_checkpoints, load_strict
 # %% auto 0
 __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPT_LOOP_FLAGS', 'BPT_RESUME', 'BPTRunConfig', 'parse_load',
            'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
-           'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
-           'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'read_dataset_state',
-           'bpt_train_config', 'check_bpt_run', 'bpt_output_dir', 'bpt_resume', 'bpt_data', 'bpt_model',
-           'bpt_callbacks', 'full_state', 'train_bpt', 'main']
+           'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'bpt_args',
+           'strip_bpt_names', 'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows',
+           'read_dataset_state', 'bpt_train_config', 'check_bpt_run', 'bpt_output_dir', 'bpt_resume', 'bpt_data',
+           'bpt_model', 'bpt_callbacks', 'full_state', 'train_bpt', 'main']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -298,6 +298,11 @@ def with_bpt_updates(llama:LlamaBPTArgs, run:BPTRunConfig) -> LlamaBPTArgs:
     upd = {k: v for k, v in (run.update_llama_config or {}).items() if k in _bpt_fields()}
     return LlamaBPTArgs(**{**llama.to_dict(), **upd}) if upd else llama
 
+def bpt_args(args:dict) -> dict:
+    ("Stage 1, arguments, normalised once for every later stage: the parsed groups, `--llama.*` with the BPT fields "
+     "that `--update_llama_config` sets (`with_bpt_updates`).")
+    return {**args, 'llama': with_bpt_updates(args['llama'], args[''])}
+
 # %% ../nbs/11_train_bpt.ipynb
 def _is_hf_model(path) -> bool:
     p = Path(str(path)).expanduser()
@@ -413,9 +418,9 @@ BPT_LOOP_FLAGS = dict(max_steps='total_steps', gradient_accumulation_steps='opti
                       report_to='report_to', progress='progress', mesh_dim='mesh_dim')
 
 def bpt_train_config(args:dict, out, per_micro:int, resume) -> TrainConfig:
-    ("The loop's `TrainConfig` from the parsed flags `args` ({prefix: config}): the flags of `BPT_LOOP_FLAGS` (the mesh "
+    ("Stage 4, the loop's settings: its `TrainConfig` from the flags `args` (`bpt_args`): the flags of `BPT_LOOP_FLAGS` (the mesh "
      "among them), and what the run works out (rows per process per micro-batch, checkpoints only at the end).")
-    fused = with_bpt_updates(args['llama'], args['']).fused       # --update_llama_config may set it
+    fused = args['llama'].fused                    # `bpt_args`: --update_llama_config may set it
     return train_config_from(args, BPT_LOOP_FLAGS, output_dir=str(out),
                              per_device_batch_size=args['train_dataset.json_dataset'].batch_size // per_micro,
                              save_every=0, keep_checkpoints=10**9, save_final=True, resume_from=resume,
@@ -441,7 +446,7 @@ BPT_RESUME = ResumeTable('memlab_bpt', budget=('total_steps',),
 
 # %% ../nbs/11_train_bpt.ipynb
 def check_bpt_run(args:dict, world:int) -> tuple:
-    ("Stage 1, config: what the flags ask of a launch of `world` processes, checked before anything loads; "
+    ("Stage 1, arguments: what the flags (`bpt_args`) ask of a launch of `world` processes, checked before anything loads; "
      "(the mesh, data-parallel processes × micro-batches).")
     run, opt, ds, ckpt = args[''], args['optimizer'], args['train_dataset.json_dataset'], args['checkpointer']
     mesh = resolve_mesh(run.mesh, world)
@@ -452,7 +457,7 @@ def check_bpt_run(args:dict, world:int) -> tuple:
     check(ds.seq_length % (2 * mesh.cp) == 0, f"--mesh_dim {run.mesh_dim}: context parallelism over {mesh.cp} processes "
           f"cuts each row into {2 * mesh.cp} chunks; --train_dataset.json_dataset.seq_length {ds.seq_length} is not a "
           "multiple of it")
-    check(mesh.cp == 1 or not with_bpt_updates(args['llama'], run).fused, f"--mesh_dim {run.mesh_dim}: context "
+    check(mesh.cp == 1 or not args['llama'].fused, f"--mesh_dim {run.mesh_dim}: context "
           "parallelism needs --llama.fused=False (fused layers compute attention where the ring cannot reach)")
     check(Path(ds.path).expanduser().is_file(), f"--train_dataset.json_dataset.path {ds.path}: no such file")
     check(mesh.kind == 'ddp' or world == 1 or ckpt.save_optimizer_state, "--checkpointer.save_optimizer_state=False is "
@@ -493,9 +498,9 @@ def bpt_data(args:dict, tok, per_micro:int, mesh:MeshShape=None, show_progress:b
     return rows, data
 
 def bpt_model(args:dict, vocab_size:int, mesh:MeshShape=None) -> tuple:
-    ("Stage 3, model: the Llama the flags describe (new, or loaded by --load_checkpoint), made blockwise, its attention "
+    ("Stage 3, model: the Llama the flags (`bpt_args`) describe (new, or loaded by --load_checkpoint), made blockwise, its attention "
      "a ring over the mesh's context-parallel processes when cp > 1; (model, parameters, loss).")
-    run, llama = args[''], with_bpt_updates(args['llama'], args[''])
+    run, llama = args[''], args['llama']
     model = add_bpt(build_model(run, llama, vocab_size, args['train_dataset.json_dataset'].seq_length), llama.bpt)
     if mesh is None or mesh.cp == 1: return model, count_parameters(model), bpt_causal_lm_loss
     from memlab.bpt.context import ContextParallelLoss, add_context_parallel
@@ -525,14 +530,15 @@ def full_state(trainer) -> dict:
 def train_bpt(args:dict) -> dict:
     ("Train as the parsed flags `args` ({prefix: config}) say, stage by stage; returns the results (also in "
      "<output_dir>/results.json).")
+    flags, given = RunFlags(BPT_RESUME, flag_values(args)), {k or 'run': v.to_dict() for k, v in args.items()}
+    args = bpt_args(args)                                 # 1 arguments, as given above: every later stage reads these
     run, llama, opt, adamw = args[''], args['llama'], args['optimizer'], args['optimizer.adamw_optimizer']
-    ds, llama, (kind, path) = args['train_dataset.json_dataset'], with_bpt_updates(llama, run), run.load
+    ds, (kind, path) = args['train_dataset.json_dataset'], run.load
     world = launched_processes()
     mesh, per_micro = check_bpt_run(args, world)
     out = bpt_output_dir(run)
     set_mmap_threshold(run.malloc_mmap_threshold)
     acc = make_accelerator(run.mixed_precision)
-    flags = RunFlags(BPT_RESUME, flag_values(args))
     resume = bpt_resume(run, out, acc, flags)
     tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)
     rows, data = bpt_data(args, tok, per_micro, mesh, show_progress=run.progress and acc.is_main_process)
@@ -540,7 +546,7 @@ def train_bpt(args:dict) -> dict:
     tc = bpt_train_config(args, out, per_micro, resume)
     callbacks = bpt_callbacks(args)
     sched = lambda o: lambda_scheduler(o, adamw.schedule())
-    run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(),
+    run_config = {'bpt_flags': given, 'bpt': llama.bpt.to_dict(),
                   'world_size': world, 'mesh': mesh._asdict(), 'data': rows['counts'], 'parameters': n_params,
                   'model': model.config.to_dict()}
     def prepare(trainer):      # a new run, or one continuing --load_checkpoint trainstate::: --load_dataset_state sets

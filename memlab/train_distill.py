@@ -290,20 +290,19 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     tok = load_tokenizer(ta.teacher_model_name_or_path)
     check_tokenizers(tok, student_args)
     data = build_data(data_args, eval_args, tok, progress=progress)
-    # model: the teacher, shards that exist, the student and the loss (vocabularies, mappers, projectors checked)
+    # model: the teacher and its outputs (shards that exist, or written now), then the student and the loss over them,
+    # built once (vocabularies, mappers, projectors checked); shards written before a failing student are kept and reused
     teacher, teacher_name = load_teacher(ta, objective, tok, acc)
     topk = existing_topk(ta, tok, data)
-    if not ta.teacher_topk_only:
-        student, how = build_distill_student(student_args, teacher, seed=tr.seed)
-        if objective.attn_weight > 0: student.set_attn_implementation('eager')
-        student.to(acc.device)
-        loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)
     if ta.teacher_topk_dir and topk is None:
         topk = write_topk(ta, teacher, teacher_name, tok, data, tr.per_device_eval_batch_size, acc, progress)
-        if not ta.teacher_topk_only: loss_fn = DistillLoss(topk, objective, student)
     if ta.teacher_topk_only:
         acc.print(f"memlab_distill: {len(topk):,} rows of top-{topk.k} teacher outputs in {ta.teacher_topk_dir}")
         return {'teacher_topk_dir': str(ta.teacher_topk_dir), 'rows': len(topk), 'k': topk.k}
+    student, how = build_distill_student(student_args, teacher, seed=tr.seed)
+    if objective.attn_weight > 0: student.set_attn_implementation('eager')
+    student.to(acc.device)
+    loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)
     teacher_metrics, teacher_harness = teacher_scores(teacher, tok, data, eval_args, tr, acc, progress)
     n_teacher, arch_teacher = count_parameters(teacher), teacher
     if topk is not None:   # an offline teacher needs no weights in memory

@@ -37,9 +37,9 @@ from .cards import eval_metrics
 # %% auto 0
 __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'NEUROCACHE_DEFAULTS', 'WEIGHT_FIELDS', 'NEUROCACHE_RESUME',
            'NEUROCACHE_LOOP_FLAGS', 'NeurocacheRunConfig', 'neurocache_of', 'neurocache_config', 'neurocache_configs',
-           'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model', 'load_streams',
-           'stream_loss', 'save_run_neurocache', 'neurocache_resume', 'neurocache_train_config', 'train_neurocache',
-           'summary', 'parse_neurocache_args', 'main']
+           'mixed_precision_of', 'as_base_and_neurocache', 'neurocache_args', 'build_model', 'describe_model',
+           'load_streams', 'stream_loss', 'save_run_neurocache', 'neurocache_resume', 'neurocache_train_config',
+           'train_neurocache', 'summary', 'parse_neurocache_args', 'main']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -190,12 +190,16 @@ def as_base_and_neurocache(cfg:NeurocacheRunConfig) -> NeurocacheRunConfig:
     return dataclasses.replace(cfg, model_name_or_path=info['base_model'], pretrained_neurocache=str(folder),
                                nf4=cfg.nf4 or info['base_quantization'] in ('nf4', '4bit'))
 
+def neurocache_args(cfg:NeurocacheRunConfig, nc:NeurocacheConfig) -> tuple:
+    ("Stage 1, arguments, normalised once for every later stage: a saved Neurocache given as the model read as its "
+     "base + --pretrained_neurocache, the Neurocache without LoRA under --disable_lora; (run, Neurocache).")
+    cfg = as_base_and_neurocache(cfg)
+    return cfg, neurocache_of(cfg, nc)
+
 # %% ../nbs/21_train_neurocache.ipynb
 def build_model(cfg:NeurocacheRunConfig, nc:NeurocacheConfig, tokenizer=None) -> nn.Module:
-    ("The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto "
-     "the base.")
-    cfg = as_base_and_neurocache(cfg)
-    nc = neurocache_of(cfg, nc)
+    ("Stage 3, model: what the flags (`neurocache_args`) describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or "
+     "a saved Neurocache loaded onto the base.")
     model = load_model(cfg.model_name_or_path, quantization='nf4' if cfg.nf4 else None)
     if tokenizer is not None: check_vocab(tokenizer, model)
     check_sequence_length(model, cfg.sequence_length)
@@ -364,7 +368,8 @@ def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callback
     ("Train and/or evaluate as `cfg` and `nc` say (the whole of memlab_neurocache; `nc`: the command's defaults); "
      "returns the results (also <output_dir>/results.json).")
     nc = neurocache_config() if nc is None else nc
-    flags = RunFlags(NEUROCACHE_RESUME, flag_values([cfg, nc]))
+    flags = RunFlags(NEUROCACHE_RESUME, flag_values([cfg, nc]))   # as given: what a resume repeats
+    cfg, nc = neurocache_args(cfg, nc)                              # 1 arguments: every later stage reads these
     mp = mixed_precision_of(cfg)
     acc = make_accelerator(mp)
     world, out = acc.num_processes, Path(cfg.output_dir)
@@ -391,7 +396,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callback
     if cfg.save_and_quit:       # build (and resume) the model, save its Neurocache, stop: no training, no results
         trainer = Trainer(model, tc, train_data, eval_data, **loop)
         trainer.print(describe(trainer))
-        save_run_neurocache(trainer, neurocache_of(cfg, nc), out, tok)
+        save_run_neurocache(trainer, nc, out, tok)
         acc.wait_for_everyone()
         acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
         return {'saved': str(out), 'step': trainer.step}
@@ -418,7 +423,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callback
         return res
     def save(trainer, folder):
         if training:
-            save_run_neurocache(trainer, neurocache_of(cfg, nc), folder, tok)   # the folder's tokenizer too
+            save_run_neurocache(trainer, nc, folder, tok)   # the folder's tokenizer too
     # --only_evaluate: the same steps without training, its results.json in --output_dir (no logs, no checkpoints)
     return run(model, tc, train_data, eval_data, describe=describe, results=results, save=save, fit=training,
                folder=out, plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}",

@@ -26,7 +26,7 @@ from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .callbacks import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
 from .checkpoints import load_sharded, resume_plan, sharded_metadata, verify_checkpoint
-from .training import run as run_training
+from .training import RunHooks, run as run_training
 from .train_config import TrainConfig, train_config_from
 from .distributed import MeshShape, data_rank, device_mesh, launched_processes, make_accelerator, parse_mesh, resolve_mesh
 from .checkpoints import list_checkpoints, load_strict
@@ -37,7 +37,7 @@ __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPT_LOOP_FLAGS', 'BPT_
            'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'bpt_args',
            'strip_bpt_names', 'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows',
            'read_dataset_state', 'bpt_train_config', 'check_bpt_run', 'bpt_output_dir', 'bpt_resume', 'bpt_data',
-           'bpt_model', 'bpt_callbacks', 'full_state', 'train_bpt', 'main']
+           'bpt_model', 'bpt_callbacks', 'full_state', 'bpt_hooks', 'train_bpt', 'main']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -498,8 +498,8 @@ def bpt_data(args:dict, tok, per_micro:int, mesh:MeshShape=None, show_progress:b
     return rows, data
 
 def bpt_model(args:dict, vocab_size:int, mesh:MeshShape=None) -> tuple:
-    ("Stage 3, model: the Llama the flags (`bpt_args`) describe (new, or loaded by --load_checkpoint), made blockwise, its attention "
-     "a ring over the mesh's context-parallel processes when cp > 1; (model, parameters, loss).")
+    ("Stage 3, model: the Llama the flags (`bpt_args`) describe (new, or loaded by --load_checkpoint), made "
+     "blockwise, its attention a ring over the mesh's context-parallel processes when cp > 1; (model, parameters, loss).")
     run, llama = args[''], args['llama']
     model = add_bpt(build_model(run, llama, vocab_size, args['train_dataset.json_dataset'].seq_length), llama.bpt)
     if mesh is None or mesh.cp == 1: return model, count_parameters(model), bpt_causal_lm_loss
@@ -509,7 +509,7 @@ def bpt_model(args:dict, vocab_size:int, mesh:MeshShape=None) -> tuple:
     return model, count_parameters(model), ContextParallelLoss(bpt_causal_lm_loss, group)
 
 def bpt_callbacks(args:dict) -> list:
-    "Stage 5, hooks: the seed's checkpoint and milestone schedule, its optimizer-state switch, the data position saved."
+    "Stage 5, callbacks: the seed's checkpoint and milestone schedule, its optimizer-state switch, the data position saved."
     run, ckpt = args[''], args['checkpointer']
     return [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq),
             OptimizerStateSwitch(ckpt.save_optimizer_state), DatasetStateFile()]
@@ -527,34 +527,18 @@ def full_state(trainer) -> dict:
     else: sd = trainer.unwrapped_model.state_dict()
     return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
 
-def train_bpt(args:dict) -> dict:
-    ("Train as the parsed flags `args` ({prefix: config}) say, stage by stage; returns the results (also in "
-     "<output_dir>/results.json).")
-    flags, given = RunFlags(BPT_RESUME, flag_values(args)), {k or 'run': v.to_dict() for k, v in args.items()}
-    args = bpt_args(args)                                 # 1 arguments, as given above: every later stage reads these
-    run, llama, opt, adamw = args[''], args['llama'], args['optimizer'], args['optimizer.adamw_optimizer']
-    ds, (kind, path) = args['train_dataset.json_dataset'], run.load
-    world = launched_processes()
-    mesh, per_micro = check_bpt_run(args, world)
-    out = bpt_output_dir(run)
-    set_mmap_threshold(run.malloc_mmap_threshold)
-    acc = make_accelerator(run.mixed_precision)
-    resume = bpt_resume(run, out, acc, flags)
-    tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)
-    rows, data = bpt_data(args, tok, per_micro, mesh, show_progress=run.progress and acc.is_main_process)
-    model, n_params, loss_fn = bpt_model(args, len(tok), mesh)
-    tc = bpt_train_config(args, out, per_micro, resume)
-    callbacks = bpt_callbacks(args)
-    sched = lambda o: lambda_scheduler(o, adamw.schedule())
-    run_config = {'bpt_flags': given, 'bpt': llama.bpt.to_dict(),
-                  'world_size': world, 'mesh': mesh._asdict(), 'data': rows['counts'], 'parameters': n_params,
-                  'model': model.config.to_dict()}
+def bpt_hooks(args:dict, tok, data, rows:dict, mesh:MeshShape, world:int, n_params:int, tc:TrainConfig, out:Path,
+              resume) -> RunHooks:
+    ("Stage 7, save and report: the data position a new run starts from, the line printed before training, results, "
+     "the trained weights exported as a plain Llama with the tokenizer, its card.")
+    run, llama, opt, ds, (kind, path) = (args[''], args['llama'], args['optimizer'], args['train_dataset.json_dataset'],
+                                         args[''].load)
     def prepare(trainer):      # a new run, or one continuing --load_checkpoint trainstate::: --load_dataset_state sets
         if run.load_dataset_state and resume != 'latest':      # the data position (--autoresume keeps the checkpoint's)
             data.load_state_dict(read_dataset_state(run.load_dataset_state))
     def describe(trainer):
-        return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) "
-                f"({f'mesh {mesh}' if mesh.kind == 'mesh' else 'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
+        how = f'mesh {mesh}' if mesh.kind == 'mesh' else 'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'
+        return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) ({how}) "
                 f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of "
                 f"{ds.seq_length} tokens per update; {len(rows['input_ids'])} rows of data; "
                 f"updates {trainer.step} -> {run.total_steps}; run folder {show_path(out)}")
@@ -579,9 +563,32 @@ def train_bpt(args:dict) -> dict:
                        f"{start or 'random weights'}; the saved weights are plain Llama weights.", start, ds.path,
                        tags=['bpt'])
     # the fingerprint covers the whole model, gathered as full tensors on every process (a collective under FSDP)
-    return run_training(model, tc, data, prepare=prepare, describe=describe, final=full_state, results=results,
-                        save=save, loss_fn=loss_fn, callbacks=callbacks, scheduler=sched, accelerator=acc,
-                        run_config=run_config, card=card, flags=flags)
+    return RunHooks(prepare=prepare, describe=describe, final=full_state, results=results, save=save, card=card)
+
+# %% ../nbs/11_train_bpt.ipynb
+def train_bpt(args:dict) -> dict:
+    ("Train as the parsed flags `args` ({prefix: config}) say, stage by stage; returns the results (also in "
+     "<output_dir>/results.json).")
+    flags, given = RunFlags(BPT_RESUME, flag_values(args)), {k or 'run': v.to_dict() for k, v in args.items()}
+    args = bpt_args(args)                                 # 1 arguments, as given above: every later stage reads these
+    run, adamw = args[''], args['optimizer.adamw_optimizer']
+    world = launched_processes()
+    mesh, per_micro = check_bpt_run(args, world)
+    out = bpt_output_dir(run)
+    set_mmap_threshold(run.malloc_mmap_threshold)
+    acc = make_accelerator(run.mixed_precision)
+    resume = bpt_resume(run, out, acc, flags)
+    tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)                                         # 2 data
+    rows, data = bpt_data(args, tok, per_micro, mesh, show_progress=run.progress and acc.is_main_process)
+    model, n_params, loss_fn = bpt_model(args, len(tok), mesh)                                    # 3 model
+    tc = bpt_train_config(args, out, per_micro, resume)                                           # 4 the loop's settings
+    callbacks = bpt_callbacks(args)                                                               # 5 callbacks
+    hooks = bpt_hooks(args, tok, data, rows, mesh, world, n_params, tc, out, resume)             # 7 save and report
+    run_config = {'bpt_flags': given, 'bpt': args['llama'].bpt.to_dict(), 'world_size': world, 'mesh': mesh._asdict(),
+                  'data': rows['counts'], 'parameters': n_params, 'model': model.config.to_dict()}
+    return run_training(model, tc, data, **hooks.kwargs(), loss_fn=loss_fn, callbacks=callbacks,   # 6 train
+                        scheduler=lambda o: lambda_scheduler(o, adamw.schedule()), accelerator=acc,
+                        run_config=run_config, flags=flags)
 
 # %% ../nbs/11_train_bpt.ipynb
 @cli_main

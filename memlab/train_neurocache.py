@@ -31,7 +31,7 @@ from .train_config import TrainConfig, train_config_from
 from .distributed import make_accelerator
 from .checkpoints import resume_plan
 from .trainer import Trainer
-from .training import run
+from .training import RunHooks, run
 from .cards import eval_metrics
 
 # %% auto 0
@@ -39,7 +39,7 @@ __all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'NEUROCACHE_DEFAULTS', 'WEIGHT_
            'NEUROCACHE_LOOP_FLAGS', 'NeurocacheRunConfig', 'neurocache_of', 'neurocache_config', 'neurocache_configs',
            'mixed_precision_of', 'as_base_and_neurocache', 'neurocache_args', 'build_model', 'describe_model',
            'load_streams', 'stream_loss', 'save_run_neurocache', 'neurocache_resume', 'neurocache_train_config',
-           'train_neurocache', 'summary', 'parse_neurocache_args', 'main']
+           'neurocache_hooks', 'train_neurocache', 'summary', 'parse_neurocache_args', 'main']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -253,7 +253,7 @@ def describe_model(model) -> str:
 
 # %% ../nbs/21_train_neurocache.ipynb
 def load_streams(cfg:NeurocacheRunConfig, tokenizer) -> tuple:
-    ("(train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without "
+    ("Stage 2, data: (train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without "
      "--test_split).")
     corpus = load_corpus(cfg.dataset_name, text_field=cfg.text_field, config=cfg.dataset_config)
     have = list(corpus.splits)
@@ -315,7 +315,7 @@ NEUROCACHE_RESUME = ResumeTable('memlab_neurocache', budget=('max_train_steps',)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None, flags:RunFlags=None):
-    ("Stage 1, the run folder, before anything loads: the checkpoint a training run continues (trained with these "
+    ("Stage 1, arguments: the run folder, before anything loads: the checkpoint a training run continues (trained with these "
      "`flags`), None for a new run; an evaluation refuses a folder that already holds results.")
     if cfg.with_tracking and cfg.report_to == 'wandb':
         check(importlib.util.find_spec('wandb') is not None,
@@ -339,7 +339,7 @@ NEUROCACHE_LOOP_FLAGS = dict(max_steps='max_train_steps', per_device_batch_size=
                              distributed_type='distributed_type', seed='seed', progress='progress')
 
 def neurocache_train_config(cfg:NeurocacheRunConfig, mp:str, training:bool, resume) -> TrainConfig:
-    ("The loop's `TrainConfig`: the flags of `NEUROCACHE_LOOP_FLAGS`, and what the run works out from the others "
+    ("Stage 4, the loop's settings: its `TrainConfig`, the flags of `NEUROCACHE_LOOP_FLAGS`, and what the run works out from the others "
      "(the output folder only for a run that trains or resumes).")
     return train_config_from(cfg, NEUROCACHE_LOOP_FLAGS, output_dir=cfg.output_dir if training or resume else None,
                              scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type], max_eval_steps=cfg.max_eval_steps or None,
@@ -363,43 +363,14 @@ def _run_card(cfg:NeurocacheRunConfig, res:dict, training:bool) -> dict:
                       datasets=cfg.dataset_name, metrics=metrics, library_name='memlab',
                       tags=['neurocache'])} if training else {}
 
-# %% ../nbs/21_train_neurocache.ipynb
-def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callbacks=()) -> dict:
-    ("Train and/or evaluate as `cfg` and `nc` say (the whole of memlab_neurocache; `nc`: the command's defaults); "
-     "returns the results (also <output_dir>/results.json).")
-    nc = neurocache_config() if nc is None else nc
-    flags = RunFlags(NEUROCACHE_RESUME, flag_values([cfg, nc]))   # as given: what a resume repeats
-    cfg, nc = neurocache_args(cfg, nc)                              # 1 arguments: every later stage reads these
-    mp = mixed_precision_of(cfg)
-    acc = make_accelerator(mp)
-    world, out = acc.num_processes, Path(cfg.output_dir)
-    training = not (cfg.only_evaluate or cfg.save_and_quit)
-    resume = neurocache_resume(cfg, training, acc, flags)
-    seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path)
-    train_data, eval_data, test_data = load_streams(cfg, tok)
-    model = build_model(cfg, nc, tok)
-    trainable = count_parameters(model, trainable_only=True)
-    check(trainable or cfg.only_evaluate, "nothing to train: the model has no trainable parameter")
-    check(not (cfg.resume_from_checkpoint and not trainable),
-          "--resume_from_checkpoint needs a model with trainable weights")
-    tc = neurocache_train_config(cfg, mp, training, resume)
-    # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
-    optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
-    loop = dict(loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks], optimizer=optimizer, accelerator=acc,
-                run_config={'neurocache_run': {**cfg.to_dict(), **nc.to_dict()}, 'world_size': world,
-                            'mixed_precision': mp}, flags=flags)
+def neurocache_hooks(cfg:NeurocacheRunConfig, nc:NeurocacheConfig, tok, eval_data, test_data, training:bool,
+                     world:int, mp:str) -> RunHooks:
+    ("Stage 7, save and report: the line printed before training, the final evaluation and test results, the saved "
+     "Neurocache (a run that trains), the model card.")
     def describe(trainer):
         return (f"memlab_neurocache: {describe_model(trainer.unwrapped_model)}; {world} process(es) x "
                 f"{cfg.per_device_train_batch_size} rows x {cfg.gradient_accumulation_steps} micro-batches of "
                 f"{cfg.sequence_length} tokens per update; precision {mp}")
-    if cfg.save_and_quit:       # build (and resume) the model, save its Neurocache, stop: no training, no results
-        trainer = Trainer(model, tc, train_data, eval_data, **loop)
-        trainer.print(describe(trainer))
-        save_run_neurocache(trainer, nc, out, tok)
-        acc.wait_for_everyone()
-        acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
-        return {'saved': str(out), 'step': trainer.step}
     def results(trainer, history, res):   # every process: the evaluations are collectives
         model, evals = trainer.unwrapped_model, [h for h in history if 'eval_loss' in h]
         final = evals[-1] if evals and evals[-1]['step'] == trainer.step else trainer.evaluate(eval_data)
@@ -414,7 +385,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callback
                'eval': {k.replace('eval_', '', 1): v for k, v in final.items()},
                'test': {k.replace('test_', '', 1): v for k, v in test.items()} if test else None,
                'world_size': world, 'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none',
-               'output_dir': str(out)}
+               'output_dir': str(Path(cfg.output_dir))}
         if nc_cfg:
             c = model.config
             res['bytes_per_cached_token'] = memory_per_token(c.hidden_size, c.num_attention_heads,
@@ -422,12 +393,49 @@ def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callback
                                                              cache_dtype=nc_cfg.cache_dtype)
         return res
     def save(trainer, folder):
-        if training:
-            save_run_neurocache(trainer, nc, folder, tok)   # the folder's tokenizer too
+        if training: save_run_neurocache(trainer, nc, folder, tok)   # the folder's tokenizer too
+    return RunHooks(describe=describe, results=results, save=save,
+                    card=lambda trainer, res: _run_card(cfg, res, training))
+
+# %% ../nbs/21_train_neurocache.ipynb
+def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callbacks=()) -> dict:
+    ("Train and/or evaluate as `cfg` and `nc` say (the whole of memlab_neurocache; `nc`: the command's defaults); "
+     "returns the results (also <output_dir>/results.json).")
+    nc = neurocache_config() if nc is None else nc
+    flags = RunFlags(NEUROCACHE_RESUME, flag_values([cfg, nc]))   # as given: what a resume repeats
+    given = {**cfg.to_dict(), **nc.to_dict()}
+    cfg, nc = neurocache_args(cfg, nc)                              # 1 arguments: every later stage reads these
+    mp = mixed_precision_of(cfg)
+    acc = make_accelerator(mp)
+    world, out = acc.num_processes, Path(cfg.output_dir)
+    training = not (cfg.only_evaluate or cfg.save_and_quit)
+    resume = neurocache_resume(cfg, training, acc, flags)
+    seed_everything(cfg.seed)
+    tok = load_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path)                    # 2 data
+    train_data, eval_data, test_data = load_streams(cfg, tok)
+    model = build_model(cfg, nc, tok)                                                      # 3 model
+    trainable = count_parameters(model, trainable_only=True)
+    check(trainable or cfg.only_evaluate, "nothing to train: the model has no trainable parameter")
+    check(not (cfg.resume_from_checkpoint and not trainable),
+          "--resume_from_checkpoint needs a model with trainable weights")
+    tc = neurocache_train_config(cfg, mp, training, resume)                                 # 4 the loop's settings
+    # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
+    optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+    callbacks = [NeurocacheCallback(), *callbacks]                                          # 5 callbacks
+    hooks = neurocache_hooks(cfg, nc, tok, eval_data, test_data, training, world, mp)         # 7 save and report
+    loop = dict(loss_fn=stream_loss, callbacks=callbacks, optimizer=optimizer, accelerator=acc,
+                run_config={'neurocache_run': given, 'world_size': world,
+                            'mixed_precision': mp}, flags=flags)
+    if cfg.save_and_quit:       # build (and resume) the model, save its Neurocache, stop: no training, no results
+        trainer = Trainer(model, tc, train_data, eval_data, **loop)
+        trainer.print(hooks.describe(trainer))
+        save_run_neurocache(trainer, nc, out, tok)
+        acc.wait_for_everyone()
+        acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
+        return {'saved': str(out), 'step': trainer.step}
     # --only_evaluate: the same steps without training, its results.json in --output_dir (no logs, no checkpoints)
-    return run(model, tc, train_data, eval_data, describe=describe, results=results, save=save, fit=training,
-               folder=out, plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}",
-               card=lambda trainer, res: _run_card(cfg, res, training), **loop)
+    return run(model, tc, train_data, eval_data, **hooks.kwargs(), fit=training, folder=out,          # 6 train
+               plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}", **loop)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def summary(res:dict) -> str:

@@ -418,8 +418,9 @@ BPT_LOOP_FLAGS = dict(max_steps='total_steps', gradient_accumulation_steps='opti
                       report_to='report_to', progress='progress', mesh_dim='mesh_dim')
 
 def bpt_train_config(args:dict, out, per_micro:int, resume) -> TrainConfig:
-    ("Stage 4, the loop's settings: its `TrainConfig` from the flags `args` (`bpt_args`): the flags of `BPT_LOOP_FLAGS` (the mesh "
-     "among them), and what the run works out (rows per process per micro-batch, checkpoints only at the end).")
+    ("Stage 4, the loop's settings: its `TrainConfig` from the flags `args` (`bpt_args`): the flags of "
+     "`BPT_LOOP_FLAGS` (the mesh among them), and what the run works out (rows per process per micro-batch, "
+     "checkpoints only at the end).")
     fused = args['llama'].fused                    # `bpt_args`: --update_llama_config may set it
     return train_config_from(args, BPT_LOOP_FLAGS, output_dir=str(out),
                              per_device_batch_size=args['train_dataset.json_dataset'].batch_size // per_micro,
@@ -446,8 +447,8 @@ BPT_RESUME = ResumeTable('memlab_bpt', budget=('total_steps',),
 
 # %% ../nbs/11_train_bpt.ipynb
 def check_bpt_run(args:dict, world:int) -> tuple:
-    ("Stage 1, arguments: what the flags (`bpt_args`) ask of a launch of `world` processes, checked before anything loads; "
-     "(the mesh, data-parallel processes × micro-batches).")
+    ("Stage 1, arguments: what the flags (`bpt_args`) ask of a launch of `world` processes, checked before anything "
+     "loads; (the mesh, data-parallel processes × micro-batches).")
     run, opt, ds, ckpt = args[''], args['optimizer'], args['train_dataset.json_dataset'], args['checkpointer']
     mesh = resolve_mesh(run.mesh, world)
     per_micro = mesh.data * opt.accumulate_gradient_steps          # tensor- and context-parallel groups share rows
@@ -499,7 +500,8 @@ def bpt_data(args:dict, tok, per_micro:int, mesh:MeshShape=None, show_progress:b
 
 def bpt_model(args:dict, vocab_size:int, mesh:MeshShape=None) -> tuple:
     ("Stage 3, model: the Llama the flags (`bpt_args`) describe (new, or loaded by --load_checkpoint), made "
-     "blockwise, its attention a ring over the mesh's context-parallel processes when cp > 1; (model, parameters, loss).")
+     "blockwise, its attention a ring over the mesh's context-parallel processes when cp > 1; (model, parameters, "
+     "loss).")
     run, llama = args[''], args['llama']
     model = add_bpt(build_model(run, llama, vocab_size, args['train_dataset.json_dataset'].seq_length), llama.bpt)
     if mesh is None or mesh.cp == 1: return model, count_parameters(model), bpt_causal_lm_loss
@@ -509,7 +511,8 @@ def bpt_model(args:dict, vocab_size:int, mesh:MeshShape=None) -> tuple:
     return model, count_parameters(model), ContextParallelLoss(bpt_causal_lm_loss, group)
 
 def bpt_callbacks(args:dict) -> list:
-    "Stage 5, callbacks: the seed's checkpoint and milestone schedule, its optimizer-state switch, the data position saved."
+    ("Stage 5, callbacks: the seed's checkpoint and milestone schedule, its optimizer-state switch, the data position "
+     "saved.")
     run, ckpt = args[''], args['checkpointer']
     return [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq),
             OptimizerStateSwitch(ckpt.save_optimizer_state), DatasetStateFile()]
@@ -537,7 +540,8 @@ def bpt_hooks(args:dict, tok, data, rows:dict, mesh:MeshShape, world:int, n_para
         if run.load_dataset_state and resume != 'latest':      # the data position (--autoresume keeps the checkpoint's)
             data.load_state_dict(read_dataset_state(run.load_dataset_state))
     def describe(trainer):
-        how = f'mesh {mesh}' if mesh.kind == 'mesh' else 'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'
+        how = (f'mesh {mesh}' if mesh.kind == 'mesh' else 'FSDP' if trainer.fsdp else 'DDP' if world > 1
+               else 'one process')
         return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) ({how}) "
                 f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of "
                 f"{ds.seq_length} tokens per update; {len(rows['input_ids'])} rows of data; "
@@ -581,7 +585,7 @@ def train_bpt(args:dict) -> dict:
     tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)                                         # 2 data
     rows, data = bpt_data(args, tok, per_micro, mesh, show_progress=run.progress and acc.is_main_process)
     model, n_params, loss_fn = bpt_model(args, len(tok), mesh)                                    # 3 model
-    tc = bpt_train_config(args, out, per_micro, resume)                                           # 4 the loop's settings
+    tc = bpt_train_config(args, out, per_micro, resume)                                     # 4 the loop's settings
     callbacks = bpt_callbacks(args)                                                               # 5 callbacks
     hooks = bpt_hooks(args, tok, data, rows, mesh, world, n_params, tc, out, resume)             # 7 save and report
     run_config = {'bpt_flags': given, 'bpt': args['llama'].bpt.to_dict(), 'world_size': world, 'mesh': mesh._asdict(),

@@ -53,8 +53,8 @@ def mixer_setup(task:MixerTaskConfig, model_args, train:TrainConfig, device='cpu
     return tok, info, config, vocab
 
 def mixer_loss(task:MixerTaskConfig, config:MaskedMixerConfig, info:DataInfo):
-    ("Stage 3, model: its loss, reconstruction for an autoencoder, else the objective's, with the data's own delimiter and "
-     "blank tokens unless the flags name others.")
+    ("Stage 3, model: its loss, reconstruction for an autoencoder, else the objective's, with the data's own delimiter"
+     " and blank tokens unless the flags name others.")
     if task.model == 'autoencoder': return autoencoder_loss
     return objective_loss(config.objective, info.eos_id if task.delimiter_id is None else task.delimiter_id,
                           info.pad_id if task.blank_id is None else task.blank_id)
@@ -88,12 +88,13 @@ def results_table(res:dict) -> str:
     return '\n'.join(lines) + '\n'
 
 def mixer_args(task:MixerTaskConfig, model_args, train:TrainConfig) -> tuple:
-    "Stage 1, arguments, normalised once (the parsed configs stay as given): the run folder, runs/mixer-<model> by default."
-    if train.output_dir is None: train = dataclasses.replace(train, output_dir=default_output_dir(f"mixer-{task.model}"))
+    "Stage 1, arguments, normalised once (parsed configs stay as given): the run folder, default runs/mixer-<model>."
+    if train.output_dir is None:
+        train = dataclasses.replace(train, output_dir=default_output_dir(f"mixer-{task.model}"))
     return task, model_args, train
 
 def mixer_hooks(task:MixerTaskConfig, config:MaskedMixerConfig, model, tok, info:DataInfo, vocab:int) -> RunHooks:
-    "Stage 7, save and report: the line printed before training, results, the trained model and its tokenizer, the card."
+    "Stage 7, save and report: the line printed before training, results, the trained model and tokenizer, the card."
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
     objective = 'reconstruction' if task.model == 'autoencoder' else config.objective
     def results(trainer, history, res):

@@ -253,8 +253,8 @@ def describe_model(model) -> str:
 
 # %% ../nbs/21_train_neurocache.ipynb
 def load_streams(cfg:NeurocacheRunConfig, tokenizer) -> tuple:
-    ("Stage 2, data: (train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without "
-     "--test_split).")
+    ("Stage 2, data: (train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None "
+     "without --test_split).")
     corpus = load_corpus(cfg.dataset_name, text_field=cfg.text_field, config=cfg.dataset_config)
     have = list(corpus.splits)
     for flag in ('train_split', 'eval_split', 'test_split'):
@@ -280,7 +280,8 @@ def stream_loss(model, batch:dict) -> LossOutput:
 # %% ../nbs/21_train_neurocache.ipynb
 def save_run_neurocache(trainer, nc:NeurocacheConfig, path, tokenizer=None) -> Path:
     ("Save the run's Neurocache (or LoRA-only baseline, whose LoRA `nc` describes) to `path` on the main process: its "
-     "files, the whole model as plain transformers loads it and `tokenizer` (`save_neurocache`); every process calls it.")
+     "files, the whole model as plain transformers loads it and `tokenizer` (`save_neurocache`); every process calls "
+     "it.")
     model = trainer.unwrapped_model
     state = trainer.full_state_dict() if trainer.fsdp else None   # sharded: the gathered full tensors are saved
     if trainer.is_main:
@@ -294,9 +295,9 @@ def _resolved(model, nc) -> NeurocacheConfig:
     return resolve_config(nc, len(decoder_layers(model)))
 
 # %% ../nbs/21_train_neurocache.ipynb
-# a resume repeats what the run is: model, data, batch, optimizer, schedule, precision, seed, every Neurocache setting but the
-# evaluation cache's size, and its LoRA; the budget, evaluation (sizes, splits, cache size: what is measured, not what
-# trains), logging, checkpoints and the mode (--only_evaluate, --save_and_quit) may change
+# a resume repeats what the run is: model, data, batch, optimizer, schedule, precision, seed, every Neurocache setting
+# but the evaluation cache's size, and its LoRA; the budget, evaluation (sizes, splits, cache size: what is measured,
+# not what trains), logging, checkpoints and the mode (--only_evaluate, --save_and_quit) may change
 _same_layers = lambda old, new: old == new or parse_layers(old) == parse_layers(new)       # '18-23' recorded before
 _same_map = lambda old, new: old == new or parse_retrieval_map(old) == parse_retrieval_map(new)
 _same_names = lambda old, new: old == new or (isinstance(old, str) and [m.strip() for m in old.split(',')] == new)
@@ -315,8 +316,8 @@ NEUROCACHE_RESUME = ResumeTable('memlab_neurocache', budget=('max_train_steps',)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None, flags:RunFlags=None):
-    ("Stage 1, arguments: the run folder, before anything loads: the checkpoint a training run continues (trained with these "
-     "`flags`), None for a new run; an evaluation refuses a folder that already holds results.")
+    ("Stage 1, arguments: the run folder, before anything loads: the checkpoint a training run continues (trained with"
+     " these `flags`), None for a new run; an evaluation refuses a folder that already holds results.")
     if cfg.with_tracking and cfg.report_to == 'wandb':
         check(importlib.util.find_spec('wandb') is not None,
               "--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)")
@@ -339,8 +340,8 @@ NEUROCACHE_LOOP_FLAGS = dict(max_steps='max_train_steps', per_device_batch_size=
                              distributed_type='distributed_type', seed='seed', progress='progress')
 
 def neurocache_train_config(cfg:NeurocacheRunConfig, mp:str, training:bool, resume) -> TrainConfig:
-    ("Stage 4, the loop's settings: its `TrainConfig`, the flags of `NEUROCACHE_LOOP_FLAGS`, and what the run works out from the others "
-     "(the output folder only for a run that trains or resumes).")
+    ("Stage 4, the loop's settings: its `TrainConfig`, the flags of `NEUROCACHE_LOOP_FLAGS`, and what the run works "
+     "out from the others (the output folder only for a run that trains or resumes).")
     return train_config_from(cfg, NEUROCACHE_LOOP_FLAGS, output_dir=cfg.output_dir if training or resume else None,
                              scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type], max_eval_steps=cfg.max_eval_steps or None,
                              save_final=False, mixed_precision=mp, resume_from=resume,
@@ -448,7 +449,8 @@ def summary(res:dict) -> str:
     return s + f"; results in {show_path(res['output_dir'])}/results.json"
 
 def parse_neurocache_args(argv=None) -> tuple:
-    "(run, Neurocache) configs of a memlab_neurocache command line (the command's defaults, `--config FILE`, the flags)."
+    ("(run, Neurocache) configs of a memlab_neurocache command line (the command's defaults, `--config FILE`, the "
+     "flags).")
     return parse_configs([NeurocacheRunConfig, NeurocacheConfig], argv, prog='memlab_neurocache',
                          description=main.__doc__, config_file_flag='config',
                          defaults={NeurocacheConfig: NEUROCACHE_DEFAULTS})

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_train.ipynb 2
 from __future__ import annotations
-import json, os, warnings
+import dataclasses, json, os, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +24,11 @@ from .tokenizers import check_sequence_length, check_vocab
 from .train_config import LOOP_RESUME, TrainConfig
 from .checkpoints import resume_plan
 from .distributed import launch_data_rank, make_accelerator, parse_mesh
-from .training import default_output_dir, run, run_summary
+from .training import RunHooks, default_output_dir, run, run_summary
 
 # %% auto 0
-__all__ = ['TRAIN_DEFAULTS', 'TRAIN_RESUME', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'LMTaskConfig', 'add_lora', 'train_lm',
-           'save_run_model', 'results_table', 'main']
+__all__ = ['TRAIN_DEFAULTS', 'TRAIN_RESUME', 'ADAPTER_DIR', 'MODEL_DIR', 'BASE_DIR', 'LMTaskConfig', 'add_lora', 'lm_args',
+           'lm_data', 'lm_model', 'save_run_model', 'results_table', 'lm_hooks', 'train_lm', 'main']
 
 # %% ../nbs/07_train.ipynb
 @dataclass
@@ -79,61 +79,39 @@ def add_lora(model, task:LMTaskConfig):
     try: return get_peft_model(model, cfg)
     except ValueError as e: raise MemlabError(f"LoRA: {str(e).splitlines()[0]}") from None
 
-def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
-    "Load, train and evaluate as configured; write results.json, results.md and loss.png; return the results."
-    flags, acc = RunFlags(TRAIN_RESUME, flag_values([task, train])), make_accelerator(train.mixed_precision, deepspeed=True)
-    resume_plan(train.output_dir, train.resume_from, accelerator=acc, flags=flags)   # refused here, before anything loads
-    tok = load_tokenizer(task.tokenizer_name or task.model_name_or_path)
-    corpus = load_corpus(task.dataset_name, text_field=task.text_field, config=task.dataset_config)
-    for split in ('train', 'validation'):   # named here, before the model loads (the batcher knows no file names)
-        check(corpus.split(split), f"--dataset {task.dataset_name} has no {split} documents ({len(corpus)} in all; "
-              "each document goes to train, validation or test by a hash of its id, or by its 'split' field): "
-              "pass more documents, or records with a 'split' field")
-    if train.mesh_dim:           # the mesh axes this command runs: dp, fsdp and tp (the model's own plan)
+# %% ../nbs/07_train.ipynb
+def lm_args(task:LMTaskConfig, train:TrainConfig) -> tuple:
+    ("Stage 1, arguments: the mesh axes this command runs (dp, fsdp and tp, the model's own plan; tp only without "
+     "LoRA), checked before anything loads.")
+    if train.mesh_dim:
         dp, fsdp, tp, cp = parse_mesh(train.mesh_dim)
         check(cp == 1, f"--mesh_dim {train.mesh_dim}: context parallelism (cp) is memlab_bpt's (a ring over BPT's "
               "attention blocks); memlab_train runs dp, fsdp and tp")
         check(tp == 1 or not task.lora_r, f"--mesh_dim {train.mesh_dim}: tensor parallelism splits the model's linear "
               f"layers, which LoRA's layers (--lora_r {task.lora_r}) wrap and cannot be split: use --lora_r 0 (all "
               "weights) or a mesh without tp")
+    return task, train
+
+def lm_data(task:LMTaskConfig, train:TrainConfig, tok) -> tuple:
+    ("Stage 2, data: the corpus's train and validation documents (missing ones named here, before the model loads) as "
+     "batches of `sequence_length` tokens, this process's share; (train, eval).")
+    corpus = load_corpus(task.dataset_name, text_field=task.text_field, config=task.dataset_config)
+    for split in ('train', 'validation'):   # named here, before the model loads (the batcher knows no file names)
+        check(corpus.split(split), f"--dataset {task.dataset_name} has no {split} documents ({len(corpus)} in all; "
+              "each document goes to train, validation or test by a hash of its id, or by its 'split' field): "
+              "pass more documents, or records with a 'split' field")
     rank, world = launch_data_rank(train.mesh_dim)        # tensor-parallel processes read the same rows
+    return (lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True,
+                       seed=train.seed, rank=rank, world_size=world),
+            lm_batches(corpus.split('validation'), tok, task.sequence_length, train.per_device_batch_size,
+                       shuffle=False, loop=False, rank=rank, world_size=world))
+
+def lm_model(task:LMTaskConfig, train:TrainConfig, tok):
+    "Stage 3, model: loaded (nf4 with --nf4), checked against the tokenizer and sequence length, with LoRA as asked."
     seed_everything(train.seed)     # --seed sets what is drawn here too: a built-in config's weights, LoRA's A matrices
     model = load_model(task.model_name_or_path, quantization='nf4' if task.nf4 else None)
     check_vocab(tok, model); check_sequence_length(model, task.sequence_length)
-    if task.lora_r: model = add_lora(model, task)
-    n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
-    train_data = lm_batches(corpus.split('train'), tok, task.sequence_length, train.per_device_batch_size, shuffle=True,
-                            seed=train.seed, rank=rank, world_size=world)
-    eval_data = lm_batches(corpus.split('validation'), tok, task.sequence_length, train.per_device_batch_size,
-                           shuffle=False, loop=False, rank=rank, world_size=world)
-    def results(trainer, history, res):
-        evals = [h for h in history if 'eval_loss' in h]
-        return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params,
-                'trainable_parameters': n_train, **res, 'before': evals[0] if len(evals) > 1 else None,
-                'after': evals[-1] if evals else None}
-    def save(trainer, out):   # every process: FSDP's shards or ZeRO-3's partitions are gathered first
-        sharded = trainer.fsdp or trainer.deepspeed
-        if sharded and task.lora_r:
-            if trainer.is_main:
-                warnings.warn(f"memlab_train does not write the adapter of a LoRA run under {trainer.distributed.upper()} "
-                              "(checkpoints only)")
-            return None
-        state = trainer.full_state_dict() if sharded else None
-        if not trainer.is_main: return None
-        return {'saved': save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged,
-                                        state_dict=state)}
-    what = f"`{task.model_name_or_path}` trained on `{task.dataset_name}` with memlab_train" + (
-        f" (LoRA, r = {task.lora_r})" if task.lora_r else '') + '.'
-    def before(res):              # the base model's eval loss: the evaluation at update 0
-        b = res.get('before') or {}
-        return b.get('eval_loss') if b.get('step') == 0 else None
-    cards = output_card('memlab_train', what, task.model_name_or_path, task.dataset_name, base_loss=before)
-    def card(trainer, res):       # the whole model; a LoRA run's adapter is a PEFT folder
-        kw = cards(trainer, res)['model']
-        return {MODEL_DIR: kw, ADAPTER_DIR: {**kw, 'library_name': 'peft'}}
-    return run(model, train, train_data, eval_data, results=results, save=save, report=results_table,
-               plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None,
-               run_config={'task': task.to_dict()}, card=card, accelerator=acc, flags=flags)
+    return add_lora(model, task) if task.lora_r else model
 
 # %% ../nbs/07_train.ipynb
 ADAPTER_DIR, MODEL_DIR, BASE_DIR = 'adapter', 'model', 'base'   # in a run folder: adapter, whole model, adapter's base
@@ -174,13 +152,59 @@ def results_table(res:dict) -> str:
     return '\n'.join(lines) + '\n'
 
 # %% ../nbs/07_train.ipynb
+def lm_hooks(task:LMTaskConfig, model, tok) -> RunHooks:
+    ("Stage 7, save and report: results (the evaluations before and after training), the saved model or adapter, "
+     "results.md, the model cards.")
+    n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
+    def results(trainer, history, res):
+        evals = [h for h in history if 'eval_loss' in h]
+        return {'model': task.model_name_or_path, 'dataset': task.dataset_name, 'parameters': n_params,
+                'trainable_parameters': n_train, **res, 'before': evals[0] if len(evals) > 1 else None,
+                'after': evals[-1] if evals else None}
+    def save(trainer, out):   # every process: FSDP's shards or ZeRO-3's partitions are gathered first
+        sharded = trainer.fsdp or trainer.deepspeed
+        if sharded and task.lora_r:
+            if trainer.is_main:
+                warnings.warn(f"memlab_train does not write the adapter of a LoRA run under {trainer.distributed.upper()} "
+                              "(checkpoints only)")
+            return None
+        state = trainer.full_state_dict() if sharded else None
+        if not trainer.is_main: return None
+        return {'saved': save_run_model(trainer.unwrapped_model, task, out, tok, merged=task.save_merged,
+                                        state_dict=state)}
+    what = f"`{task.model_name_or_path}` trained on `{task.dataset_name}` with memlab_train" + (
+        f" (LoRA, r = {task.lora_r})" if task.lora_r else '') + '.'
+    def before(res):              # the base model's eval loss: the evaluation at update 0
+        b = res.get('before') or {}
+        return b.get('eval_loss') if b.get('step') == 0 else None
+    cards = output_card('memlab_train', what, task.model_name_or_path, task.dataset_name, base_loss=before)
+    def card(trainer, res):       # the whole model; a LoRA run's adapter is a PEFT folder
+        kw = cards(trainer, res)['model']
+        return {MODEL_DIR: kw, ADAPTER_DIR: {**kw, 'library_name': 'peft'}}
+    return RunHooks(results=results, save=save, report=results_table, card=card)
+
+def train_lm(task:LMTaskConfig, train:TrainConfig) -> dict:
+    "Load, train and evaluate as configured; write results.json, results.md and loss.png; return the results."
+    task, train = lm_args(task, train)                                                    # 1 arguments
+    flags, acc = RunFlags(TRAIN_RESUME, flag_values([task, train])), make_accelerator(train.mixed_precision, deepspeed=True)
+    resume_plan(train.output_dir, train.resume_from, accelerator=acc, flags=flags)   # refused here, before anything loads
+    tok = load_tokenizer(task.tokenizer_name or task.model_name_or_path)                  # 2 data
+    train_data, eval_data = lm_data(task, train, tok)
+    model = lm_model(task, train, tok)                                                    # 3 model
+    # 4 the loop's settings: `train` as parsed; 5 callbacks: the loop's own
+    hooks = lm_hooks(task, model, tok)                                                    # 7 save and report
+    return run(model, train, train_data, eval_data, **hooks.kwargs(), accelerator=acc, flags=flags,   # 6 train
+               plot_title=f"{task.model_name_or_path} on {task.dataset_name}" if task.plot else None,
+               run_config={'task': task.to_dict()})
+
+# %% ../nbs/07_train.ipynb
 @cli_main
 def main(argv=None):
     ("memlab_train: train or fine-tune a causal LM on a corpus with memlab's loop; "
      "prints a results table and writes a loss plot.")
     task, train = parse_configs([LMTaskConfig, TrainConfig], argv, prog='memlab_train', description=main.__doc__,
                                 defaults={TrainConfig: TRAIN_DEFAULTS})
-    if train.output_dir is None: train.output_dir = default_output_dir('train')
+    if train.output_dir is None: train = dataclasses.replace(train, output_dir=default_output_dir('train'))
     res = train_lm(task, train)
     if res.get('after') is not None and int(os.environ.get('RANK', '0')) == 0:   # one report, not one per process
         saved = ', '.join(res.get('saved') or {})

@@ -26,7 +26,7 @@ from .tokenizers import tokenize_split, check_vocab, get_tokenizer, pad_id
 from .schedules import Cosine, lambda_scheduler
 from .callbacks import CheckpointSchedule, DatasetStateFile, OptimizerStateSwitch
 from .checkpoints import load_sharded, resume_plan, sharded_metadata, verify_checkpoint
-from .training import run as run_training
+from .training import RunHooks, run as run_training
 from .train_config import TrainConfig, train_config_from
 from .distributed import MeshShape, data_rank, device_mesh, launched_processes, make_accelerator, parse_mesh, resolve_mesh
 from .checkpoints import list_checkpoints, load_strict
@@ -34,10 +34,10 @@ from .checkpoints import list_checkpoints, load_strict
 # %% auto 0
 __all__ = ['LLAMA_PRESETS', 'LOAD_KINDS', 'FLAG_GROUPS', 'BPT_LOOP_FLAGS', 'BPT_RESUME', 'BPTRunConfig', 'parse_load',
            'LlamaBPTArgs', 'OptimizerArgs', 'AdamWArgs', 'DatasetArgs', 'TextProcessorArgs', 'JsonDatasetArgs',
-           'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'strip_bpt_names',
-           'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows', 'read_dataset_state',
-           'bpt_train_config', 'check_bpt_run', 'bpt_output_dir', 'bpt_resume', 'bpt_data', 'bpt_model',
-           'bpt_callbacks', 'full_state', 'train_bpt', 'main']
+           'TokenizerArgs', 'CheckpointerArgs', 'parse_bpt_args', 'model_config', 'with_bpt_updates', 'bpt_args',
+           'strip_bpt_names', 'checkpoint_weights', 'build_model', 'load_bpt_tokenizer', 'json_rows',
+           'read_dataset_state', 'bpt_train_config', 'check_bpt_run', 'bpt_output_dir', 'bpt_resume', 'bpt_data',
+           'bpt_model', 'bpt_callbacks', 'full_state', 'bpt_hooks', 'train_bpt', 'main']
 
 # %% ../nbs/11_train_bpt.ipynb
 LLAMA_PRESETS = {  # llamabpt/EasyLM's standard configs: hidden, intermediate, layers, heads, rms_norm_eps
@@ -112,48 +112,23 @@ def parse_load(spec) -> tuple:
 
 # %% ../nbs/11_train_bpt.ipynb
 @dataclass
-class LlamaBPTArgs(Config):
-    ("The seed's --llama.* fields: BPT's chunk sizes, rematerialisation and precision, "
-     "plus the JAX-only fields it accepts.")
-    # a chunk size left out is the device's measured best (memlab.bpt.BPT_DEFAULTS); one given, -1 included, is kept
-    q_chunk_size: int = None                 # query block length of blockwise attention (-1: the whole sequence)
-                                             # (default: the device's measured best)
-    k_chunk_size: int = None                 # key/value block length (-1: the whole sequence; q and k both -1: Hugging
-                                             # Face's SDPA attention) (default: the device's measured best)
-    ffn_chunk_size: int = None               # tokens per FFN chunk (-1: no chunking, i.e. a memory-efficient
-                                             # transformer) (default: the device's measured best)
-    head_chunk_size: int = None              # tokens per chunk of the LM head fused with the loss (-1: off unless
-                                             # loss_chunk_size is set) (default: the device's measured best)
-    loss_chunk_size: int = None              # tokens per chunk of the loss fused with the LM head (-1: off unless
-                                             # head_chunk_size is set) (default: the device's measured best)
-    remat_policy: str = 'nothing_saveable'   # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable |
-                                             # everything_saveable (no recomputation)
-    float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
+class LlamaBPTArgs(BPTConfig):
+    ("The seed's --llama.* group: the fields of `BPTConfig` (chunk sizes, rematerialisation, precision, kernels) and "
+     "the seed's model fields that are not BPT's.")
     max_sequence_length: int = None          # positions the model supports (default: the config's, raised to
                                              # --train_dataset.json_dataset.seq_length)
     scan_layers: bool = True                 # accepted for the seed's command lines; does nothing here (JAX's scan over
                                              # layers; PyTorch runs layers in a loop)
     param_scan_axis: int = 0                 # accepted for the seed's command lines; does nothing here (the stacking
                                              # axis of JAX's scanned parameters)
-    attention_kernel: str = 'auto'           # memlab: attention kernel: auto (native on CUDA, flash elsewhere), native
-                                             # (the device's fused SDPA), or per block pair: flash (PyTorch's fused CPU
-                                             # operator), torch or sdpa
-    fused: bool = False                      # memlab: the paper's fused layer, one query block at a time through
-                                             # attention, o_proj, norm and FFN
-    layer_remat: bool = True                 # memlab: also rematerialise each decoder layer as a whole under
-                                             # remat_policy (as the reference remats each block)
-    compile: bool = False                    # memlab: torch.compile each decoder layer's training forward (inductor;
-                                             # fuses norm, rotary and SwiGLU work on a GPU; compiles on the first step)
-    offload: bool = False                    # memlab: keep each layer's checkpoint and the loss's saved gradient in host
-                                             # memory until backward (CUDA: pinned copies on a side stream)
 
-    def __post_init__(self):
+    def __post_init__(self):   # BPTConfig's checks run in `bpt_config`, naming the flags
         check(self.max_sequence_length is None or self.max_sequence_length >= 1,
               f"--llama.max_sequence_length must be positive, got {self.max_sequence_length}")
         self.bpt = self.bpt_config()
 
     def bpt_config(self) -> BPTConfig:
-        "The `BPTConfig` these flags describe (its checks give the one-line errors)."
+        "The `BPTConfig` these flags describe, without the seed's other fields (its checks give the one-line errors)."
         try: return BPTConfig(**{f.name: getattr(self, f.name) for f in fields(BPTConfig)})
         except MemlabError as e: raise MemlabError(str(e).replace('BPTConfig.', '--llama.')) from None
 
@@ -323,6 +298,11 @@ def with_bpt_updates(llama:LlamaBPTArgs, run:BPTRunConfig) -> LlamaBPTArgs:
     upd = {k: v for k, v in (run.update_llama_config or {}).items() if k in _bpt_fields()}
     return LlamaBPTArgs(**{**llama.to_dict(), **upd}) if upd else llama
 
+def bpt_args(args:dict) -> dict:
+    ("Stage 1, arguments, normalised once for every later stage: the parsed groups, `--llama.*` with the BPT fields "
+     "that `--update_llama_config` sets (`with_bpt_updates`).")
+    return {**args, 'llama': with_bpt_updates(args['llama'], args[''])}
+
 # %% ../nbs/11_train_bpt.ipynb
 def _is_hf_model(path) -> bool:
     p = Path(str(path)).expanduser()
@@ -438,9 +418,10 @@ BPT_LOOP_FLAGS = dict(max_steps='total_steps', gradient_accumulation_steps='opti
                       report_to='report_to', progress='progress', mesh_dim='mesh_dim')
 
 def bpt_train_config(args:dict, out, per_micro:int, resume) -> TrainConfig:
-    ("The loop's `TrainConfig` from the parsed flags `args` ({prefix: config}): the flags of `BPT_LOOP_FLAGS` (the mesh "
-     "among them), and what the run works out (rows per process per micro-batch, checkpoints only at the end).")
-    fused = with_bpt_updates(args['llama'], args['']).fused       # --update_llama_config may set it
+    ("Stage 4, the loop's settings: its `TrainConfig` from the flags `args` (`bpt_args`): the flags of "
+     "`BPT_LOOP_FLAGS` (the mesh among them), and what the run works out (rows per process per micro-batch, "
+     "checkpoints only at the end).")
+    fused = args['llama'].fused                    # `bpt_args`: --update_llama_config may set it
     return train_config_from(args, BPT_LOOP_FLAGS, output_dir=str(out),
                              per_device_batch_size=args['train_dataset.json_dataset'].batch_size // per_micro,
                              save_every=0, keep_checkpoints=10**9, save_final=True, resume_from=resume,
@@ -450,9 +431,7 @@ def bpt_train_config(args:dict, out, per_micro:int, resume) -> TrainConfig:
 # %% ../nbs/11_train_bpt.ipynb
 BPT_RESUME = ResumeTable('memlab_bpt', budget=('total_steps',),
     defines=('load_llama_config', 'update_llama_config', 'dtype', 'load_checkpoint', 'seed',
-             *(f"llama.{f}" for f in ('q_chunk_size', 'k_chunk_size', 'ffn_chunk_size', 'head_chunk_size',
-                                      'loss_chunk_size', 'remat_policy', 'float32_logits', 'max_sequence_length',
-                                      'attention_kernel', 'fused', 'layer_remat', 'compile', 'offload')),
+             *(f"llama.{f.name}" for f in fields(BPTConfig)), 'llama.max_sequence_length',   # all of BPT
              'optimizer.type', 'optimizer.accumulate_gradient_steps',
              *(f"optimizer.adamw_optimizer.{f}" for f in ('init_lr', 'lr', 'end_lr', 'lr_warmup_steps', 'lr_decay_steps',
                                                          'b1', 'b2', 'clip_gradient', 'weight_decay')),
@@ -468,8 +447,8 @@ BPT_RESUME = ResumeTable('memlab_bpt', budget=('total_steps',),
 
 # %% ../nbs/11_train_bpt.ipynb
 def check_bpt_run(args:dict, world:int) -> tuple:
-    ("Stage 1, config: what the flags ask of a launch of `world` processes, checked before anything loads; "
-     "(the mesh, data-parallel processes × micro-batches).")
+    ("Stage 1, arguments: what the flags (`bpt_args`) ask of a launch of `world` processes, checked before anything "
+     "loads; (the mesh, data-parallel processes × micro-batches).")
     run, opt, ds, ckpt = args[''], args['optimizer'], args['train_dataset.json_dataset'], args['checkpointer']
     mesh = resolve_mesh(run.mesh, world)
     per_micro = mesh.data * opt.accumulate_gradient_steps          # tensor- and context-parallel groups share rows
@@ -479,7 +458,7 @@ def check_bpt_run(args:dict, world:int) -> tuple:
     check(ds.seq_length % (2 * mesh.cp) == 0, f"--mesh_dim {run.mesh_dim}: context parallelism over {mesh.cp} processes "
           f"cuts each row into {2 * mesh.cp} chunks; --train_dataset.json_dataset.seq_length {ds.seq_length} is not a "
           "multiple of it")
-    check(mesh.cp == 1 or not with_bpt_updates(args['llama'], run).fused, f"--mesh_dim {run.mesh_dim}: context "
+    check(mesh.cp == 1 or not args['llama'].fused, f"--mesh_dim {run.mesh_dim}: context "
           "parallelism needs --llama.fused=False (fused layers compute attention where the ring cannot reach)")
     check(Path(ds.path).expanduser().is_file(), f"--train_dataset.json_dataset.path {ds.path}: no such file")
     check(mesh.kind == 'ddp' or world == 1 or ckpt.save_optimizer_state, "--checkpointer.save_optimizer_state=False is "
@@ -520,9 +499,10 @@ def bpt_data(args:dict, tok, per_micro:int, mesh:MeshShape=None, show_progress:b
     return rows, data
 
 def bpt_model(args:dict, vocab_size:int, mesh:MeshShape=None) -> tuple:
-    ("Stage 3, model: the Llama the flags describe (new, or loaded by --load_checkpoint), made blockwise, its attention "
-     "a ring over the mesh's context-parallel processes when cp > 1; (model, parameters, loss).")
-    run, llama = args[''], with_bpt_updates(args['llama'], args[''])
+    ("Stage 3, model: the Llama the flags (`bpt_args`) describe (new, or loaded by --load_checkpoint), made "
+     "blockwise, its attention a ring over the mesh's context-parallel processes when cp > 1; (model, parameters, "
+     "loss).")
+    run, llama = args[''], args['llama']
     model = add_bpt(build_model(run, llama, vocab_size, args['train_dataset.json_dataset'].seq_length), llama.bpt)
     if mesh is None or mesh.cp == 1: return model, count_parameters(model), bpt_causal_lm_loss
     from memlab.bpt.context import ContextParallelLoss, add_context_parallel
@@ -531,7 +511,8 @@ def bpt_model(args:dict, vocab_size:int, mesh:MeshShape=None) -> tuple:
     return model, count_parameters(model), ContextParallelLoss(bpt_causal_lm_loss, group)
 
 def bpt_callbacks(args:dict) -> list:
-    "Stage 5, hooks: the seed's checkpoint and milestone schedule, its optimizer-state switch, the data position saved."
+    ("Stage 5, callbacks: the seed's checkpoint and milestone schedule, its optimizer-state switch, the data position "
+     "saved.")
     run, ckpt = args[''], args['checkpointer']
     return [CheckpointSchedule(run.save_model_freq, run.save_milestone_freq),
             OptimizerStateSwitch(ckpt.save_optimizer_state), DatasetStateFile()]
@@ -549,33 +530,19 @@ def full_state(trainer) -> dict:
     else: sd = trainer.unwrapped_model.state_dict()
     return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
 
-def train_bpt(args:dict) -> dict:
-    ("Train as the parsed flags `args` ({prefix: config}) say, stage by stage; returns the results (also in "
-     "<output_dir>/results.json).")
-    run, llama, opt, adamw = args[''], args['llama'], args['optimizer'], args['optimizer.adamw_optimizer']
-    ds, llama, (kind, path) = args['train_dataset.json_dataset'], with_bpt_updates(llama, run), run.load
-    world = launched_processes()
-    mesh, per_micro = check_bpt_run(args, world)
-    out = bpt_output_dir(run)
-    set_mmap_threshold(run.malloc_mmap_threshold)
-    acc = make_accelerator(run.mixed_precision)
-    flags = RunFlags(BPT_RESUME, flag_values(args))
-    resume = bpt_resume(run, out, acc, flags)
-    tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)
-    rows, data = bpt_data(args, tok, per_micro, mesh, show_progress=run.progress and acc.is_main_process)
-    model, n_params, loss_fn = bpt_model(args, len(tok), mesh)
-    tc = bpt_train_config(args, out, per_micro, resume)
-    callbacks = bpt_callbacks(args)
-    sched = lambda o: lambda_scheduler(o, adamw.schedule())
-    run_config = {'bpt_flags': {k or 'run': v.to_dict() for k, v in args.items()}, 'bpt': llama.bpt.to_dict(),
-                  'world_size': world, 'mesh': mesh._asdict(), 'data': rows['counts'], 'parameters': n_params,
-                  'model': model.config.to_dict()}
+def bpt_hooks(args:dict, tok, data, rows:dict, mesh:MeshShape, world:int, n_params:int, tc:TrainConfig, out:Path,
+              resume) -> RunHooks:
+    ("Stage 7, save and report: the data position a new run starts from, the line printed before training, results, "
+     "the trained weights exported as a plain Llama with the tokenizer, its card.")
+    run, llama, opt, ds, (kind, path) = (args[''], args['llama'], args['optimizer'], args['train_dataset.json_dataset'],
+                                         args[''].load)
     def prepare(trainer):      # a new run, or one continuing --load_checkpoint trainstate::: --load_dataset_state sets
         if run.load_dataset_state and resume != 'latest':      # the data position (--autoresume keeps the checkpoint's)
             data.load_state_dict(read_dataset_state(run.load_dataset_state))
     def describe(trainer):
-        return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) "
-                f"({f'mesh {mesh}' if mesh.kind == 'mesh' else 'FSDP' if trainer.fsdp else 'DDP' if world > 1 else 'one process'}) "
+        how = (f'mesh {mesh}' if mesh.kind == 'mesh' else 'FSDP' if trainer.fsdp else 'DDP' if world > 1
+               else 'one process')
+        return (f"memlab_bpt: {n_params:,} parameters, BPT {llama.bpt}; {world} process(es) ({how}) "
                 f"x {tc.per_device_batch_size} rows x {opt.accumulate_gradient_steps} micro-batches of "
                 f"{ds.seq_length} tokens per update; {len(rows['input_ids'])} rows of data; "
                 f"updates {trainer.step} -> {run.total_steps}; run folder {show_path(out)}")
@@ -600,9 +567,32 @@ def train_bpt(args:dict) -> dict:
                        f"{start or 'random weights'}; the saved weights are plain Llama weights.", start, ds.path,
                        tags=['bpt'])
     # the fingerprint covers the whole model, gathered as full tensors on every process (a collective under FSDP)
-    return run_training(model, tc, data, prepare=prepare, describe=describe, final=full_state, results=results,
-                        save=save, loss_fn=loss_fn, callbacks=callbacks, scheduler=sched, accelerator=acc,
-                        run_config=run_config, card=card, flags=flags)
+    return RunHooks(prepare=prepare, describe=describe, final=full_state, results=results, save=save, card=card)
+
+# %% ../nbs/11_train_bpt.ipynb
+def train_bpt(args:dict) -> dict:
+    ("Train as the parsed flags `args` ({prefix: config}) say, stage by stage; returns the results (also in "
+     "<output_dir>/results.json).")
+    flags, given = RunFlags(BPT_RESUME, flag_values(args)), {k or 'run': v.to_dict() for k, v in args.items()}
+    args = bpt_args(args)                                 # 1 arguments, as given above: every later stage reads these
+    run, adamw = args[''], args['optimizer.adamw_optimizer']
+    world = launched_processes()
+    mesh, per_micro = check_bpt_run(args, world)
+    out = bpt_output_dir(run)
+    set_mmap_threshold(run.malloc_mmap_threshold)
+    acc = make_accelerator(run.mixed_precision)
+    resume = bpt_resume(run, out, acc, flags)
+    tok = load_bpt_tokenizer(args['tokenizer'].vocab_file)                                         # 2 data
+    rows, data = bpt_data(args, tok, per_micro, mesh, show_progress=run.progress and acc.is_main_process)
+    model, n_params, loss_fn = bpt_model(args, len(tok), mesh)                                    # 3 model
+    tc = bpt_train_config(args, out, per_micro, resume)                                     # 4 the loop's settings
+    callbacks = bpt_callbacks(args)                                                               # 5 callbacks
+    hooks = bpt_hooks(args, tok, data, rows, mesh, world, n_params, tc, out, resume)             # 7 save and report
+    run_config = {'bpt_flags': given, 'bpt': args['llama'].bpt.to_dict(), 'world_size': world, 'mesh': mesh._asdict(),
+                  'data': rows['counts'], 'parameters': n_params, 'model': model.config.to_dict()}
+    return run_training(model, tc, data, **hooks.kwargs(), loss_fn=loss_fn, callbacks=callbacks,   # 6 train
+                        scheduler=lambda o: lambda_scheduler(o, adamw.schedule()), accelerator=acc,
+                        run_config=run_config, flags=flags)
 
 # %% ../nbs/11_train_bpt.ipynb
 @cli_main

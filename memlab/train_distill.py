@@ -20,7 +20,7 @@ from .models import check_model_config, load_model, load_tokenizer
 from .tokenizers import check_vocab
 from .distributed import make_accelerator
 from .checkpoints import resume_plan
-from .training import run, run_summary
+from .training import RunHooks, run, run_summary
 from .callbacks import GradientStats
 from .cards import BUILTIN_HUB_IDS
 from .distill.arguments import (DatasetArguments, DistillationTrainingArguments, EvalArguments,
@@ -43,8 +43,8 @@ __all__ = ['DISTILL_RESUME', 'CONFIG_GROUPS', 'build_distill_student', 'check_ru
 
 # %% ../nbs/42_train_distill.ipynb
 def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tuple:
-    ("(student, description) as the student group says: `student_from_args` (load or build, re-initialise, "
-     "copy teacher modules), then convert to BitNet.")
+    ("Stage 3, model: (student, description) as the student group says: `student_from_args` (load or build, "
+     "re-initialise, copy teacher modules), then convert to BitNet.")
     student, how = student_from_args(args, teacher, seed)
     if args.student_model_as_bitnet:
         add_bitnet(student, BitNetConfig(keep_weights=args.bitnet_keep_weights))
@@ -55,7 +55,8 @@ def build_distill_student(args:StudentModelArguments, teacher, seed:int=0) -> tu
 # %% ../nbs/42_train_distill.ipynb
 def check_run(student_args:StudentModelArguments, teacher_args:TeacherModelArguments, data_args:DatasetArguments,
               objective:DistillationObjective):
-    "Refuse, before anything loads, groups that contradict each other and a run memlab_distill does not do."
+    ("Stage 1, arguments: refuse, before anything loads, groups that contradict each other and a run memlab_distill "
+     "does not do.")
     ta, feature_terms = teacher_args, objective.hs_weight > 0 or objective.attn_weight > 0
     check(not (ta.teacher_topk_dir and feature_terms), "--teacher_topk_dir stores the teacher's logits only: "
           "hidden-state and attention terms (--hs_weight, --attn_weight) need an online teacher")
@@ -86,7 +87,8 @@ def check_tokenizers(tok, student_args:StudentModelArguments):
 
 # %% ../nbs/42_train_distill.ipynb
 def load_teacher(teacher_args:TeacherModelArguments, objective:DistillationObjective, tok, acc) -> tuple:
-    "(teacher, its name for the card): frozen, in eval mode, with eager attention when attention maps are distilled."
+    ("Stage 3, model: (teacher, its name for the card): frozen, in eval mode, with eager attention when attention maps "
+     "are distilled.")
     ta = teacher_args
     attn = 'eager' if objective.attn_weight > 0 else None
     teacher = load_model(ta.teacher_model_name_or_path, dtype=ta.teacher_dtype, quantization=ta.quantization,
@@ -147,7 +149,8 @@ def card_teacher(teacher):
 # %% ../nbs/42_train_distill.ipynb
 def train_batches(data:DistillData, data_args:DatasetArguments, objective:DistillationObjective,
                   tr:DistillationTrainingArguments, student, acc) -> tuple:
-    ("(training batches, held-out batches or None): this process's share; with on-policy distillation (GKD) a "
+    ("Stage 2, data: (training batches, held-out batches or None), after the model (on-policy batches sample the "
+     "student): this process's share; with on-policy distillation (GKD) a "
      "fraction of the training micro-batches are the student's own continuations.")
     kw = dict(rank=acc.process_index, world_size=acc.num_processes)
     train = TokenBatches(data.train, tr.per_device_train_batch_size, shuffle=True, seed=data_args.dataset_shuffle_seed,
@@ -174,7 +177,8 @@ def _metrics(evaluators, history:list, teacher_metrics:dict) -> dict:
 # %% ../nbs/42_train_distill.ipynb
 @dataclass
 class DistillHooks:
-    "What the loop calls around a distillation run: its one-line description, its results, the saved student, its card."
+    ("Stage 7, save and report: what the loop calls around a distillation run: its one-line description, its "
+     "results, the saved student, its card.")
     groups: dict                # the six configuration groups, by name ('student', 'teacher', ..., 'training')
     data: DistillData
     tok: object                 # the run's (the teacher's) tokenizer
@@ -252,6 +256,11 @@ class DistillHooks:
         return {'README.md': distill_card(res, self.student, self.arch_teacher, self.groups['objective'],
                                           self.groups['training'], self.data, self.rows_per_update, self.acc)}
 
+    def run_hooks(self) -> RunHooks:
+        "These hooks as `run` takes them; the fingerprint covers the whole student (its frozen weights too)."
+        return RunHooks(describe=self.describe, final=lambda trainer: trainer.unwrapped_model, results=self.results,
+                        save=self.save, report=self.report)
+
 # %% ../nbs/42_train_distill.ipynb
 DISTILL_RESUME = ResumeTable('memlab_distill', budget=('max_steps', 'num_train_epochs'),
     defines=('student_model_name_or_path', 'student_config_name_or_path', 'student_model_config', 'reinitialize_weights',
@@ -279,53 +288,50 @@ def distill(student_args:StudentModelArguments, teacher_args:TeacherModelArgumen
     ("Distill the teacher into a student as configured; write the student, README.md, "
      "results.json and loss.png; return the results.")
     ta, tr = teacher_args, train_args
-    # config: every contradiction found before anything loads; the run folder free, or being resumed
+    # 1 arguments: every contradiction found before anything loads; the run folder free, or being resumed
     check_run(student_args, ta, data_args, objective)
     out = Path(tr.output_dir) if tr.output_dir else Path('runs')/f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
     acc = make_accelerator(tr.mixed_precision)
     flags = RunFlags(DISTILL_RESUME, flag_values([student_args, ta, data_args, eval_args, objective, tr]))
     resume = resume_plan(out, tr.resume_from_checkpoint, '--resume_from_checkpoint latest', accelerator=acc, flags=flags)
     progress = not tr.disable_tqdm and acc.is_main_process
-    # data: the teacher's tokenizer is the run's
+    # 2 data: the teacher's tokenizer is the run's
     tok = load_tokenizer(ta.teacher_model_name_or_path)
     check_tokenizers(tok, student_args)
     data = build_data(data_args, eval_args, tok, progress=progress)
-    # model: the teacher, shards that exist, the student and the loss (vocabularies, mappers, projectors checked)
+    # 3 model: the teacher and its outputs (shards that exist, or written now), then the student and the loss over
+    # them, built once (vocabularies, mappers, projectors checked); shards written before a failing student are reused
     teacher, teacher_name = load_teacher(ta, objective, tok, acc)
     topk = existing_topk(ta, tok, data)
-    if not ta.teacher_topk_only:
-        student, how = build_distill_student(student_args, teacher, seed=tr.seed)
-        if objective.attn_weight > 0: student.set_attn_implementation('eager')
-        student.to(acc.device)
-        loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)
     if ta.teacher_topk_dir and topk is None:
         topk = write_topk(ta, teacher, teacher_name, tok, data, tr.per_device_eval_batch_size, acc, progress)
-        if not ta.teacher_topk_only: loss_fn = DistillLoss(topk, objective, student)
     if ta.teacher_topk_only:
         acc.print(f"memlab_distill: {len(topk):,} rows of top-{topk.k} teacher outputs in {ta.teacher_topk_dir}")
         return {'teacher_topk_dir': str(ta.teacher_topk_dir), 'rows': len(topk), 'k': topk.k}
+    student, how = build_distill_student(student_args, teacher, seed=tr.seed)
+    if objective.attn_weight > 0: student.set_attn_implementation('eager')
+    student.to(acc.device)
+    loss_fn = DistillLoss(topk if topk is not None else teacher, objective, student)
     teacher_metrics, teacher_harness = teacher_scores(teacher, tok, data, eval_args, tr, acc, progress)
     n_teacher, arch_teacher = count_parameters(teacher), teacher
     if topk is not None:   # an offline teacher needs no weights in memory
         arch_teacher = card_teacher(teacher)
         del teacher
-    # train config
-    train_data, eval_data = train_batches(data, data_args, objective, tr, student, acc)
+    train_data, eval_data = train_batches(data, data_args, objective, tr, student, acc)   # 2 data: after the student
+    # 4 the loop's settings
     rows_per_update, steps = run_length(tr, len(data.train['input_ids']), acc.num_processes)
     tc = loop_config(tr, out, steps, resume)
-    # hooks: perplexity during training, the loss's own callbacks (CAKLD's β, the warm-up's update count), the outputs
+    # 5 callbacks: perplexity during training, the loss's own callbacks (CAKLD's β, the warm-up's update count)
     callbacks = [PerplexityEvaluation(data.evaluators, tr.per_device_eval_batch_size, tc.eval_every, tr.eval_on_start),
                  *loss_fn.callbacks]
     if eval_args.extra_grad_stats: callbacks.append(GradientStats())
     groups = {'student': student_args, 'teacher': ta, 'dataset': data_args, 'evaluation': eval_args,
               'objective': objective, 'training': tr}
     hooks = DistillHooks(groups, data, tok, student, how, teacher_name, arch_teacher, n_teacher, topk, teacher_metrics,
-                         teacher_harness, steps, rows_per_update, acc, out)
-    # the fingerprint covers the whole student (its frozen weights too), checked equal on every process
-    return run(student, tc, train_data, eval_data, describe=hooks.describe,
-               final=lambda trainer: trainer.unwrapped_model, results=hooks.results, save=hooks.save,
-               report=hooks.report, loss_fn=loss_fn, callbacks=callbacks, accelerator=acc,
-               run_config={'distill': hooks.configs, 'data': data.fingerprint}, flags=flags)
+                         teacher_harness, steps, rows_per_update, acc, out)                    # 7 save and report
+    return run(student, tc, train_data, eval_data, **hooks.run_hooks().kwargs(), loss_fn=loss_fn,     # 6 train
+               callbacks=callbacks, accelerator=acc, run_config={'distill': hooks.configs, 'data': data.fingerprint},
+               flags=flags)
 
 # %% ../nbs/42_train_distill.ipynb
 def results_table(res:dict) -> str:

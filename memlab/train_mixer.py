@@ -19,11 +19,11 @@ from .tokenizers import pretokenized_args
 from .train_config import LOOP_RESUME, TrainConfig
 from .checkpoints import resume_plan
 from .distributed import make_accelerator, resolve_distributed_type
-from .training import default_output_dir, run, run_summary
+from .training import RunHooks, default_output_dir, run, run_summary
 
 # %% auto 0
 __all__ = ['FSDP_CONFIG', 'ZERO_CONFIG', 'MIXER_RESUME', 'TRAIN_DEFAULTS', 'MODEL_DEFAULTS', 'check_launcher', 'mixer_setup',
-           'mixer_loss', 'train_mixer', 'results_table', 'parse_mixer_args', 'main']
+           'mixer_loss', 'results_table', 'mixer_args', 'mixer_hooks', 'train_mixer', 'parse_mixer_args', 'main']
 
 # %% ../nbs/51_train_mixer.ipynb
 FSDP_CONFIG, ZERO_CONFIG = 'data/configs/fsdp_config.yaml', 'data/configs/zero_config.yaml'
@@ -37,7 +37,7 @@ def check_launcher():
 
 # %% ../nbs/51_train_mixer.ipynb
 def mixer_setup(task:MixerTaskConfig, model_args, train:TrainConfig, device='cpu') -> tuple:
-    ("Stage 1, config: the data's facts and the architecture for them, checked against each other, the launch and "
+    ("Stage 2, data: the data's facts and the architecture for them, checked against each other, the launch and "
      "the device's memory before anything is built; (tokenizer or None, data facts, `MaskedMixerConfig`, vocabulary).")
     tok = None if task.dataset_path else load_tokenizer(task.tokenizer)
     info = data_info(task, tok)
@@ -53,8 +53,8 @@ def mixer_setup(task:MixerTaskConfig, model_args, train:TrainConfig, device='cpu
     return tok, info, config, vocab
 
 def mixer_loss(task:MixerTaskConfig, config:MaskedMixerConfig, info:DataInfo):
-    ("Stage 3, the loss: reconstruction for an autoencoder, else the objective's, with the data's own delimiter and "
-     "blank tokens unless the flags name others.")
+    ("Stage 3, model: its loss, reconstruction for an autoencoder, else the objective's, with the data's own delimiter"
+     " and blank tokens unless the flags name others.")
     if task.model == 'autoencoder': return autoencoder_loss
     return objective_loss(config.objective, info.eos_id if task.delimiter_id is None else task.delimiter_id,
                           info.pad_id if task.blank_id is None else task.blank_id)
@@ -73,19 +73,28 @@ TRAIN_DEFAULTS = dict(max_steps=200, per_device_batch_size=8, lr=5e-4, scheduler
 # a few minutes on a CPU; the papers use 512-1024 wide, 512 long
 MODEL_DEFAULTS = dict(hidden_size=256, num_layers=4, length=128)
 
-def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
-    ("Train `task.model` as configured on memlab's loop; write results.json, results.md, "
-     "loss.png and model/; return the results.")
-    check_launcher()
-    acc = make_accelerator(train.mixed_precision, deepspeed=True)
-    if train.output_dir is None: train.output_dir = default_output_dir(f"mixer-{task.model}")
-    flags = RunFlags(MIXER_RESUME, flag_values([task, model_args, train]))
-    resume_plan(train.output_dir, train.resume_from, accelerator=acc, flags=flags)   # refused here, before anything loads
-    tok, info, config, vocab = mixer_setup(task, model_args, train, acc.device)
-    model = build_model(task, config, seed=train.seed)
-    loss_fn = mixer_loss(task, config, info)
-    train_data, eval_data = mixer_data(task, config, train.per_device_batch_size, train.seed, acc.process_index,
-                                       acc.num_processes, tok)
+def results_table(res:dict) -> str:
+    "Markdown summary of a `train_mixer` result."
+    f = res.get('final') or {}
+    lines = markdown_table(
+        ['model', 'objective', 'eval loss', 'token accuracy', 'information', 'normalized loss', 'parameters'],
+        [(res['architecture'], res['objective'], f"{f['eval_loss']:.4f}" if f else '—',
+          f"{f['eval_accuracy']:.4f}" if 'eval_accuracy' in f else '—',
+          f"{res['information']:.4f}" if 'information' in res else '—',
+          f"{res['normalized_loss']:.4f}" if 'normalized_loss' in res else '—', f"{res['parameters']:,}")])
+    how = res.get('distributed', 'fsdp' if res['fsdp'] else '')
+    how = f" ({'DeepSpeed ZeRO' if how == 'deepspeed' else 'FSDP'})" if how in ('fsdp', 'deepspeed') else ''
+    lines += ['', f"{run_summary(res)}, {res['processes']} process(es){how}."]
+    return '\n'.join(lines) + '\n'
+
+def mixer_args(task:MixerTaskConfig, model_args, train:TrainConfig) -> tuple:
+    "Stage 1, arguments, normalised once (parsed configs stay as given): the run folder, default runs/mixer-<model>."
+    if train.output_dir is None:
+        train = dataclasses.replace(train, output_dir=default_output_dir(f"mixer-{task.model}"))
+    return task, model_args, train
+
+def mixer_hooks(task:MixerTaskConfig, config:MaskedMixerConfig, model, tok, info:DataInfo, vocab:int) -> RunHooks:
+    "Stage 7, save and report: the line printed before training, results, the trained model and tokenizer, the card."
     n_params, n_train = count_parameters(model), count_parameters(model, trainable_only=True)
     objective = 'reconstruction' if task.model == 'autoencoder' else config.objective
     def results(trainer, history, res):
@@ -118,24 +127,28 @@ def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
     card = output_card('memlab_mixer', f"A {type(model).__name__} ({task.model}, objective: {objective}) trained with "
                        "memlab_mixer; it loads with transformers' trust_remote_code=True or memlab.load_model.",
                        task.decoder_model, task.dataset_path or task.dataset_name, tags=['masked-mixer'])
-    return run(model, train, train_data, eval_data, results=results, save=save, report=results_table, describe=describe,
-               plot_title=f"{type(model).__name__} ({objective})" if task.plot else None, loss_fn=loss_fn,
-               accelerator=acc, card=card, flags=flags,
-               run_config={'task': task.to_dict(), 'model': config.to_dict(), 'data': dataclasses.asdict(info)})
+    return RunHooks(describe=describe, results=results, save=save, report=results_table, card=card)
 
-def results_table(res:dict) -> str:
-    "Markdown summary of a `train_mixer` result."
-    f = res.get('final') or {}
-    lines = markdown_table(
-        ['model', 'objective', 'eval loss', 'token accuracy', 'information', 'normalized loss', 'parameters'],
-        [(res['architecture'], res['objective'], f"{f['eval_loss']:.4f}" if f else '—',
-          f"{f['eval_accuracy']:.4f}" if 'eval_accuracy' in f else '—',
-          f"{res['information']:.4f}" if 'information' in res else '—',
-          f"{res['normalized_loss']:.4f}" if 'normalized_loss' in res else '—', f"{res['parameters']:,}")])
-    how = res.get('distributed', 'fsdp' if res['fsdp'] else '')
-    how = f" ({'DeepSpeed ZeRO' if how == 'deepspeed' else 'FSDP'})" if how in ('fsdp', 'deepspeed') else ''
-    lines += ['', f"{run_summary(res)}, {res['processes']} process(es){how}."]
-    return '\n'.join(lines) + '\n'
+# %% ../nbs/51_train_mixer.ipynb
+def train_mixer(task:MixerTaskConfig, model_args, train:TrainConfig) -> dict:
+    ("Train `task.model` as configured on memlab's loop; write results.json, results.md, "
+     "loss.png and model/; return the results.")
+    task, model_args, train = mixer_args(task, model_args, train)                         # 1 arguments
+    check_launcher()
+    acc = make_accelerator(train.mixed_precision, deepspeed=True)
+    flags = RunFlags(MIXER_RESUME, flag_values([task, model_args, train]))
+    resume_plan(train.output_dir, train.resume_from, accelerator=acc, flags=flags)   # refused here, before anything loads
+    tok, info, config, vocab = mixer_setup(task, model_args, train, acc.device)           # 2 data (its facts)
+    model = build_model(task, config, seed=train.seed)                                    # 3 model
+    loss_fn = mixer_loss(task, config, info)
+    train_data, eval_data = mixer_data(task, config, train.per_device_batch_size, train.seed, acc.process_index,
+                                       acc.num_processes, tok)                            # 2 data: the batches
+    # 4 the loop's settings: `train` as parsed; 5 callbacks: the loop's own
+    hooks = mixer_hooks(task, config, model, tok, info, vocab)                            # 7 save and report
+    objective = 'reconstruction' if task.model == 'autoencoder' else config.objective
+    return run(model, train, train_data, eval_data, **hooks.kwargs(), loss_fn=loss_fn, accelerator=acc,   # 6 train
+               plot_title=f"{type(model).__name__} ({objective})" if task.plot else None, flags=flags,
+               run_config={'task': task.to_dict(), 'model': config.to_dict(), 'data': dataclasses.asdict(info)})
 
 # %% ../nbs/51_train_mixer.ipynb
 def parse_mixer_args(argv=None) -> tuple:
@@ -148,7 +161,7 @@ def parse_mixer_args(argv=None) -> tuple:
 @cli_main
 def main(argv=None):
     "memlab_mixer: train a masked-mixer LM, autoencoder or memory model with any objective on memlab's loop."
-    task, model_args, train = parse_mixer_args(argv)
+    task, model_args, train = mixer_args(*parse_mixer_args(argv))
     res = train_mixer(task, model_args, train)
     if res.get('final') is not None and int(os.environ.get('RANK', '0')) == 0:
         print('\n' + results_table(res) + f"\nlog.jsonl, loss.png, results and model/ in {show_path(train.output_dir)}")

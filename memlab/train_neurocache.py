@@ -5,7 +5,7 @@
 # %% ../nbs/21_train_neurocache.ipynb 2
 from __future__ import annotations
 import dataclasses, importlib.util, os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from .loaders import DocumentStream
 from .compat import quant_kind
 from .models import load_model, load_tokenizer
 from .neurocache import (CACHE_FIELDS, NeurocacheCallback, NeurocacheConfig, add_ffn_lora, add_neurocache,
+                               format_retrieval_map, parse_layers, parse_retrieval_map,
                                has_neurocache, load_neurocache, memory_per_token, save_neurocache,
                                saved_neurocache_info, NEUROCACHE_CONFIG_NAME)
 from .tokenizers import check_sequence_length, check_vocab
@@ -30,14 +31,15 @@ from .train_config import TrainConfig, train_config_from
 from .distributed import make_accelerator
 from .checkpoints import resume_plan
 from .trainer import Trainer
-from .training import run
+from .training import RunHooks, run
 from .cards import eval_metrics
 
 # %% auto 0
-__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'WEIGHT_FIELDS', 'NEUROCACHE_RESUME', 'NEUROCACHE_LOOP_FLAGS',
-           'NeurocacheRunConfig', 'mixed_precision_of', 'as_base_and_neurocache', 'build_model', 'describe_model',
+__all__ = ['SCHEDULER_TYPES', 'MIXED_PRECISION', 'NEUROCACHE_DEFAULTS', 'WEIGHT_FIELDS', 'NEUROCACHE_RESUME',
+           'NEUROCACHE_LOOP_FLAGS', 'NeurocacheRunConfig', 'neurocache_of', 'neurocache_config', 'neurocache_configs',
+           'mixed_precision_of', 'as_base_and_neurocache', 'neurocache_args', 'build_model', 'describe_model',
            'load_streams', 'stream_loss', 'save_run_neurocache', 'neurocache_resume', 'neurocache_train_config',
-           'train_neurocache', 'summary', 'main']
+           'neurocache_hooks', 'train_neurocache', 'summary', 'parse_neurocache_args', 'main']
 
 # %% ../nbs/21_train_neurocache.ipynb
 SCHEDULER_TYPES = {'linear': 'linear', 'cosine': 'cosine', 'cosine_with_restarts': 'cosine', 'polynomial': 'polynomial',
@@ -48,7 +50,7 @@ MIXED_PRECISION = ('no', 'bf16', 'fp16')
 # %% ../nbs/21_train_neurocache.ipynb
 @dataclass
 class NeurocacheRunConfig(Config):
-    "train_neurocache.py's flags: task, training, output, Neurocache and LoRA."
+    "train_neurocache.py's own flags: task, training, output (the Neurocache's and LoRA's: `NeurocacheConfig`)."
     model_name_or_path: str                # causal LM to extend: built-in name (smollm2-135m), folder or hub id; Llama,
                                            # Mistral, OPT, GPT-2 or Phi
     dataset_name: str                      # long documents: pydocs (embedded), a local file/folder (one .txt: ~20K-char
@@ -98,62 +100,16 @@ class NeurocacheRunConfig(Config):
     pretrained_neurocache: str = None      # start from (or evaluate) a saved Neurocache: a folder written by a previous
                                            # run
     disable_neurocache: bool = False       # no cache: the LoRA-only baseline (with --disable_lora: the base model)
-    retrieval_map: str = arg(None, 'cache_layers')  # retrieving:storing layer pairs, e.g. '18:18' or '12:12,18:18' (two
-                                                    # caches); default ⌊3L/4⌋ (joint: the model's lowest copying layer)
-    attention_layers: str = None           # layers with cache attention, e.g. '18,19,20,21,22,23' or '18-23'; default
-                                           # lowest retrieving layer .. L-1 (joint: .. the highest copying layer)
-    cache_size: int = 16384                # entries per cache (one cache per batch row) in training
-    eval_cache_size: int = None            # entries per cache in evaluation (default: --cache_size), e.g. 131072 after
-                                           # training at 16384
-    cache_type: str = 'FIFO'               # eviction: FIFO (ring buffer) or LRU (least recently retrieved first)
-    cache_dtype: str = 'bfloat16'          # storage dtype of the cache: float32, bfloat16 or float16
-    compression_factor: int = 4            # cached states have hidden_size / compression_factor features
-    context_size: int = None               # token t also attends to the retrievals of tokens t-c+1 .. t; default 2
-                                           # (separate) or 1 (joint)
-    neighborhood_size: int = 2             # consecutive cache entries fetched per hit (even, or 1)
-    topk: int = 16                         # cache entries retrieved per token
-    similarity_fn: str = 'l2'              # l2 or dot
-    global_cache: bool = False             # one cache shared by the rows of a batch instead of one per row
-    topk_buckets: int = 0                  # 0: exact top-k; N: the reference library's approximate top-k over N buckets
-    zero_init_output: bool = True          # start the cache attention's W_o at zero: an untrained cache leaves the
-                                           # model unchanged (false: the reference's copy of the layer's W_o)
-    retrieval_bias: float = 8.0            # starting per-head weight of the retrieval score in the cache-attention
-                                           # logits, learned (0: none, the reference)
-    joint_distance: int = 256              # joint: each query meets the cached keys this many positions back under the
-                                           # rotary embedding
-    cache_attention: str = 'auto'          # separate: a cache attention of its own in each attention layer (the
-                                           # reference); joint: the layer's own heads attend to the retrieved keys and
-                                           # values in the same softmax as the segment (Llama, Mistral); auto: joint
-                                           # where it works, else separate
-    disable_lora: bool = False             # train the Neurocache without LoRA
-    lora_r: int = 32                       # LoRA rank on the FFN linears of the cache-attention layers
-    lora_alpha: int = 64                   # LoRA alpha (scale alpha / r)
-    lora_dropout: float = 0.1              # LoRA dropout
-    lora_modules: str = None               # FFN linears that get LoRA, e.g. gate_proj,up_proj,down_proj or fc1,fc2;
-                                           # default: all FFN linears of the family
+    disable_lora: bool = False             # train the Neurocache without LoRA (--lora_r 0)
 
     def __post_init__(self):
-        "Check the flags (one line of error each), then every Neurocache setting."
+        "Check the flags, one line of error each (`NeurocacheConfig` checks its own)."
         self._check_flags()
-        self.neurocache_config()                      # every Neurocache setting checked now, one line each
 
 # %% ../nbs/21_train_neurocache.ipynb
-@patch_to(NeurocacheRunConfig)
-def neurocache_config(self) -> NeurocacheConfig:
-    "The `NeurocacheConfig` the flags describe (layers resolved later, against the model)."
-    return NeurocacheConfig(cache_size=self.cache_size, eval_cache_size=self.eval_cache_size,
-                            cache_dtype=self.cache_dtype, compression_factor=self.compression_factor,
-                            topk=self.topk, neighborhood_size=self.neighborhood_size,
-                            context_size=self.context_size,
-                            similarity_fn=self.similarity_fn, retrieval_map=self.retrieval_map,
-                            attention_layers=self.attention_layers, cache_type=self.cache_type,
-                            global_cache=self.global_cache,
-                            topk_buckets=self.topk_buckets, zero_init_output=self.zero_init_output,
-                            retrieval_bias=self.retrieval_bias, cache_attention=self.cache_attention,
-                            joint_distance=self.joint_distance,
-                            lora_r=0 if self.disable_lora else self.lora_r,
-                            lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                            lora_modules=self.lora_modules)
+def neurocache_of(cfg:NeurocacheRunConfig, nc:NeurocacheConfig) -> NeurocacheConfig:
+    "The Neurocache the run builds: `nc`, without LoRA under --disable_lora (layers resolved later, against the model)."
+    return dataclasses.replace(nc, lora_r=0) if cfg.disable_lora and nc.lora_r else nc
 
 @patch_to(NeurocacheRunConfig)
 def _check_flags(self):
@@ -185,6 +141,20 @@ def _check_flags(self):
     if self.test_split in ('', 'none', 'None'): self.test_split = None
 
 # %% ../nbs/21_train_neurocache.ipynb
+# where the command's defaults differ from the library's: the seed's train_neurocache.py trained with these
+NEUROCACHE_DEFAULTS = dict(cache_size=16384, cache_dtype='bfloat16', compression_factor=4, topk=16, lora_r=32)
+
+def neurocache_config(**changes) -> NeurocacheConfig:
+    "The `NeurocacheConfig` of the command's defaults (`NEUROCACHE_DEFAULTS`) with `changes`."
+    return NeurocacheConfig(**{**NEUROCACHE_DEFAULTS, **changes})
+
+def neurocache_configs(**flags) -> tuple:
+    "(run, Neurocache) configs from flags given by name, as the command line gives them."
+    nc_names = {f.name for f in fields(NeurocacheConfig)}
+    return (NeurocacheRunConfig(**{k: v for k, v in flags.items() if k not in nc_names}),
+            neurocache_config(**{k: v for k, v in flags.items() if k in nc_names}))
+
+# %% ../nbs/21_train_neurocache.ipynb
 def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
     ("--mixed_precision, else what `accelerate launch --mixed_precision` set, else bf16 where measured faster: the one "
      "rule, `resolve_precision` (fp16 needs a GPU).")
@@ -195,12 +165,9 @@ def mixed_precision_of(cfg:NeurocacheRunConfig) -> str:
 WEIGHT_FIELDS = ('compression_factor', 'retrieval_map', 'attention_layers', 'cache_attention', 'lora_r', 'lora_alpha',
                  'lora_modules')
 
-def _explicit_differences(cfg:NeurocacheRunConfig, saved:NeurocacheConfig) -> list:
-    "Weight-shaping flags the user set (away from their defaults) that differ from a saved Neurocache's."
-    given, defaults = cfg.neurocache_config(), NeurocacheRunConfig(
-        **{k: getattr(cfg, k) for k in ('model_name_or_path', 'dataset_name', 'output_dir')})
-    default_nc = defaults.neurocache_config()
-    out = []
+def _explicit_differences(given:NeurocacheConfig, saved:NeurocacheConfig) -> list:
+    "Weight-shaping flags the user set (away from the command's defaults) that differ from a saved Neurocache's."
+    default_nc, out = neurocache_config(), []
     for k in WEIGHT_FIELDS:
         v = getattr(given, k)
         if v == getattr(default_nc, k) or v is None: continue
@@ -223,17 +190,21 @@ def as_base_and_neurocache(cfg:NeurocacheRunConfig) -> NeurocacheRunConfig:
     return dataclasses.replace(cfg, model_name_or_path=info['base_model'], pretrained_neurocache=str(folder),
                                nf4=cfg.nf4 or info['base_quantization'] in ('nf4', '4bit'))
 
-# %% ../nbs/21_train_neurocache.ipynb
-def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
-    ("The model the flags describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or a saved Neurocache loaded onto "
-     "the base.")
+def neurocache_args(cfg:NeurocacheRunConfig, nc:NeurocacheConfig) -> tuple:
+    ("Stage 1, arguments, normalised once for every later stage: a saved Neurocache given as the model read as its "
+     "base + --pretrained_neurocache, the Neurocache without LoRA under --disable_lora; (run, Neurocache).")
     cfg = as_base_and_neurocache(cfg)
+    return cfg, neurocache_of(cfg, nc)
+
+# %% ../nbs/21_train_neurocache.ipynb
+def build_model(cfg:NeurocacheRunConfig, nc:NeurocacheConfig, tokenizer=None) -> nn.Module:
+    ("Stage 3, model: what the flags (`neurocache_args`) describe: base (nf4 with --nf4) + Neurocache and/or LoRA, or "
+     "a saved Neurocache loaded onto the base.")
     model = load_model(cfg.model_name_or_path, quantization='nf4' if cfg.nf4 else None)
     if tokenizer is not None: check_vocab(tokenizer, model)
     check_sequence_length(model, cfg.sequence_length)
     # no key/value cache of the base model: segments are independent
     if hasattr(model.config, 'use_cache'): model.config.use_cache = False
-    nc = cfg.neurocache_config()
     if cfg.pretrained_neurocache:
         info = saved_neurocache_info(cfg.pretrained_neurocache)
         if info['lora_only']:
@@ -243,7 +214,7 @@ def build_model(cfg:NeurocacheRunConfig, tokenizer=None) -> nn.Module:
         check(not (cfg.disable_lora and info['config'].lora_r),
               f"--pretrained_neurocache {cfg.pretrained_neurocache} holds LoRA "
               f"weights (r={info['config'].lora_r}): drop --disable_lora")
-        diff = _explicit_differences(cfg, info['config'])
+        diff = _explicit_differences(nc, info['config'])
         check(not diff, f"--{diff[0][0] if diff else ''} {diff[0][1] if diff else ''} "
                         f"differs from the saved Neurocache's "
                         f"{diff[0][2] if diff else ''} ({cfg.pretrained_neurocache}): "
@@ -282,8 +253,8 @@ def describe_model(model) -> str:
 
 # %% ../nbs/21_train_neurocache.ipynb
 def load_streams(cfg:NeurocacheRunConfig, tokenizer) -> tuple:
-    ("(train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None without "
-     "--test_split).")
+    ("Stage 2, data: (train, eval, test) `DocumentStream`s of the corpus (train None with --only_evaluate, test None "
+     "without --test_split).")
     corpus = load_corpus(cfg.dataset_name, text_field=cfg.text_field, config=cfg.dataset_config)
     have = list(corpus.splits)
     for flag in ('train_split', 'eval_split', 'test_split'):
@@ -307,49 +278,53 @@ def stream_loss(model, batch:dict) -> LossOutput:
     return causal_lm_loss(model, batch)
 
 # %% ../nbs/21_train_neurocache.ipynb
-def save_run_neurocache(trainer, cfg:NeurocacheRunConfig, path, tokenizer=None) -> Path:
-    ("Save the run's Neurocache (or LoRA-only baseline) to `path` on the main process: its files, the whole model as "
-     "plain transformers loads it and `tokenizer` (`save_neurocache`); every process must call it (FSDP gathers).")
+def save_run_neurocache(trainer, nc:NeurocacheConfig, path, tokenizer=None) -> Path:
+    ("Save the run's Neurocache (or LoRA-only baseline, whose LoRA `nc` describes) to `path` on the main process: its "
+     "files, the whole model as plain transformers loads it and `tokenizer` (`save_neurocache`); every process calls "
+     "it.")
     model = trainer.unwrapped_model
     state = trainer.full_state_dict() if trainer.fsdp else None   # sharded: the gathered full tensors are saved
     if trainer.is_main:
-        save_neurocache(model, path, None if has_neurocache(model) else _resolved(model, cfg), state_dict=state,
+        save_neurocache(model, path, None if has_neurocache(model) else _resolved(model, nc), state_dict=state,
                         tokenizer=tokenizer)
     return Path(path)
 
-def _resolved(model, cfg) -> NeurocacheConfig:
+def _resolved(model, nc) -> NeurocacheConfig:
     from memlab.neurocache import resolve_config
     from memlab.wrappers import decoder_layers
-    return resolve_config(cfg.neurocache_config(), len(decoder_layers(model)))
+    return resolve_config(nc, len(decoder_layers(model)))
 
 # %% ../nbs/21_train_neurocache.ipynb
-# a resume repeats what the run is: model, data, batch, optimizer, schedule, precision, seed, the Neurocache and its LoRA;
-# the budget, evaluation (sizes, splits, cache size: what is measured, not what trains), logging, checkpoints and the mode
-# (--only_evaluate, --save_and_quit) may change
+# a resume repeats what the run is: model, data, batch, optimizer, schedule, precision, seed, every Neurocache setting
+# but the evaluation cache's size, and its LoRA; the budget, evaluation (sizes, splits, cache size: what is measured,
+# not what trains), logging, checkpoints and the mode (--only_evaluate, --save_and_quit) may change
+_same_layers = lambda old, new: old == new or parse_layers(old) == parse_layers(new)       # '18-23' recorded before
+_same_map = lambda old, new: old == new or parse_retrieval_map(old) == parse_retrieval_map(new)
+_same_names = lambda old, new: old == new or (isinstance(old, str) and [m.strip() for m in old.split(',')] == new)
 NEUROCACHE_RESUME = ResumeTable('memlab_neurocache', budget=('max_train_steps',),
     defines=('model_name_or_path', 'dataset_name', 'dataset_config', 'text_field', 'tokenizer_name', 'train_split',
              'per_device_train_batch_size', 'sequence_length', 'seed', 'nf4', 'max_grad_norm', 'learning_rate',
              'weight_decay', 'gradient_accumulation_steps', 'num_warmup_steps', 'lr_scheduler_type', 'mixed_precision',
-             'distributed_type', 'pretrained_neurocache', 'disable_neurocache', 'retrieval_map', 'attention_layers',
-             'cache_size', 'cache_type', 'cache_dtype', 'compression_factor', 'context_size', 'neighborhood_size', 'topk',
-             'similarity_fn', 'global_cache', 'topk_buckets', 'zero_init_output', 'retrieval_bias', 'joint_distance',
-             'cache_attention', 'disable_lora', 'lora_r', 'lora_alpha', 'lora_dropout', 'lora_modules'),
+             'distributed_type', 'pretrained_neurocache', 'disable_neurocache', 'disable_lora',
+             *(f.name for f in fields(NeurocacheConfig) if f.name != 'eval_cache_size')),   # all of the Neurocache
     may_change=('config', 'output_dir', 'eval_split', 'test_split', 'per_device_eval_batch_size', 'max_train_steps',
                 'max_eval_steps', 'only_evaluate', 'disable_grad_checkpointing', 'evaluate_every_steps',
                 'resume_from_checkpoint', 'checkpointing_steps', 'keep_n_checkpoints', 'logging_steps', 'report_to',
-                'with_tracking', 'save_and_quit', 'progress', 'eval_cache_size'))
+                'with_tracking', 'save_and_quit', 'progress', 'eval_cache_size'),
+    same={'attention_layers': _same_layers, 'retrieval_map': _same_map, 'lora_modules': _same_names,
+          'cache_type': lambda old, new: str(old).upper() == new})
 
 # %% ../nbs/21_train_neurocache.ipynb
-def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None):
-    ("Stage 1, the run folder, before anything loads: the checkpoint a training run continues (trained with these "
-     "Neurocache and LoRA flags), None for a new run; an evaluation refuses a folder that already holds results.")
+def neurocache_resume(cfg:NeurocacheRunConfig, training:bool, acc=None, flags:RunFlags=None):
+    ("Stage 1, arguments: the run folder, before anything loads: the checkpoint a training run continues (trained with"
+     " these `flags`), None for a new run; an evaluation refuses a folder that already holds results.")
     if cfg.with_tracking and cfg.report_to == 'wandb':
         check(importlib.util.find_spec('wandb') is not None,
               "--report_to wandb needs wandb: pip install wandb (or use --report_to tensorboard)")
     out, resume = Path(cfg.output_dir), cfg.resume_from_checkpoint
     if training:   # the loop's folder rule, on the main process (with `acc`) before anything loads
         resume = resume_plan(out, resume, '--resume_from_checkpoint latest', accelerator=acc,
-                             flags=RunFlags(NEUROCACHE_RESUME, flag_values(cfg)))
+                             flags=flags)
     elif cfg.only_evaluate and not resume:   # an evaluation only refuses to overwrite results
         check(not (out/'results.json').exists(),
               f"--output_dir {out} already holds results.json: choose another folder")
@@ -365,8 +340,8 @@ NEUROCACHE_LOOP_FLAGS = dict(max_steps='max_train_steps', per_device_batch_size=
                              distributed_type='distributed_type', seed='seed', progress='progress')
 
 def neurocache_train_config(cfg:NeurocacheRunConfig, mp:str, training:bool, resume) -> TrainConfig:
-    ("The loop's `TrainConfig`: the flags of `NEUROCACHE_LOOP_FLAGS`, and what the run works out from the others "
-     "(the output folder only for a run that trains or resumes).")
+    ("Stage 4, the loop's settings: its `TrainConfig`, the flags of `NEUROCACHE_LOOP_FLAGS`, and what the run works "
+     "out from the others (the output folder only for a run that trains or resumes).")
     return train_config_from(cfg, NEUROCACHE_LOOP_FLAGS, output_dir=cfg.output_dir if training or resume else None,
                              scheduler=SCHEDULER_TYPES[cfg.lr_scheduler_type], max_eval_steps=cfg.max_eval_steps or None,
                              save_final=False, mixed_precision=mp, resume_from=resume,
@@ -389,40 +364,14 @@ def _run_card(cfg:NeurocacheRunConfig, res:dict, training:bool) -> dict:
                       datasets=cfg.dataset_name, metrics=metrics, library_name='memlab',
                       tags=['neurocache'])} if training else {}
 
-# %% ../nbs/21_train_neurocache.ipynb
-def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
-    ("Train and/or evaluate as `cfg` says (the whole of memlab_neurocache); returns the results "
-     "(also <output_dir>/results.json).")
-    mp = mixed_precision_of(cfg)
-    acc = make_accelerator(mp)
-    world, out = acc.num_processes, Path(cfg.output_dir)
-    training = not (cfg.only_evaluate or cfg.save_and_quit)
-    resume = neurocache_resume(cfg, training, acc)
-    seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path)
-    train_data, eval_data, test_data = load_streams(cfg, tok)
-    model = build_model(cfg, tok)
-    trainable = count_parameters(model, trainable_only=True)
-    check(trainable or cfg.only_evaluate, "nothing to train: the model has no trainable parameter")
-    check(not (cfg.resume_from_checkpoint and not trainable),
-          "--resume_from_checkpoint needs a model with trainable weights")
-    tc = neurocache_train_config(cfg, mp, training, resume)
-    # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
-    optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
-    loop = dict(loss_fn=stream_loss, callbacks=[NeurocacheCallback(), *callbacks], optimizer=optimizer, accelerator=acc,
-                run_config={'neurocache_run': cfg.to_dict(), 'world_size': world, 'mixed_precision': mp},
-                flags=RunFlags(NEUROCACHE_RESUME, flag_values(cfg)))
+def neurocache_hooks(cfg:NeurocacheRunConfig, nc:NeurocacheConfig, tok, eval_data, test_data, training:bool,
+                     world:int, mp:str) -> RunHooks:
+    ("Stage 7, save and report: the line printed before training, the final evaluation and test results, the saved "
+     "Neurocache (a run that trains), the model card.")
     def describe(trainer):
         return (f"memlab_neurocache: {describe_model(trainer.unwrapped_model)}; {world} process(es) x "
                 f"{cfg.per_device_train_batch_size} rows x {cfg.gradient_accumulation_steps} micro-batches of "
                 f"{cfg.sequence_length} tokens per update; precision {mp}")
-    if cfg.save_and_quit:       # build (and resume) the model, save its Neurocache, stop: no training, no results
-        trainer = Trainer(model, tc, train_data, eval_data, **loop)
-        trainer.print(describe(trainer))
-        save_run_neurocache(trainer, cfg, out, tok)
-        acc.wait_for_everyone()
-        acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
-        return {'saved': str(out), 'step': trainer.step}
     def results(trainer, history, res):   # every process: the evaluations are collectives
         model, evals = trainer.unwrapped_model, [h for h in history if 'eval_loss' in h]
         final = evals[-1] if evals and evals[-1]['step'] == trainer.step else trainer.evaluate(eval_data)
@@ -437,7 +386,7 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
                'eval': {k.replace('eval_', '', 1): v for k, v in final.items()},
                'test': {k.replace('test_', '', 1): v for k, v in test.items()} if test else None,
                'world_size': world, 'distributed_type': ('fsdp' if trainer.fsdp else 'ddp') if world > 1 else 'none',
-               'output_dir': str(out)}
+               'output_dir': str(Path(cfg.output_dir))}
         if nc_cfg:
             c = model.config
             res['bytes_per_cached_token'] = memory_per_token(c.hidden_size, c.num_attention_heads,
@@ -445,12 +394,49 @@ def train_neurocache(cfg:NeurocacheRunConfig, callbacks=()) -> dict:
                                                              cache_dtype=nc_cfg.cache_dtype)
         return res
     def save(trainer, folder):
-        if training:
-            save_run_neurocache(trainer, cfg, folder, tok)   # the folder's tokenizer too
+        if training: save_run_neurocache(trainer, nc, folder, tok)   # the folder's tokenizer too
+    return RunHooks(describe=describe, results=results, save=save,
+                    card=lambda trainer, res: _run_card(cfg, res, training))
+
+# %% ../nbs/21_train_neurocache.ipynb
+def train_neurocache(cfg:NeurocacheRunConfig, nc:NeurocacheConfig=None, callbacks=()) -> dict:
+    ("Train and/or evaluate as `cfg` and `nc` say (the whole of memlab_neurocache; `nc`: the command's defaults); "
+     "returns the results (also <output_dir>/results.json).")
+    nc = neurocache_config() if nc is None else nc
+    flags = RunFlags(NEUROCACHE_RESUME, flag_values([cfg, nc]))   # as given: what a resume repeats
+    given = {**cfg.to_dict(), **nc.to_dict()}
+    cfg, nc = neurocache_args(cfg, nc)                              # 1 arguments: every later stage reads these
+    mp = mixed_precision_of(cfg)
+    acc = make_accelerator(mp)
+    world, out = acc.num_processes, Path(cfg.output_dir)
+    training = not (cfg.only_evaluate or cfg.save_and_quit)
+    resume = neurocache_resume(cfg, training, acc, flags)
+    seed_everything(cfg.seed)
+    tok = load_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path)                    # 2 data
+    train_data, eval_data, test_data = load_streams(cfg, tok)
+    model = build_model(cfg, nc, tok)                                                      # 3 model
+    trainable = count_parameters(model, trainable_only=True)
+    check(trainable or cfg.only_evaluate, "nothing to train: the model has no trainable parameter")
+    check(not (cfg.resume_from_checkpoint and not trainable),
+          "--resume_from_checkpoint needs a model with trainable weights")
+    tc = neurocache_train_config(cfg, mp, training, resume)                                 # 4 the loop's settings
+    # a model with nothing trainable (the base model, evaluated) gets a stand-in optimizer: the loop builds one first
+    optimizer = None if trainable else torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+    callbacks = [NeurocacheCallback(), *callbacks]                                          # 5 callbacks
+    hooks = neurocache_hooks(cfg, nc, tok, eval_data, test_data, training, world, mp)         # 7 save and report
+    loop = dict(loss_fn=stream_loss, callbacks=callbacks, optimizer=optimizer, accelerator=acc,
+                run_config={'neurocache_run': given, 'world_size': world,
+                            'mixed_precision': mp}, flags=flags)
+    if cfg.save_and_quit:       # build (and resume) the model, save its Neurocache, stop: no training, no results
+        trainer = Trainer(model, tc, train_data, eval_data, **loop)
+        trainer.print(hooks.describe(trainer))
+        save_run_neurocache(trainer, nc, out, tok)
+        acc.wait_for_everyone()
+        acc.print(f"memlab_neurocache: saved the Neurocache of update {trainer.step} to {show_path(out)}")
+        return {'saved': str(out), 'step': trainer.step}
     # --only_evaluate: the same steps without training, its results.json in --output_dir (no logs, no checkpoints)
-    return run(model, tc, train_data, eval_data, describe=describe, results=results, save=save, fit=training,
-               folder=out, plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}",
-               card=lambda trainer, res: _run_card(cfg, res, training), **loop)
+    return run(model, tc, train_data, eval_data, **hooks.kwargs(), fit=training, folder=out,          # 6 train
+               plot_title=f"Neurocache: {Path(str(cfg.model_name_or_path)).name} on {cfg.dataset_name}", **loop)
 
 # %% ../nbs/21_train_neurocache.ipynb
 def summary(res:dict) -> str:
@@ -462,13 +448,18 @@ def summary(res:dict) -> str:
     if t: s += f"; test perplexity {t['ppl']:.3f} ({t['bits_per_token']:.4f} bits/token over {t['tokens']:,} tokens)"
     return s + f"; results in {show_path(res['output_dir'])}/results.json"
 
+def parse_neurocache_args(argv=None) -> tuple:
+    ("(run, Neurocache) configs of a memlab_neurocache command line (the command's defaults, `--config FILE`, the "
+     "flags).")
+    return parse_configs([NeurocacheRunConfig, NeurocacheConfig], argv, prog='memlab_neurocache',
+                         description=main.__doc__, config_file_flag='config',
+                         defaults={NeurocacheConfig: NEUROCACHE_DEFAULTS})
+
 @cli_main
 def main(argv=None):
     ("memlab_neurocache: train (or evaluate) a Neurocache for a Hugging Face causal LM on long documents; "
      "train_neurocache.py's command line.")
-    cfg = parse_configs(NeurocacheRunConfig, argv, prog='memlab_neurocache', description=main.__doc__,
-                        config_file_flag='config')
-    res = train_neurocache(cfg)
+    res = train_neurocache(*parse_neurocache_args(argv))
     if int(os.environ.get('RANK', '0')) == 0 and 'eval' in res: print('\n' + summary(res))
 
 # %% ../nbs/21_train_neurocache.ipynb

@@ -26,7 +26,7 @@ from .tokenizers import (check_vocab, get_tokenizer, load_pretokenized, pretoken
                                pretokenized_name)
 from .distributed import main_process_value
 from .checkpoints import resume_plan
-from .training import run
+from .training import RunHooks, run
 from .callbacks import ConsolidateZeroState, ProfileCallback
 from .train_config import TrainConfig, train_config_from
 from .distributed import launch_data_rank, make_accelerator, parse_mesh, resolve_mesh
@@ -39,7 +39,7 @@ __all__ = ['OPTIMIZERS', 'DEFAULT_CORPUS', 'DEFAULT_TOKENIZER', 'RELORA_RESUME',
            'load_warm_start', 'accumulation_steps', 'training_steps', 'default_dataset', 'load_data',
            'load_data_tokenizer', 'SkipUpdates', 'optimizer_factory', 'default_save_dir', 'with_default_dataset',
            'relora_schedule', 'relora_model', 'relora_batches', 'relora_callbacks', 'relora_train_config',
-           'train_relora', 'main']
+           'relora_hooks', 'train_relora', 'main']
 
 # %% ../nbs/31_train_relora.ipynb
 OPTIMIZERS = ('adam', 'adam_zero')
@@ -399,7 +399,7 @@ def default_save_dir(cfg:ReLoRARunConfig) -> str:
     return str(Path('checkpoints')/f"{label}-{time.strftime('%Y-%m-%d-%H-%M-%S')}")
 
 def with_default_dataset(cfg:ReLoRARunConfig, acc) -> ReLoRARunConfig:
-    "Stage 1, config: without --dataset_path (the seed's commands 2-5), the embedded corpus pretokenized once."
+    "Stage 1, arguments: without --dataset_path (the seed's commands 2-5), the embedded corpus pretokenized once."
     if cfg.dataset_path is not None: return cfg
     path = main_process_value(str(default_dataset(cfg, cfg.progress)) if acc.is_main_process else None, acc)
     acc.print(f"memlab_relora: no --dataset_path: training on the embedded {DEFAULT_CORPUS} corpus, pretokenized with "
@@ -409,8 +409,8 @@ def with_default_dataset(cfg:ReLoRARunConfig, acc) -> ReLoRARunConfig:
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_schedule(cfg:ReLoRARunConfig, steps:int, start:int):
-    ("Stage 2, schedule: the scheduler factory for the updates `start` -> `steps`, every check made at once (on a "
-     "throwaway optimizer), before any model is built.")
+    ("Stage 1, arguments: the schedule's checks, every one made at once (on a throwaway optimizer) before any model "
+     "is built, and its scheduler factory (for stage 4) for the updates `start` -> `steps`.")
     check(steps > start, f"--num_training_steps {steps} does not go beyond the warm start's {start} updates")
     if cfg.cycle_length and cfg.scheduler != 'linear':
         check((steps - start) % cfg.cycle_length == 0,
@@ -448,7 +448,7 @@ def relora_model(cfg:ReLoRARunConfig, vocab_size:int, resume, acc) -> tuple:
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int, warm, acc) -> tuple:
-    ("Stage 4, data: the training batches (continuing a warm start's data order where it was trained on this data, "
+    ("Stage 2, data: the training batches (continuing a warm start's data order where it was trained on this data, "
      "skipping --skip_batches updates) and the validation batches.")
     pad = data_args.get('pad_token_id') or 0
     rank, world = launch_data_rank(cfg.mesh_dim)        # under a mesh, tensor-parallel processes read the same rows
@@ -464,7 +464,7 @@ def relora_batches(cfg:ReLoRARunConfig, dd, data_args:dict, accum:int, start:int
 
 # %% ../nbs/31_train_relora.ipynb
 def relora_callbacks(cfg:ReLoRARunConfig, model, start:int, save_dir, acc) -> list:
-    "Stage 6, hooks: ReLoRA's merges and resets, ZeRO's state consolidation, the profiler, as the flags ask."
+    "Stage 5, callbacks: ReLoRA's merges and resets, ZeRO's state consolidation, the profiler, as the flags ask."
     callbacks = []
     if cfg.relora:
         callbacks.append(ReLoRACallback(cfg.relora, *cfg.reset, start_step=start - cfg.adjust_step, seed=cfg.seed,
@@ -501,7 +501,7 @@ RELORA_LOOP_FLAGS = dict(per_device_batch_size='batch_size', lr='lr', weight_dec
                          mesh_dim='mesh_dim', seed='seed', report_to='report_to', progress='progress')
 
 def relora_train_config(cfg:ReLoRARunConfig, save_dir, steps:int, accum:int, world:int, resume) -> TrainConfig:
-    ("Stage 5, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others "
+    ("Stage 4, the loop's settings: the flags of `RELORA_LOOP_FLAGS`, and what the run works out from the others "
      "(`world`: the processes reading different rows).")
     return train_config_from(cfg, RELORA_LOOP_FLAGS, output_dir=save_dir, max_steps=steps,
                              gradient_accumulation_steps=accum, log_every=1, resume_from=resume,
@@ -511,27 +511,10 @@ def relora_train_config(cfg:ReLoRARunConfig, save_dir, steps:int, accum:int, wor
                              distributed_type='auto' if cfg.mesh_dim else cfg.distributed_type)   # a mesh decides
 
 # %% ../nbs/31_train_relora.ipynb
-def train_relora(cfg:ReLoRARunConfig) -> dict:
-    "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
-    acc = make_accelerator(cfg.mixed_precision)
-    world = acc.num_processes
-    rows_world = resolve_mesh(cfg.mesh_dim, world).data if cfg.mesh_dim else world   # processes reading different rows
-    save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
-    flags = RunFlags(RELORA_RESUME, flag_values(cfg))
-    resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
-                         'save_dir', acc, flags)                            # refused here, before anything is loaded
-    cfg = with_default_dataset(cfg, acc)
-    dd, data_args = load_data(cfg)
-    tok = load_data_tokenizer(cfg, data_args)
-    accum, steps = accumulation_steps(cfg, rows_world), training_steps(cfg, rows_world)
-    K = warm_start_step(cfg.warmed_up_model) if cfg.warmed_up_model else 0
-    sched_fn = relora_schedule(cfg, steps, K)
-    model, warm, counts = relora_model(cfg, len(tok), resume, acc)
-    train_data, eval_data = relora_batches(cfg, dd, data_args, accum, K, warm, acc)
-    tc = relora_train_config(cfg, save_dir, steps, accum, rows_world, resume)
-    callbacks = relora_callbacks(cfg, model, K, save_dir, acc)
-    run_config = {'relora': cfg.to_dict(), 'dataset': data_args, 'world_size': world, 'gradient_accumulation': accum,
-                  'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
+def relora_hooks(cfg:ReLoRARunConfig, model, tok, warm, counts:dict, callbacks:list, world:int, accum:int, steps:int,
+                 save_dir) -> RunHooks:
+    ("Stage 7, save and report: a warm start's counters, the line printed before training, results, the merged plain "
+     "model exported with the tokenizer, its card.")
     def prepare(trainer):                       # a warm start continues its update and token counts
         if warm: trainer.step, trainer.tokens_seen = warm['step'], warm['tokens_seen']
     def describe(trainer):
@@ -556,10 +539,35 @@ def train_relora(cfg:ReLoRARunConfig) -> dict:
     card = output_card('memlab_relora', f"Trained with memlab_relora: {how}, {steps} updates, starting from {start}.",
                        cfg.model_name_or_path, cfg.dataset_path or 'pydocs', tags=['relora'] if cfg.relora else ())
     # the fingerprint covers the merged plain model (every process builds it: a collective under FSDP)
-    return run(model, tc, train_data, eval_data, prepare=prepare, describe=describe,
-               final=lambda trainer: merged_model(trainer.unwrapped_model), results=results, save=save,
-               callbacks=callbacks, optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc,
-               run_config=run_config, card=card, flags=flags)
+    return RunHooks(prepare=prepare, describe=describe, final=lambda trainer: merged_model(trainer.unwrapped_model),
+                    results=results, save=save, card=card)
+
+# %% ../nbs/31_train_relora.ipynb
+def train_relora(cfg:ReLoRARunConfig) -> dict:
+    "Train as `cfg` says (the whole of memlab_relora); returns the results (also written to <save_dir>/results.json)."
+    acc = make_accelerator(cfg.mixed_precision)
+    world = acc.num_processes
+    rows_world = resolve_mesh(cfg.mesh_dim, world).data if cfg.mesh_dim else world   # processes reading different rows
+    flags = RunFlags(RELORA_RESUME, flag_values(cfg))         # 1 arguments; as given: what a resume repeats
+    save_dir = main_process_value(cfg.save_dir or default_save_dir(cfg), acc)   # the main process's time stamp
+    resume = resume_plan(save_dir, cfg.resume_from or ('latest' if cfg.autoresume else None), '--autoresume True',
+                         'save_dir', acc, flags)                            # refused here, before anything is loaded
+    cfg = with_default_dataset(cfg, acc)                      # normalised once: every later stage reads this cfg
+    accum, steps = accumulation_steps(cfg, rows_world), training_steps(cfg, rows_world)
+    K = warm_start_step(cfg.warmed_up_model) if cfg.warmed_up_model else 0
+    sched_fn = relora_schedule(cfg, steps, K)
+    dd, data_args = load_data(cfg)                                                        # 2 data
+    tok = load_data_tokenizer(cfg, data_args)
+    model, warm, counts = relora_model(cfg, len(tok), resume, acc)                        # 3 model
+    train_data, eval_data = relora_batches(cfg, dd, data_args, accum, K, warm, acc)       # 2 data: after the warm start
+    tc = relora_train_config(cfg, save_dir, steps, accum, rows_world, resume)             # 4 the loop's settings
+    callbacks = relora_callbacks(cfg, model, K, save_dir, acc)                            # 5 callbacks
+    hooks = relora_hooks(cfg, model, tok, warm, counts, callbacks, world, accum, steps, save_dir)   # 7 save and report
+    run_config = {'relora': cfg.to_dict(), 'dataset': data_args, 'world_size': world, 'gradient_accumulation': accum,
+                  'warm_start': {k: v for k, v in (warm or {}).items() if k != 'data'}, **counts}
+    return run(model, tc, train_data, eval_data, **hooks.kwargs(), callbacks=callbacks,         # 6 train
+               optimizer=optimizer_factory(cfg, world), scheduler=sched_fn, accelerator=acc, run_config=run_config,
+               flags=flags)
 
 @cli_main
 def main(argv=None):

@@ -4,7 +4,9 @@
 
 # %% ../nbs/05_training.ipynb 3
 from __future__ import annotations
-import json, time
+import dataclasses, json, time
+from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 from .core import atomic_write_text
@@ -14,7 +16,7 @@ from .train_config import TrainConfig
 from .trainer import Trainer
 
 # %% auto 0
-__all__ = ['default_output_dir', 'plot_history', 'standard_results', 'run', 'run_summary']
+__all__ = ['STAGES', 'default_output_dir', 'plot_history', 'standard_results', 'run', 'run_summary', 'RunHooks']
 
 # %% ../nbs/05_training.ipynb
 def default_output_dir(prefix:str='train') -> str:
@@ -96,3 +98,21 @@ def run(model, config:TrainConfig, train_data, eval_data=None, *, prepare=None, 
 def run_summary(res:dict) -> str:
     "The start of every command's closing line: updates, training tokens and tokens/s of a `run` result."
     return f"{res['steps']} updates, {res['train_tokens']:,} training tokens, {res['tokens_per_s']:.0f} tokens/s"
+
+# %% ../nbs/05_training.ipynb
+STAGES = ('arguments', 'data', 'model', "the loop's settings", 'callbacks', 'train', 'save and report')
+
+@dataclass
+class RunHooks:
+    "A recipe's hooks, stage 7 (save and report), by the names `run` calls them; each is optional."
+    prepare: Callable = None     # (trainer): after the Trainer is built (and resumed), before training
+    describe: Callable = None    # (trainer) -> str: the line printed before training
+    final: Callable = None       # (trainer) -> module or state dict: the exported weights the replicas must agree on
+    results: Callable = None     # (trainer, history, res) -> res: the recipe's entries of results.json
+    save: Callable = None        # (trainer, folder) -> dict or None: the recipe's files (every process)
+    report: Callable = None      # (res) -> the text of results.md, or {file name: text}
+    card: Callable = None        # (trainer, res) -> {folder: model card}: the saved outputs' model cards
+
+    def kwargs(self) -> dict:
+        "The hooks that are set, as `run`'s keyword arguments."
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}

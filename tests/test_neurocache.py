@@ -76,9 +76,8 @@ def test_seed_1_refuses_fp16_on_cpu_and_runs_bf16(seed1):
 
 RECORDER = r'''
 import json, os, sys
-from memlab.flags import parse_configs
 from memlab.protocol import Callback
-from memlab.train_neurocache import NeurocacheRunConfig, train_neurocache
+from memlab.train_neurocache import parse_neurocache_args, train_neurocache
 
 class Record(Callback):
     "Record what each training micro-batch of this process holds: per row, start_of_sequence, first input and last target."
@@ -93,8 +92,8 @@ class Record(Callback):
     def on_train_end(self, trainer):
         json.dump(self.rows, open(os.path.join(sys.argv[1], f"rows_rank{trainer.accelerator.process_index}.json"), 'w'))
 
-cfg = parse_configs(NeurocacheRunConfig, sys.argv[2:], prog='memlab_neurocache')
-train_neurocache(cfg, callbacks=[Record()])
+cfg, nc = parse_neurocache_args(sys.argv[2:])
+train_neurocache(cfg, nc, callbacks=[Record()])
 '''
 
 def test_seed_2_two_processes_nf4(data, tmp_path):

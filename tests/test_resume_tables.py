@@ -44,3 +44,16 @@ def test_the_kinds_hold_what_the_issue_names():
         assert t.kind(f) == DEFINES, f
     for t, f in ((DISTILL_RESUME, 'max_steps'), (RELORA_RESUME, 'eval_every'), (RELORA_RESUME, 'save_dir')):
         assert t.kind(f) == MAY_CHANGE, f
+
+# each command's component configs: their every field is a flag of the command (one field, one default, one help text)
+COMPONENTS = {'memlab_neurocache': ('memlab.neurocache', 'NeurocacheConfig', ''), 'memlab_bpt': ('memlab.bpt', 'BPTConfig', 'llama.'),
+              'memlab_mixer': ('memlab.mixer', 'MixerModelArgs', '')}
+
+@pytest.mark.parametrize('command', list(COMPONENTS))
+def test_every_component_field_is_a_flag(command):
+    "A setting added to a component's config is a flag of its command at once, with that field's name (under the seed's group)."
+    import dataclasses
+    module, name, prefix = COMPONENTS[command]
+    cls, flags = getattr(importlib.import_module(module), name), parser_flags(COMMANDS[command][0])
+    missing = sorted(f.name for f in dataclasses.fields(cls) if f.init and f"{prefix}{f.name}" not in flags)
+    assert not missing, f"{command}: {name} fields with no flag: {missing}"

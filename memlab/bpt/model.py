@@ -36,14 +36,16 @@ class BPTConfig(Config):
     ("Blockwise Parallel Transformer settings (the seed's `--llama.*` fields); a chunk size of -1 disables that stage, "
      "None (the default) is the device's measured best, `BPT_DEFAULTS`, filled in when `add_bpt` applies it.")
     q_chunk_size: int = None                 # query block length of blockwise attention (-1: the whole sequence)
+                                             # (default: the device's measured best)
     k_chunk_size: int = None                 # key/value block length of blockwise attention (-1: the whole sequence; q
-                                             # and k both -1: Hugging Face's attention)
+                                             # and k both -1: Hugging Face's attention) (default: the device's
+                                             # measured best)
     ffn_chunk_size: int = None               # tokens per chunk of the feed-forward network (-1: no chunking, i.e. a
-                                             # memory-efficient transformer)
+                                             # memory-efficient transformer) (default: the device's measured best)
     head_chunk_size: int = None              # tokens per chunk of the LM head, fused with the loss (-1: off unless
-                                             # loss_chunk_size is set)
+                                             # loss_chunk_size is set) (default: the device's measured best)
     loss_chunk_size: int = None              # tokens per chunk of the loss, fused with the LM head (-1: off unless
-                                             # head_chunk_size is set)
+                                             # head_chunk_size is set) (default: the device's measured best)
     remat_policy: str = 'nothing_saveable'   # what each block saves for backward: nothing_saveable, dots_saveable,
                                              # dots_with_no_batch_dims_saveable or everything_saveable
     float32_logits: bool = False             # fp32 q·kᵀ for torch/sdpa kernels (flash: always); statistics, loss: fp32
@@ -56,8 +58,8 @@ class BPTConfig(Config):
     layer_remat: bool = True                 # also rematerialise each decoder layer as a whole under remat_policy, as
                                              # the reference remats every block (False: each layer keeps its (B, T, C)
                                              # activations)
-    compile: object = False                  # torch.compile each decoder layer's training forward (True: inductor, or a
-                                             # backend's name): fuses the norms', rotary embedding's and SwiGLU's
+    compile: bool = False                    # torch.compile each decoder layer's training forward (True: inductor; from
+                                             # Python also a backend's name): fuses the norms', rotary embedding's and SwiGLU's
                                              # elementwise work, as Liger Kernel does by hand; compiles on the first step
     offload: bool = False                    # keep each layer's checkpoint (its input) and the fused loss's gradient in
                                              # host memory until backward (CUDA: pinned copies on a side stream)

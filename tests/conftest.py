@@ -7,6 +7,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 BAD_INPUT = {'tried': 0, 'clean': 0}      # counted by tests/test_bad_input.py, reported at the end of the run
 
+def pytest_sessionfinish(session):
+    "Under pytest-xdist a worker hands its bad-input counts to the controller, which reports them."
+    if hasattr(session.config, 'workeroutput'): session.config.workeroutput['bad_input'] = dict(BAD_INPUT)
+
+try:
+    import xdist  # noqa: F401  (its hook below is unknown to pytest without it)
+    def pytest_testnodedown(node, error):
+        for k, v in getattr(node, 'workeroutput', {}).get('bad_input', {}).items(): BAD_INPUT[k] += v
+except ImportError: pass
+
 def pytest_terminal_summary(terminalreporter):
     if BAD_INPUT['tried']:
         terminalreporter.write_line(f"bad input: {BAD_INPUT['clean']} of {BAD_INPUT['tried']} cases answered in one line "

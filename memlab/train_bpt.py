@@ -17,7 +17,7 @@ from .rng import seed_everything
 from .resume_tables import ResumeTable, RunFlags, flag_values
 from .cli import cli_main
 from .flags import parse_configs
-from .runtime import PRECISION_NAMES, count_parameters, resolve_precision
+from .runtime import PRECISION_NAMES, check_fp16_device, count_parameters, resolve_precision
 from .data import corpus_from_records, iter_json_records, text_of
 from .loaders import TokenBatches
 from .models import BUILTIN_MODELS, LLAMA_CONFIGS, check_model_sizes, llama_config, load_model
@@ -83,8 +83,8 @@ class BPTRunConfig(Config):
         for name in ('save_model_freq', 'save_milestone_freq'):
             check(getattr(self, name) >= 0, f"--{name} must be 0 (off) or positive, got {getattr(self, name)}")
         check(self.dtype in PRECISION_NAMES, f"--dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
-        check(PRECISION_NAMES[self.dtype] != 'fp16' or torch.cuda.is_available(),
-              f"--dtype {self.dtype} needs a GPU (fp16 autocast with loss scaling); use bf16 or fp32 on a CPU")
+        check_fp16_device(PRECISION_NAMES[self.dtype],
+                          f"--dtype {self.dtype} needs a GPU (fp16 autocast with loss scaling); use bf16 or fp32 on a CPU")
         check(self.update_llama_config is None or isinstance(self.update_llama_config, dict),
               f"--update_llama_config must be a dict such as \"{{'hidden_size': 64}}\", "
               f"got {self.update_llama_config!r}")
@@ -522,13 +522,8 @@ from .cards import output_card
 
 def full_state(trainer) -> dict:
     ("The trained model's weights as full CPU tensors with plain Hugging Face names, on every process "
-     "(a collective under FSDP).")
-    if trainer.fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(trainer.model,
-                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-    else: sd = trainer.unwrapped_model.state_dict()
-    return {k: (v.full_tensor() if hasattr(v, 'full_tensor') else v).detach().cpu() for k, v in sd.items()}
+     "(a collective under FSDP): the loop's one gather, `Trainer.full_state_dict`.")
+    return trainer.full_state_dict(every_process=True)
 
 def bpt_hooks(args:dict, tok, data, rows:dict, mesh:MeshShape, world:int, n_params:int, tc:TrainConfig, out:Path,
               resume) -> RunHooks:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..core import Config, arg, check, patch_to
-from ..runtime import resolve_precision
+from ..runtime import check_fp16_device, resolve_precision
 from ..evaluation import lm_eval_scores, require_lm_eval
 from ..models import check_model_sizes
 from ..train_config import TrainConfig, train_config_from
@@ -288,8 +288,8 @@ def _check_training_args(a):
         p = 'no' if a.fp16 else resolve_precision('auto')
         a.bf16, a.fp16 = p == 'bf16', a.fp16 or p == 'fp16'
     check(not (a.bf16 and a.fp16), "give --bf16 or --fp16, not both")
-    check(not a.fp16 or torch.cuda.is_available(),
-          "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
+    check_fp16_device('fp16' if a.fp16 else 'bf16' if a.bf16 else 'no',
+                      "--fp16 needs a GPU (fp16 autocast with loss scaling); use --bf16 on a CPU")
     check(0 <= a.warmup_ratio < 1 and a.warmup_steps >= 0,
           "--warmup_ratio must be in [0, 1) and --warmup_steps >= 0")
     check(a.eval_strategy in ('steps', 'no'), f"--eval_strategy must be steps or no, got {a.eval_strategy!r}")

@@ -5,6 +5,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+SLOW = bool(os.environ.get('MEMLAB_SLOW_TESTS'))   # the slow tier: checks a default-tier test makes another way, at more cost
+slow = pytest.mark.skipif(not SLOW, reason='slow tier: set MEMLAB_SLOW_TESTS=1')
 BAD_INPUT = {'tried': 0, 'clean': 0}      # counted by tests/test_bad_input.py, reported at the end of the run
 
 def pytest_sessionfinish(session):
@@ -16,6 +18,19 @@ try:
     def pytest_testnodedown(node, error):
         for k, v in getattr(node, 'workeroutput', {}).get('bad_input', {}).items(): BAD_INPUT[k] += v
 except ImportError: pass
+
+# Under pytest-xdist (`.ci/test`: `-n 2 --dist loadgroup`): a file whose tests share module fixtures (a trained run, a
+# pretokenized corpus, a built site) runs on one worker, so they are built once; these files' tests share none and spread
+# over both workers, filling the end of the run. The longest files start first.
+SPREAD = {'test_training.py', 'test_layers.py', 'test_gpu.py', 'test_loop_flags.py', 'test_resume_tables.py'}
+FIRST = ['test_bad_input.py', 'test_relora.py', 'test_mixer.py', 'test_distill.py', 'test_mesh.py', 'test_run_folder.py',
+         'test_neurocache.py', 'test_bpt.py', 'test_docs.py']
+
+def pytest_collection_modifyitems(config, items):
+    rank = {f: i for i, f in enumerate(FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(FIRST)))     # stable: a file's tests keep their order
+    for it in items:
+        if it.path.name not in SPREAD: it.add_marker(pytest.mark.xdist_group(it.path.stem))
 
 def pytest_terminal_summary(terminalreporter):
     if BAD_INPUT['tried']:

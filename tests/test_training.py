@@ -1,7 +1,7 @@
 """Integration tests of memlab's training loop as real processes: DDP and FSDP on 2 CPU processes, accelerate launch,
 2 nodes over loopback, a run killed with SIGKILL (mid-training and mid-save) and resumed, and the no-process-group guard."""
 import json, signal, sys
-from conftest import BIN, ROOT, free_port, results, run, torchrun
+from conftest import BIN, ROOT, free_port, results, run, slow, torchrun
 import pytest
 
 SCRIPT = ROOT/'tests'/'dist_train.py'
@@ -21,6 +21,7 @@ def test_ddp_and_fsdp_agree_and_learn(tmp_path):
     for r in (ddp[0], fsdp[0]):
         assert r['reductions_in_micro_batch'] and set(r['reductions_in_micro_batch']) == {1}, (r['dist'], r['reductions_in_micro_batch'][:10])
 
+@slow   # accelerate launch of 2 processes also runs in test_bpt (autoresume), test_distill (on-policy) and test_relora (seed 3)
 def test_accelerate_launch_two_processes(tmp_path):
     run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',
          '--dynamo_backend', 'no', '--main_process_port', free_port(), SCRIPT, tmp_path/'acc', '--steps', '3'], ACCELERATE_USE_CPU=1)
@@ -61,7 +62,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, how):
     assert resumed['losses'] == pytest.approx(full['losses'], rel=1e-6)
     assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
 
-@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
+@pytest.mark.parametrize('sig', ['SIGTERM', pytest.param('SIGINT', marks=slow)])   # one handler; SIGINT in the slow tier
 def test_signal_saves_a_checkpoint_and_resumes_exactly(tmp_path, sig):
     "SIGTERM (a scheduler) or Ctrl-C after update 3: the update finishes, a checkpoint is saved, one line; resuming gives the full run."
     run([sys.executable, SCRIPT, tmp_path/'full', '--steps', '8'])

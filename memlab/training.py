@@ -14,6 +14,9 @@ from .distributed import check_replicas, fingerprint
 from .cards import write_model_card
 from .train_config import TrainConfig
 from .trainer import Trainer
+# not re-exported (memlab imports it from memlab.protocol), but the GPU kit (../shared/gpu/gpu5.py, run5's Neurocache phase,
+# read-only here) imports it from this module
+from .protocol import causal_lm_loss  # noqa: F401
 
 # %% auto 0
 __all__ = ['STAGES', 'default_output_dir', 'plot_history', 'standard_results', 'run', 'run_summary', 'RunHooks']

@@ -13,11 +13,9 @@ def pytest_sessionfinish(session):
     "Under pytest-xdist a worker hands its bad-input counts to the controller, which reports them."
     if hasattr(session.config, 'workeroutput'): session.config.workeroutput['bad_input'] = dict(BAD_INPUT)
 
-try:
-    import xdist  # noqa: F401  (its hook below is unknown to pytest without it)
-    def pytest_testnodedown(node, error):
-        for k, v in getattr(node, 'workeroutput', {}).get('bad_input', {}).items(): BAD_INPUT[k] += v
-except ImportError: pass
+@pytest.hookimpl(optionalhook=True)      # xdist's hook: pytest without that plugin loaded (the GPU kit's run) skips it
+def pytest_testnodedown(node, error):
+    for k, v in getattr(node, 'workeroutput', {}).get('bad_input', {}).items(): BAD_INPUT[k] += v
 
 # Under pytest-xdist (`.ci/test`: `-n 2 --dist loadgroup`): a file whose tests share module fixtures (a trained run, a
 # pretokenized corpus, a built site) runs on one worker, so they are built once; these files' tests share none and spread

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import MemlabError, atomic_write_text, check
-from ..runtime import compiled_fn, memlab_home
+from ..runtime import compiled_fn, measured_once, memlab_home
 from ..protocol import Callback
 
 # %% auto 0
@@ -314,19 +314,9 @@ def _device_signature(device, vocab_size:int, dtype) -> str:
 
 # %% ../../nbs/distill/41_0_losses.ipynb
 def _cached_measurement(key:str, measure) -> int:
-    "`measure()` once per `key` on this machine: read from, or written to, `memlab_home()/machine.json` under a lock."
-    path = memlab_home()/'machine.json'
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix('.lock'), 'a+') as lock:
-        try:
-            import fcntl; fcntl.flock(lock, fcntl.LOCK_EX)  # the other ranks wait here, then read rank 0's result
-        except ImportError: pass                           # no fcntl (Windows): each process measures
-        try: known = json.loads(path.read_text())
-        except (OSError, ValueError): known = {}
-        if key not in known.get('kd_chunk_size', {}):
-            known.setdefault('kd_chunk_size', {})[key] = int(measure())
-            atomic_write_text(path, json.dumps(known, indent=1))
-        return known['kd_chunk_size'][key]
+    ("`measure()` once per `key` on this machine: read from, or written to, `memlab_home()/machine.json` under a lock "
+     "(the machine's one measurement cache, `runtime.measured_once`; the other ranks wait, then read rank 0's result).")
+    return measured_once('kd_chunk_size', key, lambda: int(measure()))
 
 # %% ../../nbs/distill/41_0_losses.ipynb
 def auto_chunk_size(vocab_size:int, logits_per_chunk:int=None, device=None, dtype=torch.bfloat16) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from .core import check, patch_to
 from .data import Document
-from .tokenizers import Packer, encode_documents, pad_id
+from .tokenizers import encode_documents, pack_texts, pad_id
 
 # %% auto 0
 __all__ = ['dist_rank_world', 'shift_labels', 'TokenBatches', 'lm_batches', 'DocumentStream']
@@ -196,12 +196,7 @@ def lm_batches(docs, tokenizer, sequence_length:int, batch_size:int, **kwargs) -
     check(texts, "no documents to batch")
     texts = [t for t in texts if t.strip()]        # every corpus's rule (memlab.data): empty and blank texts are not text
     check(texts, "every document to batch is empty or blank: nothing to train on")
-    packer = Packer(sequence_length, pad_id(tokenizer))
-    rows = [packer.add(encode_documents(tokenizer, texts[i:i + 64])) for i in range(0, len(texts), 64)]
-    ids = np.concatenate(rows); mask = np.ones(ids.shape, dtype=np.int8)
-    if (last := packer.finish()) is not None:
-        ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
-    return TokenBatches({'input_ids': ids, 'attention_mask': mask}, batch_size, **kwargs)
+    return TokenBatches(pack_texts(texts, tokenizer, sequence_length), batch_size, **kwargs)
 
 # %% ../nbs/03_loaders.ipynb
 class DocumentStream:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_runtime.ipynb 2
 from __future__ import annotations
-import hashlib, json, os, platform, re, sys, threading, time
+import contextlib, hashlib, json, os, platform, re, sys, threading, time
 from pathlib import Path
 
 import torch
@@ -13,8 +13,8 @@ from .core import atomic_write_text, check
 
 # %% auto 0
 __all__ = ['BF16_MIN_SPEEDUP', 'PRECISIONS', 'PRECISION_NAMES', 'peak_memory', 'fmt_bytes', 'count_parameters', 'memlab_home',
-           'bf16_matmul_speedup', 'measured_once', 'cpu_bf16_speedup', 'native_bf16', 'compiled_fn', 'reset_compiled',
-           'check_fp16_device', 'resolve_precision', 'precision_reason']
+           'bf16_matmul_speedup', 'held_lock', 'measured_once', 'cpu_bf16_speedup', 'native_bf16', 'compiled_fn',
+           'reset_compiled', 'check_fp16_device', 'resolve_precision', 'precision_reason']
 
 # %% ../nbs/00a_runtime.ipynb
 def _proc_kib(field):
@@ -114,15 +114,22 @@ def bf16_matmul_speedup(size:int=1024, repeats:int=8) -> float:
 BF16_MIN_SPEEDUP = 1.25  # bf16 products must beat fp32 by this much before autocast's casts are worth it
 
 # %% ../nbs/00a_runtime.ipynb
+@contextlib.contextmanager
+def held_lock(path):
+    ("An exclusive lock on the file `path` (created if missing) while the block runs: processes that ask for it wait "
+     "their turn. Without fcntl (Windows) the block runs unlocked.")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, 'a+') as f:
+        try:
+            import fcntl; fcntl.flock(f, fcntl.LOCK_EX)    # released when the file closes
+        except ImportError: pass
+        yield
+
 def measured_once(kind:str, key:str, measure):
     ("`measure()` once per `key` on this machine, kept under `kind` in `memlab_home()/machine.json`: processes started "
      "together wait on a lock for the first one's result, later runs read it back.")
     path = memlab_home()/'machine.json'
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix('.lock'), 'a+') as lock:
-        try:
-            import fcntl; fcntl.flock(lock, fcntl.LOCK_EX)  # the other processes wait here, then read its result
-        except ImportError: pass                           # no fcntl (Windows): each process measures
+    with held_lock(path.with_suffix('.lock')):            # the other processes wait here, then read its result
         try: known = json.loads(path.read_text())
         except (OSError, ValueError): known = {}
         if key not in known.get(kind, {}):

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_tokenizers.ipynb 2
 from __future__ import annotations
-import json, multiprocessing, os, shutil, sys
+import hashlib, itertools, json, multiprocessing, os, shutil, sys, zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,13 +15,15 @@ from tqdm import tqdm
 import memlab
 from .core import Config, MemlabError, atomic_write_text, check, show_path
 from .folders import LOCK_FILE, check_writable, lock_folder
+from .runtime import held_lock, memlab_home
 from .cli import cli_main
 from .flags import parse_configs
 from .data import Corpus, Document, canonical_split, hub_offline_unless_reachable, load_corpus
 
 # %% auto 0
-__all__ = ['TOKENIZER_COMMANDS', 'get_tokenizer', 'tokenizer_label', 'eos_id', 'pad_id', 'encode_documents', 'train_tokenizer',
-           'TrainTokenizerConfig', 'train_tokenizer_main', 'Packer', 'pad_rows', 'dataset_label', 'pretokenized_name',
+__all__ = ['TOKEN_CACHE_MIN_CHARS', 'TOKENIZER_COMMANDS', 'get_tokenizer', 'tokenizer_label', 'eos_id', 'pad_id',
+           'encode_documents', 'train_tokenizer', 'TrainTokenizerConfig', 'train_tokenizer_main', 'Packer',
+           'tokenizer_fingerprint', 'encode_corpus', 'pack_texts', 'pad_rows', 'dataset_label', 'pretokenized_name',
            'ROW_FEATURES', 'tokenize_split', 'pretokenize', 'pretokenized_args', 'load_pretokenized', 'check_vocab',
            'check_sequence_length', 'PretokenizeConfig', 'pretokenize_main', 'tokenizers_module_main']
 
@@ -173,6 +175,75 @@ class Packer:
         row[0, :k] = self.buf; mask = np.zeros((1, self.L), dtype=np.int8); mask[0, :k] = 1
         self.buf = []
         return row, mask
+
+# %% ../nbs/02_tokenizers.ipynb
+TOKEN_CACHE_MIN_CHARS = 1 << 20    # a megabyte of text: about a second to tokenize on one core, milliseconds to read back
+
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    "A hash of what a fast tokenizer's encoding depends on (its backend's JSON, class, EOS id); None for a slow one."
+    backend = getattr(tokenizer, 'backend_tokenizer', None)
+    if backend is None: return None
+    h = hashlib.sha256(backend.to_str().encode())
+    h.update(repr((type(tokenizer).__name__, getattr(tokenizer, 'eos_token_id', None),
+                   getattr(tokenizer, 'split_special_tokens', False))).encode())
+    return h.hexdigest()
+
+def _token_cache_path(tokenizer, texts, add_special_tokens:bool, append_eos:bool):
+    "Where `encode_corpus` keeps these ids, or None when they are not cached (a slow tokenizer)."
+    fp = tokenizer_fingerprint(tokenizer)
+    if fp is None: return None
+    h = hashlib.sha256(f"{fp}|{add_special_tokens}|{append_eos}|{len(texts)}".encode())
+    for t in texts:
+        b = t.encode('utf-8', 'surrogatepass'); h.update(len(b).to_bytes(8, 'little')); h.update(b)
+    return memlab_home()/'tokens'/f"{h.hexdigest()[:40]}.npz"
+
+# %% ../nbs/02_tokenizers.ipynb
+def _read_ids(path, n_texts:int):
+    "(ids, lengths) from a cache file, or None when it is missing, damaged or of another corpus."
+    try:
+        with np.load(path, allow_pickle=False) as z: ids, lengths = z['ids'], z['lengths']
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile): return None
+    ok = ids.ndim == 1 and ids.dtype == np.int32 and len(lengths) == n_texts and int(lengths.sum()) == len(ids)
+    return (ids, lengths) if ok else None
+
+def _write_ids(path, ids, lengths):
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, 'wb') as f: np.savez(f, ids=ids, lengths=lengths)
+    os.replace(tmp, path)                                 # readers see the whole file or none
+
+# %% ../nbs/02_tokenizers.ipynb
+def encode_corpus(tokenizer, texts, add_special_tokens:bool=False, append_eos:bool=True, cache:bool=None) -> tuple:
+    ("`encode_documents` of every text as one array: (ids (N,) int32, each text's length (n,) int64). Kept under "
+     "`memlab_home()/tokens` when `cache` (None: when the texts hold `TOKEN_CACHE_MIN_CHARS` or more).")
+    texts = list(texts)
+    def encode():
+        enc = [x for i in range(0, len(texts), 64)
+               for x in encode_documents(tokenizer, texts[i:i + 64], add_special_tokens, append_eos)]
+        lengths = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))
+        return np.fromiter(itertools.chain.from_iterable(enc), dtype=np.int32, count=int(lengths.sum())), lengths
+    if cache is None: cache = sum(map(len, texts)) >= TOKEN_CACHE_MIN_CHARS
+    path = _token_cache_path(tokenizer, texts, add_special_tokens, append_eos) if cache else None
+    if path is None: return encode()
+    try:
+        with held_lock(path.with_suffix('.lock')):        # the other processes of a launch wait, then read it
+            if (got := _read_ids(path, len(texts))) is not None: return got
+            ids, lengths = encode()
+            _write_ids(path, ids, lengths)
+            return ids, lengths
+    except OSError: return encode()                        # no writable cache: tokenize, as without one
+
+# %% ../nbs/02_tokenizers.ipynb
+def pack_texts(texts, tokenizer, sequence_length:int, full_only:bool=False) -> dict:
+    ("Texts tokenized (`encode_corpus`, EOS after each) and packed into rows of `sequence_length`: "
+     "{'input_ids' (n, L) int32, 'attention_mask' (n, L) int8}; the last partial row padded, or dropped with `full_only`.")
+    ids, _ = encode_corpus(tokenizer, texts)
+    L = sequence_length; n = len(ids) // L
+    rows, mask = ids[:n * L].reshape(n, L), np.ones((n, L), dtype=np.int8)
+    if (k := len(ids) - n * L) and not full_only:
+        last = np.full((1, L), pad_id(tokenizer), dtype=np.int32); last[0, :k] = ids[n * L:]
+        lmask = np.zeros((1, L), dtype=np.int8); lmask[0, :k] = 1
+        rows, mask = np.concatenate([rows, last]), np.concatenate([mask, lmask])
+    return {'input_ids': rows, 'attention_mask': mask}
 
 # %% ../nbs/02_tokenizers.ipynb
 def pad_rows(token_lists, sequence_length:int, pad_id:int, padding_side:str='right') -> tuple:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses, math, os, typing
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -17,7 +16,7 @@ from ..data import load_corpus
 from ..loaders import TokenBatches
 from ..models import load_model, save_full_state
 from ..runtime import count_parameters, fmt_bytes
-from ..tokenizers import Packer, encode_documents, eos_id, load_pretokenized, pad_id, pretokenized_args
+from ..tokenizers import eos_id, load_pretokenized, pack_texts, pad_id, pretokenized_args
 from .config import *
 from .model import *
 from .autoencoder import *
@@ -175,14 +174,9 @@ def packed_rows(docs, tokenizer, sequence_length:int, full_only:bool=False) -> d
      "`full_only` drops the padded last row.")
     texts = [getattr(d, 'text', d) for d in docs]
     check(texts, "no documents to tokenize")
-    packer = Packer(sequence_length, pad_id(tokenizer))
-    ids = [packer.add(encode_documents(tokenizer, texts[i:i + 64])) for i in range(0, len(texts), 64)]
-    ids = np.concatenate(ids) if ids else np.zeros((0, sequence_length), np.int64)
-    mask = np.ones(ids.shape, dtype=np.int8)
-    last = packer.finish()
-    if last is not None and not full_only: ids, mask = np.concatenate([ids, last[0]]), np.concatenate([mask, last[1]])
-    check(len(ids), f"the documents hold fewer than {sequence_length} tokens: no full row to train on")
-    return {'input_ids': ids, 'attention_mask': mask}
+    rows = pack_texts(texts, tokenizer, sequence_length, full_only)
+    check(len(rows['input_ids']), f"the documents hold fewer than {sequence_length} tokens: no full row to train on")
+    return rows
 
 # %% ../../nbs/mixer/50_7_training.ipynb
 def mixer_data(task:MixerTaskConfig, config:MaskedMixerConfig, batch_size:int, seed:int=0, rank:int=0, world_size:int=1,

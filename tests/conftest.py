@@ -24,11 +24,23 @@ SPREAD = {'test_training.py', 'test_layers.py', 'test_gpu.py', 'test_loop_flags.
 FIRST = ['test_bad_input.py', 'test_relora.py', 'test_mixer.py', 'test_distill.py', 'test_mesh.py', 'test_run_folder.py',
          'test_neurocache.py', 'test_bpt.py', 'test_docs.py']
 
+@pytest.hookimpl(tryfirst=True)        # before pytest-xdist's hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     rank = {f: i for i, f in enumerate(FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(FIRST)))     # stable: a file's tests keep their order
     for it in items:
         if it.path.name not in SPREAD: it.add_marker(pytest.mark.xdist_group(it.path.stem))
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup`, refuse to run when pytest-xdist did not group (a test id without its '@group'): each worker
+    would build every module fixture again (pytest-xdist 3.8 with pytest 9 drops the groups silently: pin pytest < 9)."""
+    if not (hasattr(session.config, 'workerinput') and session.config.getvalue('loadgroup')): return
+    lost = [it.nodeid for it in session.items if it.get_closest_marker('xdist_group') and '@' not in it.nodeid]
+    if lost:
+        import xdist
+        raise pytest.UsageError(f"pytest-xdist {xdist.__version__} did not group the tests under pytest {pytest.__version__} "
+                                f"({lost[0]} has no '@group'): install the versions of .ci/constraints.txt")
 
 def pytest_terminal_summary(terminalreporter):
     if BAD_INPUT['tried']:
@@ -75,6 +87,24 @@ for argv in json.loads(sys.argv[1]):
     out.append([code, err])
 print(json.dumps(out))
 '''
+
+MANY = r'''
+import importlib, json, sys
+from accelerate.state import AcceleratorState
+from memlab.cli import run_cli
+out = []
+for target, prog, argv in json.loads(sys.argv[1]):
+    module, _, fn = target.partition(':')
+    AcceleratorState._reset_state(True)
+    code, _, err = run_cli(getattr(importlib.import_module(module), fn or 'main'), argv, prog=prog)
+    out.append([code, err])
+print(json.dumps(out))
+'''
+
+def run_commands(runs) -> list:
+    "[(exit status, stderr lines)] of each (module[:function], program, argv) of `runs`, all in one process (one interpreter start)."
+    r = run([sys.executable, '-c', MANY, json.dumps([[m, p, [str(a) for a in argv]] for m, p, argv in runs])], timeout=900)
+    return [(code, [l for l in err.splitlines() if l.strip()]) for code, err in json.loads(r.stdout.strip().splitlines()[-1])]
 
 def torchrun(script, *args, nproc=2, **envkw):
     return run([BIN/'torchrun', '--nproc-per-node', nproc, '--master-port', free_port(), script, *args], **envkw)

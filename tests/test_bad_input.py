@@ -2,7 +2,7 @@
 no traceback, and nothing written or overwritten."""
 import json, sys
 from pathlib import Path
-from conftest import BAD_INPUT, BIN, run
+from conftest import BAD_INPUT, BIN, run, run_commands
 import pytest
 
 def one_line(r, *fragments):
@@ -190,24 +190,6 @@ RESUMES = {
     'memlab_mixer': ([], ['--resume_from', 'latest'], ['--hidden_size', 48], ['--hidden_size 32 -> 48']),
     'memlab_bpt': ([], ['--autoresume=True'], ['--optimizer.adamw_optimizer.lr=0.001'], ['--optimizer.adamw_optimizer.lr']),
 }
-
-MANY = r'''
-import importlib, json, sys
-from accelerate.state import AcceleratorState
-from memlab.cli import run_cli
-out = []
-for target, prog, argv in json.loads(sys.argv[1]):
-    module, _, fn = target.partition(':')
-    AcceleratorState._reset_state(True)
-    code, _, err = run_cli(getattr(importlib.import_module(module), fn or 'main'), argv, prog=prog)
-    out.append([code, err])
-print(json.dumps(out))
-'''
-
-def run_commands(runs) -> list:
-    "[(exit status, stderr lines)] of each (module[:function], program, argv) of `runs`, all in one process (one interpreter start)."
-    r = run([sys.executable, '-c', MANY, json.dumps([[m, p, [str(a) for a in argv]] for m, p, argv in runs])], timeout=900)
-    return [(code, [l for l in err.splitlines() if l.strip()]) for code, err in json.loads(r.stdout.strip().splitlines()[-1])]
 
 def test_resume_refuses_a_changed_run(world, tmp_path):
     """Each training command: a run of one or two updates that checkpoints, then resumed with one of its defining flags changed:

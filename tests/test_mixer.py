@@ -1,7 +1,7 @@
 """Integration tests of memlab_mixer (memlab.train_mixer) as real processes: the tokenizer trainer and pretokenizer make the data;
-one process (from a YAML config file), torchrun (DDP) and accelerate launch with the shipped FSDP config, each on 2 CPU processes,
-train the same autoencoder run to the same losses and the same saved model; the shipped configs take the process count from
-the launch; the shipped ZeRO-3 config trains the same run, resumes and exports."""
+one process (from a YAML config file), torchrun (DDP) and accelerate launch with the shipped FSDP config (seed 003's form as written,
+the process count from the config), each on 2 CPU processes, train the same autoencoder run to the same losses and the same saved
+model; the shipped ZeRO-3 config trains the same run, resumes and exports."""
 import json, sys
 from pathlib import Path
 from conftest import BIN, ROOT, SLOW, free_port, run
@@ -30,26 +30,34 @@ def losses(out) -> tuple:
     res = json.loads((Path(out)/'results.json').read_text())
     return res, [h['loss'] for h in res['history'] if 'loss' in h], [h['eval_loss'] for h in res['history'] if 'eval_loss' in h]
 
+@pytest.fixture(scope='module')
+def one_run(rows, tmp_path_factory) -> Path:
+    "The one-process run that the launches below must equal; it takes its architecture from a config file, which flags override."
+    d = tmp_path_factory.mktemp('mixer_one')
+    cfg = d/'run.yaml'
+    cfg.write_text('model: autoencoder\nhidden_size: 32\nnum_layers: 2\nlength: 16\nkernel: 3\ndecoder_input: unroll\ncompression: 8\n')
+    run([sys.executable, '-m', 'memlab.train_mixer', '--config', cfg, *args(rows, d/'one'), '--compression', 2,
+         '--max_eval_steps', 4])  # the 16 evaluation rows that 2 processes read in 2 steps
+    return d/'one'
+
 def load(out):
     from memlab.mixer import load_mixer
     return load_mixer(Path(out)/'model')
 
-def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
-    cfg = tmp_path/'run.yaml'  # the single-process run takes its architecture from a config file; flags override it
-    cfg.write_text('model: autoencoder\nhidden_size: 32\nnum_layers: 2\nlength: 16\nkernel: 3\ndecoder_input: unroll\ncompression: 8\n')
-    run([sys.executable, '-m', 'memlab.train_mixer', '--config', cfg, *args(rows, tmp_path/'one'), '--compression', 2,
-         '--max_eval_steps', 4])  # the 16 evaluation rows that 2 processes read in 2 steps
+def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, one_run, tmp_path):
     run([BIN/'torchrun', '--nproc_per_node', 2, '--master-port', free_port(), '-m', 'memlab.train_mixer', *args(rows, tmp_path/'ddp')])
-    r = run([BIN/'accelerate', 'launch', '--config_file', FSDP_CONFIG, '--num_processes', 2, '--main_process_port', free_port(),
-             '-m', 'memlab.train_mixer', *args(rows, tmp_path/'fsdp')], ACCELERATE_USE_CPU=1)
-    (one, l1, e1), (ddp, l2, e2), (fsdp, l3, e3) = (losses(tmp_path/k) for k in ('one', 'ddp', 'fsdp'))
+    # seed 003's FSDP form as written, without --num_processes: the shipped config's count (2) starts 2 FSDP processes
+    for cfg in (FSDP_CONFIG, ZERO_CONFIG): assert 'num_processes: 2' in cfg.read_text()
+    run([BIN/'accelerate', 'launch', '--config_file', FSDP_CONFIG, '--main_process_port', free_port(), '-m', 'memlab.train_mixer',
+         *args(rows, tmp_path/'fsdp')])
+    (one, l1, e1), (ddp, l2, e2), (fsdp, l3, e3) = (losses(p) for p in (one_run, tmp_path/'ddp', tmp_path/'fsdp'))
     assert (one['processes'], ddp['processes'], fsdp['processes']) == (1, 2, 2)
     assert (one['fsdp'], ddp['fsdp'], fsdp['fsdp']) == (False, False, True)
     assert len(l1) == 6 and len(e1) == 2
     assert l2 == pytest.approx(l1, rel=1e-5) and l3 == pytest.approx(l1, rel=1e-5)   # same 16 rows per update, same updates
     assert e2 == pytest.approx(e1, rel=1e-5) and e3 == pytest.approx(e1, rel=1e-5)   # evaluation sharded, then reduced
     assert l1[-1] < l1[0]
-    m1, m2, m3 = (load(tmp_path/k) for k in ('one', 'ddp', 'fsdp'))                  # FSDP shards gathered into a plain folder
+    m1, m2, m3 = (load(p) for p in (one_run, tmp_path/'ddp', tmp_path/'fsdp'))                  # FSDP shards gathered into a plain folder
     # The encoder's token-mixing biases shift a position by a constant over its features, which the next LayerNorm removes; only the
     # last position (the memory vector) keeps it. Their other entries get gradients that are zero in exact arithmetic (~1e-10 here), and
     # Adam turns that roundoff into +-lr steps whose sign depends on the summation order: compare those entries through the outputs.
@@ -64,8 +72,8 @@ def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
     via = load_model(tmp_path/'fsdp').eval()
     assert type(via).__name__ == 'MaskedMixerAutoencoder'
     with torch.no_grad(): assert torch.equal(via(input_ids=x).logits, o3)
-    for k in ('one', 'ddp', 'fsdp'):
-        assert (tmp_path/k/'log.jsonl').exists() and (tmp_path/k/'loss.png').exists() and (tmp_path/k/'results.md').exists()
+    for p in (one_run, tmp_path/'ddp', tmp_path/'fsdp'):
+        assert (p/'log.jsonl').exists() and (p/'loss.png').exists() and (p/'results.md').exists()
     # the model folder is complete for transformers alone: its tokenizer (the pretokenized data's), config.json, and the
     # model code as a standalone file that a process without memlab loads with trust_remote_code
     model_dir = tmp_path/'fsdp'/'model'
@@ -78,15 +86,7 @@ def test_one_process_torchrun_and_fsdp_train_the_same_run(rows, tmp_path):
     run([sys.executable, '-c', probe, model_dir, tmp_path/'plain.pt'], HF_MODULES_CACHE=tmp_path/'modules')
     torch.testing.assert_close(torch.load(tmp_path/'plain.pt'), o3, rtol=1e-5, atol=1e-6)
 
-def test_seed_fsdp_command_as_written(rows, tmp_path):
-    "Seed 003's FSDP form without --num_processes: the shipped config's count (2) starts 2 FSDP processes, and --num_processes overrides it."
-    for cfg in (FSDP_CONFIG, ZERO_CONFIG): assert 'num_processes: 2' in cfg.read_text()
-    r = run([BIN/'accelerate', 'launch', '--config_file', FSDP_CONFIG, '--main_process_port', free_port(), '-m', 'memlab.train_mixer',
-             *args(rows, tmp_path/'seed')])
-    res, l, e = losses(tmp_path/'seed')
-    assert (res['processes'], res['fsdp']) == (2, True) and l[-1] < l[0]
-
-def test_zero3_trains_resumes_and_exports(rows, tmp_path):
+def test_zero3_trains_resumes_and_exports(rows, one_run, tmp_path):
     """Seed 003's third form as written (the shipped ZeRO-3 config, its 2 processes, here over gloo): memlab's loop drives the
     DeepSpeed engine to the losses of one process, stopped and resumed from the engine's checkpoint (bit for bit the uninterrupted
     ZeRO-3 run: the slow tier, MEMLAB_SLOW_TESTS=1), and gathers the partitions into
@@ -95,14 +95,13 @@ def test_zero3_trains_resumes_and_exports(rows, tmp_path):
     pytest.importorskip('deepspeed')
     zero = lambda out, *extra: run([BIN/'accelerate', 'launch', '--config_file', ZERO_CONFIG, '--main_process_port', free_port(),
                                     '-m', 'memlab.train_mixer', *args(rows, out), *extra])
-    run([sys.executable, '-m', 'memlab.train_mixer', *args(rows, tmp_path/'one'), '--max_eval_steps', 4])
     zero(tmp_path/'resumed', '--max_steps', 3)                         # stopped after 3 updates ...
     zero(tmp_path/'resumed', '--resume_from', 'latest')                # ... and continued from the engine's checkpoint to 6
-    (one, l1, e1), (r, l3, e3) = (losses(tmp_path/k) for k in ('one', 'resumed'))
+    (_, l1, e1), (r, l3, e3) = (losses(p) for p in (one_run, tmp_path/'resumed'))
     assert (r['processes'], r['distributed'], r['fsdp']) == (2, 'deepspeed', False)
     assert len(l3) == 6 and l3 == pytest.approx(l1, rel=1e-5) and e3 == pytest.approx(e1, rel=1e-5)
     assert (tmp_path/'resumed'/'checkpoints'/'step-00000006'/'deepspeed').is_dir()
-    m1, m2 = load(tmp_path/'one'), load(tmp_path/'resumed')
+    m1, m2 = load(one_run), load(tmp_path/'resumed')
     if SLOW:    # the slow tier: the stopped and continued run is bit for bit the uninterrupted one (a third launch)
         zero(tmp_path/'zero')
         z, l2, e2 = losses(tmp_path/'zero')

@@ -2,7 +2,7 @@
 the lock dies with its process, so a run killed with SIGKILL resumes from its folder at once."""
 import signal, subprocess, sys, time
 from pathlib import Path
-from conftest import BIN, ROOT, env, free_port, run
+from conftest import BIN, ROOT, env, free_port, run, run_commands
 import pytest
 
 @pytest.fixture(scope='module')
@@ -36,16 +36,15 @@ def test_second_run_into_a_live_folder_is_refused_and_a_killed_run_resumes(tiny,
         before, config = log.read_text(), (out/'run_config.json').read_text()
         names = sorted(p.name for p in out.iterdir())
         busy = f'is in use by a running memlab command (memlab_train, process {first.pid} on'
-        for cmd, flag in (([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3)], 'output_dir'),   # a fresh start
-                          ([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 3, '--resume_from', 'latest')], 'output_dir'),
-                          # every other command that writes into a folder takes the same lock (issue 40: pretokenize wrote here)
-                          ([BIN/'memlab_pretokenize', '--tokenizer', tiny, '--dataset', 'pydocs', '--take', 2, '--sequence_length',
-                            32, '--save_dir', out], 'save_dir'),
-                          ([BIN/'memlab_eval', tiny, '--tasks', 'x', '--out', out/'scores.json'], 'out'),
-                          ([BIN/'memlab_docs', '--root', ROOT, '--site', '--out', out], 'out')):
-            r = run(cmd, check=False)
-            lines = r.stderr.strip().splitlines()
-            assert r.returncode != 0 and len(lines) == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+        tries = [(('memlab.train', 'memlab_train', train_argv(tiny, out, '--max_steps', 3)), 'output_dir'),   # a fresh start
+                 (('memlab.train', 'memlab_train', train_argv(tiny, out, '--max_steps', 3, '--resume_from', 'latest')), 'output_dir'),
+                 # every other command that writes into a folder takes the same lock (issue 40: pretokenize wrote here)
+                 (('memlab.tokenizers:pretokenize_main', 'memlab_pretokenize', ['--tokenizer', tiny, '--dataset', 'pydocs', '--take',
+                   2, '--sequence_length', 32, '--save_dir', out]), 'save_dir'),
+                 (('memlab.evaluation', 'memlab_eval', [tiny, '--tasks', 'x', '--out', out/'scores.json']), 'out'),
+                 (('memlab.docs:docs_main', 'memlab_docs', ['--root', ROOT, '--site', '--out', out]), 'out')]
+        for (_, flag), (code, lines) in zip(tries, run_commands([c for c, _ in tries])):   # one process runs the five
+            assert code != 0 and len(lines) == 1 and 'Traceback' not in lines[0], lines[-20:]
             assert f'--{flag} {out} {busy}' in lines[0], lines[0]
         assert log.read_text().startswith(before) and (out/'run_config.json').read_text() == config  # the first run's files untouched
         assert sorted(p.name for p in out.iterdir()) == names

@@ -6,10 +6,26 @@ import pytest
 
 SCRIPT = ROOT/'tests'/'dist_train.py'
 
-def test_ddp_and_fsdp_agree_and_learn(tmp_path):
-    torchrun(SCRIPT, tmp_path/'ddp', '--dist', 'ddp', '--count_comms')
-    torchrun(SCRIPT, tmp_path/'fsdp', '--dist', 'fsdp', '--count_comms', '--reload')
-    ddp, fsdp = results(tmp_path/'ddp'), results(tmp_path/'fsdp')
+# Reference runs, each made once and shared by the tests that compare with it (xdist_group: on one pytest worker)
+@pytest.fixture(scope='module')
+def launched(tmp_path_factory):
+    """Uninterrupted 2-process runs of 8 updates under torchrun: DDP, and FSDP with its final checkpoint loaded back in the
+    process that saved it; both count which micro-batch each gradient reduction happens in."""
+    d = tmp_path_factory.mktemp('launched')
+    torchrun(SCRIPT, d/'ddp', '--dist', 'ddp', '--count_comms')
+    torchrun(SCRIPT, d/'fsdp', '--dist', 'fsdp', '--count_comms', '--reload')
+    return {k: results(d/k) for k in ('ddp', 'fsdp')}
+
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory) -> dict:
+    "The uninterrupted one-process run of 8 updates (a checkpoint every 2) that the stopped and resumed runs must equal."
+    out = tmp_path_factory.mktemp('one')/'full'
+    run([sys.executable, SCRIPT, out, '--steps', '8', '--save_every', '2'])
+    return results(out)[0]
+
+@pytest.mark.xdist_group('training_launched')
+def test_ddp_and_fsdp_agree_and_learn(launched):
+    ddp, fsdp = launched['ddp'], launched['fsdp']
     assert len(ddp) == len(fsdp) == 2 and ddp[0]['world'] == 2 and fsdp[0]['dist'] == 'fsdp'
     assert ddp[0]['fingerprint'] == ddp[1]['fingerprint']            # DDP replicas agree exactly
     assert fsdp[0]['fingerprint'] == fsdp[1]['fingerprint']          # the gathered FSDP model is the same on both ranks
@@ -48,9 +64,9 @@ def test_no_process_group_is_refused(tmp_path):
     assert 'launched as 2 processes but accelerate formed a group of 1' in r.stderr
     assert not list((tmp_path/'nogroup').glob('checkpoints/*'))
 
+@pytest.mark.xdist_group('training_one')
 @pytest.mark.parametrize('how', ['--die_at_step', '--die_in_save'])
-def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, how):
-    run([sys.executable, SCRIPT, tmp_path/'full', '--steps', '8', '--save_every', '2'])
+def test_sigkill_then_resume_gives_the_uninterrupted_losses(one_process, tmp_path, how):
     killed = run([sys.executable, SCRIPT, tmp_path/'killed', '--steps', '8', '--save_every', '2', how, '5' if how == '--die_at_step' else '6'],
                  check=False)
     assert killed.returncode == -signal.SIGKILL
@@ -58,41 +74,41 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, how):
     ckpts = sorted(p.name for p in (tmp_path/'killed'/'checkpoints').iterdir())
     if how == '--die_in_save': assert '.step-00000006.tmp' in ckpts and 'step-00000006' not in ckpts  # half-written, never used
     run([sys.executable, SCRIPT, tmp_path/'killed', '--steps', '8', '--save_every', '2', '--resume'])
-    full, resumed = results(tmp_path/'full')[0], results(tmp_path/'killed')[0]
+    full, resumed = one_process, results(tmp_path/'killed')[0]
     assert resumed['losses'] == pytest.approx(full['losses'], rel=1e-6)
     assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
 
+@pytest.mark.xdist_group('training_one')
 @pytest.mark.parametrize('sig', ['SIGTERM', pytest.param('SIGINT', marks=slow)])   # one handler; SIGINT in the slow tier
-def test_signal_saves_a_checkpoint_and_resumes_exactly(tmp_path, sig):
+def test_signal_saves_a_checkpoint_and_resumes_exactly(one_process, tmp_path, sig):
     "SIGTERM (a scheduler) or Ctrl-C after update 3: the update finishes, a checkpoint is saved, one line; resuming gives the full run."
-    run([sys.executable, SCRIPT, tmp_path/'full', '--steps', '8'])
     r = run([sys.executable, SCRIPT, tmp_path/'stopped', '--steps', '8', '--signal_at_step', '3', '--signal', sig], check=False)
     assert r.returncode == 128 + getattr(signal, sig), (r.returncode, r.stderr[-2000:])
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f'stopped by {sig} after update 3' in lines[0] and 'step-00000003' in lines[0], r.stderr[-2000:]
     assert [p.name for p in (tmp_path/'stopped'/'checkpoints').glob('step-*')] == ['step-00000003']
     run([sys.executable, SCRIPT, tmp_path/'stopped', '--steps', '8', '--resume'])
-    full, resumed = results(tmp_path/'full')[0], results(tmp_path/'stopped')[0]
+    full, resumed = one_process, results(tmp_path/'stopped')[0]
     assert resumed['losses'] == pytest.approx(full['losses'], rel=1e-6) and len(resumed['losses']) == 8
     assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
 
-def test_signal_to_one_of_two_processes_stops_both_at_the_same_update(tmp_path):
+@pytest.mark.xdist_group('training_launched')
+def test_signal_to_one_of_two_processes_stops_both_at_the_same_update(launched, tmp_path):
     "Under torchrun only rank 0 gets SIGTERM: both ranks agree to stop after update 3 and write one checkpoint together."
     r = torchrun(SCRIPT, tmp_path/'stopped', '--steps', '8', '--signal_at_step', '3', check=False)
     assert r.returncode != 0 and 'stopped by SIGTERM after update 3' in r.stderr, r.stderr[-3000:]
     assert [p.name for p in (tmp_path/'stopped'/'checkpoints').glob('step-*')] == ['step-00000003']
     torchrun(SCRIPT, tmp_path/'stopped', '--steps', '8', '--resume')
-    torchrun(SCRIPT, tmp_path/'full', '--steps', '8')
-    full, resumed = results(tmp_path/'full'), results(tmp_path/'stopped')
+    full, resumed = launched['ddp'], results(tmp_path/'stopped')
     assert resumed[0]['losses'] == pytest.approx(full[0]['losses'], rel=1e-6)
     assert resumed[1]['fingerprint'] == pytest.approx(full[1]['fingerprint'], rel=1e-6)
 
-def test_fsdp_kill_and_resume(tmp_path):
-    torchrun(SCRIPT, tmp_path/'full', '--dist', 'fsdp', '--steps', '6', '--save_every', '2')
-    r = torchrun(SCRIPT, tmp_path/'killed', '--dist', 'fsdp', '--steps', '6', '--save_every', '2', '--die_at_step', '5', check=False)
+@pytest.mark.xdist_group('training_launched')
+def test_fsdp_kill_and_resume(launched, tmp_path):
+    r = torchrun(SCRIPT, tmp_path/'killed', '--dist', 'fsdp', '--steps', '8', '--save_every', '2', '--die_at_step', '5', check=False)
     assert r.returncode != 0
-    torchrun(SCRIPT, tmp_path/'killed', '--dist', 'fsdp', '--steps', '6', '--save_every', '2', '--resume')
-    full, resumed = results(tmp_path/'full'), results(tmp_path/'killed')
+    torchrun(SCRIPT, tmp_path/'killed', '--dist', 'fsdp', '--steps', '8', '--save_every', '2', '--resume')
+    full, resumed = launched['fsdp'], results(tmp_path/'killed')
     assert resumed[0]['losses'] == pytest.approx(full[0]['losses'], rel=1e-6)
     assert resumed[0]['fingerprint'] == pytest.approx(full[0]['fingerprint'], rel=1e-6)
 
@@ -137,57 +153,58 @@ from memlab.relora import ReLoRAConfig, add_relora
 from memlab.trainer import BatchList, Trainer
 from memlab.train_config import TrainConfig
 sys.path.insert(0, sys.argv[3]); from dist_train import fingerprint, make_batches
-out, mode = sys.argv[1], sys.argv[2]
-model = add_relora(add_bitnet(tiny_model('llama', seed=1)), ReLoRAConfig(r=4, lora_dropout=0.0), seed=0)
-cfg = TrainConfig(output_dir=out, max_steps=2 if mode == 'cut' else 4, save_every=2, log_every=1, lr=3e-3, report_to='none',
-                  progress=False, per_device_batch_size=2, distributed_type='fsdp', scheduler='constant',
-                  resume_from='latest' if mode == 'resume' else None)
-t = Trainer(model, cfg, BatchList(make_batches(6, seed=100 + int(os.environ['RANK']))))
-hist = t.fit()
-json.dump({'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fingerprint(t.model)},
-          open(f"{out}/{mode}_rank{os.environ['RANK']}.json", 'w'))
+for mode in sys.argv[2].split(','):          # several runs one after the other in the same processes
+    out = f"{sys.argv[1]}/{'full' if mode == 'full' else 'cut'}"
+    model = add_relora(add_bitnet(tiny_model('llama', seed=1)), ReLoRAConfig(r=4, lora_dropout=0.0), seed=0)
+    cfg = TrainConfig(output_dir=out, max_steps=2 if mode == 'cut' else 4, save_every=2, log_every=1, lr=3e-3,
+                      report_to='none', progress=False, per_device_batch_size=2, distributed_type='fsdp',
+                      scheduler='constant', resume_from='latest' if mode == 'resume' else None)
+    t = Trainer(model, cfg, BatchList(make_batches(6, seed=100 + int(os.environ['RANK']))))
+    hist = t.fit()
+    json.dump({'losses': [h['loss'] for h in hist if 'loss' in h], 'fingerprint': fingerprint(t.model)},
+              open(f"{out}/{mode}_rank{os.environ['RANK']}.json", 'w'))
 '''
 
 def test_fsdp_checkpoint_of_wrapped_layers_resumes_exactly(tmp_path):
     "FSDP2 checkpoints of a model whose trainable weights sit inside method wrappers (BitNet latent weights, ReLoRA adapters)."
     script = tmp_path/'wrapped.py'; script.write_text(WRAPPED)
-    for out, mode in (('full', 'full'), ('cut', 'cut'), ('cut', 'resume')):
-        torchrun(script, tmp_path/out, mode, ROOT/'tests')
+    torchrun(script, tmp_path, 'full,cut', ROOT/'tests')     # the full run and the cut one, in the same two processes
+    torchrun(script, tmp_path, 'resume', ROOT/'tests')       # the cut run resumed by new processes
     full, resumed = (json.loads((tmp_path/f).read_text()) for f in ('full/full_rank0.json', 'cut/resume_rank0.json'))
     assert len(resumed['losses']) == 4 and resumed['losses'] == pytest.approx(full['losses'], rel=1e-6)
     assert resumed['fingerprint'] == pytest.approx(full['fingerprint'], rel=1e-6)
 
-def test_memlab_train_under_torchrun_reports_once(tmp_path):
-    "Two processes train one run: the results table is printed once (by rank 0), not once per process."
+@pytest.fixture(scope='module')
+def one_lm_run(tmp_path_factory):
+    "A tiny Llama with SmolLM2's tokenizer, and memlab_train's one-process run of 3 updates on it: (flags, folder of both)."
+    d = tmp_path_factory.mktemp('lm')
     run([sys.executable, '-c', "import sys; from memlab.models import save_tiny_model, load_tokenizer; "
          "save_tiny_model('llama', sys.argv[1], vocab_size=49152); load_tokenizer('smollm2-135m').save_pretrained(sys.argv[1])",
-         tmp_path/'tiny'])
-    r = torchrun('-m', 'memlab.train', '--model', tmp_path/'tiny', '--dataset', 'pydocs', '--max_steps', '2', '--per_device_batch_size', '1',
-                 '--max_eval_steps', '1', '--sequence_length', '32', '--output_dir', tmp_path/'run', '--report_to', 'none',
-                 '--progress', 'false', '--mixed_precision', 'no')
-    assert r.stdout.count('after training') == 1, r.stdout[-3000:]
-
-@pytest.mark.parametrize('launch', ['fsdp', 'zero3'])
-def test_memlab_train_sharded_run_writes_the_gathered_model(tmp_path, launch):
-    """memlab_train under FSDP (torchrun) and DeepSpeed ZeRO-3 (accelerate launch with the shipped config) trains what one process
-    trains and writes the model gathered from its shards / partitions, which plain transformers loads."""
-    if launch == 'zero3': pytest.importorskip('deepspeed')
-    import torch
-    run([sys.executable, '-c', "import sys; from memlab.models import save_tiny_model, load_tokenizer; "
-         "save_tiny_model('llama', sys.argv[1], vocab_size=49152); load_tokenizer('smollm2-135m').save_pretrained(sys.argv[1])",
-         tmp_path/'tiny'])
-    flags = ['--model', tmp_path/'tiny', '--dataset', 'pydocs', '--max_steps', '3', '--per_device_batch_size', '2',
+         d/'tiny'])
+    flags = ['--model', d/'tiny', '--dataset', 'pydocs', '--max_steps', '3', '--per_device_batch_size', '2',
              '--total_batch_size', '4', '--max_eval_steps', '1', '--sequence_length', '32', '--report_to', 'none',
              '--progress', 'false', '--mixed_precision', 'no', '--lr', '1e-3', '--lora_r', '0']
-    run([sys.executable, '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'one'])
+    run([sys.executable, '-m', 'memlab.train', *flags, '--output_dir', d/'one'])
+    return flags, d
+
+@pytest.mark.xdist_group('training_lm')
+@pytest.mark.parametrize('launch', ['fsdp', 'zero3'])
+def test_memlab_train_sharded_run_writes_the_gathered_model(one_lm_run, tmp_path, launch):
+    """memlab_train under FSDP (torchrun) and DeepSpeed ZeRO-3 (accelerate launch with the shipped config) trains what one process
+    trains and writes the model gathered from its shards / partitions, which plain transformers loads. Two processes train one
+    run: the results table is printed once (by rank 0), not once per process."""
+    if launch == 'zero3': pytest.importorskip('deepspeed')
+    import torch
+    flags, d = one_lm_run
     if launch == 'fsdp':
-        torchrun('-m', 'memlab.train', *flags, '--output_dir', tmp_path/'sharded', '--distributed_type', 'fsdp')
+        r = torchrun('-m', 'memlab.train', *flags, '--output_dir', tmp_path/'sharded', '--distributed_type', 'fsdp')
     else:
-        run([BIN/'accelerate', 'launch', '--config_file', ROOT/'data'/'configs'/'zero_config.yaml', '--main_process_port',
-             free_port(), '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'sharded'])
+        r = run([BIN/'accelerate', 'launch', '--config_file', ROOT/'data'/'configs'/'zero_config.yaml', '--main_process_port',
+                 free_port(), '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'sharded'])
+    assert r.stdout.count('after training') == 1, r.stdout[-3000:]
     from transformers import AutoModelForCausalLM
-    one, sharded = (AutoModelForCausalLM.from_pretrained(tmp_path/k/'model') for k in ('one', 'sharded'))
+    one, sharded = AutoModelForCausalLM.from_pretrained(d/'one'/'model'), AutoModelForCausalLM.from_pretrained(tmp_path/'sharded'/'model')
     assert json.loads((tmp_path/'sharded'/'model'/'config.json').read_text())['architectures'] == ['LlamaForCausalLM']
-    tiny = AutoModelForCausalLM.from_pretrained(tmp_path/'tiny')
+    tiny = AutoModelForCausalLM.from_pretrained(d/'tiny')
     assert not torch.equal(one.model.layers[0].mlp.up_proj.weight, tiny.model.layers[0].mlp.up_proj.weight)   # it trained
     for (n, a), b in zip(one.named_parameters(), sharded.parameters()): torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)

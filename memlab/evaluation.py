@@ -15,7 +15,7 @@ from .folders import check_output_file, write_output_file
 from .cli import cli_main
 
 # %% auto 0
-__all__ = ['TASK_KINDS', 'require_lm_eval', 'lm_eval_task', 'lm_eval_scores', 'main']
+__all__ = ['TASK_KINDS', 'require_lm_eval', 'lm_eval_task', 'task_manager', 'lm_eval_scores', 'main']
 
 # %% ../nbs/06a_evaluation.ipynb
 TASK_KINDS = ('multiple_choice', 'perplexity')
@@ -57,6 +57,15 @@ def lm_eval_task(folder, name:str, rows:list, kind:str='multiple_choice') -> Pat
     return folder
 
 # %% ../nbs/06a_evaluation.ipynb
+def task_manager(tasks:list, include_path=None):
+    ("lm-eval's `TaskManager` for `tasks`: the `include_path` folder's alone when it holds them all (indexing lm-eval's "
+     "own ~15,000 tasks takes seconds), else with lm-eval's tasks as well.")
+    from lm_eval.tasks import TaskManager
+    if include_path:
+        local = TaskManager(include_path=str(include_path), include_defaults=False, verbosity='ERROR')
+        if all(t in local.all_tasks for t in tasks): return local
+    return TaskManager(include_path=str(include_path) if include_path else None, verbosity='ERROR')
+
 def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_size:int=8, limit:int=None,
                    num_fewshot:int=None, bootstrap_iters:int=0) -> dict:
     ("Scores of `model` on lm-evaluation-harness `tasks` (names, or a comma-separated string; local tasks under "
@@ -65,10 +74,9 @@ def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_s
     require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
     tasks = [t.strip() for t in tasks.split(',')] if isinstance(tasks, str) else list(tasks)
     check(tasks and all(tasks), "give at least one lm-eval task name")
-    manager = TaskManager(include_path=str(include_path) if include_path else None, verbosity='ERROR')
+    manager = task_manager(tasks, include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     check(not unknown, f"lm-eval knows no task {', '.join(unknown)}"
           + ("" if include_path else " (a local task needs include_path: the folder of its YAML)"))

@@ -31,16 +31,15 @@ def pytest_collection_modifyitems(config, items):
     for it in items:
         if it.path.name not in SPREAD: it.add_marker(pytest.mark.xdist_group(it.path.stem))
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    """Under `--dist loadgroup`, refuse to run when pytest-xdist did not group (a test id without its '@group'): each worker
-    would build every module fixture again (pytest-xdist 3.8 with pytest 9 drops the groups silently: pin pytest < 9)."""
-    if not (hasattr(session.config, 'workerinput') and session.config.getvalue('loadgroup')): return
-    lost = [it.nodeid for it in session.items if it.get_closest_marker('xdist_group') and '@' not in it.nodeid]
-    if lost:
-        import xdist
-        raise pytest.UsageError(f"pytest-xdist {xdist.__version__} did not group the tests under pytest {pytest.__version__} "
-                                f"({lost[0]} has no '@group'): install the versions of .ci/constraints.txt")
+def pytest_configure(config):
+    """`--dist loadgroup` with pytest 9 and pytest-xdist 3.8 or older groups nothing (xdist writes the groups into test ids
+    that pytest 9 no longer reads), so each worker would build every module fixture again: refuse, in one line."""
+    if hasattr(config, 'workerinput') or config.getvalue('dist') != 'loadgroup': return
+    import xdist
+    version = lambda v: tuple(int(x) for x in v.split('.')[:2] if x.isdigit())
+    if version(pytest.__version__) >= (9,) and version(xdist.__version__) <= (3, 8):
+        raise pytest.UsageError(f"pytest-xdist {xdist.__version__} does not group tests under pytest {pytest.__version__}: "
+                                "install the versions of .ci/constraints.txt (pytest 8)")
 
 def pytest_terminal_summary(terminalreporter):
     if BAD_INPUT['tried']:

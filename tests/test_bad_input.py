@@ -263,3 +263,9 @@ def test_every_command_reads_a_corpus_by_one_rule(world, tmp_path):
                              (bm, 'memlab_bpt', [*bb, f'--train_dataset.json_dataset.path={blank}', f'--output_dir={tmp_path/"b"}'])]):
         refused(res, said)
     assert not (tmp_path/'t').exists() and not (tmp_path/'b').exists()
+
+def test_this_file_runs_on_one_worker(request):
+    "Under `.ci/test` (pytest-xdist, --dist loadgroup) this file's tests carry its group: its module fixtures are built once."
+    if not (hasattr(request.config, 'workerinput') and request.config.getvalue('loadgroup')):
+        pytest.skip('not run by pytest-xdist with --dist loadgroup')
+    assert request.node.nodeid.endswith('@test_bad_input'), request.node.nodeid

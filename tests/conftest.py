@@ -34,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     """`--dist loadgroup` with pytest 9 and pytest-xdist 3.8 or older groups nothing (xdist writes the groups into test ids
     that pytest 9 no longer reads), so each worker would build every module fixture again: refuse, in one line."""
+    config.addinivalue_line('markers', 'xdist_group(name): run on the pytest-xdist worker of that group')  # (known without xdist)
     if hasattr(config, 'workerinput') or config.getoption('dist', default=None) != 'loadgroup': return   # (no xdist: none)
     import xdist
     version = lambda v: tuple(int(x) for x in v.split('.')[:2] if x.isdigit())

@@ -207,9 +207,12 @@ def _read_ids(path, n_texts:int):
     return (ids, lengths) if ok else None
 
 def _write_ids(path, ids, lengths):
+    "Keep (ids, lengths) at `path`, written whole or not at all (a full disk leaves nothing behind)."
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, 'wb') as f: np.savez(f, ids=ids, lengths=lengths)
-    os.replace(tmp, path)                                 # readers see the whole file or none
+    try:
+        with open(tmp, 'wb') as f: np.savez(f, ids=ids, lengths=lengths)
+        os.replace(tmp, path)                             # readers see the whole file or none
+    except OSError: tmp.unlink(missing_ok=True)
 
 # %% ../nbs/02_tokenizers.ipynb
 def encode_corpus(tokenizer, texts, add_special_tokens:bool=False, append_eos:bool=True, cache:bool=None) -> tuple:
@@ -228,9 +231,9 @@ def encode_corpus(tokenizer, texts, add_special_tokens:bool=False, append_eos:bo
         with held_lock(path.with_suffix('.lock')):        # the other processes of a launch wait, then read it
             if (got := _read_ids(path, len(texts))) is not None: return got
             ids, lengths = encode()
-            _write_ids(path, ids, lengths)
+            _write_ids(path, ids, lengths)                 # (not kept on a full disk)
             return ids, lengths
-    except OSError: return encode()                        # no writable cache: tokenize, as without one
+    except OSError: return encode()                        # no cache folder or lock file: tokenize, as without one
 
 # %% ../nbs/02_tokenizers.ipynb
 def pack_texts(texts, tokenizer, sequence_length:int, full_only:bool=False) -> dict:

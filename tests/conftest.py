@@ -1,5 +1,5 @@
 "Shared helpers for memlab's integration tests: run memlab's scripts as real processes (plain, torchrun, accelerate launch)."
-import json, os, signal, socket, subprocess, sys
+import json, os, re, signal, socket, subprocess, sys, warnings
 from pathlib import Path
 import pytest
 
@@ -52,7 +52,7 @@ def free_port() -> int:
         s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def env(**kw) -> dict:
-    e = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': '1', 'HF_DATASETS_OFFLINE': '1',
+    e = {**os.environ, 'PYTHONFAULTHANDLER': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': '1', 'HF_DATASETS_OFFLINE': '1',
          'PYTHONPATH': str(ROOT)}
     e.update({k: str(v) for k, v in kw.items()})
     return e
@@ -108,6 +108,23 @@ def run_commands(runs) -> list:
 
 def torchrun(script, *args, nproc=2, **envkw):
     return run([BIN/'torchrun', '--nproc-per-node', nproc, '--master-port', free_port(), script, *args], **envkw)
+
+CRASH = re.compile(r'Signal (11|7) \((SIGSEGV|SIGBUS)\) received|Fatal Python error: (Segmentation fault|Bus error)')
+
+class NativeCrash(UserWarning): "A launch whose process died in native code (segfault) and was run once more."
+
+def run_again_on_crash(launch, clear):
+    """`launch()` once more (after `clear()` empties what it wrote) when a process of it died of a segfault in native code.
+    Seen once in the suite's history: a worker of the 2-process mesh launch (tests/test_mesh.py) died in gloo's transport
+    thread (`pt_gloo_runloop`, a corrupted heap inside libc's malloc) and did not again in 36 launches of the same command,
+    alone or two at once. A second crash fails the test, with its Python stacks (PYTHONFAULTHANDLER); any other failure fails at
+    once; the first crash's tail is a warning in the run's summary."""
+    try: return launch()
+    except AssertionError as e:
+        if not CRASH.search(str(e)): raise
+        warnings.warn(NativeCrash(f"a launch crashed in native code and ran again:\n{str(e)[-2500:]}"))
+    clear()
+    return launch()
 
 def results(out) -> list:
     return [json.loads(p.read_text()) for p in sorted(Path(out).glob('result_rank*.json'))]

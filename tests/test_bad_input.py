@@ -1,6 +1,6 @@
 """Bad input, tried the way users meet it, against the command lines it applies to: each is one line on stderr, a non-zero exit,
 no traceback, and nothing written or overwritten."""
-import json, sys
+import json, sys, warnings
 from pathlib import Path
 from conftest import BAD_INPUT, BIN, run, run_commands
 import pytest
@@ -269,3 +269,24 @@ def test_this_file_runs_on_one_worker(request):
     if not (hasattr(request.config, 'workerinput') and request.config.getvalue('loadgroup')):
         pytest.skip('not run by pytest-xdist with --dist loadgroup')
     assert request.node.nodeid.endswith('@test_bad_input'), request.node.nodeid
+
+def test_a_launch_runs_again_only_after_a_native_crash():
+    "conftest's `run_again_on_crash`: a segfaulted launch is cleared and run once more (with a warning); any other failure, or a second crash, fails."
+    from conftest import NativeCrash, run_again_on_crash
+    segv = AssertionError('torchrun ... exited 1\n  traceback : Signal 11 (SIGSEGV) received by PID 7')
+    def launches(*outcomes):
+        calls, cleared = [], []
+        def launch():
+            calls.append(1); o = outcomes[len(calls) - 1]
+            if isinstance(o, Exception): raise o
+            return o
+        return launch, lambda: cleared.append(len(calls)), calls, cleared
+    launch, clear, calls, cleared = launches(segv, 'ok')
+    with pytest.warns(NativeCrash, match='SIGSEGV'): assert run_again_on_crash(launch, clear) == 'ok'
+    assert calls == [1, 1] and cleared == [1]
+    for outcomes in ((AssertionError('exited 1: a wrong loss'), 'ok'), (segv, segv)):
+        launch, clear, calls, cleared = launches(*outcomes)
+        with pytest.raises(AssertionError), warnings.catch_warnings():
+            warnings.simplefilter('ignore', NativeCrash)
+            run_again_on_crash(launch, clear)
+        assert len(calls) == (1 if outcomes[1] == 'ok' else 2)

@@ -5,11 +5,11 @@ under another mesh, or refuses in one line), and memlab_bpt under a mesh saves a
 Default tier: 2 processes (dp; fsdp; tp; cp) with the tiniest model, the meshes one after the other in one launch. The 4-process
 meshes (dp; fsdp; dp x fsdp; fsdp x tp; tp over 4; cp over 4; fsdp x cp; a 4-process checkpoint continued on 2) oversubscribe the
 2 cores twice over: they run with MEMLAB_SLOW_TESTS=1."""
-import json, os, sys
+import json, os, shutil, sys
 from pathlib import Path
 import pytest
 import torch
-from conftest import ROOT, run, torchrun
+from conftest import ROOT, run, run_again_on_crash, torchrun
 from test_bpt import command, data, losses, results   # the seed's command at small scale, and its data (a module fixture)
 
 SCRIPT = ROOT/'tests'/'dist_train.py'
@@ -45,7 +45,6 @@ def jobs(root, *specs, nproc=2, steps=3, extra=()):
 
 def cut_at(src, dst, step:int):
     "A copy of run folder `src` as if the run had been killed right after checkpoint `step`."
-    import shutil
     shutil.copytree(src, dst)
     for ck in (dst/'checkpoints').glob('step-*'):
         if int(ck.name.split('-')[1]) > step: shutil.rmtree(ck)
@@ -100,7 +99,10 @@ MESHES = {'dp': ('2,1,1', 2), 'fsdp': ('1,2,1', 2), 'tp': ('1,1,2', 1), 'cp': ('
 def meshes(tmp_path_factory):
     "3 updates of BPT (chunked attention, FFN and fused loss) under each 2-process mesh, in one launch, checkpoints at 2 and 3."
     root = tmp_path_factory.mktemp('meshes')
-    jobs(root, *(f'{name}:{mesh}' for name, (mesh, _) in MESHES.items()), extra=['--save_every', 2])
+    def clear():
+        for d in root.iterdir(): shutil.rmtree(d)
+    run_again_on_crash(lambda: jobs(root, *(f'{name}:{mesh}' for name, (mesh, _) in MESHES.items()), extra=['--save_every', 2]),
+                       clear)
     return root
 
 @pytest.mark.parametrize('name', list(MESHES))

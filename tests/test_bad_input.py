@@ -84,11 +84,12 @@ def commands(w):
             '--dataset', 'pydocs', '--take', 5, '--vocab_size', 300]),
     }
 
-@pytest.mark.parametrize('prog', ['memlab_train', 'memlab_neurocache', 'memlab_relora', 'memlab_distill', 'memlab_mixer', 'memlab_bpt',
-                                  'memlab_pretokenize', 'memlab_train_tokenizer'])
-def test_environment_errors_are_one_line(world, tmp_path, prog):
-    "A valid small run succeeds; then each bad environment is one line, exit != 0, no traceback, nothing created or changed."
-    module, out_flag, config_flag, model_flag, base = commands(world)[prog]
+PROGS = ['memlab_train', 'memlab_neurocache', 'memlab_relora', 'memlab_distill', 'memlab_mixer', 'memlab_bpt', 'memlab_pretokenize',
+         'memlab_train_tokenizer']
+
+def environment_cases(w, out, prog) -> dict:
+    "{case: (argv, what its one line names)}: a valid small run of `prog`, then each bad environment, outputs under `out`."
+    module, out_flag, config_flag, model_flag, base = commands(w)[prog]
     kv = (lambda k, v: [f'{k}={v}']) if prog == 'memlab_bpt' else (lambda k, v: [k, v])
     def with_(**over):
         argv = list(base)
@@ -96,23 +97,35 @@ def test_environment_errors_are_one_line(world, tmp_path, prog):
             if prog != 'memlab_bpt' and k in argv: argv[argv.index(k) + 1] = v
             else: argv = [a for a in argv if not str(a).startswith(f'{k}=')] + kv(k, v)
         return [str(a) for a in argv]
-    cases = {'valid run': (with_(**{out_flag: tmp_path/'ok'}), None),
-             'output under a regular file': (with_(**{out_flag: world/'a_file'/'sub'}), 'a_file'),
-             'output is a file': (with_(**{out_flag: world/'a_file'}), 'a_file'),
+    cases = {'valid run': (with_(**{out_flag: out/'ok'}), None),
+             'output under a regular file': (with_(**{out_flag: w/'a_file'/'sub'}), 'a_file'),
+             'output is a file': (with_(**{out_flag: w/'a_file'}), 'a_file'),
              'output cannot be written': (with_(**{out_flag: '/sys/memlab_out'}), '/sys/memlab_out')}
-    if config_flag: cases['config file is a folder'] = (with_(**{out_flag: tmp_path/'c', config_flag: world/'a_folder'}), 'a_folder')
-    if model_flag: cases['weights cut short'] = (with_(**{out_flag: tmp_path/'w', model_flag: world/'cut_model'}), None)
-    r = run([sys.executable, '-c', cli_runner(module, prog), json.dumps([a for a, _ in cases.values()])], timeout=900)
-    res = json.loads(r.stdout.strip().splitlines()[-1])
-    for (name, (argv, where)), (code, err) in zip(cases.items(), res):
-        if name == 'valid run': assert code == 0, (prog, err[-3000:]); continue
+    if config_flag: cases['config file is a folder'] = (with_(**{out_flag: out/'c', config_flag: w/'a_folder'}), 'a_folder')
+    if model_flag: cases['weights cut short'] = (with_(**{out_flag: out/'w', model_flag: w/'cut_model'}), None)
+    return cases
+
+@pytest.fixture(scope='module')
+def environment_runs(world, tmp_path_factory):
+    """Every command's cases, all in one process (an interpreter start each would cost more than the runs): {prog: (its output
+    folder, its cases, [(exit status, stderr lines)])}."""
+    outs = {prog: tmp_path_factory.mktemp(prog) for prog in PROGS}
+    cases = {prog: environment_cases(world, outs[prog], prog) for prog in PROGS}
+    res = iter(run_commands([(commands(world)[prog][0], prog, argv) for prog in PROGS for argv, _ in cases[prog].values()]))
+    return {prog: (outs[prog], cases[prog], [next(res) for _ in cases[prog]]) for prog in PROGS}
+
+@pytest.mark.parametrize('prog', PROGS)
+def test_environment_errors_are_one_line(world, environment_runs, prog):
+    "A valid small run succeeds; then each bad environment is one line, exit != 0, no traceback, nothing created or changed."
+    out, cases, res = environment_runs[prog]
+    for (name, (argv, where)), (code, lines) in zip(cases.items(), res):
+        if name == 'valid run': assert code == 0, (prog, lines[-30:]); continue
         BAD_INPUT['tried'] += 1
-        lines = [l for l in err.splitlines() if l.strip()]
-        assert code != 0 and len(lines) == 1 and 'Traceback' not in err, (prog, name, code, err[-3000:])
+        assert code != 0 and len(lines) == 1 and 'Traceback' not in lines[0], (prog, name, code, lines[-30:])
         if where: assert where in lines[0], (prog, name, lines[0])
         BAD_INPUT['clean'] += 1
     assert (world/'a_file').read_text() == 'keep me\n' and not Path('/sys/memlab_out').exists()
-    assert not (tmp_path/'c').exists() and not (tmp_path/'w').exists()
+    assert not (out/'c').exists() and not (out/'w').exists()
 
 def snapshot(folder) -> dict:
     "Every file under `folder` with its bytes: a refused command must leave it as it was."

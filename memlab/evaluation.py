@@ -4,7 +4,7 @@
 
 # %% ../nbs/06a_evaluation.ipynb 2
 from __future__ import annotations
-import json
+import functools, json
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from .folders import check_output_file, write_output_file
 from .cli import cli_main
 
 # %% auto 0
-__all__ = ['TASK_KINDS', 'require_lm_eval', 'lm_eval_task', 'task_manager', 'lm_eval_scores', 'main']
+__all__ = ['TASK_KINDS', 'require_lm_eval', 'lm_eval_task', 'lm_eval_index', 'task_manager', 'lm_eval_scores', 'main']
 
 # %% ../nbs/06a_evaluation.ipynb
 TASK_KINDS = ('multiple_choice', 'perplexity')
@@ -57,14 +57,22 @@ def lm_eval_task(folder, name:str, rows:list, kind:str='multiple_choice') -> Pat
     return folder
 
 # %% ../nbs/06a_evaluation.ipynb
-def task_manager(tasks:list, include_path=None):
-    ("lm-eval's `TaskManager` for `tasks`: the `include_path` folder's alone when it holds them all (indexing lm-eval's "
-     "own ~15,000 tasks takes seconds), else with lm-eval's tasks as well.")
+@functools.lru_cache(maxsize=1)
+def lm_eval_index():
+    "lm-eval's own `TaskManager` (an index of its ~15,000 task YAMLs, seconds to read), read once per process."
     from lm_eval.tasks import TaskManager
-    if include_path:
-        local = TaskManager(include_path=str(include_path), include_defaults=False, verbosity='ERROR')
-        if all(t in local.all_tasks for t in tasks): return local
-    return TaskManager(include_path=str(include_path) if include_path else None, verbosity='ERROR')
+    return TaskManager(verbosity='ERROR')
+
+def task_manager(tasks:list, include_path=None):
+    ("lm-eval's `TaskManager` for `tasks`: the `include_path` folder's alone when it holds them all, else with lm-eval's "
+     "own tasks as well; a task that neither knows is refused in one line.")
+    from lm_eval.tasks import TaskManager
+    local = TaskManager(include_path=str(include_path), include_defaults=False, verbosity='ERROR') if include_path else None
+    if local is not None and all(t in local.all_tasks for t in tasks): return local
+    unknown = [t for t in tasks if t not in lm_eval_index().all_tasks and (local is None or t not in local.all_tasks)]
+    check(not unknown, f"lm-eval knows no task {', '.join(unknown)}"
+          + ("" if include_path else " (a local task needs include_path: the folder of its YAML)"))
+    return TaskManager(include_path=str(include_path), verbosity='ERROR') if include_path else lm_eval_index()
 
 def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_size:int=8, limit:int=None,
                    num_fewshot:int=None, bootstrap_iters:int=0) -> dict:
@@ -77,9 +85,6 @@ def lm_eval_scores(model:nn.Module, tokenizer, tasks, include_path=None, batch_s
     tasks = [t.strip() for t in tasks.split(',')] if isinstance(tasks, str) else list(tasks)
     check(tasks and all(tasks), "give at least one lm-eval task name")
     manager = task_manager(tasks, include_path)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    check(not unknown, f"lm-eval knows no task {', '.join(unknown)}"
-          + ("" if include_path else " (a local task needs include_path: the folder of its YAML)"))
     device = next(model.parameters()).device
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
     was_training = model.training

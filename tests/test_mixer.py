@@ -4,7 +4,7 @@ the process count from the config), each on 2 CPU processes, train the same auto
 model; the shipped ZeRO-3 config trains the same run, resumes and exports."""
 import json, sys
 from pathlib import Path
-from conftest import BIN, ROOT, SLOW, free_port, run
+from conftest import BIN, ROOT, SLOW, free_port, run, run_commands
 import pytest
 import torch
 
@@ -14,9 +14,13 @@ FSDP_CONFIG, ZERO_CONFIG = ROOT/'data'/'configs'/'fsdp_config.yaml', ROOT/'data'
 def rows(tmp_path_factory) -> Path:
     "A 512-entry BPE trained by memlab_train_tokenizer and pydocs packed into rows of 16 tokens by memlab_pretokenize."
     d = tmp_path_factory.mktemp('mixer_data')
-    run([BIN/'memlab_train_tokenizer', '--dataset', 'pydocs', '--save_dir', d/'bpe', '--vocab_size', 512, '--take', 40])
-    run([BIN/'memlab_pretokenize', '--tokenizer', d/'bpe', '--dataset', 'pydocs', '--sequence_length', 16, '--take', 40,
-         '--save_dir', d, '--output_name', 'rows'])
+    made = run_commands([   # the two commands as their entry points run them, in one process (one interpreter start)
+        ('memlab.tokenizers:train_tokenizer_main', 'memlab_train_tokenizer',
+         ['--dataset', 'pydocs', '--save_dir', d/'bpe', '--vocab_size', 512, '--take', 40]),
+        ('memlab.tokenizers:pretokenize_main', 'memlab_pretokenize',
+         ['--tokenizer', d/'bpe', '--dataset', 'pydocs', '--sequence_length', 16, '--take', 40, '--save_dir', d,
+          '--output_name', 'rows'])])
+    assert [code for code, _ in made] == [0, 0], made
     return d/'rows'
 
 def args(rows, out) -> list:

@@ -80,7 +80,8 @@ def _speed_models(model_name:str, cache_size:int, cache_attention:str) -> dict:
 
 def _time_modes(models:dict, steps:dict, batch_size:int, seq_len:int, repeats:int, sync) -> dict:
     ("Each mode's step (`steps`: {'train': fn, 'eval': fn} of a model's key) timed on both `models` alternately, "
-     "their caches full: tokens/s of each, the median ratio, and the FLOP bound (LoRA's FLOPs over the cache's).")
+     "their caches full: tokens/s of each, the median ratio, and the FLOP bound (LoRA's FLOPs over the cache's); "
+     "`repeats` 0: the FLOP bounds alone, nothing timed.")
     import statistics, time
     res = {}
     for mode, step in steps.items():
@@ -92,6 +93,7 @@ def _time_modes(models:dict, steps:dict, batch_size:int, seq_len:int, repeats:in
         for _ in range(repeats):
             for k in models:
                 sync(); t = time.perf_counter(); step(k); sync(); times[k].append(time.perf_counter() - t)
+        if not repeats: continue
         for k in models: res[f"{mode}_{k}"] = batch_size * seq_len / statistics.median(times[k])
         res[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(times['lora'], times['cache']))
     return res

@@ -116,8 +116,8 @@ class NativeCrash(UserWarning): "A launch whose process died in native code (seg
 def run_again_on_crash(launch, clear):
     """`launch()` once more (after `clear()` empties what it wrote) when a process of it died of a segfault in native code.
     Seen once in the suite's history: a worker of the 2-process mesh launch (tests/test_mesh.py) died in gloo's transport
-    thread (`pt_gloo_runloop`, a corrupted heap inside libc's malloc) and did not again in 36 launches of the same command,
-    alone or two at once. A second crash fails the test, with its Python stacks (PYTHONFAULTHANDLER); any other failure fails at
+    thread (`pt_gloo_runloop`, a corrupted heap inside libc's malloc) and did not again in 66 launches of the same command
+    (alone, two at once, and beside a busy core under glibc's malloc checks). A second crash fails the test, with its Python stacks (PYTHONFAULTHANDLER); any other failure fails at
     once; the first crash's tail is a warning in the run's summary."""
     try: return launch()
     except AssertionError as e:

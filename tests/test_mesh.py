@@ -43,6 +43,10 @@ def jobs(root, *specs, nproc=2, steps=3, extra=()):
     if nproc == 1: return run([sys.executable, SCRIPT, root, *args])
     return torchrun(SCRIPT, root, *args, nproc=nproc, ACCELERATE_USE_CPU=1)
 
+def torchrun_into(out, *args, **envkw):
+    "torchrun `args`, a command writing into `out`: after a native crash, once more with `out` removed (conftest)."
+    return run_again_on_crash(lambda: torchrun(*args, **envkw), lambda: shutil.rmtree(out, ignore_errors=True))
+
 def cut_at(src, dst, step:int):
     "A copy of run folder `src` as if the run had been killed right after checkpoint `step`."
     shutil.copytree(src, dst)
@@ -161,8 +165,8 @@ def test_memlab_bpt_mesh_saves_a_plain_model(data, tmp_path):
     run([sys.executable, '-m', 'memlab.train_bpt', *command(data, tmp_path/'one', **QUICK, **{'--mesh_dim': '1,1,1'})])
     meshes = {'tp': '1,1,2', 'cp': '1,1,1,2'}
     for name, mesh in meshes.items():      # a launch each: a command closes its process group when it ends
-        run_again_on_crash(lambda: torchrun('-m', 'memlab.train_bpt', *command(data, tmp_path/name, **QUICK, **{'--mesh_dim': mesh}),
-                                            ACCELERATE_USE_CPU=1), lambda: shutil.rmtree(tmp_path/name, ignore_errors=True))
+        torchrun_into(tmp_path/name, '-m', 'memlab.train_bpt', *command(data, tmp_path/name, **QUICK, **{'--mesh_dim': mesh}),
+                      ACCELERATE_USE_CPU=1)
     from transformers import AutoModelForCausalLM
     want, ref = results(tmp_path/'one'), AutoModelForCausalLM.from_pretrained(tmp_path/'one'/'model')
     x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -191,8 +195,8 @@ def test_memlab_train_tensor_parallel_writes_the_gathered_model(tmp_path):
              '--max_eval_steps', '1', '--sequence_length', '32', '--report_to', 'none', '--progress', 'false',
              '--mixed_precision', 'no', '--lr', '1e-3', '--lora_r', '0', '--eval_at_start', 'false', '--plot', 'false']
     run([sys.executable, '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'one'])
-    run_again_on_crash(lambda: torchrun('-m', 'memlab.train', *flags, '--output_dir', tmp_path/'tp', '--mesh_dim', '1,1,2',
-                                        ACCELERATE_USE_CPU=1), lambda: shutil.rmtree(tmp_path/'tp', ignore_errors=True))
+    torchrun_into(tmp_path/'tp', '-m', 'memlab.train', *flags, '--output_dir', tmp_path/'tp', '--mesh_dim', '1,1,2',
+                  ACCELERATE_USE_CPU=1)
     from transformers import AutoModelForCausalLM
     one, tp, tiny = (AutoModelForCausalLM.from_pretrained(tmp_path/k/'model') if k != 'tiny' else
                      AutoModelForCausalLM.from_pretrained(tmp_path/k) for k in ('one', 'tp', 'tiny'))
@@ -220,8 +224,8 @@ def test_memlab_relora_full_rank_tensor_parallel(pretokenized, tmp_path):
              '--eval_every', '2', '--save_every', '2', '--max_eval_tokens', '256', '--report_to', 'none', '--dtype', 'float32',
              '--progress', 'False']
     run([sys.executable, '-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'one'])
-    run_again_on_crash(lambda: torchrun('-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'tp', '--mesh_dim', '1,1,2',
-                                        ACCELERATE_USE_CPU=1), lambda: shutil.rmtree(tmp_path/'tp', ignore_errors=True))
+    torchrun_into(tmp_path/'tp', '-m', 'memlab.train_relora', *flags, '--save_dir', tmp_path/'tp', '--mesh_dim', '1,1,2',
+                  ACCELERATE_USE_CPU=1)
     one, tp = (json.loads((tmp_path/k/'results.json').read_text()) for k in ('one', 'tp'))
     assert tp['mesh'] == [1, 1, 2, 1] and tp['replicas_agree']
     got, want = ([h['loss'] for h in r['history'] if 'loss' in h] for r in (tp, one))

@@ -230,10 +230,9 @@ def demo_table(rows:list) -> str:
 
 def plot_series(series:dict, path):
     "One panel per series (x, y pairs) in a single figure."
-    import matplotlib; matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure    # not pyplot: the caller's backend and figures are left alone
     n = max(1, len(series)); cols = min(3, n); rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    fig = Figure(figsize=(4.2 * cols, 3.2 * rows)); axes = fig.subplots(rows, cols, squeeze=False)
     for ax, (title, pts) in zip(axes.flat, series.items()):
         if isinstance(pts, dict):
             for label, p in pts.items(): ax.plot(*zip(*p), label=label)
@@ -241,7 +240,7 @@ def plot_series(series:dict, path):
         elif pts: ax.plot(*zip(*pts))
         ax.set_title(title, fontsize=9); ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(series):]: ax.axis('off')
-    fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
+    fig.tight_layout(); fig.savefig(path, dpi=110)
     return path
 
 # %% ../nbs/90_demo.ipynb

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_loaders.ipynb 2
 from __future__ import annotations
-import heapq, math, os
+import heapq, math, os, sys
 
 import numpy as np
 import torch
@@ -80,10 +80,10 @@ class TokenBatches:
 # %% ../nbs/03_loaders.ipynb
 @patch_to(TokenBatches)
 def _source(self, data):
-    import datasets
-    check(not isinstance(data, datasets.DatasetDict),
+    datasets = sys.modules.get('datasets')   # data that is a `datasets` object means it is imported; else not imported for this
+    check(datasets is None or not isinstance(data, datasets.DatasetDict),
           "pass one split of the DatasetDict (e.g. data['train']), not the whole dict")
-    if isinstance(data, datasets.Dataset):
+    if datasets is not None and isinstance(data, datasets.Dataset):
         check('input_ids' in data.column_names,
               f"the dataset has no input_ids column (columns: {', '.join(data.column_names)})")
         cols = [c for c in ('input_ids', 'attention_mask') if c in data.column_names]

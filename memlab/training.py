@@ -29,16 +29,15 @@ def default_output_dir(prefix:str='train') -> str:
 # %% ../nbs/05_training.ipynb
 def plot_history(history:list, path, title:str=''):
     "Plot training loss (and evaluation loss) against updates to `path`."
-    import matplotlib; matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure    # not pyplot: the caller's backend and figures (a notebook's) are left alone
     tr = [(h['step'], h['loss']) for h in history if 'loss' in h]
     ev = [(h['step'], h['eval_loss']) for h in history if 'eval_loss' in h]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5)); ax = fig.subplots()
     if tr: ax.plot(*zip(*tr), label='train loss')
     if ev: ax.plot(*zip(*ev), 'o--', label='validation loss')
     ax.set_xlabel('update'); ax.set_ylabel('cross-entropy (nats/token)'); ax.set_title(title); ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
+    fig.tight_layout(); fig.savefig(path, dpi=110)
     return path
 
 # %% ../nbs/05_training.ipynb

@@ -224,9 +224,8 @@ def distill_card(res:dict, student, teacher, objective, tr:DistillationTrainingA
 # %% ../../nbs/distill/41_7_card.ipynb
 def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):
     "Training loss (and its components) and evaluator perplexities of teacher and student against updates."
-    import matplotlib; matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    from matplotlib.figure import Figure    # not pyplot: the caller's backend and figures are left alone
+    fig = Figure(figsize=(10, 3.6)); a, b = fig.subplots(1, 2)
     logs = [h for h in history if 'loss' in h]
     for k in ('loss', 'logits', 'ce', 'hs', 'attn'):
         pts = [(h['step'], h[k]) for h in logs if k in h]
@@ -243,5 +242,5 @@ def plot_distill(history:list, teacher_metrics:dict, path, title:str=''):
             b.axhline(teacher_metrics[name]['ppl'], ls='--', color=line.get_color(), label=f"teacher, {name}")
     b.set_yscale('log'); b.set_xlabel('update'); b.set_ylabel('perplexity'); b.set_title('held-out perplexity')
     b.legend(fontsize=7); b.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10); fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
+    fig.suptitle(title, fontsize=10); fig.tight_layout(); fig.savefig(path, dpi=110)
     return path

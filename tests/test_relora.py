@@ -86,32 +86,29 @@ def test_seed_1_ddp_full_rank(data, warm):
     assert cfg['relora']['tags'] == ['debug', 'fsdp_debug'] and cfg['gradient_accumulation'] == 2
     assert (warm/'model'/'config.json').exists()                             # the exported plain model
 
-def test_seed_2_fsdp_and_3_accelerate_launch(data):
-    small = {'--num_training_steps': '4'}
-    out2, out3 = data['root']/'cmd2', data['root']/'cmd3'
-    torchrun('-m', 'memlab.train_relora', *command(2, data, out2, **small), ACCELERATE_MIXED_PRECISION='no')  # fp32, as command 3's launcher
-    run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',
-         '--dynamo_backend', 'no', '--main_process_port', free_port(), '-m', 'memlab.train_relora', *command(3, data, out3, **small)],
-        ACCELERATE_USE_CPU=1)
-    r2, r3 = results(out2), results(out3)
-    assert (r2['distributed_type'], r2['world_size'], r3['world_size']) == ('fsdp', 2, 2)
-    assert r2['replicas_agree'] and r3['replicas_agree']
-    assert losses(r3) == pytest.approx(losses(r2), rel=1e-6)               # the same command under the other launcher
-    assert r3['fingerprint'] == pytest.approx(r2['fingerprint'], rel=1e-6)
-
-def test_seed_2_as_written_trains_on_the_embedded_corpus(data, tmp_path):
-    """Seed command 2 gives no --dataset_path (the original streams C4): pydocs, pretokenized once with SmolLM2's tokenizer, one line
-    says so. A fresh memlab home, but for the converted SmolLM2 (what `.ci/setup` fetched: its own conversion is 04_models')."""
+def test_seed_2_fsdp_and_3_accelerate_launch_as_written(data, tmp_path):
+    """Seed commands 2 (torchrun, FSDP) and 3 (the same flags under `accelerate launch -m`) as written: no --dataset_path (the
+    original streams C4), so both train on pydocs, pretokenized once with SmolLM2's tokenizer (one line says so), and the two
+    launchers train the same run. A fresh memlab home, but for the converted SmolLM2 (what `.ci/setup` fetched: its own conversion
+    is 04_models')."""
     from memlab.models import fetch_smollm2
-    (tmp_path/'home'/'models').mkdir(parents=True)
-    (tmp_path/'home'/'models'/'SmolLM2-135M').symlink_to(fetch_smollm2(quiet=True), target_is_directory=True)
-    out = tmp_path/'cmd2'
-    r = torchrun('-m', 'memlab.train_relora', *command(2, data, out, **{'--dataset_path': None, '--tokenizer': None,
-                 '--num_training_steps': '2', '--max_length': '64'}), MEMLAB_HOME=tmp_path/'home')
-    assert r.stdout.count('no --dataset_path: training on the embedded pydocs corpus') == 1, r.stdout[-2000:]
-    res = results(out)
-    assert res['steps'] == 2 and res['world_size'] == 2 and res['replicas_agree']
-    assert (tmp_path/'home'/'pretokenized'/'pydocs_smollm2-135m_64'/'args.json').exists()
+    home = tmp_path/'home'
+    (home/'models').mkdir(parents=True)
+    (home/'models'/'SmolLM2-135M').symlink_to(fetch_smollm2(quiet=True), target_is_directory=True)
+    small = {'--dataset_path': None, '--tokenizer': None, '--num_training_steps': '3', '--max_length': '64'}
+    out2, out3 = tmp_path/'cmd2', tmp_path/'cmd3'
+    r2 = torchrun('-m', 'memlab.train_relora', *command(2, data, out2, **small), MEMLAB_HOME=home,
+                  ACCELERATE_MIXED_PRECISION='no')                                  # fp32, as command 3's launcher
+    r3 = run([BIN/'accelerate', 'launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',
+              '--dynamo_backend', 'no', '--main_process_port', free_port(), '-m', 'memlab.train_relora',
+              *command(3, data, out3, **small)], ACCELERATE_USE_CPU=1, MEMLAB_HOME=home)
+    for r in (r2, r3): assert r.stdout.count('no --dataset_path: training on the embedded pydocs corpus') == 1, r.stdout[-2000:]
+    assert (home/'pretokenized'/'pydocs_smollm2-135m_64'/'args.json').exists()
+    res2, res3 = results(out2), results(out3)
+    assert (res2['distributed_type'], res2['world_size'], res3['world_size'], res2['steps']) == ('fsdp', 2, 2, 3)
+    assert res2['replicas_agree'] and res3['replicas_agree']
+    assert losses(res3) == pytest.approx(losses(res2), rel=1e-6) and len(losses(res2)) == 3   # the other launcher, the same run
+    assert res3['fingerprint'] == pytest.approx(res2['fingerprint'], rel=1e-6)
 
 def test_original_format_checkpoint_continues_from_its_update_step(data, warm, tmp_path):
     "A warm start in the original's format (a model folder + training_state.json with update_step) continues from that update."

@@ -20,14 +20,20 @@ def pytest_testnodedown(node, error):
 # Under pytest-xdist (`.ci/test`: `-n 2 --dist loadgroup`): a file whose tests share module fixtures (a trained run, a
 # pretokenized corpus, a built site) runs on one worker, so they are built once; these files' tests share none and spread
 # over both workers, filling the end of the run. The longest files start first.
+# test_training.py's groups (its reference runs) start among the long files; its other tests, then the files of in-process
+# checks (a few seconds each), come last, where they fill the gaps of a worker that finishes first.
 SPREAD = {'test_training.py', 'test_layers.py', 'test_gpu.py', 'test_loop_flags.py', 'test_resume_tables.py'}
-FIRST = ['test_bad_input.py', 'test_relora.py', 'test_mixer.py', 'test_distill.py', 'test_mesh.py', 'test_run_folder.py',
-         'test_neurocache.py', 'test_bpt.py', 'test_docs.py']
+FIRST = ['test_bad_input.py', 'test_relora.py', 'test_training.py groups', 'test_mixer.py', 'test_distill.py', 'test_mesh.py',
+         'test_run_folder.py', 'test_neurocache.py', 'test_bpt.py', 'test_docs.py', 'test_training.py']
+
+def _order(item, rank={f: i for i, f in enumerate(FIRST)}) -> int:
+    name = item.path.name
+    if name == 'test_training.py' and item.get_closest_marker('xdist_group'): name += ' groups'
+    return rank.get(name, len(FIRST))
 
 @pytest.hookimpl(tryfirst=True)        # before pytest-xdist's hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    rank = {f: i for i, f in enumerate(FIRST)}
-    items.sort(key=lambda it: rank.get(it.path.name, len(FIRST)))     # stable: a file's tests keep their order
+    items.sort(key=_order)                                              # stable: a file's tests keep their order
     for it in items:
         if it.path.name not in SPREAD: it.add_marker(pytest.mark.xdist_group(it.path.stem))
 

@@ -33,6 +33,7 @@ def test_second_run_into_a_live_folder_is_refused_and_a_killed_run_resumes(tiny,
     try:
         log = out/'log.jsonl'
         wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3 and (out/'checkpoints'/'latest').exists(), first)
+        first.send_signal(signal.SIGSTOP)      # stopped where it is: it still holds the folder, and leaves the CPU to the others
         before, config = log.read_text(), (out/'run_config.json').read_text()
         names = sorted(p.name for p in out.iterdir())
         busy = f'is in use by a running memlab command (memlab_train, process {first.pid} on'
@@ -68,6 +69,7 @@ def test_a_live_run_under_torchrun_holds_its_folder(tiny, tmp_path):
     try:
         log = out/'log.jsonl'
         wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 2, first)
+        subprocess.run(['pkill', '-STOP', '-P', str(first.pid)]); first.send_signal(signal.SIGSTOP)   # held, not training on
         before = log.read_text()
         r = run(launch('--max_steps', 3), check=False)
         assert r.returncode != 0 and f'--output_dir {out} is in use by a running memlab command' in r.stderr, r.stderr[-3000:]
@@ -82,9 +84,9 @@ def test_a_lock_that_is_not_memlabs_is_refused_and_left_alone(tiny, tmp_path):
     victim = tmp_path/'victim.txt'; victim.write_text('precious\n')
     plants = {'link': lambda lock: lock.symlink_to(victim), 'hard link': lambda lock: os.link(victim, lock),
               'notes': lambda lock: lock.write_text('my notes\n')}
-    for name, plant in plants.items():
-        out = tmp_path/name.replace(' ', '_'); out.mkdir(); plant(out/'.memlab.lock')
-        r = run([BIN/'memlab_train', *train_argv(tiny, out, '--max_steps', 1)], check=False)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and len(lines) == 1 and "not memlab's lock file" in lines[0], (name, r.stderr[-2000:])
+    outs = {name: tmp_path/name.replace(' ', '_') for name in plants}
+    for name, plant in plants.items(): outs[name].mkdir(); plant(outs[name]/'.memlab.lock')
+    made = run_commands([('memlab.train', 'memlab_train', train_argv(tiny, out, '--max_steps', 1)) for out in outs.values()])
+    for (name, out), (code, lines) in zip(outs.items(), made):                  # the three commands, in one process
+        assert code == 2 and len(lines) == 1 and "not memlab's lock file" in lines[0], (name, code, lines[-20:])
         assert victim.read_text() == 'precious\n' and sorted(p.name for p in out.iterdir()) == ['.memlab.lock'], name

@@ -19,9 +19,8 @@ def pytest_testnodedown(node, error):
 
 # Under pytest-xdist (`.ci/test`: `-n 2 --dist loadgroup`): a file whose tests share module fixtures (a trained run, a
 # pretokenized corpus, a built site) runs on one worker, so they are built once; these files' tests share none and spread
-# over both workers, filling the end of the run. The longest files start first.
-# test_training.py's groups (its reference runs) start among the long files; its other tests, then the files of in-process
-# checks (a few seconds each), come last, where they fill the gaps of a worker that finishes first.
+# over both workers, filling the end of the run. The longest files start first; test_training.py's groups (its reference runs)
+# among them, its other tests and the files of in-process checks (seconds each) last, where they fill a worker that ends first.
 SPREAD = {'test_training.py', 'test_layers.py', 'test_gpu.py', 'test_loop_flags.py', 'test_resume_tables.py'}
 FIRST = ['test_bad_input.py', 'test_relora.py', 'test_training.py groups', 'test_mixer.py', 'test_distill.py', 'test_mesh.py',
          'test_run_folder.py', 'test_neurocache.py', 'test_bpt.py', 'test_docs.py', 'test_training.py']

@@ -1,7 +1,7 @@
 """The documentation site: built from the notebooks without Quarto, opened in headless Chromium.
 Every page loads; each library page shows its API documentation; experiment pages show their plots as images and their results as
 tables; no page shows a machine's absolute path or a progress-bar warning; no internal link is broken."""
-import re, shutil, subprocess, sys
+import re, shutil, subprocess, sys, warnings
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import urlparse, unquote
@@ -147,7 +147,7 @@ def test_pages_in_headless_chromium(site):
         # worker's launches held both cores, no result came within 15 s: typed again after 30 s (a warning says so)
         try: page.wait_for_selector('.md-search-result__item', timeout=30000)
         except Exception:
-            import warnings; warnings.warn('docs search: no result 30 s after typing; typed again')
+            warnings.warn('docs search: no result 30 s after typing; typed again')
             page.locator('input.md-search__input').fill(''); page.locator('input.md-search__input').fill('Neurocache')
             page.wait_for_selector('.md-search-result__item', timeout=60000)
         assert page.locator('.md-search-result__item').count() > 0, 'search for Neurocache found nothing'
